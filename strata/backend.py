@@ -1,0 +1,74 @@
+"""The Backend protocol: the device operations the forward pass is written against, and the registry.
+
+The model code (strata/model/forward.py) is written once against these ops; a backend supplies only device code.
+`xp` is the backend's array namespace (jax.numpy, dpnp) for plain array arithmetic that every namespace shares
+(reshape, concatenate, einsum, exp, where, ...); everything whose semantics differ between a functional and an
+in-place array library (state updates, slices at traced offsets, sorting, sampling) is an op here.
+
+Shapes: T tokens of one prompt part (padded to a bucket; the first `n_valid` are real), H hidden, V vocab.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+from strata.errors import ConfigError
+
+Array = Any
+
+
+class Backend(Protocol):
+    name: str
+    xp: Any
+
+    # --- placement and memory
+    def to_device(self, tree: Any) -> Any: ...
+    def to_host(self, x: Array) -> Any: ...
+    def free_memory_bytes(self) -> int | None: ...
+
+    # --- dense math
+    def rms_norm(self, x: Array, scale: Array, eps: float) -> Array: ...               # [..., D] -> [..., D], fp32 inside
+    def linear(self, x: Array, w: Array) -> Array: ...                                  # [..., in] x [out, in] -> [..., out]
+    def silu(self, x: Array) -> Array: ...
+    def sigmoid(self, x: Array) -> Array: ...
+    def softplus(self, x: Array) -> Array: ...
+    def softmax(self, x: Array) -> Array: ...                                          # over the last axis, fp32
+    def rope(self, x: Array, positions: Array, rotary_dim: int, theta: float) -> Array: ...  # [T, heads, hd]
+
+    # --- sequence state
+    def kv_write(self, cache: Array, new: Array, start: Array) -> Array: ...           # [Cap, Hkv, hd] <- [T, Hkv, hd]
+    def attention(self, q: Array, k_cache: Array, v_cache: Array, q_pos: Array, scale: float) -> Array: ...
+    def causal_conv(self, u: Array, conv_state: Array, w: Array, n_valid: Array) -> tuple[Array, Array]: ...
+    def gated_delta_chunked(self, q, k, v, g, beta, state) -> tuple[Array, Array]: ...  # prompt parts
+    def gated_delta_step(self, q, k, v, g, beta, state) -> tuple[Array, Array]: ...     # one token
+    def valid_mask(self, t: int, n_valid: Array) -> Array: ...                           # [T] bool: row < n_valid
+    def take_row(self, x: Array, i: Array) -> Array: ...                                 # x[i] at a traced index
+
+    # --- mixture of experts
+    def topk(self, x: Array, k: int) -> tuple[Array, Array]: ...                        # values, indices over last axis
+    def experts(self, x: Array, idx: Array, weight: Array, gate: Array, up: Array, down: Array) -> Array: ...
+
+    # --- compilation and randomness
+    def compile(self, fn, donate_argnums=(), static_argnames=()): ...                    # jit, or identity
+    def prng_key(self, seed: Array, step: Array) -> Array: ...
+
+    # --- sampling
+    def sample(self, logits: Array, temperature: Array, top_k: Array, top_p: Array, min_p: Array,
+               key: Array) -> Array: ...
+
+
+_BACKENDS = {"jax": "strata.jax_backend.backend:JaxBackend"}
+
+
+def available_backends() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def get_backend(name: str = "auto", **options) -> Backend:
+    """Backends are imported lazily, so a backend's library is only imported when chosen."""
+    if name == "auto":
+        name = "jax"
+    if name not in _BACKENDS:
+        raise ConfigError(f"backend {name!r} is not known; allowed: auto, {', '.join(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**options)

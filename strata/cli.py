@@ -1,0 +1,93 @@
+"""strata: the command line. `strata --help` lists every command."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from strata.errors import StrataError
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from strata import Engine
+    from strata.demo import DEMO_NOTE
+    if args.model == "demo":
+        _log(f"strata generate: {DEMO_NOTE}")
+    t0 = time.perf_counter()
+    options = {"max_context": args.max_context}
+    if args.dtype:
+        options["dtype"] = args.dtype
+    engine = Engine.load(args.model, backend=args.backend, **options)
+    if engine.tokenizer is None:
+        raise StrataError(f"{args.model} has no tokenizer.json beside it; generate needs one to encode the prompt")
+    tok = engine.tokenizer
+    text = args.prompt
+    if not args.raw:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    ids = tok.encode(text)
+    _log(f"strata generate: model loaded in {(time.perf_counter() - t0) * 1000:.0f} ms "
+         f"({engine.cfg.model_type}, {engine.cfg.num_layers} layers, {engine.cfg.num_experts} experts)")
+    decoder = tok.decode_stream(skip_special_tokens=True, prompt_ids=ids)
+    t1 = time.perf_counter()
+    n = 0
+    t_first = None
+    for token in engine.stream(ids, args.max_tokens, temperature=args.temperature, seed=args.seed,
+                               top_k=args.top_k, top_p=args.top_p, min_p=args.min_p):
+        if t_first is None:
+            t_first = time.perf_counter()
+        n += 1
+        sys.stdout.write(decoder.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(decoder.flush() + "\n")
+    t2 = time.perf_counter()
+    t_first = t_first or t2
+    read_ms = (t_first - t1) * 1000
+    gen_ms = (t2 - t_first) * 1000
+    _log(f"strata generate: prompt {len(ids)} tokens read in {read_ms:.0f} ms "
+         f"({len(ids) / max(read_ms / 1000, 1e-9):.1f} tok/s), {n} generated in {gen_ms:.0f} ms "
+         f"({max(n - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strata", description="Serve Mixture-of-Experts models larger than the GPU.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout",
+                       description="Generate text from a prompt and stream it to stdout (logs go to stderr).")
+    g.add_argument("--model", default="demo", help="checkpoint directory, .gguf file, or 'demo' (default)")
+    g.add_argument("--prompt", required=True, help="the user message (rendered with the model's chat template)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="a seeded request is reproducible")
+    g.add_argument("--max-context", type=int, default=4096)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
+    g.add_argument("--backend", default="jax", help="jax (default)")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except StrataError as e:
+        print(f"strata {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

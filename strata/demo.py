@@ -1,0 +1,147 @@
+"""The built-in `demo` model: a tiny Qwen3-Next-architecture MoE with an MTP head, a byte-level tokenizer and a chat
+template, written as an ordinary Hugging Face checkpoint directory on first use.
+
+Its weights are RANDOM (seeded, so the same bytes every time): it exercises every code path of the real model with no
+download, and its text is gibberish by design.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+DEMO_VERSION = "demo-v1"
+DEMO_NOTE = "the demo model has random weights: its text is gibberish by design"
+
+DEMO_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 272,
+    "hidden_size": 96,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "intermediate_size": 128,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "num_nextn_predict_layers": 1,
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("STRATA_CACHE_DIR") or Path.home() / ".cache" / "strata")
+
+
+def demo_model_dir() -> Path:
+    """The demo checkpoint directory, written on first use (atomically: concurrent first uses are safe)."""
+    target = cache_root() / DEMO_VERSION
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    try:
+        write_demo_model(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process got there first; theirs is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def write_demo_model(out: Path) -> None:
+    from safetensors.numpy import save_file
+
+    from strata.demo_tokenizer import write_demo_tokenizer
+    vocab = write_demo_tokenizer(out)
+    cfg = dict(DEMO_CONFIG, vocab_size=vocab)
+    tensors = demo_tensors(cfg, seed=20261130)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "note": DEMO_NOTE})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def demo_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random tensors in Hugging Face names and layout, drawn in a fixed order from one seeded generator."""
+    rng = np.random.default_rng(seed)
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    hd, hq, hkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    E, I, Is = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+    t: dict[str, np.ndarray] = {}
+
+    def mat(name, out_dim, in_dim):
+        t[name] = (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm(name, dim, base=0.0):
+        t[name] = (base + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+
+    def moe(p):
+        mat(p + "mlp.gate.weight", E, H)
+        for e in range(E):
+            mat(f"{p}mlp.experts.{e}.gate_proj.weight", I, H)
+            mat(f"{p}mlp.experts.{e}.up_proj.weight", I, H)
+            mat(f"{p}mlp.experts.{e}.down_proj.weight", H, I)
+        mat(p + "mlp.shared_expert.gate_proj.weight", Is, H)
+        mat(p + "mlp.shared_expert.up_proj.weight", Is, H)
+        mat(p + "mlp.shared_expert.down_proj.weight", H, Is)
+        mat(p + "mlp.shared_expert_gate.weight", 1, H)
+
+    def full_attention(p):
+        mat(p + "self_attn.q_proj.weight", hq * hd * 2, H)
+        mat(p + "self_attn.k_proj.weight", hkv * hd, H)
+        mat(p + "self_attn.v_proj.weight", hkv * hd, H)
+        mat(p + "self_attn.o_proj.weight", H, hq * hd)
+        norm(p + "self_attn.q_norm.weight", hd)
+        norm(p + "self_attn.k_norm.weight", hd)
+
+    def layer(p, kind):
+        norm(p + "input_layernorm.weight", H)
+        norm(p + "post_attention_layernorm.weight", H)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            mat(a + "in_proj_qkvz.weight", 2 * hk * dk + 2 * hv * dv, H)
+            mat(a + "in_proj_ba.weight", 2 * hv, H)
+            t[a + "conv1d.weight"] = (rng.standard_normal((2 * hk * dk + hv * dv, 1, K)) / np.sqrt(K)).astype(np.float32)
+            t[a + "dt_bias"] = np.ones(hv, np.float32)
+            t[a + "A_log"] = np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32)
+            norm(a + "norm.weight", dv, base=1.0)
+            mat(a + "out_proj.weight", H, hv * dv)
+        else:
+            full_attention(p)
+        moe(p)
+
+    t["model.embed_tokens.weight"] = rng.standard_normal((V, H)).astype(np.float32)
+    for i, kind in enumerate(cfg["layer_types"]):
+        layer(f"model.layers.{i}.", kind)
+    norm("model.norm.weight", H)
+    mat("lm_head.weight", V, H)
+    mat("mtp.fc.weight", H, 2 * H)
+    norm("mtp.pre_fc_norm_embedding.weight", H)
+    norm("mtp.pre_fc_norm_hidden.weight", H)
+    norm("mtp.norm.weight", H)
+    layer("mtp.layers.0.", "full_attention")
+    return t

@@ -1,0 +1,234 @@
+"""The Backend on JAX: plain XLA ops (the correctness baseline; Pallas kernels come in kernels/).
+
+Every op is a pure function of its arguments, so the forward pass that calls them can be jitted whole, with the
+sequence state threaded through as values (donated by the caller).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# Above this many (token, expert) routes the expert op sorts routes by expert and runs a grouped matmul; below it,
+# it gathers each route's weights (decode reads exactly the experts it uses).
+GATHER_ROUTES_MAX = 64
+GDN_CHUNK = 64
+
+
+class JaxBackend:
+    name = "jax"
+    xp = jnp
+
+    def __init__(self, device: str | None = None):
+        devices = jax.devices(device) if device else jax.devices()
+        self.device = devices[0]
+
+    # --- placement and memory
+    def to_device(self, tree):
+        return jax.device_put(tree, self.device)
+
+    def to_host(self, x):
+        return np.asarray(x)
+
+    def free_memory_bytes(self) -> int | None:
+        stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+    # --- dense math
+    @staticmethod
+    def rms_norm(x, scale, eps):
+        xf = x.astype(jnp.float32)
+        y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+    @staticmethod
+    def linear(x, w):
+        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=lax.Precision.HIGHEST)
+
+    @staticmethod
+    def silu(x):
+        return jax.nn.silu(x)
+
+    @staticmethod
+    def sigmoid(x):
+        return jax.nn.sigmoid(x)
+
+    @staticmethod
+    def softplus(x):
+        return jax.nn.softplus(x)
+
+    @staticmethod
+    def softmax(x):
+        return jax.nn.softmax(x.astype(jnp.float32), axis=-1)
+
+    @staticmethod
+    def rope(x, positions, rotary_dim, theta):
+        # NeoX rotate-half on the first rotary_dim features; the rest pass through.  x: [T, heads, hd]
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+        freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]          # [T, rotary_dim/2]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]                   # [T, 1, rotary_dim]
+        cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        half = rotary_dim // 2
+        rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+        return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
+
+    # --- sequence state
+    @staticmethod
+    def kv_write(cache, new, start):
+        # cache [Cap, Hkv, hd]; the engine sizes Cap so that start + T never runs past it (no silent clamping)
+        return lax.dynamic_update_slice(cache, new.astype(cache.dtype), (start, 0, 0))
+
+    @staticmethod
+    def attention(q, k_cache, v_cache, q_pos, scale):
+        # q [T, Hq, hd]; caches [Cap, Hkv, hd]; a query at position p sees keys 0..p (GQA: r = Hq / Hkv)
+        t, hq, hd = q.shape
+        cap, hkv, _ = k_cache.shape
+        qg = q.reshape(t, hkv, hq // hkv, hd)
+        s = jnp.einsum("tgrd,cgd->tgrc", qg, k_cache.astype(q.dtype),
+                       preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST) * scale
+        visible = jnp.arange(cap)[None, :] <= q_pos[:, None]                          # [T, Cap]
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("tgrc,cgd->tgrd", p, v_cache.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        return o.reshape(t, hq, hd).astype(q.dtype)
+
+    @staticmethod
+    def causal_conv(u, conv_state, w, n_valid):
+        # u [T, C]; conv_state [K-1, C] = the last K-1 inputs before this part; w [C, K]
+        k = w.shape[1]
+        t = u.shape[0]
+        ext = jnp.concatenate([conv_state.astype(u.dtype), u], axis=0)                # [K-1+T, C]
+        y = sum(ext[j:j + t] * w[:, j].astype(u.dtype) for j in range(k))
+        new_state = lax.dynamic_slice_in_dim(ext, n_valid, k - 1, axis=0)
+        return jax.nn.silu(y), new_state.astype(conv_state.dtype)
+
+    @staticmethod
+    def gated_delta_chunked(q, k, v, g, beta, state):
+        """Chunked gated delta rule (chunk 64). q, k [T, Hv, dk] (l2-normed, q scaled), v [T, Hv, dv], g, beta [T, Hv]
+        fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state unchanged (that is how padding works)."""
+        t, hv, dk = k.shape
+        dv = v.shape[-1]
+        c = GDN_CHUNK
+        pad = (-t) % c
+        f32 = jnp.float32
+        q, k, v, g, beta = (jnp.pad(x.astype(f32), [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta))
+        n = (t + pad) // c
+        # [n, Hv, c, ...]
+        q, k, v = (x.reshape(n, c, hv, -1).transpose(0, 2, 1, 3) for x in (q, k, v))
+        g, beta = (x.reshape(n, c, hv).transpose(0, 2, 1) for x in (g, beta))
+        hi = lax.Precision.HIGHEST
+        G = jnp.cumsum(g, axis=-1)                                                    # [n, Hv, c]
+        lower = jnp.tril(jnp.ones((c, c), bool))
+        decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [n, Hv, c, c]
+        k_beta = k * beta[..., None]
+        v_beta = v * beta[..., None]
+        strict = jnp.tril(jnp.ones((c, c), bool), -1)
+        A = jnp.where(strict, jnp.einsum("nhid,nhjd->nhij", k_beta, k, precision=hi) * decay, 0.0)
+        eye = jnp.eye(c, dtype=f32)
+        # (I + A) X = B with A strictly lower: unit lower-triangular solve
+        solve = lambda b: lax.linalg.triangular_solve(eye + A, b, left_side=True, lower=True,  # noqa: E731
+                                                      unit_diagonal=True)
+        u = solve(v_beta)                                                            # [n, Hv, c, dv]
+        w = solve(k_beta * jnp.exp(G)[..., None])                                    # [n, Hv, c, dk]
+        attn = jnp.einsum("nhid,nhjd->nhij", q, k, precision=hi) * decay             # lower incl. diagonal
+        q_dec = q * jnp.exp(G)[..., None]
+        k_dec = k * jnp.exp(G[..., -1:] - G)[..., None]
+        chunk_decay = jnp.exp(G[..., -1])[..., None, None]                           # [n, Hv, 1, 1]
+
+        def step(S, xs):
+            u_i, w_i, q_i, k_i, attn_i, cd_i = xs
+            v_new = u_i - jnp.einsum("hcd,hde->hce", w_i, S, precision=hi)
+            o = jnp.einsum("hcd,hde->hce", q_i, S, precision=hi) + jnp.einsum("hij,hje->hie", attn_i, v_new,
+                                                                               precision=hi)
+            S = S * cd_i + jnp.einsum("hcd,hce->hde", k_i, v_new, precision=hi)
+            return S, o
+
+        state, out = lax.scan(step, state.astype(f32), (u, w, q_dec, k_dec, attn, chunk_decay))
+        out = out.transpose(0, 2, 1, 3).reshape(n * c, hv, dv)[:t]
+        return out, state
+
+    @staticmethod
+    def gated_delta_step(q, k, v, g, beta, state):
+        """Recurrent form for one token: q, k [1, Hv, dk], v [1, Hv, dv], g, beta [1, Hv]; state [Hv, dk, dv]."""
+        hi = lax.Precision.HIGHEST
+        q, k, v, g, beta = (x[0].astype(jnp.float32) for x in (q, k, v, g, beta))
+        S = state * jnp.exp(g)[:, None, None]
+        kv_mem = jnp.einsum("hde,hd->he", S, k, precision=hi)
+        delta = (v - kv_mem) * beta[:, None]
+        S = S + k[:, :, None] * delta[:, None, :]
+        o = jnp.einsum("hde,hd->he", S, q, precision=hi)
+        return o[None], S
+
+    @staticmethod
+    def valid_mask(t, n_valid):
+        return jnp.arange(t) < n_valid
+
+    @staticmethod
+    def take_row(x, i):
+        return lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
+
+    # --- mixture of experts
+    @staticmethod
+    def topk(x, k):
+        return lax.top_k(x, k)
+
+    @staticmethod
+    def experts(x, idx, weight, gate, up, down):
+        """The expert op: y[t] = sum_j weight[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = idx[t, j].
+        x [T, H]; idx, weight [T, k]; gate, up [E, I, H]; down [E, H, I]."""
+        t, kk = idx.shape
+        hi = lax.Precision.HIGHEST
+        if t * kk <= GATHER_ROUTES_MAX:
+            # decode: gather the routed experts' weights, so only they are read
+            g = jnp.einsum("th,tkih->tki", x, gate[idx].astype(x.dtype), precision=hi)
+            u = jnp.einsum("th,tkih->tki", x, up[idx].astype(x.dtype), precision=hi)
+            y = jnp.einsum("tki,tkhi->tkh", jax.nn.silu(g) * u, down[idx].astype(x.dtype), precision=hi)
+            return jnp.einsum("tkh,tk->th", y, weight.astype(x.dtype), precision=hi)
+        # prompt parts: sort routes by expert, grouped matmul over contiguous groups
+        flat_e = idx.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)
+        tok = order // kk
+        xs = x[tok]                                                                   # [T*k, H]
+        sizes = jnp.bincount(flat_e, length=gate.shape[0]).astype(jnp.int32)
+        rd = lambda a, w: lax.ragged_dot(a, w.transpose(0, 2, 1).astype(x.dtype), sizes,  # noqa: E731
+                                         precision=hi)
+        h = jax.nn.silu(rd(xs, gate)) * rd(xs, up)
+        y = rd(h, down) * weight.reshape(-1)[order][:, None].astype(x.dtype)          # [T*k, H]
+        return jnp.zeros_like(x).at[tok].add(y)
+
+    # --- sampling
+    @staticmethod
+    def sample(logits, temperature, top_k, top_p, min_p, key):
+        """logits [B, V] fp32; per-row temperature, top_k (0 = off), top_p (1 = off), min_p (0 = off); key: PRNG key.
+        A row with temperature 0 is greedy."""
+        b, vocab = logits.shape
+        logits = logits.astype(jnp.float32)
+        greedy = jnp.argmax(logits, axis=-1)
+        order = jnp.argsort(-logits, axis=-1)                                         # [B, V] descending
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        scaled = sorted_logits / jnp.maximum(temperature, 1e-6)[:, None]
+        probs = jax.nn.softmax(scaled, axis=-1)
+        rank = jnp.arange(vocab)[None, :]
+        keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+        cum_before = jnp.cumsum(probs, axis=-1) - probs
+        keep &= cum_before < top_p[:, None]
+        keep &= probs >= min_p[:, None] * probs[:, :1]
+        keep = keep.at[:, 0].set(True)                                                # the best token always stays
+        choice = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1)
+        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+        return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+    # --- compilation and randomness
+    @staticmethod
+    def compile(fn, donate_argnums=(), static_argnames=()):
+        return jax.jit(fn, donate_argnums=donate_argnums, static_argnames=static_argnames)
+
+    @staticmethod
+    def prng_key(seed, step):
+        """The key for one sampling step of a seeded request, reproducible from (seed, step) alone.
+        seed: uint32 [2] (low, high words of a 63-bit seed)."""
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)

@@ -1,0 +1,197 @@
+"""Model configuration: one typed, validated view of a Hugging Face config.json (Hub or transformers-saved form).
+
+The model code reads only `ModelConfig`; where a key comes from (Hub's top-level `rope_theta` or transformers'
+`rope_parameters`, `num_experts` or `num_local_experts`) is settled here, once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_moe")
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]          # per layer: LINEAR (Gated DeltaNet) or FULL (softmax attention)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float          # fraction of head_dim that RoPE rotates (Qwen3-Next: 0.25)
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    # sparse MoE
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int  # 0: no shared expert (Qwen3-MoE)
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    intermediate_size: int                # dense MLP layers
+    # Gated DeltaNet (Qwen3-Next linear layers)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def zero_centred_norms(self) -> bool:
+        """Qwen3-Next scales by (1 + w); Qwen3-MoE by w."""
+        return self.model_type == "qwen3_next"
+
+    @property
+    def gated_attention(self) -> bool:
+        """Qwen3-Next's q_proj carries a per-head output gate."""
+        return self.model_type == "qwen3_next"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sparse_layer(self, i: int) -> bool:
+        return (i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the causal conv: all q, all k, all v."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    @staticmethod
+    def from_hf(d: dict, source: str = "config.json") -> "ModelConfig":
+        return _parse(d, source)
+
+
+def _get(d: dict, key: str, source: str, kind=int, default=None):
+    if key not in d or d[key] is None:
+        if default is None:
+            raise ModelLoadError(f"{source}: required key '{key}' is missing")
+        return default
+    value = d[key]
+    try:
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if kind is int and (isinstance(value, bool) or float(value) != int(value)):
+            raise TypeError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"{source}: key '{key}' must be {kind.__name__}, found {value!r}") from None
+
+
+def _rope(d: dict, source: str, is_next: bool) -> tuple[float, float]:
+    # transformers writes rope_parameters {rope_theta, partial_rotary_factor, rope_type}; Hub files use top-level keys
+    rp = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    rope_type = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ModelLoadError(f"{source}: rope_type '{rope_type}' is not supported; supported: default")
+    theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+    # Qwen3-MoE rotates the whole head (transformers ignores partial_rotary_factor there); Qwen3-Next defaults to 0.25
+    partial = float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))) if is_next else 1.0
+    if not 0.0 < partial <= 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor must be in (0, 1], found {partial}")
+    return theta, partial
+
+
+def _eos(d: dict) -> tuple[int, ...]:
+    e = d.get("eos_token_id")
+    if e is None:
+        return ()
+    return tuple(int(x) for x in (e if isinstance(e, list) else [e]))
+
+
+def _parse(d: dict, source: str) -> ModelConfig:
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{source}: model_type {model_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    is_next = model_type == "qwen3_next"
+    if d.get("attention_bias"):
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {d['hidden_act']!r} is not supported; supported: silu")
+    if d.get("use_sliding_window"):
+        raise ModelLoadError(f"{source}: use_sliding_window=true is not supported")
+    g = lambda k, kind=int, default=None: _get(d, k, source, kind, default)  # noqa: E731
+    hidden = g("hidden_size")
+    layers = g("num_hidden_layers")
+    heads = g("num_attention_heads")
+    if is_next:
+        types = d.get("layer_types")
+        if types is None:
+            n = g("full_attention_interval", int, 4)
+            types = [LINEAR if (i + 1) % n else FULL for i in range(layers)]
+    else:
+        types = [FULL] * layers
+    if len(types) != layers or any(t not in (LINEAR, FULL) for t in types):
+        raise ModelLoadError(f"{source}: layer_types must list {layers} entries of "
+                             f"'{LINEAR}' or '{FULL}', found {types!r}")
+    theta, partial = _rope(d, source, is_next)
+    num_experts = d.get("num_experts", d.get("num_local_experts", 0)) or 0
+    cfg = ModelConfig(
+        model_type=model_type,
+        vocab_size=g("vocab_size"),
+        hidden_size=hidden,
+        num_layers=layers,
+        layer_types=tuple(types),
+        num_heads=heads,
+        num_kv_heads=g("num_key_value_heads", int, heads),
+        head_dim=g("head_dim", int, hidden // heads),
+        rope_theta=theta,
+        partial_rotary_factor=partial,
+        rms_norm_eps=g("rms_norm_eps", float, 1e-6),
+        tie_word_embeddings=g("tie_word_embeddings", bool, False),
+        num_experts=int(num_experts),
+        num_experts_per_tok=g("num_experts_per_tok", int, 1),
+        moe_intermediate_size=g("moe_intermediate_size", int, 0),
+        shared_expert_intermediate_size=g("shared_expert_intermediate_size", int, 0) if is_next else 0,
+        norm_topk_prob=g("norm_topk_prob", bool, is_next),
+        decoder_sparse_step=g("decoder_sparse_step", int, 1),
+        mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or [])),
+        intermediate_size=g("intermediate_size", int, 0),
+        linear_num_key_heads=g("linear_num_key_heads", int, 0) if is_next else 0,
+        linear_num_value_heads=g("linear_num_value_heads", int, 0) if is_next else 0,
+        linear_key_head_dim=g("linear_key_head_dim", int, 0) if is_next else 0,
+        linear_value_head_dim=g("linear_value_head_dim", int, 0) if is_next else 0,
+        linear_conv_kernel_dim=g("linear_conv_kernel_dim", int, 0) if is_next else 0,
+        eos_token_ids=_eos(d),
+    )
+    _validate(cfg, source)
+    return cfg
+
+
+def _validate(c: ModelConfig, source: str) -> None:
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ModelLoadError(f"{source}: {msg}")
+    need(c.vocab_size > 0 and c.hidden_size > 0 and c.num_layers > 0, "vocab_size, hidden_size and "
+         "num_hidden_layers must be positive")
+    need(c.num_heads % c.num_kv_heads == 0, f"num_attention_heads ({c.num_heads}) must be a multiple of "
+         f"num_key_value_heads ({c.num_kv_heads})")
+    need(c.rotary_dim % 2 == 0, f"head_dim * partial_rotary_factor = {c.rotary_dim} must be even")
+    need(c.decoder_sparse_step >= 1, f"decoder_sparse_step must be >= 1, found {c.decoder_sparse_step}")
+    if any(c.is_sparse_layer(i) for i in range(c.num_layers)):
+        need(0 < c.num_experts_per_tok <= c.num_experts, f"num_experts_per_tok ({c.num_experts_per_tok}) must be "
+             f"in 1..num_experts ({c.num_experts})")
+        need(c.moe_intermediate_size > 0, "moe_intermediate_size must be positive")
+    if not all(c.is_sparse_layer(i) for i in range(c.num_layers)):
+        need(c.intermediate_size > 0, "intermediate_size must be positive (dense MLP layers exist)")
+    if LINEAR in c.layer_types:
+        need(c.linear_num_key_heads > 0 and c.linear_num_value_heads % c.linear_num_key_heads == 0,
+             f"linear_num_value_heads ({c.linear_num_value_heads}) must be a positive multiple of "
+             f"linear_num_key_heads ({c.linear_num_key_heads})")
+        need(c.linear_key_head_dim > 0 and c.linear_value_head_dim > 0 and c.linear_conv_kernel_dim > 0,
+             "linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim must be positive")

@@ -1,0 +1,150 @@
+"""Checkpoint tensors (Hugging Face names and layout) -> the model's parameter tree (numpy, host).
+
+Every tensor is checked against the shape the config implies; a missing or misshapen tensor is a ModelLoadError
+naming the tensor, its file, and the expected and found shapes. Load-time rearrangements (done once, here):
+- zero-centred norm weights w become scales (1 + w), so every norm on every backend is `x_hat * scale`;
+- Gated DeltaNet's per-key-head interleaved in_proj_qkvz rows [q|k|v|z] per group become [all q|all k|all v|all z]
+  (the conv's channel order), and in_proj_ba rows [b|a] per group become [all b|all a];
+- gated attention's q_proj rows [query|gate] per head become two matrices;
+- experts are stacked: gate, up [E, I, H], down [E, H, I].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from strata.errors import ModelLoadError
+from strata.model.config import FULL, LINEAR, ModelConfig
+from strata.weights.source import TensorSource
+
+
+class _Reader:
+    def __init__(self, src: TensorSource, dtype):
+        self.src, self.dtype = src, dtype
+        self.names = set(src.names())
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def get(self, name: str, shape: tuple[int, ...], dtype=None) -> np.ndarray:
+        if name not in self.names:
+            raise ModelLoadError(f"tensor {name} is missing (looked in {self.src.where(name)}); "
+                                 f"expected shape {list(shape)}")
+        a = self.src.get(name)
+        if tuple(a.shape) != tuple(shape):
+            raise ModelLoadError(f"tensor {name} in {self.src.where(name)} has shape {list(a.shape)}, "
+                                 f"expected {list(shape)}")
+        return np.asarray(a, dtype=dtype or self.dtype)
+
+    def norm(self, name: str, dim: int, zero_centred: bool) -> np.ndarray:
+        w = self.get(name, (dim,), np.float32)
+        return (1.0 + w).astype(np.float32) if zero_centred else w
+
+
+def build_params(cfg: ModelConfig, src: TensorSource, dtype=np.float32) -> dict:
+    """The parameter tree: {embed, lm_head, norm, layers: [...], mtp: {...} | absent}."""
+    r = _Reader(src, dtype)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    embed = r.get("model.embed_tokens.weight", (V, H))
+    if cfg.tie_word_embeddings and not r.has("lm_head.weight"):
+        lm_head = embed
+    else:
+        lm_head = r.get("lm_head.weight", (V, H))
+    params = {
+        "embed": embed,
+        "lm_head": lm_head,
+        "norm": r.norm("model.norm.weight", H, cfg.zero_centred_norms),
+        "layers": [_layer(cfg, r, f"model.layers.{i}.", cfg.layer_types[i], cfg.is_sparse_layer(i))
+                   for i in range(cfg.num_layers)],
+    }
+    if r.has("mtp.fc.weight"):
+        params["mtp"] = {
+            "fc": r.get("mtp.fc.weight", (H, 2 * H)),
+            "pre_fc_norm_embedding": r.norm("mtp.pre_fc_norm_embedding.weight", H, cfg.zero_centred_norms),
+            "pre_fc_norm_hidden": r.norm("mtp.pre_fc_norm_hidden.weight", H, cfg.zero_centred_norms),
+            "norm": r.norm("mtp.norm.weight", H, cfg.zero_centred_norms),
+            "layer": _layer(cfg, r, "mtp.layers.0.", FULL, sparse=cfg.num_experts > 0),
+        }
+    return params
+
+
+def _layer(cfg: ModelConfig, r: _Reader, p: str, kind: str, sparse: bool) -> dict:
+    H, zc = cfg.hidden_size, cfg.zero_centred_norms
+    lp = {
+        "in_norm": r.norm(p + "input_layernorm.weight", H, zc),
+        "post_norm": r.norm(p + "post_attention_layernorm.weight", H, zc),
+    }
+    lp.update(_linear_attention(cfg, r, p + "linear_attn.") if kind == LINEAR else _attention(cfg, r, p + "self_attn."))
+    lp.update(_moe(cfg, r, p + "mlp.") if sparse else _dense_mlp(cfg, r, p + "mlp.", cfg.intermediate_size))
+    return lp
+
+
+def _attention(cfg: ModelConfig, r: _Reader, p: str) -> dict:
+    H, hd, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    out = {
+        "k": r.get(p + "k_proj.weight", (hkv * hd, H)),
+        "v": r.get(p + "v_proj.weight", (hkv * hd, H)),
+        "o": r.get(p + "o_proj.weight", (H, hq * hd)),
+        "q_norm": r.norm(p + "q_norm.weight", hd, cfg.zero_centred_norms),
+        "k_norm": r.norm(p + "k_norm.weight", hd, cfg.zero_centred_norms),
+    }
+    if cfg.gated_attention:
+        q = r.get(p + "q_proj.weight", (hq * hd * 2, H)).reshape(hq, 2, hd, H)   # per head [query | gate]
+        out["q"] = q[:, 0].reshape(hq * hd, H)
+        out["gate"] = q[:, 1].reshape(hq * hd, H)
+    else:
+        out["q"] = r.get(p + "q_proj.weight", (hq * hd, H))
+    return out
+
+
+def _linear_attention(cfg: ModelConfig, r: _Reader, p: str) -> dict:
+    H, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    rv = hv // hk
+    qkvz = r.get(p + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, H)).reshape(hk, 2 * dk + 2 * rv * dv, H)
+    q, k = qkvz[:, :dk], qkvz[:, dk:2 * dk]
+    v, z = qkvz[:, 2 * dk:2 * dk + rv * dv], qkvz[:, 2 * dk + rv * dv:]
+    ba = r.get(p + "in_proj_ba.weight", (2 * hv, H)).reshape(hk, 2 * rv, H)
+    return {
+        # rows: all q (hk*dk) | all k (hk*dk) | all v (hv*dv) = the conv's channels, then z (hv*dv)
+        "qkv": np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)], axis=0),
+        "z": z.reshape(-1, H),
+        "b": ba[:, :rv].reshape(hv, H),
+        "a": ba[:, rv:].reshape(hv, H),
+        "conv": r.get(p + "conv1d.weight", (cfg.linear_conv_dim, 1, K))[:, 0, :],    # [C, K]
+        "dt_bias": r.get(p + "dt_bias", (hv,), np.float32),
+        "A_log": r.get(p + "A_log", (hv,), np.float32),
+        "gnorm": r.get(p + "norm.weight", (dv,), np.float32),                        # plain gated RMSNorm weight
+        "out": r.get(p + "out_proj.weight", (H, hv * dv)),
+    }
+
+
+def _dense_mlp(cfg: ModelConfig, r: _Reader, p: str, width: int) -> dict:
+    H = cfg.hidden_size
+    return {
+        "mlp_gate": r.get(p + "gate_proj.weight", (width, H)),
+        "mlp_up": r.get(p + "up_proj.weight", (width, H)),
+        "mlp_down": r.get(p + "down_proj.weight", (H, width)),
+    }
+
+
+def _moe(cfg: ModelConfig, r: _Reader, p: str) -> dict:
+    H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    if r.has(p + "experts.gate_up_proj"):
+        # transformers' fused in-memory layout, when a checkpoint was saved that way
+        gate_up = r.get(p + "experts.gate_up_proj", (E, 2 * I, H))
+        gate, up = gate_up[:, :I], gate_up[:, I:]
+        down = r.get(p + "experts.down_proj", (E, H, I))
+    else:
+        gate = np.stack([r.get(f"{p}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)])
+        up = np.stack([r.get(f"{p}experts.{e}.up_proj.weight", (I, H)) for e in range(E)])
+        down = np.stack([r.get(f"{p}experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
+    out = {"router": r.get(p + "gate.weight", (E, H)), "exp_gate": gate, "exp_up": up, "exp_down": down}
+    if cfg.shared_expert_intermediate_size:
+        Is = cfg.shared_expert_intermediate_size
+        out.update({
+            "sh_gate": r.get(p + "shared_expert.gate_proj.weight", (Is, H)),
+            "sh_up": r.get(p + "shared_expert.up_proj.weight", (Is, H)),
+            "sh_down": r.get(p + "shared_expert.down_proj.weight", (H, Is)),
+            "sh_router": r.get(p + "shared_expert_gate.weight", (1, H)),
+        })
+    return out
