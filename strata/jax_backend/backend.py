@@ -14,6 +14,7 @@ from jax import lax
 # it gathers each route's weights (decode reads exactly the experts it uses).
 GATHER_ROUTES_MAX = 64
 GDN_CHUNK = 64
+EXPERT_BLOCK = 64   # rows per block of the prompt-part expert op
 
 
 class JaxBackend:
@@ -188,16 +189,30 @@ class JaxBackend:
             u = jnp.einsum("th,tkih->tki", x, up[idx].astype(x.dtype), precision=hi)
             y = jnp.einsum("tki,tkhi->tkh", jax.nn.silu(g) * u, down[idx].astype(x.dtype), precision=hi)
             return jnp.einsum("tkh,tk->th", y, weight.astype(x.dtype), precision=hi)
-        # prompt parts: sort routes by expert, grouped matmul over contiguous groups
+        # prompt parts: sort routes by expert and lay each expert's group out padded to whole blocks of
+        # EXPERT_BLOCK rows, so every block belongs to one expert; each block then multiplies by its expert's
+        # weights. (lax.ragged_dot lowers to a dense [E, rows, H] expansion on GPU: too big at thousands of tokens.)
+        e_count = gate.shape[0]
+        rows = t * kk
+        bsz = EXPERT_BLOCK
+        n_blocks = -(-rows // bsz) + e_count                                         # static bound on padded blocks
         flat_e = idx.reshape(-1)
-        order = jnp.argsort(flat_e, stable=True)
+        order = jnp.argsort(flat_e, stable=True)                                     # routes sorted by expert
+        sorted_e = flat_e[order]
+        sizes = jnp.bincount(flat_e, length=e_count)                                 # [E]
+        padded = (sizes + bsz - 1) // bsz * bsz
+        pad_start = jnp.cumsum(padded) - padded                                      # [E] first padded row
+        start = jnp.cumsum(sizes) - sizes                                            # [E] first sorted route
+        dest = pad_start[sorted_e] + (jnp.arange(rows) - start[sorted_e])            # [rows] padded row of route
         tok = order // kk
-        xs = x[tok]                                                                   # [T*k, H]
-        sizes = jnp.bincount(flat_e, length=gate.shape[0]).astype(jnp.int32)
-        rd = lambda a, w: lax.ragged_dot(a, w.transpose(0, 2, 1).astype(x.dtype), sizes,  # noqa: E731
-                                         precision=hi)
-        h = jax.nn.silu(rd(xs, gate)) * rd(xs, up)
-        y = rd(h, down) * weight.reshape(-1)[order][:, None].astype(x.dtype)          # [T*k, H]
+        xb = jnp.zeros((n_blocks * bsz, x.shape[1]), x.dtype).at[dest].set(x[tok])
+        xb = xb.reshape(n_blocks, bsz, -1)                                           # [nb, B, H]
+        block_e = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * bsz, side="right")
+        block_e = jnp.minimum(block_e, e_count - 1)                                  # trailing empty blocks
+        g = jnp.einsum("nbh,nih->nbi", xb, gate[block_e].astype(x.dtype), precision=hi)
+        u = jnp.einsum("nbh,nih->nbi", xb, up[block_e].astype(x.dtype), precision=hi)
+        y = jnp.einsum("nbi,nhi->nbh", jax.nn.silu(g) * u, down[block_e].astype(x.dtype), precision=hi)
+        y = y.reshape(n_blocks * bsz, -1)[dest] * weight.reshape(-1)[order][:, None].astype(x.dtype)
         return jnp.zeros_like(x).at[tok].add(y)
 
     # --- sampling

@@ -5,6 +5,7 @@ The model code reads only `ModelConfig`; where a key comes from (Hub's top-level
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from strata.errors import ModelLoadError
@@ -98,19 +99,24 @@ def _rope(d: dict, source: str, is_next: bool) -> tuple[float, float]:
     rope_type = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
         raise ModelLoadError(f"{source}: rope_type '{rope_type}' is not supported; supported: default")
-    theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+    theta = _get(rp if rp.get("rope_theta") is not None else d, "rope_theta", source, float, 10000.0)
     # Qwen3-MoE rotates the whole head (transformers ignores partial_rotary_factor there); Qwen3-Next defaults to 0.25
-    partial = float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))) if is_next else 1.0
+    partial = _get(rp if rp.get("partial_rotary_factor") is not None else d, "partial_rotary_factor", source, float,
+                   0.25) if is_next else 1.0
     if not 0.0 < partial <= 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor must be in (0, 1], found {partial}")
     return theta, partial
 
 
-def _eos(d: dict) -> tuple[int, ...]:
-    e = d.get("eos_token_id")
-    if e is None:
+def _int_list(d: dict, key: str, source: str) -> tuple[int, ...]:
+    """An integer or a list of integers (eos_token_id, mlp_only_layers); absent or null: ()."""
+    v = d.get(key)
+    if v is None:
         return ()
-    return tuple(int(x) for x in (e if isinstance(e, list) else [e]))
+    try:
+        return tuple(operator.index(x) for x in (v if isinstance(v, list) else [v]))
+    except TypeError:
+        raise ModelLoadError(f"{source}: key '{key}' must be a list of integers, found {v!r}") from None
 
 
 def _parse(d: dict, source: str) -> ModelConfig:
@@ -133,6 +139,8 @@ def _parse(d: dict, source: str) -> ModelConfig:
         types = d.get("layer_types")
         if types is None:
             n = g("full_attention_interval", int, 4)
+            if n < 1:
+                raise ModelLoadError(f"{source}: full_attention_interval must be >= 1, found {n}")
             types = [LINEAR if (i + 1) % n else FULL for i in range(layers)]
     else:
         types = [FULL] * layers
@@ -140,7 +148,7 @@ def _parse(d: dict, source: str) -> ModelConfig:
         raise ModelLoadError(f"{source}: layer_types must list {layers} entries of "
                              f"'{LINEAR}' or '{FULL}', found {types!r}")
     theta, partial = _rope(d, source, is_next)
-    num_experts = d.get("num_experts", d.get("num_local_experts", 0)) or 0
+    num_experts = g("num_experts" if d.get("num_experts") is not None else "num_local_experts", int, 0)
     cfg = ModelConfig(
         model_type=model_type,
         vocab_size=g("vocab_size"),
@@ -154,20 +162,20 @@ def _parse(d: dict, source: str) -> ModelConfig:
         partial_rotary_factor=partial,
         rms_norm_eps=g("rms_norm_eps", float, 1e-6),
         tie_word_embeddings=g("tie_word_embeddings", bool, False),
-        num_experts=int(num_experts),
+        num_experts=num_experts,
         num_experts_per_tok=g("num_experts_per_tok", int, 1),
         moe_intermediate_size=g("moe_intermediate_size", int, 0),
         shared_expert_intermediate_size=g("shared_expert_intermediate_size", int, 0) if is_next else 0,
         norm_topk_prob=g("norm_topk_prob", bool, is_next),
         decoder_sparse_step=g("decoder_sparse_step", int, 1),
-        mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or [])),
+        mlp_only_layers=_int_list(d, "mlp_only_layers", source),
         intermediate_size=g("intermediate_size", int, 0),
         linear_num_key_heads=g("linear_num_key_heads", int, 0) if is_next else 0,
         linear_num_value_heads=g("linear_num_value_heads", int, 0) if is_next else 0,
         linear_key_head_dim=g("linear_key_head_dim", int, 0) if is_next else 0,
         linear_value_head_dim=g("linear_value_head_dim", int, 0) if is_next else 0,
         linear_conv_kernel_dim=g("linear_conv_kernel_dim", int, 0) if is_next else 0,
-        eos_token_ids=_eos(d),
+        eos_token_ids=_int_list(d, "eos_token_id", source),
     )
     _validate(cfg, source)
     return cfg

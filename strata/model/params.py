@@ -17,7 +17,12 @@ from strata.model.config import FULL, LINEAR, ModelConfig
 from strata.weights.source import TensorSource
 
 
-class _Reader:
+class TensorReader:
+    """Reads checkpoint tensors by name and expected shape. `xp` is the array namespace the tree is built in
+    (numpy for loading; a device namespace lets a benchmark build random weights where they will be used)."""
+
+    xp = np
+
     def __init__(self, src: TensorSource, dtype):
         self.src, self.dtype = src, dtype
         self.names = set(src.names())
@@ -42,7 +47,10 @@ class _Reader:
 
 def build_params(cfg: ModelConfig, src: TensorSource, dtype=np.float32) -> dict:
     """The parameter tree: {embed, lm_head, norm, layers: [...], mtp: {...} | absent}."""
-    r = _Reader(src, dtype)
+    return params_from_reader(cfg, TensorReader(src, dtype))
+
+
+def params_from_reader(cfg: ModelConfig, r: TensorReader) -> dict:
     H, V = cfg.hidden_size, cfg.vocab_size
     embed = r.get("model.embed_tokens.weight", (V, H))
     if cfg.tie_word_embeddings and not r.has("lm_head.weight"):
@@ -67,7 +75,7 @@ def build_params(cfg: ModelConfig, src: TensorSource, dtype=np.float32) -> dict:
     return params
 
 
-def _layer(cfg: ModelConfig, r: _Reader, p: str, kind: str, sparse: bool) -> dict:
+def _layer(cfg: ModelConfig, r: TensorReader, p: str, kind: str, sparse: bool) -> dict:
     H, zc = cfg.hidden_size, cfg.zero_centred_norms
     lp = {
         "in_norm": r.norm(p + "input_layernorm.weight", H, zc),
@@ -78,7 +86,7 @@ def _layer(cfg: ModelConfig, r: _Reader, p: str, kind: str, sparse: bool) -> dic
     return lp
 
 
-def _attention(cfg: ModelConfig, r: _Reader, p: str) -> dict:
+def _attention(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
     H, hd, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     out = {
         "k": r.get(p + "k_proj.weight", (hkv * hd, H)),
@@ -96,7 +104,7 @@ def _attention(cfg: ModelConfig, r: _Reader, p: str) -> dict:
     return out
 
 
-def _linear_attention(cfg: ModelConfig, r: _Reader, p: str) -> dict:
+def _linear_attention(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
     H, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     rv = hv // hk
@@ -106,7 +114,7 @@ def _linear_attention(cfg: ModelConfig, r: _Reader, p: str) -> dict:
     ba = r.get(p + "in_proj_ba.weight", (2 * hv, H)).reshape(hk, 2 * rv, H)
     return {
         # rows: all q (hk*dk) | all k (hk*dk) | all v (hv*dv) = the conv's channels, then z (hv*dv)
-        "qkv": np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)], axis=0),
+        "qkv": r.xp.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)], axis=0),
         "z": z.reshape(-1, H),
         "b": ba[:, :rv].reshape(hv, H),
         "a": ba[:, rv:].reshape(hv, H),
@@ -118,7 +126,7 @@ def _linear_attention(cfg: ModelConfig, r: _Reader, p: str) -> dict:
     }
 
 
-def _dense_mlp(cfg: ModelConfig, r: _Reader, p: str, width: int) -> dict:
+def _dense_mlp(cfg: ModelConfig, r: TensorReader, p: str, width: int) -> dict:
     H = cfg.hidden_size
     return {
         "mlp_gate": r.get(p + "gate_proj.weight", (width, H)),
@@ -127,7 +135,7 @@ def _dense_mlp(cfg: ModelConfig, r: _Reader, p: str, width: int) -> dict:
     }
 
 
-def _moe(cfg: ModelConfig, r: _Reader, p: str) -> dict:
+def _moe(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
     H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     if r.has(p + "experts.gate_up_proj"):
         # transformers' fused in-memory layout, when a checkpoint was saved that way
@@ -135,9 +143,9 @@ def _moe(cfg: ModelConfig, r: _Reader, p: str) -> dict:
         gate, up = gate_up[:, :I], gate_up[:, I:]
         down = r.get(p + "experts.down_proj", (E, H, I))
     else:
-        gate = np.stack([r.get(f"{p}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)])
-        up = np.stack([r.get(f"{p}experts.{e}.up_proj.weight", (I, H)) for e in range(E)])
-        down = np.stack([r.get(f"{p}experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
+        gate = r.xp.stack([r.get(f"{p}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)])
+        up = r.xp.stack([r.get(f"{p}experts.{e}.up_proj.weight", (I, H)) for e in range(E)])
+        down = r.xp.stack([r.get(f"{p}experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
     out = {"router": r.get(p + "gate.weight", (E, H)), "exp_gate": gate, "exp_up": up, "exp_down": down}
     if cfg.shared_expert_intermediate_size:
         Is = cfg.shared_expert_intermediate_size

@@ -1,0 +1,240 @@
+"""Prompt and decode speed of the engine (the XLA-only baseline that later kernels are measured against).
+
+    python bench/engine_speed.py --model demo                      # CPU: the demo model through Engine.load
+    python bench/engine_speed.py --real-shapes --layers 4,8        # GPU: random weights at Qwen3-Next-80B-A3B shapes
+
+Real shapes: 48 layers do not fit one H200 in bf16 (~154 GB of experts), so the model is built with fewer layers
+(the 3:1 linear:full pattern kept), the time per layer is the slope between two layer counts, and a 48-layer figure
+is the intercept (embedding, final norm, lm_head) plus 48 x the slope. Bytes per decoded token are counted from the
+parameter tree (experts at k/E of their size) plus the sequence state each token reads and writes.
+Writes JSON (machine, date, commit, figures) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QWEN3_NEXT_80B = {
+    "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+    "intermediate_size": 5120, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "full_attention_interval": 4,
+}
+REAL_LAYERS = 48
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("STRATA_COMMIT", "unknown")
+
+
+def machine() -> str:
+    import jax
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '')} ({platform.node()}, jax {jax.__version__})"
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of fn() over `repeat` runs; fn must block until its device work is done."""
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def measure(engine, prompt_len: int, decode_tokens: int, repeat: int) -> dict:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, engine.cfg.vocab_size, prompt_len).tolist()
+
+    def read():
+        seq = engine.sequence()
+        seq.read(ids, part_size=engine.options.prefill)
+        return seq
+
+    read()                                                    # compile
+    t_prompt = timed(read, repeat)
+    sp = (np.array([0.0], np.float32), np.array([0], np.int32), np.array([1.0], np.float32),
+          np.array([0.0], np.float32))
+    seed = np.zeros(2, np.uint32)
+    seq = read()
+    tok = seq.decode(1, sp, seed, 1)                          # compile
+    t = time.perf_counter()
+    for step in range(decode_tokens):
+        tok = seq.decode(tok, sp, seed, step + 2)             # int() of the token syncs every step
+    t_decode = (time.perf_counter() - t) / decode_tokens
+    return {"prompt_tokens": prompt_len, "prompt_s": t_prompt, "prompt_tok_s": prompt_len / t_prompt,
+            "decode_s_per_token": t_decode, "decode_tok_s_b1": 1.0 / t_decode}
+
+
+# --- real shapes, random weights built on the device
+
+
+class RandomDeviceReader:
+    """Stands in for a checkpoint: every tensor the model asks for, drawn on the device (no host copy)."""
+
+    def __init__(self, dtype):
+        import jax
+        import jax.numpy as jnp
+        self.jax, self.xp, self.dtype = jax, jnp, dtype
+
+    def has(self, name: str) -> bool:
+        return not (name.endswith("experts.gate_up_proj") or name.startswith("mtp."))
+
+    def get(self, name, shape, dtype=None):
+        jax, jnp = self.jax, self.xp
+        key = jax.random.key(zlib.crc32(name.encode()))
+        dtype = dtype or self.dtype
+        if name.endswith("A_log"):
+            return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0))
+        if name.endswith("dt_bias"):
+            return jnp.ones(shape, jnp.float32)
+        if len(shape) == 1:                                    # norms
+            return (0.05 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[-1])).astype(dtype)
+
+    def norm(self, name, dim, zero_centred):
+        w = self.get(name, (dim,), np.float32)
+        return 1.0 + w if zero_centred else w
+
+
+def decode_bytes_per_token(cfg, params, context: int) -> dict:
+    """HBM bytes one decoded token must move: weights it reads (experts at k/E) + state it reads and writes."""
+    import jax
+    k_over_e = cfg.num_experts_per_tok / cfg.num_experts
+    per_kind = {}
+    for lp, kind in zip(params["layers"], cfg.layer_types):
+        b = 0
+        for name, leaf in lp.items():
+            size = leaf.size * leaf.dtype.itemsize
+            b += size * k_over_e if name.startswith("exp_") else size
+        if kind == "linear_attention":
+            b += 2 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+        else:
+            b += 2 * context * cfg.num_kv_heads * cfg.head_dim * lp["k"].dtype.itemsize  # read K and V
+        per_kind.setdefault(kind, b)
+    row = params["embed"].shape[1] * params["embed"].dtype.itemsize
+    head = params["lm_head"].size * params["lm_head"].dtype.itemsize + row
+    n_full = REAL_LAYERS // 4
+    total = head + n_full * per_kind["full_attention"] + (REAL_LAYERS - n_full) * per_kind["linear_attention"]
+    return {"bytes_per_token_48_layers": total, "lm_head_and_embedding_bytes": head,
+            "linear_layer_bytes": per_kind["linear_attention"], "full_layer_bytes": per_kind["full_attention"]}
+
+
+def hbm_bandwidth() -> float:
+    """Read+write bytes per second of a large elementwise op (the roofline's denominator)."""
+    import jax
+    import jax.numpy as jnp
+    n = (1 << 30) if jax.devices()[0].platform == "gpu" else (1 << 24)
+    x = jnp.ones((n,), jnp.float32)                           # 4 GiB on a GPU
+    f = jax.jit(lambda a: a * 2.0)
+    f(x).block_until_ready()
+    t = timed(lambda: f(x).block_until_ready(), 5)
+    return 2 * x.size * 4 / t
+
+
+def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, repeat: int,
+                overrides: dict | None = None) -> dict:
+    import ml_dtypes
+
+    from strata.engine import Engine, EngineOptions
+    from strata.backend import get_backend
+    from strata.model.config import ModelConfig
+    from strata.model.params import params_from_reader
+    backend = get_backend("jax")
+    out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth()}
+    for n in layer_counts:
+        cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=n, **(overrides or {})),
+                                  source=f"qwen3-next-80b shapes x{n}")
+        t = time.perf_counter()
+        params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
+        build_s = time.perf_counter() - t
+        engine = Engine(cfg, params, backend, EngineOptions(dtype="bfloat16", max_context=prompt_len + 2 * decode_tokens
+                                                            + 8, prefill=min(prompt_len, 4096)))
+        r = measure(engine, prompt_len, decode_tokens, repeat)
+        r["build_s"] = build_s
+        r.update(decode_bytes_per_token(cfg, params, prompt_len))
+        out["layers"][n] = r
+        print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode {r['decode_tok_s_b1']:.2f} tok/s",
+              flush=True)
+        del engine, params
+    lo, hi = min(layer_counts), max(layer_counts)
+    a, b = out["layers"][lo], out["layers"][hi]
+    for key, per in (("prompt_s", "prompt"), ("decode_s_per_token", "decode")):
+        slope = (b[key] - a[key]) / (hi - lo)
+        fixed = a[key] - lo * slope
+        out[f"{per}_s_per_layer"] = slope
+        out[f"{per}_s_fixed"] = fixed
+        out[f"{per}_s_48_layers"] = fixed + REAL_LAYERS * slope
+    out["prompt_tok_s_48_layers"] = prompt_len / out["prompt_s_48_layers"]
+    out["decode_tok_s_b1_48_layers"] = 1.0 / out["decode_s_48_layers"]
+    bytes_tok = b["bytes_per_token_48_layers"]
+    out["decode_roofline_tok_s"] = out["hbm_bytes_per_s"] / bytes_tok
+    out["decode_fraction_of_roofline"] = out["decode_tok_s_b1_48_layers"] / out["decode_roofline_tok_s"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--real-shapes", action="store_true")
+    ap.add_argument("--layers", default="4,8")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512 demo, 4096 real shapes)")
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="real shapes but 16 experts and a 4K vocabulary: checks the script on a CPU in seconds")
+    ap.add_argument("--out", default=None, help="JSON file to write (default bench/results/<name>.json)")
+    args = ap.parse_args()
+    stamp = {"machine": machine(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "commit": commit()}
+    if args.real_shapes:
+        prompt = args.prompt or 4096
+        result = {"bench": "engine_speed_real_shapes", **stamp, "path": "XLA-only (no Pallas kernels)",
+                  "dtype": "bfloat16", **real_shapes([int(x) for x in args.layers.split(",")], prompt,
+                                                      args.decode, args.repeat,
+                                                      {"num_experts": 16, "vocab_size": 4096} if args.smoke else None)}
+        name = "engine_speed_real_shapes"
+        print(f"\n| figure | value |\n|---|---|\n"
+              f"| HBM read+write | {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s |\n"
+              f"| prompt {prompt} tok, 48 layers (scaled) | {result['prompt_tok_s_48_layers']:.0f} tok/s |\n"
+              f"| decode b1, 48 layers (scaled) | {result['decode_tok_s_b1_48_layers']:.2f} tok/s |\n"
+              f"| decode bytes/token, 48 layers | {result['layers'][max(result['layers'])]['bytes_per_token_48_layers'] / 1e9:.3f} GB |\n"
+              f"| decode roofline | {result['decode_roofline_tok_s']:.0f} tok/s |\n"
+              f"| decode fraction of roofline | {100 * result['decode_fraction_of_roofline']:.1f}% |")
+    else:
+        from strata import Engine
+        prompt = args.prompt or 512
+        engine = Engine.load(args.model, max_context=prompt + 2 * args.decode + 8, prefill=min(prompt, 1024))
+        result = {"bench": "engine_speed", **stamp, "model": args.model, "dtype": str(engine.dtype),
+                  "note": "demo model: random weights", **measure(engine, prompt, args.decode, args.repeat)}
+        name = f"engine_speed_{args.model}_{engine.backend.device.platform}"
+        print(f"prompt {prompt} tokens: {result['prompt_tok_s']:.0f} tok/s; decode b1: "
+              f"{result['decode_tok_s_b1']:.1f} tok/s ({result['machine']})")
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
