@@ -25,7 +25,7 @@ from strata.model.forward import forward, init_state
 from strata.model.params import build_params
 
 # Prompt parts are padded up to one of these token counts, so compilations are bounded (one per bucket used).
-PART_BUCKETS = (1, 8, 64, 256, 1024, 4096, 16384)
+PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(frozen=True)

@@ -225,3 +225,42 @@ def test_engine_logits_from_gguf_match_checkpoint(arch, tmp_path):
     want = Engine.load(str(hf_dir), dtype="float32").logits(ids)
     got = Engine.load(str(path), dtype="float32").logits(ids)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+
+
+def _q8_round_trip(name: str, w: np.ndarray) -> np.ndarray:
+    """What a Q8_0 GGUF holds for an HF tensor: blocks of 32 along the last (input) axis, as the writer chose them
+    (matrices quantized; norms, the router and the conv kernel left in F32)."""
+    if w.ndim < 2 or w.shape[-1] % 32 or name.endswith("mlp.gate.weight"):
+        return w
+    q = gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    return gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(w.shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_engine_logits_from_q8_0_gguf_differ_only_by_quantization(arch, tmp_path):
+    """A Q8_0 GGUF through the engine equals transformers run on the same weights rounded through Q8_0 by gguf's
+    own quantize/dequantize (float32, within 1e-4 of the logit range): the only difference from the checkpoint is
+    the quantization error, and it is applied once, to the right tensors, along the right axis."""
+    from oracle import build_hf_model, save_hf_model
+    from safetensors.numpy import save_file
+
+    from strata import Engine
+    overrides = {"norm_topk_prob": True} if arch == "qwen3_moe" else {}
+    hf_dir = save_hf_model(build_hf_model(arch, seed=5, **overrides), tmp_path / "hf")
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    hf_json = json.loads((hf_dir / "config.json").read_text())
+    gguf_path = write_gguf(sd, hf_json, tmp_path / "m.gguf", quant="Q8_0")
+    rounded_dir = tmp_path / "rounded"
+    rounded_dir.mkdir()
+    save_file({n: _q8_round_trip(n, w) for n, w in sd.items()}, str(rounded_dir / "model.safetensors"))
+    (rounded_dir / "config.json").write_text(json.dumps(hf_json))
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(rounded_dir, dtype=torch.float32).eval()
+    ids = [1, 5, 9, 33, 2, 77, 100, 3, 64, 12, 90, 4]
+    with torch.no_grad():
+        want = oracle(torch.tensor(ids)[None]).logits[0].numpy()
+    got = Engine.load(str(gguf_path), dtype="float32").logits(ids)
+    span = float(want.max() - want.min())
+    assert np.abs(got - want).max() <= 1e-4 * span
+    # and the quantization did change the model (the test would pass vacuously on an F32 file otherwise)
+    exact = Engine.load(str(hf_dir), dtype="float32").logits(ids)
+    assert np.abs(exact - got).max() > 1e-3 * span

@@ -1,0 +1,69 @@
+"""The command line, run as a user runs it (a subprocess of `python -m strata.cli`): help, generate on the demo
+model (text on stdout, logs on stderr), seeded reproducibility, and one-line errors for bad arguments."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from strata.demo import DEMO_NOTE
+
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def strata(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "strata.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def test_help_lists_generate():
+    r = strata("--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage: strata" in r.stdout
+    assert re.search(r"^\s+generate\s+\S", r.stdout, re.M), r.stdout      # the command, with its one-line help
+    g = strata("generate", "--help")
+    assert g.returncode == 0
+    for flag in ("--model", "--prompt", "--max-tokens", "--temperature", "--seed", "--top-k", "--top-p", "--min-p"):
+        assert flag in g.stdout
+
+
+def test_no_command_prints_help_and_fails():
+    r = strata()
+    assert r.returncode == 2
+    assert "generate" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_generate_demo():
+    r = strata("generate", "--model", "demo", "--prompt", "hi", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout.endswith("\n") and len(r.stdout.strip()) > 0           # the generated text, then a newline
+    assert "strata generate:" not in r.stdout                              # logs stay on stderr
+    assert DEMO_NOTE in r.stderr and "random weights" in r.stderr
+    rate = re.search(r"(\d+) generated in \d+ ms \((\d+(?:\.\d+)?) tok/s\)", r.stderr)
+    assert rate, r.stderr
+    assert 1 <= int(rate.group(1)) <= 8 and float(rate.group(2)) >= 0
+    assert re.search(r"prompt \d+ tokens read in \d+ ms \(\d+(?:\.\d+)? tok/s\)", r.stderr), r.stderr
+
+
+def test_seeded_generate_is_reproducible():
+    args = ("generate", "--model", "demo", "--prompt", "hi", "--max-tokens", "12", "--seed", "3",
+            "--temperature", "0.9")
+    a, b = strata(*args), strata(*args)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout.strip() and a.stdout == b.stdout
+
+
+def test_bad_sampling_argument_is_one_line_error():
+    r = strata("generate", "--model", "demo", "--prompt", "hi", "--top-p", "0")
+    assert r.returncode == 2
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert errors == [errors[0]] and errors[0].startswith("strata generate: error:") and "top_p" in errors[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_unknown_flag_is_an_argparse_error():
+    r = strata("generate", "--prompt", "hi", "--no-such-flag")
+    assert r.returncode == 2
+    assert "--no-such-flag" in r.stderr and "Traceback" not in r.stderr
