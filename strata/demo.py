@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-DEMO_VERSION = "demo-v1"
+DEMO_VERSION = "demo-v2"
 DEMO_NOTE = "the demo model has random weights: its text is gibberish by design"
 
 DEMO_CONFIG = {
@@ -79,7 +79,9 @@ def write_demo_model(out: Path) -> None:
     vocab = write_demo_tokenizer(out)
     cfg = dict(DEMO_CONFIG, vocab_size=vocab)
     tensors = demo_tensors(cfg, seed=20261130)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "note": DEMO_NOTE})
+    # one metadata key: safetensors writes its metadata map in no fixed order, and the files must be byte-identical
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "README.txt").write_text(f"Strata's built-in demo model: {DEMO_NOTE}.\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 

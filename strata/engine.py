@@ -71,7 +71,8 @@ def load_source(path_or_name: str | os.PathLike):
         from strata.weights.hf_dir import read_hf_dir
         config, tensors = read_hf_dir(path)
         return config, tensors, path
-    raise ModelLoadError(f"model {str(path_or_name)!r} not found: pass a Hugging Face checkpoint directory, "
+    what = "is a file but not a .gguf file" if path.is_file() else "not found"
+    raise ModelLoadError(f"model {str(path_or_name)!r} {what}: pass a Hugging Face checkpoint directory, "
                          f"a .gguf file, or 'demo'")
 
 
