@@ -47,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t_first = t_first or t2
     read_ms = (t_first - t1) * 1000
     gen_ms = (t2 - t_first) * 1000
-    _log(f"strata generate: prompt {len(ids)} tokens read in {read_ms:.0f} ms "
+    _log(f"strata generate: prompt {len(ids)} tokens read in {read_ms:.0f} ms incl. compilation "
          f"({len(ids) / max(read_ms / 1000, 1e-9):.1f} tok/s), {n} generated in {gen_ms:.0f} ms "
          f"({max(n - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s)")
     return 0
