@@ -43,6 +43,7 @@ class Backend(Protocol):
     def gated_delta_step(self, q, k, v, g, beta, state) -> tuple[Array, Array]: ...     # one token
     def valid_mask(self, t: int, n_valid: Array) -> Array: ...                           # [T] bool: row < n_valid
     def take_row(self, x: Array, i: Array) -> Array: ...                                 # x[i] at a traced index
+    def set_row(self, x: Array, i: Array, row: Array) -> Array: ...                      # x with x[i] = row
 
     # --- mixture of experts
     def topk(self, x: Array, k: int) -> tuple[Array, Array]: ...                        # values, indices over last axis
@@ -50,11 +51,12 @@ class Backend(Protocol):
 
     # --- compilation and randomness
     def compile(self, fn, donate_argnums=(), static_argnames=()): ...                    # jit, or identity
-    def prng_key(self, seed: Array, step: Array) -> Array: ...
+    def vmap(self, fn): ...                                                              # map fn over a leading axis
+    def prng_keys(self, seeds: Array, steps: Array) -> Array: ...                        # [B, 2], [B] -> [B]
 
     # --- sampling
     def sample(self, logits: Array, temperature: Array, top_k: Array, top_p: Array, min_p: Array,
-               key: Array) -> Array: ...
+               keys: Array) -> Array: ...
 
 
 _BACKENDS = {"jax": "strata.jax_backend.backend:JaxBackend"}

@@ -87,6 +87,14 @@ class Engine:
         self._read = ops.compile(partial(forward, ops, cfg), donate_argnums=(1,), static_argnames=("all_logits",))
         self._decode = ops.compile(partial(_decode_step, ops, cfg), donate_argnums=(1,))
         self._sample = ops.compile(partial(_sample, ops))
+        self._compiled: dict = {}
+
+    def compiled(self, name: str, make):
+        """One compiled function per engine and name (its shapes are cached inside), so every runner over this
+        engine shares its compilations."""
+        if name not in self._compiled:
+            self._compiled[name] = make()
+        return self._compiled[name]
 
     @classmethod
     def load(cls, path_or_name: str | os.PathLike = "demo", backend: str = "jax", **options) -> "Engine":
@@ -197,8 +205,9 @@ class Sequence:
 
 
 def _sample(ops, logits, temperature, top_k, top_p, min_p, seed, step):
-    key = ops.prng_key(seed, step)
-    return ops.sample(logits, temperature, top_k, top_p, min_p, key)
+    """One sequence's sampling step: seed uint32 [2], step int32 scalar."""
+    keys = ops.prng_keys(seed[None], step[None])
+    return ops.sample(logits, temperature, top_k, top_p, min_p, keys)
 
 
 def _decode_step(ops, cfg, params, state, token, pos, temperature, top_k, top_p, min_p, seed, step):

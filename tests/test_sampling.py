@@ -22,7 +22,7 @@ PROMPT = [5, 70, 101, 33]
 
 
 def _one(logits, temperature, top_k, top_p, min_p, key):
-    return JaxBackend.sample(logits[None], temperature[None], top_k[None], top_p[None], min_p[None], key)[0]
+    return JaxBackend.sample(logits[None], temperature[None], top_k[None], top_p[None], min_p[None], key[None])[0]
 
 
 _draw_many = jax.jit(jax.vmap(_one, in_axes=(None, None, None, None, None, 0)))
@@ -92,7 +92,8 @@ def test_temperature_zero_row_in_a_mixed_batch_is_greedy():
     logits = rng.standard_normal((3, 50)).astype(np.float32)
     t = jnp.array([0.0, 1.0, 0.0], jnp.float32)
     zeros, ones = jnp.zeros(3, jnp.int32), jnp.ones(3, jnp.float32)
-    f = jax.jit(lambda k: JaxBackend.sample(jnp.asarray(logits), t, zeros, ones, jnp.zeros(3, jnp.float32), k))
+    f = jax.jit(lambda k: JaxBackend.sample(jnp.asarray(logits), t, zeros, ones, jnp.zeros(3, jnp.float32),
+                                             jax.random.split(k, 3)))
     outs = np.stack([np.asarray(f(k)) for k in jax.random.split(jax.random.key(1), 64)])
     greedy = logits.argmax(-1)
     assert (outs[:, 0] == greedy[0]).all() and (outs[:, 2] == greedy[2]).all()

@@ -169,6 +169,11 @@ class JaxBackend:
         return jnp.arange(t) < n_valid
 
     @staticmethod
+    def set_row(x, i, row):
+        """x with x[i] = row, at a traced index (in place when x is donated)."""
+        return lax.dynamic_update_index_in_dim(x, row.astype(x.dtype), i, axis=0)
+
+    @staticmethod
     def take_row(x, i):
         return lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
 
@@ -217,8 +222,9 @@ class JaxBackend:
 
     # --- sampling
     @staticmethod
-    def sample(logits, temperature, top_k, top_p, min_p, key):
-        """logits [B, V] fp32; per-row temperature, top_k (0 = off), top_p (1 = off), min_p (0 = off); key: PRNG key.
+    def sample(logits, temperature, top_k, top_p, min_p, keys):
+        """logits [B, V] fp32; per-row temperature, top_k (0 = off), top_p (1 = off), min_p (0 = off) and PRNG key
+        (keys [B]: a row's draw depends on its own key only, so batching never changes a seeded request).
         A row with temperature 0 is greedy."""
         b, vocab = logits.shape
         logits = logits.astype(jnp.float32)
@@ -233,7 +239,7 @@ class JaxBackend:
         keep &= cum_before < top_p[:, None]
         keep &= probs >= min_p[:, None] * probs[:, :1]
         keep = keep.at[:, 0].set(True)                                                # the best token always stays
-        choice = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1)
+        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
         sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
         return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
@@ -243,7 +249,12 @@ class JaxBackend:
         return jax.jit(fn, donate_argnums=donate_argnums, static_argnames=static_argnames)
 
     @staticmethod
-    def prng_key(seed, step):
-        """The key for one sampling step of a seeded request, reproducible from (seed, step) alone.
-        seed: uint32 [2] (low, high words of a 63-bit seed)."""
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), step)
+    def vmap(fn):
+        return jax.vmap(fn)
+
+    @staticmethod
+    def prng_keys(seeds, steps):
+        """Per-row keys for one sampling step, each reproducible from its row's (seed, step) alone.
+        seeds: uint32 [B, 2] (low, high words of 63-bit seeds); steps: int32 [B]."""
+        key = lambda s, t: jax.random.fold_in(jax.random.fold_in(jax.random.key(s[0]), s[1]), t)  # noqa: E731
+        return jax.vmap(key)(seeds, steps)

@@ -44,7 +44,7 @@ def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_v
     for lp, st, kind in zip(params["layers"], state, cfg.layer_types):
         h = ops.rms_norm(x, lp["in_norm"], cfg.rms_norm_eps)
         if kind == LINEAR:
-            y, st = gated_deltanet(ops, cfg, lp, st, h, valid, n_valid)
+            y, st = gated_deltanet(ops, cfg, lp, st, h, start, valid, n_valid)
         else:
             y, st = attention(ops, cfg, lp, st, h, positions, start)
         x = x + y
@@ -75,11 +75,13 @@ def attention(ops, cfg: ModelConfig, lp: dict, st: dict, h, positions, start):
     return ops.linear(o, lp["o"]), {"k": kc, "v": vc}
 
 
-def gated_deltanet(ops, cfg: ModelConfig, lp: dict, st: dict, h, valid, n_valid):
+def gated_deltanet(ops, cfg: ModelConfig, lp: dict, st: dict, h, start, valid, n_valid):
     """Gated DeltaNet: causal conv over [q|k|v], l2-normed q/k shared by r value heads, the gated delta rule,
     a gated RMSNorm with z, out_proj."""
     xp = ops.xp
     t = h.shape[0]
+    # a sequence that starts at position 0 starts from an empty state, whatever the slot held before
+    st = {name: xp.where(start > 0, st[name], xp.zeros_like(st[name])) for name in ("conv", "ssm")}
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = hv // hk

@@ -1,0 +1,113 @@
+"""WindowRunner: runs WindowPlans on the backend over a bank of per-slot sequence states.
+
+The states of all slots are stacked on a leading [S] axis and threaded through every call as one value (donated),
+so device order follows data. Decode rows are the single-sequence forward pass mapped over the slots; a prompt part
+runs the same forward pass on one slot's state. Inactive decode rows write their key/value into the scratch row
+(capacity - 1, beyond max_context, never visible to a real query) and leave the recurrent state unchanged (n_valid 0).
+Compilation: one decode function for S, one prompt-part function per bucket; all of them at warm-up.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import numpy as np
+
+from strata.engine import PART_BUCKETS, Engine, bucket_for
+from strata.model.forward import forward, init_state
+from strata.sched.plan import WindowPlan, WindowResult
+
+
+class WindowRunner:
+    def __init__(self, engine: Engine, n_slots: int, part_size: int):
+        if part_size > engine.options.prefill:
+            raise ValueError(f"part size {part_size} exceeds the engine's prefill {engine.options.prefill}")
+        self.engine, self.n_slots, self.part_size = engine, n_slots, part_size
+        ops, cfg = engine.backend, engine.cfg
+        one = init_state(cfg, engine.capacity, engine.dtype)
+        bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
+        self.states = ops.to_device(bank)                     # per layer {name: [S, ...]}
+        self.scratch_pos = engine.capacity - 1
+        self._decode = engine.compiled("decode_rows", lambda: ops.compile(partial(_decode_rows, ops, cfg),
+                                                                          donate_argnums=(1,)))
+        self._part = engine.compiled("prompt_part", lambda: ops.compile(partial(_prompt_part, ops, cfg),
+                                                                         donate_argnums=(1,)))
+
+    def buckets(self) -> list[int]:
+        return [b for b in PART_BUCKETS if b <= bucket_for(self.part_size)]
+
+    def warm_up(self) -> float:
+        """Compile every shape the runner will use; -> seconds. Slot states hold garbage afterwards, which is
+        harmless: a sequence starting at 0 clears its recurrent state, and keys are written before they are read."""
+        t = time.perf_counter()
+        s = self.n_slots
+        plan = idle_plan(s)
+        self.run(plan)
+        for b in self.buckets():
+            self.run(_with_part(plan, 0, np.zeros(b, np.int32), 0))
+        return time.perf_counter() - t
+
+    def run(self, plan: WindowPlan) -> WindowResult:
+        e = self.engine
+        sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
+        t0 = time.perf_counter()
+        decode_next = np.zeros(self.n_slots, np.int32)
+        decode_finite = np.ones(self.n_slots, bool)
+        if plan.n_decode:
+            pos = np.where(plan.decode_active, plan.decode_pos, self.scratch_pos).astype(np.int32)
+            nxt, fin, self.states = self._decode(e.params, self.states, plan.decode_tokens, pos,
+                                                 plan.decode_active.astype(np.int32), *sp, plan.seeds, plan.steps)
+            decode_next, decode_finite = np.asarray(nxt), np.asarray(fin)
+        t1 = time.perf_counter()
+        part_next = part_finite = None
+        if plan.part is not None:
+            p = plan.part
+            n = len(p.tokens)
+            padded = np.zeros(bucket_for(n), np.int32)
+            padded[:n] = p.tokens
+            i = p.slot
+            nxt, fin, self.states = self._part(e.params, self.states, np.int32(i), padded, np.int32(p.start),
+                                               np.int32(n), *(a[i:i + 1] for a in sp), plan.seeds[i],
+                                               plan.steps[i])
+            part_next, part_finite = int(nxt), bool(fin)
+        t2 = time.perf_counter()
+        return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - t0, t2 - t1)
+
+
+def idle_plan(n_slots: int) -> WindowPlan:
+    """A window in which no slot generates (the scheduler fills in what it needs)."""
+    z = lambda dt: np.zeros(n_slots, dt)  # noqa: E731
+    return WindowPlan(decode_active=z(bool), decode_tokens=z(np.int32), decode_pos=z(np.int32),
+                      temperature=z(np.float32), top_k=z(np.int32), top_p=np.ones(n_slots, np.float32),
+                      min_p=z(np.float32), seeds=np.zeros((n_slots, 2), np.uint32), steps=z(np.int32))
+
+
+def _with_part(plan: WindowPlan, slot: int, tokens: np.ndarray, start: int) -> WindowPlan:
+    from dataclasses import replace
+
+    from strata.sched.plan import PromptPart
+    return replace(plan, part=PromptPart(slot=slot, tokens=tokens, start=start, last=True))
+
+
+def _decode_rows(ops, cfg, params, states, tokens, pos, active, temperature, top_k, top_p, min_p, seeds, steps):
+    """[S] rows of one token each -> (next tokens [S], finite [S], states)."""
+    xp = ops.xp
+
+    def row(state, token, p, n_valid):
+        logits, state = forward(ops, cfg, params, state, token[None], p, n_valid, all_logits=False)
+        return logits[0], state
+
+    logits, states = ops.vmap(row)(states, tokens, pos, active)                    # [S, V]
+    nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seeds, steps))
+    return nxt, xp.all(xp.isfinite(logits), axis=-1), states
+
+
+def _prompt_part(ops, cfg, params, states, slot, tokens, start, n_valid, temperature, top_k, top_p, min_p, seed,
+                 step):
+    """One prompt part on one slot's state -> (token sampled after its last row, finite, states)."""
+    xp = ops.xp
+    state = [{k: v[slot] for k, v in layer.items()} for layer in states]
+    logits, state = forward(ops, cfg, params, state, tokens, start, n_valid, all_logits=False)   # [1, V]
+    states = [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)]
+    nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))
+    return nxt[0], xp.all(xp.isfinite(logits)), states

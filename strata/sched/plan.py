@@ -1,0 +1,50 @@
+"""What one window computes, and what it returns: plain data (numpy), so the scheduler is testable without a device.
+
+A window has one decode row per slot (S = the number of slots; rows of slots that are not generating are inactive)
+and at most one prompt part. Every slot's sampling parameters ride along in [S] arrays; the part uses its slot's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptPart:
+    slot: int
+    tokens: np.ndarray           # [n] int32, 1 <= n <= the part size
+    start: int                   # position of tokens[0]; 0 starts a new sequence (its recurrent state is cleared)
+    last: bool                   # the prompt's final part: its last row's sample is the first generated token
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    decode_active: np.ndarray    # [S] bool
+    decode_tokens: np.ndarray    # [S] int32: the token each active row feeds
+    decode_pos: np.ndarray       # [S] int32: its position
+    temperature: np.ndarray      # [S] float32
+    top_k: np.ndarray            # [S] int32
+    top_p: np.ndarray            # [S] float32
+    min_p: np.ndarray            # [S] float32
+    seeds: np.ndarray            # [S, 2] uint32
+    steps: np.ndarray            # [S] int32: the sampling step of each slot's request (key = f(seed, step))
+    part: PromptPart | None = None
+
+    @property
+    def n_decode(self) -> int:
+        return int(self.decode_active.sum())
+
+    @property
+    def tokens(self) -> int:
+        return self.n_decode + (len(self.part.tokens) if self.part else 0)
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    decode_next: np.ndarray      # [S] int32 (meaningful where decode_active)
+    decode_finite: np.ndarray    # [S] bool: the row's logits were finite
+    part_next: int | None        # the token sampled after the part's last row
+    part_finite: bool | None
+    decode_s: float              # device time of the decode rows
+    part_s: float                # device time of the prompt part

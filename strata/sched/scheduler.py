@@ -1,0 +1,329 @@
+"""The scheduler: admits requests into slots and runs windows over all of them, continuously.
+
+One engine task owns the device. Each window holds one decode row per generating slot and at most one prompt part
+(of up to `prefill` tokens) of the earliest-admitted slot still reading its prompt: a long prompt is read in parts
+while the other slots keep decoding. Device work runs in a worker thread, so the event loop (and /health, /slots)
+stays responsive. The next window is dispatched before the previous window's text is sent to its clients.
+
+Slots are explicit states: FREE -> READING (prompt parts) -> GENERATING -> FREE. Every request ends with exactly one
+Finished or Failed event: a window that raises fails the requests in it (and only those), a non-finite row fails its
+request naming the position, a client that goes away has its slot freed before the next window is planned.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import anyio
+import numpy as np
+
+from strata.runner import WindowRunner, idle_plan
+from strata.sched.output import TextOutput
+from strata.sched.plan import PromptPart, WindowPlan, WindowResult
+from strata.sched.request import Delta, Failed, Finished, QueueFull, Request
+
+log = logging.getLogger("strata.sched")
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    READING = "reading"
+    GENERATING = "generating"
+
+
+@dataclass
+class Slot:
+    id: int
+    state: SlotState = SlotState.FREE
+    req: Request | None = None
+    send: object = None                  # the request's event stream (send side)
+    output: TextOutput | None = None
+    stops: frozenset = frozenset()
+    seed: tuple[int, int] = (0, 0)
+    read: int = 0                        # prompt tokens read
+    pos: int = 0                         # tokens in the slot's sequence state
+    generated: int = 0
+    last_token: int = 0
+    admitted: int = 0                    # admission order: the earliest reading slot gets the next part
+    parts: int = 0
+    decode_ms_between_parts: float = 0.0
+    t_read_start: float = 0.0
+    t_read_end: float = 0.0
+    t_first_token: float = 0.0
+    events: list = field(default_factory=list)   # produced by the last window, sent after the next is dispatched
+
+    def reset(self) -> None:
+        """Back to FREE with nothing of the last request (the device state is cleared when a sequence starts)."""
+        self.__dict__.update(Slot(self.id).__dict__)
+
+
+class Scheduler:
+    def __init__(self, engine, *, parallel: int, prefill: int, max_context: int, queue_limit: int):
+        if max_context > engine.options.max_context:
+            raise ValueError(f"max_context {max_context} exceeds the engine's {engine.options.max_context}")
+        self.engine, self.max_context, self.queue_limit = engine, max_context, queue_limit
+        self.prefill = prefill
+        self.runner = WindowRunner(engine, parallel, prefill)
+        self.slots_ = [Slot(i) for i in range(parallel)]
+        self.queue: deque[tuple[Request, object]] = deque()
+        self.cancelled: set[str] = set()
+        self._wake = anyio.Event()
+        self._admissions = 0
+        self.stats = {"requests_finished": 0, "requests_failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                      "windows": 0, "window_seconds_sum": 0.0}
+        self._recent: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens generated, seconds) per window
+        self._pending: list[tuple[object, list]] = []                 # ended requests' streams and last events
+
+    # --- the HTTP side (called on the event loop)
+    def submit(self, req: Request):
+        if len(self.queue) >= self.queue_limit:
+            raise QueueFull(len(self.queue))
+        send, receive = anyio.create_memory_object_stream(max_buffer_size=math.inf)
+        self.queue.append((req, send))
+        self._wake.set()
+        return receive
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.add(request_id)
+        self._wake.set()
+
+    def slots(self) -> list[dict]:
+        return [{"id": s.id, "state": s.state.value, "request": s.req.id if s.req else None,
+                 "prompt_tokens": len(s.req.prompt_ids) if s.req else 0, "read": s.read, "generated": s.generated}
+                for s in self.slots_]
+
+    def metrics(self) -> dict:
+        toks = sum(n for n, _ in self._recent)
+        secs = sum(t for _, t in self._recent)
+        return dict(self.stats, queue_depth=len(self.queue), tokens_per_s=toks / secs if secs > 0 else 0.0)
+
+    # --- the engine task
+    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED):
+        seconds = await anyio.to_thread.run_sync(self.runner.warm_up)
+        log.info(f"strata batch: {len(self.slots_)} slots, prompt parts of up to {self.prefill} tokens, "
+                 f"compiled at warm-up in {seconds * 1000:.0f} ms")
+        task_status.started()
+        try:
+            await self._loop()
+        finally:
+            for s in self.slots_:
+                if s.req is not None:
+                    self._end(s, Failed("the server is shutting down", 503))
+            self._send_pending()
+            for req, send in self.queue:
+                _send(send, Failed("the server is shutting down", 503))
+
+    async def _loop(self):
+        while True:
+            self._drop_cancelled()
+            self._admit()
+            plan = self._plan()
+            if plan is None:
+                self._send_pending()
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                continue
+            box: dict = {}
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._run_window, plan, box)
+                self._send_pending()              # the previous window's text, while this one runs
+            self._apply(plan, box)
+
+    async def _run_window(self, plan: WindowPlan, box: dict):
+        t = time.perf_counter()
+        try:
+            box["result"] = await anyio.to_thread.run_sync(self.runner.run, plan)
+        except Exception as exc:                  # noqa: BLE001 - a failed window fails its requests, not the server
+            box["error"] = exc
+        box["seconds"] = time.perf_counter() - t
+
+    # --- admission and cancellation
+    def _admit(self):
+        for slot in self.slots_:
+            if not self.queue:
+                return
+            if slot.state is not SlotState.FREE:
+                continue
+            req, send = self.queue.popleft()
+            self._admissions += 1
+            seed = secrets.randbits(63) if req.sampling.seed is None else req.sampling.seed
+            stops = req.stop_token_ids if req.stop_token_ids is not None else self.engine.eos_token_ids
+            slot.reset()
+            slot.state, slot.req, slot.send, slot.admitted = SlotState.READING, req, send, self._admissions
+            slot.seed = (seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF)
+            slot.stops = frozenset(stops)
+            slot.output = TextOutput(self.engine.tokenizer, req.prompt_ids, req.stop, req.reasoning)
+
+    def _drop_cancelled(self):
+        if not self.cancelled:
+            return
+        for slot in self.slots_:
+            if slot.req is not None and slot.req.id in self.cancelled:
+                log.info(f"strata serve: request {slot.req.id} cancelled by its client; slot {slot.id} is free")
+                self._end(slot, Failed("cancelled by the client", 499))
+        waiting = deque()
+        for req, send in self.queue:
+            if req.id in self.cancelled:
+                _send(send, Failed("cancelled by the client", 499))
+                send.close()
+            else:
+                waiting.append((req, send))
+        self.queue = waiting
+        self.cancelled.clear()
+
+    # --- planning
+    def _plan(self) -> WindowPlan | None:
+        gen = [s for s in self.slots_ if s.state is SlotState.GENERATING]
+        reading = sorted((s for s in self.slots_ if s.state is SlotState.READING), key=lambda s: s.admitted)
+        if not gen and not reading:
+            return None
+        n = len(self.slots_)
+        plan = idle_plan(n)
+        active = np.zeros(n, bool)
+        tokens, pos = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        temp, top_k = np.zeros(n, np.float32), np.zeros(n, np.int32)
+        top_p, min_p = np.ones(n, np.float32), np.zeros(n, np.float32)
+        seeds, steps = np.zeros((n, 2), np.uint32), np.zeros(n, np.int32)
+        for s in self.slots_:
+            if s.req is None:
+                continue
+            sp = s.req.sampling
+            temp[s.id], top_k[s.id], top_p[s.id], min_p[s.id] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+            seeds[s.id], steps[s.id] = s.seed, s.generated
+        for s in gen:
+            active[s.id], tokens[s.id], pos[s.id] = True, s.last_token, s.pos
+        part = None
+        if reading:
+            s = reading[0]
+            prompt = s.req.prompt_ids
+            chunk = np.asarray(prompt[s.read:s.read + self.prefill], np.int32)
+            part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=s.read + len(chunk) == len(prompt))
+        return replace(plan, decode_active=active, decode_tokens=tokens, decode_pos=pos, temperature=temp,
+                       top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, steps=steps, part=part)
+
+    # --- applying a window's result
+    def _apply(self, plan: WindowPlan, box: dict):
+        seconds = box["seconds"]
+        self.stats["windows"] += 1
+        self.stats["window_seconds_sum"] += seconds
+        in_window = [s for s in self.slots_ if plan.decode_active[s.id]]
+        if plan.part is not None:
+            in_window.append(self.slots_[plan.part.slot])
+        if "error" in box:
+            log.error(f"strata batch: a window failed ({type(box['error']).__name__}: {box['error']}); "
+                      f"ending its {len(in_window)} requests")
+            for s in in_window:
+                if s.req is not None:
+                    self._end(s, Failed(f"the engine failed in a window: {type(box['error']).__name__}: "
+                                        f"{box['error']}", 500))
+            return
+        res: WindowResult = box["result"]
+        now = time.perf_counter()
+        started = now - seconds
+        generated = 0
+        for s in self.slots_:
+            if s.state is SlotState.READING and s.parts > 0 and plan.n_decode:
+                s.decode_ms_between_parts += res.decode_s * 1000
+        for s in in_window:
+            if s.req is None:                      # cancelled while its window ran
+                continue
+            if plan.part is not None and s.id == plan.part.slot:
+                generated += self._apply_part(s, plan.part, res, started, now)
+            else:
+                generated += self._apply_decode(s, res)
+        self._recent.append((generated, seconds))
+
+    def _apply_part(self, s: Slot, part: PromptPart, res: WindowResult, started: float, now: float) -> int:
+        if s.parts == 0:
+            s.t_read_start = started
+        s.parts += 1
+        s.read += len(part.tokens)
+        s.pos = s.read
+        self.stats["prompt_tokens"] += len(part.tokens)
+        if not res.part_finite:
+            self._end(s, Failed(f"non-finite logits at position {s.pos - 1} while reading the prompt", 500))
+            return 0
+        if not part.last:
+            return 0
+        s.t_read_end = s.t_first_token = now
+        if s.parts > 1:
+            log.info(f"strata batch: the prompt was read in {s.parts} parts, the slots decoding "
+                     f"{s.decode_ms_between_parts:.0f} ms between them")
+        s.state = SlotState.GENERATING
+        self._take_token(s, res.part_next)
+        return 1
+
+    def _apply_decode(self, s: Slot, res: WindowResult) -> int:
+        s.pos += 1
+        if not res.decode_finite[s.id]:
+            self._end(s, Failed(f"non-finite logits at position {s.pos - 1}", 500))
+            return 0
+        self._take_token(s, int(res.decode_next[s.id]))
+        return 1
+
+    def _take_token(self, s: Slot, token: int):
+        """A sampled token: stream its text, or end the request (end-of-sequence, stop string, length)."""
+        s.generated += 1
+        s.last_token = token
+        self.stats["generated_tokens"] += 1
+        if token in s.stops:
+            self._finish(s, "stop")
+            return
+        d = s.output.push(token)
+        if d.content or d.reasoning:
+            s.events.append(d)
+        if s.output.stopped:
+            self._finish(s, "stop")
+        elif s.generated >= s.req.max_tokens or s.pos + 1 >= self.max_context:
+            self._finish(s, "length")
+
+    def _finish(self, s: Slot, reason: str):
+        d = s.output.finish()
+        if d.content or d.reasoning:
+            s.events.append(d)
+        now = time.perf_counter()
+        read_ms = (s.t_read_end - s.t_read_start) * 1000
+        gen_ms = (now - s.t_first_token) * 1000
+        n = len(s.req.prompt_ids)
+        log.info(f"strata serve: prompt {n} tokens = 0 reused + {n} read in {read_ms:.0f} ms "
+                 f"({n / max(read_ms / 1000, 1e-9):.1f} tok/s), {s.generated} generated in {gen_ms:.0f} ms "
+                 f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s)")
+        self._end(s, Finished(reason, n, s.generated, {"read_ms": read_ms, "generate_ms": gen_ms,
+                                                       "parts": s.parts}))
+
+    def _end(self, s: Slot, final):
+        """Queue the request's last event and free the slot (its state is garbage until a new sequence starts)."""
+        s.events.append(final)
+        self.stats["requests_finished" if isinstance(final, Finished) else "requests_failed"] += 1
+        self._pending.append((s.send, s.events))
+        s.events = []
+        s.reset()
+
+    def _send_pending(self):
+        """Send every event produced so far: finished requests' last events, then the live slots' new text."""
+        for send, events in self._pending:
+            for ev in events:
+                _send(send, ev)
+            send.close()
+        self._pending.clear()
+        for s in self.slots_:
+            if s.req is not None and s.events:
+                for ev in s.events:
+                    if not _send(s.send, ev):
+                        self.cancelled.add(s.req.id)
+                        break
+                s.events = []
+
+
+def _send(send, event) -> bool:
+    """Deliver an event; False when the client's side is gone (its request will be cancelled)."""
+    try:
+        send.send_nowait(event)
+        return True
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        return False
