@@ -15,6 +15,7 @@ from jax import lax
 GATHER_ROUTES_MAX = 64
 GDN_CHUNK = 64
 EXPERT_BLOCK = 64   # rows per block of the prompt-part expert op
+KV_BLOCK = 512      # keys per step of the attention's online softmax
 
 
 class JaxBackend:
@@ -85,17 +86,39 @@ class JaxBackend:
 
     @staticmethod
     def attention(q, k_cache, v_cache, q_pos, scale):
-        # q [T, Hq, hd]; caches [Cap, Hkv, hd]; a query at position p sees keys 0..p (GQA: r = Hq / Hkv)
+        """q [T, Hq, hd]; caches [Cap, Hkv, hd]; a query at position p sees keys 0..p (GQA: r = Hq / Hkv).
+
+        Keys are visited in blocks of KV_BLOCK with an online softmax, and only the blocks up to the furthest
+        query's position: cost and memory follow the sequence's length, not the cache's capacity."""
         t, hq, hd = q.shape
         cap, hkv, _ = k_cache.shape
-        qg = q.reshape(t, hkv, hq // hkv, hd)
-        s = jnp.einsum("tgrd,cgd->tgrc", qg, k_cache.astype(q.dtype),
-                       preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST) * scale
-        visible = jnp.arange(cap)[None, :] <= q_pos[:, None]                          # [T, Cap]
-        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        o = jnp.einsum("tgrc,cgd->tgrd", p, v_cache.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-        return o.reshape(t, hq, hd).astype(q.dtype)
+        blk = min(KV_BLOCK, cap)
+        hi = lax.Precision.HIGHEST
+        qg = q.reshape(t, hkv, hq // hkv, hd).astype(jnp.float32) * scale
+        n_blocks = jnp.minimum(jnp.max(q_pos) // blk + 1, -(-cap // blk))
+
+        def body(i, carry):
+            m, l, acc = carry                                                            # [T,g,r], [T,g,r], [T,g,r,hd]
+            start = jnp.minimum(i * blk, cap - blk)                                      # last block may overlap
+            kb = lax.dynamic_slice_in_dim(k_cache, start, blk).astype(jnp.float32)       # [B, Hkv, hd]
+            vb = lax.dynamic_slice_in_dim(v_cache, start, blk).astype(jnp.float32)
+            key_pos = start + jnp.arange(blk)
+            fresh = key_pos >= i * blk                                                   # not seen by an earlier block
+            s = jnp.einsum("tgrd,cgd->tgrc", qg, kb, precision=hi)
+            visible = (key_pos[None, :] <= q_pos[:, None]) & fresh[None, :]              # [T, B]
+            s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + jnp.einsum("tgrc,cgd->tgrd", p, vb,
+                                                                                     precision=hi)
+
+        shape = (t, hkv, hq // hkv)
+        init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(shape + (hd,), jnp.float32))
+        # every query sees key 0, so after the first block m is finite and corr never computes inf - inf
+        _, l, acc = lax.fori_loop(0, n_blocks, body, init)
+        return (acc / l[..., None]).reshape(t, hq, hd).astype(q.dtype)
 
     @staticmethod
     def causal_conv(u, conv_state, w, n_valid):

@@ -46,7 +46,7 @@ def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_v
         if kind == LINEAR:
             y, st = gated_deltanet(ops, cfg, lp, st, h, start, valid, n_valid)
         else:
-            y, st = attention(ops, cfg, lp, st, h, positions, start)
+            y, st = attention(ops, cfg, lp, st, h, positions, start, valid)
         x = x + y
         x = x + mlp(ops, cfg, lp, ops.rms_norm(x, lp["post_norm"], cfg.rms_norm_eps))
         new_state.append(st)
@@ -57,7 +57,7 @@ def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_v
     return logits, new_state
 
 
-def attention(ops, cfg: ModelConfig, lp: dict, st: dict, h, positions, start):
+def attention(ops, cfg: ModelConfig, lp: dict, st: dict, h, positions, start, valid):
     """Softmax attention with GQA, q/k norms and partial RoPE; Qwen3-Next adds a sigmoid output gate per head."""
     xp = ops.xp
     t = h.shape[0]
@@ -69,7 +69,8 @@ def attention(ops, cfg: ModelConfig, lp: dict, st: dict, h, positions, start):
     k = ops.rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
     kc = ops.kv_write(st["k"], k, start)
     vc = ops.kv_write(st["v"], v, start)
-    o = ops.attention(q, kc, vc, positions, hd ** -0.5).reshape(t, cfg.num_heads * hd)
+    # padded rows look at key 0 only (their output is discarded), so the keys visited follow the real rows
+    o = ops.attention(q, kc, vc, xp.where(valid, positions, 0), hd ** -0.5).reshape(t, cfg.num_heads * hd)
     if cfg.gated_attention:
         o = o * ops.sigmoid(ops.linear(h, lp["gate"]))
     return ops.linear(o, lp["o"]), {"k": kc, "v": vc}

@@ -1,0 +1,152 @@
+"""N concurrent streaming clients against a Strata server: time to first token, per-client and aggregate tokens/s,
+p50/p99 inter-token latency, and the scheduler's own overhead per window (from /metrics: window wall time minus the
+device calls inside it).
+
+    python bench/serve_load.py --clients 1,2,4,8                      # starts `strata serve` on the demo model
+    python bench/serve_load.py --base http://127.0.0.1:8080 ...       # an already running server
+
+Writes JSON (machine, date, commit, figures per N) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric_sums(text: str) -> dict[str, float]:
+    """Every sample of the Prometheus text, by name (labels summed)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+eE\d.naNIf]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+async def one_client(client: httpx.AsyncClient, base: str, i: int, tokens: int, prompt_words: int) -> dict:
+    body = {"model": "default", "max_tokens": tokens, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": f"client {i}: " + "the heron waits by the pond " * prompt_words}]}
+    t0 = time.perf_counter()
+    stamps = []
+    async with client.stream("POST", base + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            for ch in ev.get("choices") or []:
+                d = ch.get("delta") or {}
+                if d.get("content") or d.get("reasoning_content"):
+                    stamps.append(time.perf_counter())
+    t1 = time.perf_counter()
+    gaps = np.diff(stamps) * 1000 if len(stamps) > 1 else np.array([])
+    return {"ttft_ms": (stamps[0] - t0) * 1000 if stamps else None, "events": len(stamps), "seconds": t1 - t0,
+            "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0, "gaps_ms": gaps}
+
+
+async def load(base: str, n: int, tokens: int, prompt_words: int) -> dict:
+    async with httpx.AsyncClient() as client:
+        before = metric_sums((await client.get(base + "/metrics")).text)
+        t = time.perf_counter()
+        runs = await asyncio.gather(*(one_client(client, base, i, tokens, prompt_words) for i in range(n)))
+        wall = time.perf_counter() - t
+        after = metric_sums((await client.get(base + "/metrics")).text)
+    gaps = np.concatenate([r["gaps_ms"] for r in runs]) if runs else np.array([])
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    window = next((v for k, v in delta.items() if "window_seconds" in k and k.endswith("_sum")), None)
+    device = next((v for k, v in delta.items() if "device_seconds" in k), None)
+    return {
+        "clients": n,
+        "ttft_ms_median": float(np.median([r["ttft_ms"] for r in runs if r["ttft_ms"] is not None])),
+        "per_client_tok_s_median": float(np.median([r["tok_s"] for r in runs])),
+        "aggregate_tok_s": sum(r["events"] for r in runs) / wall,
+        "inter_token_ms_p50": float(np.percentile(gaps, 50)) if gaps.size else None,
+        "inter_token_ms_p99": float(np.percentile(gaps, 99)) if gaps.size else None,
+        "window_seconds": window, "device_seconds": device,
+        "scheduler_overhead_fraction": (1 - device / window) if window and device is not None else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default=None)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-words", type=int, default=40)
+    ap.add_argument("--serve-args", default="", help="extra flags for the server this script starts")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    counts = [int(x) for x in args.clients.split(",")]
+    proc = None
+    base = args.base
+    if base is None:
+        port = free_port()
+        cmd = [sys.executable, "-m", "strata.cli", "serve", "--model", args.model, "--port", str(port),
+               "--parallel", str(max(counts)), "--queue-limit", str(4 * max(counts))] + args.serve_args.split()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                print(proc.stderr.read(), file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    try:
+        asyncio.run(load(base, 1, 8, 4))                          # warm every path once
+        results = [asyncio.run(load(base, n, args.tokens, args.prompt_words)) for n in counts]
+    finally:
+        if proc:
+            proc.terminate()
+            proc.wait(30)
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("STRATA_COMMIT", "unknown")
+    import jax
+    dev = jax.devices()[0]
+    out = {"bench": "serve_load", "machine": f"{dev.platform}:{getattr(dev, 'device_kind', '')} ({platform.node()})",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+           "model": args.model, "max_tokens": args.tokens, "results": results}
+    print("| clients | TTFT ms | per-client tok/s | aggregate tok/s | ITL p50 ms | ITL p99 ms | sched overhead |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        ov = r["scheduler_overhead_fraction"]
+        print(f"| {r['clients']} | {r['ttft_ms_median']:.0f} | {r['per_client_tok_s_median']:.1f} | "
+              f"{r['aggregate_tok_s']:.1f} | {r['inter_token_ms_p50']:.1f} | {r['inter_token_ms_p99']:.1f} | "
+              f"{'' if ov is None else f'{100 * ov:.1f}%'} |")
+    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"serve_load_{args.model}_{dev.platform}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
