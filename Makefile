@@ -12,9 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# Until the OpenAI server lands, `make serve` generates from the demo model (random weights: gibberish by design).
+# The OpenAI-compatible server on 127.0.0.1:8080, serving the demo model (random weights: gibberish by design).
 serve: $(STAMP)
-	$(BIN)/strata generate --model demo --prompt "Hello from Strata" --max-tokens 48
+	$(BIN)/strata serve
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests

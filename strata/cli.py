@@ -53,6 +53,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from strata.config import load_serve_config
+    overrides = {key: getattr(args, key) for key in SERVE_FLAGS}
+    config = load_serve_config(args.config, overrides)
+    from strata.serve.server import serve_forever
+    return serve_forever(config)
+
+
+# `strata serve` flags; each has a config-file key of the same name with - written as _
+SERVE_FLAGS = {
+    "model": (str, "checkpoint directory, .gguf file, or 'demo' (default)"),
+    "host": (str, "address to listen on (default 127.0.0.1: this machine only)"),
+    "port": (int, "port to listen on (default 8080; 0 picks a free one)"),
+    "parallel": (int, "sequences decoded together, 1..64 (default 2)"),
+    "prefill": (int, "prompt part size: prompts are read in parts of at most this many tokens (default 512)"),
+    "max_context": (int, "tokens of one sequence, prompt + generated (default 32768)"),
+    "queue_limit": (int, "requests waiting for a slot; beyond it requests get 503 + Retry-After (default 16)"),
+    "max_body_bytes": (int, "largest request body accepted; larger ones get 413 (default 16 MiB)"),
+    "api_key": (str, "require 'Authorization: Bearer KEY' on every route but /health (or set STRATA_API_KEY)"),
+    "backend": (str, "jax (default) | sycl | auto"),
+    "dtype": (str, "auto (default) | float32 | bfloat16"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description="Serve Mixture-of-Experts models larger than the GPU.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
@@ -71,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
     g.add_argument("--backend", default="jax", help="jax (default)")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over an OpenAI-compatible HTTP API (chat and text completions, "
+                                   "streamed or not, /v1/models, /health, /slots, /metrics). Every flag has a "
+                                   "config-file key of the same name (--max-context -> max_context); flags override "
+                                   "the file. With no arguments it serves the demo model on 127.0.0.1:8080.")
+    s.add_argument("--config", default=None, metavar="FILE.toml", help="TOML file of settings (see configs/demo.toml)")
+    for key, (typ, help_text) in SERVE_FLAGS.items():
+        s.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None,
+                       metavar=key.upper() if typ is str else "N", help=help_text)
+    s.set_defaults(func=cmd_serve)
     return p
 
 

@@ -6,6 +6,7 @@ download, and its text is gibberish by design.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -14,19 +15,19 @@ from pathlib import Path
 
 import numpy as np
 
-DEMO_VERSION = "demo-v2"
+DEMO_NAME = "demo"
 DEMO_NOTE = "the demo model has random weights: its text is gibberish by design"
 
 DEMO_CONFIG = {
     "architectures": ["Qwen3NextForCausalLM"],
     "model_type": "qwen3_next",
-    "vocab_size": 272,
+    "vocab_size": 624,
     "hidden_size": 96,
     "num_hidden_layers": 4,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
     "rope_theta": 10000000.0,
     "partial_rotary_factor": 0.25,
     "linear_num_key_heads": 2,
@@ -54,9 +55,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("STRATA_CACHE_DIR") or Path.home() / ".cache" / "strata")
 
 
+def demo_fingerprint() -> str:
+    """Changes whenever the code that writes the demo changes, so a cached copy is never stale."""
+    from strata import demo_tokenizer
+    h = hashlib.sha256()
+    for module in (__file__, demo_tokenizer.__file__):
+        h.update(Path(module).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def demo_model_dir() -> Path:
     """The demo checkpoint directory, written on first use (atomically: concurrent first uses are safe)."""
-    target = cache_root() / DEMO_VERSION
+    target = cache_root() / f"{DEMO_NAME}-{demo_fingerprint()}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -188,10 +188,10 @@ class Sequence:
                                          all_logits=all_logits)
             self.pos += len(chunk)
             if all_logits:
-                out.append(np.asarray(logits)[:len(chunk)])
+                out.append(e.backend.to_host(logits)[:len(chunk)])
         if all_logits:
             return np.concatenate(out, axis=0)
-        return np.asarray(logits) if as_numpy else logits
+        return e.backend.to_host(logits) if as_numpy else logits
 
     def decode(self, token: int, sp, seed_arr, step: int) -> int:
         """Feed one token, sample the next (on the device); -> the sampled token id."""

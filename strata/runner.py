@@ -9,13 +9,14 @@ Compilation: one decode function for S, one prompt-part function per bucket; all
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
 
 from strata.engine import PART_BUCKETS, Engine, bucket_for
 from strata.model.forward import forward, init_state
-from strata.sched.plan import WindowPlan, WindowResult
+from strata.sched.plan import PromptPart, WindowPlan, WindowResult
 
 
 class WindowRunner:
@@ -42,7 +43,7 @@ class WindowRunner:
         t = time.perf_counter()
         s = self.n_slots
         plan = idle_plan(s)
-        self.run(plan)
+        self.run(replace(plan, decode_active=np.ones(s, bool)))          # the decode rows
         for b in self.buckets():
             self.run(_with_part(plan, 0, np.zeros(b, np.int32), 0))
         return time.perf_counter() - t
@@ -57,7 +58,7 @@ class WindowRunner:
             pos = np.where(plan.decode_active, plan.decode_pos, self.scratch_pos).astype(np.int32)
             nxt, fin, self.states = self._decode(e.params, self.states, plan.decode_tokens, pos,
                                                  plan.decode_active.astype(np.int32), *sp, plan.seeds, plan.steps)
-            decode_next, decode_finite = np.asarray(nxt), np.asarray(fin)
+            decode_next, decode_finite = e.backend.to_host(nxt), e.backend.to_host(fin)
         t1 = time.perf_counter()
         part_next = part_finite = None
         if plan.part is not None:
@@ -83,9 +84,6 @@ def idle_plan(n_slots: int) -> WindowPlan:
 
 
 def _with_part(plan: WindowPlan, slot: int, tokens: np.ndarray, start: int) -> WindowPlan:
-    from dataclasses import replace
-
-    from strata.sched.plan import PromptPart
     return replace(plan, part=PromptPart(slot=slot, tokens=tokens, start=start, last=True))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from strata import Engine
-from strata.demo import write_demo_model
+from strata.demo import demo_fingerprint, write_demo_model
 from strata.model.config import ModelConfig
 
 
@@ -32,7 +32,7 @@ def test_demo_is_a_sparse_qwen3_next_with_both_layer_kinds(tmp_path):
 def test_demo_loads_by_name_and_greedy_is_repeatable(tmp_path, monkeypatch):
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
     engine = Engine.load("demo")
-    assert (tmp_path / "demo-v2" / "config.json").exists()
+    assert (tmp_path / f"demo-{demo_fingerprint()}" / "config.json").exists()
     ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
     first = engine.generate(ids, 12)
     assert len(first) >= 1 and all(0 <= t < engine.cfg.vocab_size for t in first)

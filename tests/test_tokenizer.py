@@ -1,4 +1,4 @@
-"""Tokenizer: byte-level round trips, streaming decode, and chat prompts identical to transformers' own."""
+"""Tokenizer: byte-level BPE round trips, streaming decode, and chat prompts identical to transformers' own."""
 from __future__ import annotations
 
 import json
@@ -9,14 +9,19 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import pre_tokenizers
 
 from strata.demo_tokenizer import (
+    CORPUS,
     DEMO_VOCAB_SIZE,
     ENDOFTEXT_ID,
+    FIRST_MERGED_ID,
     IM_END_ID,
     IM_START_ID,
     SPECIAL_TOKENS,
     THINK_ID,
+    _bytes_to_unicode,
+    _learn_merges,
     write_demo_tokenizer,
 )
 from strata.errors import ModelLoadError, StrataError
@@ -47,6 +52,12 @@ def _copy_demo(demo_dir: Path, dest: Path) -> Path:
     return dest
 
 
+def _token_bytes(tok: Tokenizer, ids) -> bytes:
+    """The raw bytes behind non-special ids, read from the vocabulary strings (GPT-2's byte-to-unicode alphabet)."""
+    byte_of = {char: byte for byte, char in _bytes_to_unicode().items()}
+    return bytes(byte_of[char] for i in ids for char in tok.id_to_token(i))
+
+
 def _edit_config(path: Path, **changes) -> None:
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
@@ -59,7 +70,7 @@ def _edit_config(path: Path, **changes) -> None:
 
 def test_demo_tokenizer_is_deterministic(tmp_path):
     sizes = [write_demo_tokenizer(tmp_path / name) for name in ("a", "b")]
-    assert sizes == [DEMO_VOCAB_SIZE, DEMO_VOCAB_SIZE] == [272, 272]
+    assert sizes == [DEMO_VOCAB_SIZE, DEMO_VOCAB_SIZE] == [624, 624]
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert names == ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     for name in names:
@@ -67,13 +78,18 @@ def test_demo_tokenizer_is_deterministic(tmp_path):
 
 
 def test_demo_vocab_special_tokens_and_eos(tok):
-    assert tok.vocab_size == 261
+    merges = _learn_merges()
+    assert tok.vocab_size == FIRST_MERGED_ID + len(merges) == 620
+    assert DEMO_VOCAB_SIZE % 16 == 0 and DEMO_VOCAB_SIZE - 16 < tok.vocab_size <= DEMO_VOCAB_SIZE
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(256, 261))
+    # Bytes keep ids 0..255; merged tokens follow the special tokens in merge order.
+    assert [tok.id_to_token(b) for b in range(256)] == [_bytes_to_unicode()[b] for b in range(256)]
+    assert [tok.id_to_token(FIRST_MERGED_ID + n) for n in range(len(merges))] == [a + b for a, b in merges]
     assert tok.eos_token == "<|im_end|>" and tok.bos_token is None
     assert tok.eos_token_ids == [IM_END_ID, ENDOFTEXT_ID]
-    assert tok.encode("<|im_start|>user<think>") == [IM_START_ID, *b"user", THINK_ID]
+    assert tok.encode("<|im_start|>user<think>") == [IM_START_ID, *tok.encode("user"), THINK_ID]
     # Padded embedding rows past the real vocabulary decode to nothing instead of failing.
-    assert tok.decode([ord("a"), 265, 271, ord("b")]) == "ab"
+    assert tok.decode([ord("a"), tok.vocab_size, DEMO_VOCAB_SIZE - 1, ord("b")]) == "ab"
     assert tok.decode([IM_START_ID, ord("a"), IM_END_ID], skip_special_tokens=True) == "a"
 
 
@@ -88,10 +104,39 @@ def test_any_text_round_trips(tok, text):
     assert tok.decode(tok.encode(text)) == text
 
 
+def test_control_characters_emoji_and_cjk_round_trip_in_both_tokenizers(tok, hf_tok):
+    text = "\x00\x01\x1b[0m\x7f\r\n\t\u200d\ufeff é 世界 한국어 🎉👍🏽👨‍👩‍👧 𝔘 \U0010ffff The end.\n"
+    ids = tok.encode(text)
+    assert ids == hf_tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == hf_tok.decode(ids) == text
+
+
 @settings(max_examples=100, deadline=None)
 @given(_NO_SPECIALS)
-def test_demo_encodes_one_token_per_utf8_byte(tok, text):
-    assert tok.encode(text) == list(text.encode("utf-8"))
+def test_tokens_spell_out_the_utf8_bytes(tok, text):
+    # Whatever the merges, the tokens' bytes concatenate to exactly the text's UTF-8 bytes (nothing lost or unknown).
+    ids = tok.encode(text)
+    assert len(ids) <= len(text.encode("utf-8"))
+    assert _token_bytes(tok, ids) == text.encode("utf-8")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary())
+def test_every_byte_sequence_is_a_sequence_of_byte_tokens(tok, hf_tok, data):
+    # Ids 0..255 are the raw bytes, so any byte string is a valid id sequence (a model may emit invalid UTF-8).
+    ids = list(data)
+    assert _token_bytes(tok, ids) == data
+    assert tok.decode(ids) == hf_tok.decode(ids) == data.decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("char", [*map(chr, range(128)), "é", "世", "🎉"], ids=ascii)
+def test_one_character_repeated_round_trips(tok, hf_tok, char):
+    for n in (1, 2, 3, 5, 17, 300):
+        text = char * n
+        ids = tok.encode(text)
+        assert ids == hf_tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text
+        assert _token_bytes(tok, ids) == text.encode("utf-8")
 
 
 def test_encode_matches_transformers(tok, hf_tok):
@@ -100,6 +145,58 @@ def test_encode_matches_transformers(tok, hf_tok):
     ids = tok.encode(text)
     assert tok.decode(ids) == hf_tok.decode(ids)
     assert tok.decode(ids, skip_special_tokens=True) == hf_tok.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text())
+def test_encode_matches_transformers_on_any_text(tok, hf_tok, text):
+    assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False)
+
+
+# -- the merges -------------------------------------------------------------------------------------------------------
+
+# Ordinary English that is not in the training corpus.
+HELD_OUT_PROSE = (
+    "When the train was late again, the people on the platform looked at their phones and then at each other. "
+    "A student in a green jacket said that it happened every week, and an older woman told him that it had been "
+    "the same when she was young. They talked for a while about the city, about the price of bread and about a "
+    "film they had both seen, and when the train finally came they found that they were going to the same place.\n"
+)
+
+
+def test_english_takes_fewer_than_half_a_token_per_byte(tok):
+    assert HELD_OUT_PROSE not in CORPUS
+    for name, text in [("held-out prose", HELD_OUT_PROSE), ("training corpus", CORPUS)]:
+        ids = tok.encode(text)
+        ratio = len(ids) / len(text.encode("utf-8"))
+        print(f"{name}: {len(text.encode('utf-8'))} bytes -> {len(ids)} tokens ({ratio:.3f} tokens/byte)")
+        assert ratio < 0.5, name
+        assert tok.decode(ids) == text
+
+
+def test_corpus_is_not_tailored_to_the_test_prompts():
+    # The server tests' long prompts are about a heron and a barge; the merges must not have been learnt from them.
+    words = CORPUS.lower()
+    assert "heron" not in words and "barge" not in words
+
+
+def test_merges_stay_inside_words(tok):
+    # Text is split GPT-2 style (words with their leading space, numbers, punctuation, whitespace) before the merges,
+    # so every merged token is a single piece of that split and never spans two words.
+    split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True).pre_tokenize_str
+    for token_id in range(FIRST_MERGED_ID, tok.vocab_size):
+        token = tok.id_to_token(token_id)
+        assert [piece for piece, _ in split(tok.decode([token_id]))] == [token]
+    assert tok.encode("the the") == tok.encode("the") + tok.encode(" the")
+
+
+def test_trainer_picks_most_frequent_pair_ties_by_string_order_and_stops():
+    # Pieces: "xy", " xy", " ba" twice. (x,y), (Ġ,b) and (b,a) all occur twice; "b" < "x" < "Ġ" decides the order, and
+    # training stops once no pair occurs twice (Ġ+x occurs once).
+    assert _learn_merges("xy xy ba ba") == (("b", "a"), ("x", "y"), ("Ġ", "ba"))
+    # Counts are weighted by how often a piece occurs; the vocabulary cap (bytes + specials + merges) stops it early.
+    assert _learn_merges("abab abab") == (("a", "b"), ("ab", "ab"))
+    assert _learn_merges("xy xy ba ba", max_vocab=FIRST_MERGED_ID + 2) == (("b", "a"), ("x", "y"))
 
 
 # -- streaming decode -------------------------------------------------------------------------------------------------
@@ -112,19 +209,29 @@ def _stream(tok: Tokenizer, ids, **kwargs) -> list[str]:
 
 
 def test_stream_multibyte_text_token_by_token(tok):
-    text = "a é 中文 🎉𝔘 ok"  # 1-, 2-, 3- and 4-byte characters
-    ids = tok.encode(text)
+    # Merged tokens for the words, raw byte ids (0..255) for the 2-, 3- and 4-byte characters, so each of those is
+    # split over several tokens the way a model may generate it.
+    ids = [*tok.encode("the word "), *"é".encode(), *tok.encode(" and "), *"中文".encode(), *"🎉𝔘".encode()]
+    ids += tok.encode(" ok")
+    text = "the word é and 中文🎉𝔘 ok"
     chunks = _stream(tok, ids)
     assert all("\ufffd" not in chunk for chunk in chunks)
     assert "".join(chunks) == tok.decode(ids) == text
     # A character is emitted by the push of its last byte, never before and never later.
-    assert chunks[ids.index(0xF0):][:4] == ["", "", "", "🎉"]
+    start = ids.index(0xF0)
+    assert chunks[start:start + 4] == ["", "", "", "🎉"]
+    assert chunks[start + 4:start + 8] == ["", "", "", "𝔘"]
 
 
+def _raw_bytes(tok, text):
+    return list(text.encode("utf-8"))
+
+
+@pytest.mark.parametrize("encode", [Tokenizer.encode, _raw_bytes], ids=["bpe", "raw-bytes"])
 @settings(max_examples=150, deadline=None)
-@given(_NO_SPECIALS.filter(lambda s: "\ufffd" not in s))
-def test_stream_emits_each_character_once_complete(tok, text):
-    ids = tok.encode(text)
+@given(text=_NO_SPECIALS.filter(lambda s: "\ufffd" not in s))
+def test_stream_emits_each_character_once_complete(tok, encode, text):
+    ids = encode(tok, text)
     chunks = _stream(tok, ids)
     assert "".join(chunks) == tok.decode(ids) == text
     assert chunks[-1] == ""  # nothing left over: every character completed inside the stream
@@ -133,7 +240,7 @@ def test_stream_emits_each_character_once_complete(tok, text):
         assert "\ufffd" not in chunk
         emitted += chunk
         # Exactly the characters whose bytes are all among the first n ids have been emitted.
-        assert emitted == text.encode("utf-8")[:n].decode("utf-8", errors="ignore")
+        assert emitted == _token_bytes(tok, ids[:n]).decode("utf-8", errors="ignore")
 
 
 def test_stream_flushes_incomplete_character_at_end(tok):
@@ -308,14 +415,15 @@ def test_added_tokens_decoder_adds_tokens_missing_from_tokenizer_json(demo_dir, 
     path = _copy_demo(demo_dir, tmp_path / "model")
     config = json.loads((path / "tokenizer_config.json").read_text())
     entry = {"content": "<tool_call>", "special": False, "lstrip": False, "rstrip": False, "normalized": False}
-    config["added_tokens_decoder"]["261"] = entry
+    next_id = Tokenizer.from_dir(path).vocab_size
+    config["added_tokens_decoder"][str(next_id)] = entry
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = Tokenizer.from_dir(path)
-    assert tok.encode("a<tool_call>") == [ord("a"), 261] and tok.vocab_size == 262
+    assert tok.encode("a<tool_call>") == [ord("a"), next_id] and tok.vocab_size == next_id + 1
 
-    config["added_tokens_decoder"]["300"] = {**entry, "content": "<far_away>"}
+    config["added_tokens_decoder"][str(next_id + 40)] = {**entry, "content": "<far_away>"}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"'<far_away>' at id 300.*next free id is 262"):
+    with pytest.raises(ModelLoadError, match=rf"'<far_away>' at id {next_id + 40}.*next free id is {next_id + 1}"):
         Tokenizer.from_dir(path)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from strata.runner import WindowRunner, idle_plan
 from strata.sched.output import TextOutput
 from strata.sched.plan import PromptPart, WindowPlan, WindowResult
-from strata.sched.request import Delta, Failed, Finished, QueueFull, Request
+from strata.sched.request import Failed, Finished, QueueFull, Request
 
 log = logging.getLogger("strata.sched")
 

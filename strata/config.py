@@ -1,0 +1,167 @@
+"""Typed, frozen configuration: `ServeConfig` for `strata serve`, loaded from a TOML file with CLI flags on top.
+
+Every `strata serve` flag has a config-file key of the same name with `-` written as `_` (`--max-context` ->
+`max_context`). Precedence: command-line flag > config file > STRATA_* environment variable (only STRATA_API_KEY) >
+default. A key that is unknown, or a value of the wrong type or outside its range, is a ConfigError that names the key
+and what is allowed.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from strata.errors import ConfigError
+
+# Prompt parts are padded to strata.engine.PART_BUCKETS; the largest bucket bounds the part size.
+MAX_PREFILL = 16384
+MAX_CONTEXT_LIMIT = 1 << 22
+BACKENDS = ("auto", "jax", "sycl")
+DTYPES = ("auto", "float32", "bfloat16")
+
+# Environment variables the serve config reads (the STRATA_* registry of this group).
+ENV_VARS = {"api_key": "STRATA_API_KEY"}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "demo"                  # checkpoint directory, .gguf file, or "demo"
+    host: str = "127.0.0.1"              # loopback unless told otherwise
+    port: int = 8080                     # 0 picks a free port (the startup line names it)
+    parallel: int = 2                    # sequences decoded together (slots)
+    prefill: int = 512                   # prompt part size: prompts are read in parts of at most this many tokens
+    max_context: int = 32768             # tokens of one sequence: prompt + generated
+    queue_limit: int = 16                # requests waiting for a slot; beyond it: 503 with Retry-After
+    max_body_bytes: int = 16 * 1024 * 1024  # request bodies larger than this get 413
+    api_key: str | None = None           # when set, every route but /health needs `Authorization: Bearer KEY`
+    backend: str = "jax"                 # jax | sycl | auto
+    dtype: str = "auto"                  # auto | float32 | bfloat16
+
+    def __post_init__(self):
+        for f in fields(self):
+            _check(f.name, getattr(self, f.name))
+
+    @property
+    def model_name(self) -> str:
+        """The name responses and /v1/models carry: the model path's basename, or "demo"."""
+        if self.model == "demo":
+            return "demo"
+        return Path(self.model).name or str(self.model)
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={'***' if f.name == 'api_key' and self.api_key else getattr(self, f.name)!r}"
+                         for f in fields(self))
+
+
+# key -> (type description, check(value) -> bool, allowed description)
+def _int_range(lo: int, hi: int):
+    return ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
+            f"an integer in [{lo}, {hi}]")
+
+
+def _choice(values: tuple[str, ...]):
+    return ("a string", lambda v: isinstance(v, str) and v in values, "one of " + ", ".join(values))
+
+
+def _nonempty_str(what: str):
+    return ("a string", lambda v: isinstance(v, str) and v.strip() != "" and "\n" not in v, what)
+
+
+_RULES: dict[str, tuple[str, Any, str]] = {
+    "model": _nonempty_str("a checkpoint directory, a .gguf file, or 'demo'"),
+    "host": _nonempty_str("an IP address or host name to listen on, e.g. 127.0.0.1 or 0.0.0.0"),
+    "port": _int_range(0, 65535),
+    "parallel": _int_range(1, 64),
+    "prefill": _int_range(1, MAX_PREFILL),
+    "max_context": _int_range(16, MAX_CONTEXT_LIMIT),
+    "queue_limit": _int_range(1, 65536),
+    "max_body_bytes": _int_range(1024, 1 << 31),
+    "api_key": ("a string", lambda v: v is None or (isinstance(v, str) and v != "" and v == v.strip()
+                                                     and v.isprintable()),
+                "a non-empty printable string without surrounding spaces"),
+    "backend": _choice(BACKENDS),
+    "dtype": _choice(DTYPES),
+}
+KEYS = tuple(f.name for f in fields(ServeConfig))
+assert set(KEYS) == set(_RULES)
+
+
+def _check(key: str, value: Any, where: str = "") -> None:
+    _, ok, allowed = _RULES[key]
+    if not ok(value):
+        raise ConfigError(f"{where}{key} = {_toml_value(value)} is not allowed; {key} must be {allowed}")
+
+
+def _toml_value(v: Any) -> str:
+    """The value as it is written in TOML, with its type where that is the problem."""
+    import json
+    if isinstance(v, bool):
+        return f"{str(v).lower()} (a boolean)"
+    if isinstance(v, str):
+        return f"{json.dumps(v)} (a string)"
+    if isinstance(v, float):
+        return f"{v!r} (a float)"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, dict):
+        return "a table"
+    if isinstance(v, list):
+        return "an array"
+    return f"{v!r} ({type(v).__name__})"
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """The key/value pairs of a serve config file; unknown keys and wrong types are ConfigErrors naming the key."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    where = f"{path}: "
+    for key, value in data.items():
+        if key not in _RULES:
+            hint = _close_key(key)
+            raise ConfigError(f"{where}unknown key {key!r}{hint}; allowed keys: {', '.join(KEYS)}")
+        _check(key, value, where)
+    return data
+
+
+def _close_key(key: str) -> str:
+    import difflib
+    norm = key.replace("-", "_")
+    if norm in _RULES:
+        return f" (did you mean {norm!r}? keys use underscores)"
+    close = difflib.get_close_matches(norm, KEYS, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_serve_config(path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
+                      env: Mapping[str, str] | None = None) -> ServeConfig:
+    """Defaults <- STRATA_API_KEY <- the TOML file at `path` <- `overrides` (CLI flags; None values are ignored)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for key, var in ENV_VARS.items():
+        if env.get(var):
+            values[key] = env[var]
+    if path is not None:
+        values.update(load_toml(path))
+    for key, value in (overrides or {}).items():
+        if key not in _RULES:
+            raise ConfigError(f"unknown setting {key!r}; allowed: {', '.join(KEYS)}")
+        if value is not None:
+            _, ok, allowed = _RULES[key]
+            if not ok(value):
+                raise ConfigError(f"{flag_name(key)} {value} is not allowed; {key} must be {allowed}")
+            values[key] = value
+    return ServeConfig(**values)

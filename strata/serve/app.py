@@ -1,0 +1,713 @@
+"""The Starlette app: OpenAI routes (chat and text completions, streamed as SSE or whole), /v1/models, /health,
+/slots, /metrics; API-key gate; body-size limit; the lifespan that runs the scheduler.
+
+One generation request: read the body (at most max_body_bytes) -> validate (openai_api) -> render the chat template
+and tokenize (off the event loop) -> check the lengths against max_context -> Request -> scheduler.submit -> turn the
+events (Delta*, then Finished | Failed) into one JSON response or SSE chunks. A client that goes away is noticed by a
+watcher on the ASGI receive channel; its request is cancelled in the scheduler, which frees the slot by the next
+window.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Callable
+
+import anyio
+import anyio.abc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from strata.config import ServeConfig
+from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, SamplingParams
+from strata.serve import openai_api as oa
+from strata.serve.openai_api import ApiError
+
+log = logging.getLogger("strata.serve")
+
+KEEPALIVE_S = 15.0        # an SSE comment goes out when nothing else was sent for this long
+POLL_S = 1.0              # how often a waiting response checks that the scheduler is still running
+_RESERVED_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "tools", "documents"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# metrics
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/slots", "/metrics", "/")
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _SchedulerCollector:
+    """The scheduler's counters, read at scrape time."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        try:
+            m = dict(self.scheduler.metrics())
+        except Exception as e:  # a scrape must not fail because the scheduler is mid-change
+            log.warning("the scheduler's metrics could not be read: %s: %s", type(e).__name__, e)
+            m = {}
+        try:
+            slots = list(self.scheduler.slots())
+        except Exception:
+            slots = []
+
+        def num(key):
+            v = m.get(key)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+        for key, name, doc in (
+            ("requests_finished", "strata_requests_finished", "Requests that ended with a finish reason"),
+            ("requests_failed", "strata_requests_failed", "Requests that ended with an error"),
+            ("prompt_tokens", "strata_prompt_tokens", "Prompt tokens read"),
+            ("generated_tokens", "strata_generated_tokens", "Tokens generated"),
+            ("windows", "strata_windows", "Scheduler windows run"),
+        ):
+            if (v := num(key)) is not None:
+                c = CounterMetricFamily(name, doc)
+                c.add_metric([], v)
+                yield c
+        if (v := num("queue_depth")) is not None:
+            yield GaugeMetricFamily("strata_queue_depth", "Requests waiting for a slot", value=v)
+        if (v := num("tokens_per_s")) is not None:
+            yield GaugeMetricFamily("strata_tokens_per_second",
+                                    "Generated tokens per second over the recent windows", value=v)
+        windows, wsum = num("windows"), num("window_seconds_sum")
+        if windows is not None and wsum is not None:
+            yield SummaryMetricFamily("strata_window_seconds", "Wall time of the scheduler's windows",
+                                      count_value=windows, sum_value=wsum)
+        g = GaugeMetricFamily("strata_slots", "Sequence slots by state", labels=["state"])
+        counts = {"free": 0, "reading": 0, "generating": 0}
+        for s in slots:
+            st = s.get("state") if isinstance(s, dict) else None
+            if isinstance(st, str):
+                counts[st] = counts.get(st, 0) + 1
+        for st, n in counts.items():
+            g.add_metric([st], n)
+        yield g
+
+
+class ServeMetrics:
+    """One registry per app, so several apps (tests) in one process don't collide."""
+
+    def __init__(self, scheduler):
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        self.http_requests = Counter("strata_http_requests", "HTTP requests by route and status code",
+                                     ["route", "code"], registry=r)
+        self.rejected = Counter("strata_requests_rejected", "Generation requests refused before admission",
+                                ["reason"], registry=r)
+        self.cancelled = Counter("strata_requests_cancelled", "Requests whose client went away before the end",
+                                 registry=r)
+        self.active = Gauge("strata_requests_active", "Generation requests in flight (queued or in a slot)",
+                            registry=r)
+        self.ttft = Histogram("strata_time_to_first_token_seconds", "Seconds from admission to the first text",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("strata_request_duration_seconds", "Seconds from admission to the end",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.completion_tokens = Histogram("strata_completion_tokens", "Tokens generated per request",
+                                           buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r)
+        r.register(_SchedulerCollector(scheduler))
+
+    @staticmethod
+    def route_label(path: str) -> str:
+        if path in ROUTES:
+            return path
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{id}"
+        return "other"
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# state
+
+
+class ServeState:
+    def __init__(self, engine, scheduler, config: ServeConfig, on_scheduler_exit: Callable[[], None] | None = None):
+        if engine.tokenizer is None:
+            raise ValueError("strata serve needs the model's tokenizer (tokenizer.json beside the weights)")
+        self.engine, self.scheduler, self.config = engine, scheduler, config
+        self.tokenizer = engine.tokenizer
+        self.model_name = config.model_name
+        self.created = oa.now()
+        self.metrics = ServeMetrics(scheduler)
+        self.scheduler_error: str | None = None    # the scheduler stopped after start-up
+        self.startup_error: str | None = None      # ... or failed during its warm-up
+        self.ready = False
+        self.on_scheduler_exit = on_scheduler_exit
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.scheduler, "max_context", None) or self.config.max_context)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.cfg.vocab_size)
+
+    async def run_scheduler(self, *, task_status=anyio.TASK_STATUS_IGNORED):
+        """scheduler.run, with a crash after start-up turned into a 503 for everyone instead of silent hangs."""
+        started = False
+
+        class _Status:
+            def started(self_, value=None):
+                nonlocal started
+                started = True
+                task_status.started(value)
+
+        try:
+            await self.scheduler.run(task_status=_Status())
+            if started:
+                raise RuntimeError("the scheduler's run() returned")
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as e:
+            if not started:
+                raise
+            self.scheduler_error = _describe(e)
+            log.error("the scheduler stopped: %s; new requests get 503", self.scheduler_error, exc_info=e)
+            if self.on_scheduler_exit is not None:
+                self.on_scheduler_exit()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: message` of the exception, looking inside exception groups (task groups wrap what really happened)."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    if isinstance(e, BaseExceptionGroup):
+        return "; ".join(_describe(x) for x in e.exceptions)
+    return f"{type(e).__name__}: {e}"
+
+
+def _json_default(o: Any):
+    if hasattr(o, "item"):          # numpy scalars
+        return o.item()
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+class _JSON(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+                          default=_json_default).encode("utf-8")
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> Response:
+    return _JSON(oa.error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+async def read_body(request: HttpRequest, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {int(declared)} bytes; this server accepts at most {limit} bytes "
+                            f"(max_body_bytes); send a shorter request", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes, the most this server accepts "
+                                f"(max_body_bytes); send a shorter request", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _api(fn):
+    """Route wrapper: ApiError -> its JSON; anything else -> 500 JSON (logged); a vanished client -> nothing."""
+
+    async def endpoint(request: HttpRequest):
+        try:
+            return await fn(request)
+        except ApiError as e:
+            state: ServeState = request.app.state.strata
+            if e.status == 503:
+                state.metrics.rejected.labels(e.code or "busy").inc()
+            elif e.status == 413:
+                state.metrics.rejected.labels("too_large").inc()
+            else:
+                state.metrics.rejected.labels("invalid").inc()
+            log.info("%d %s %s: %s", e.status, request.method, request.url.path, e.message)
+            return error_response(e.status, e.message, e.param, e.code, e.headers)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as e:
+            log.error("500 %s %s: %s: %s", request.method, request.url.path, type(e).__name__, e, exc_info=e)
+            return error_response(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+
+    endpoint.__name__ = fn.__name__
+    return endpoint
+
+
+def ends_inside_think(text: str) -> bool:
+    """True when the text's last `<think>` comes after its last `</think>` (the prompt opened a reasoning block)."""
+    return text.rfind("<think>") > text.rfind("</think>")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# generation routes
+
+
+async def chat_completions(request: HttpRequest):
+    state: ServeState = request.app.state.strata
+    body = oa.parse_json_body(await read_body(request, state.config.max_body_bytes))
+    params = oa.parse_chat(body)
+    kwargs = {k: v for k, v in params.template_kwargs.items() if k not in _RESERVED_TEMPLATE_ARGS}
+    tools = list(params.tools) if params.tools else None
+    from strata.tokenizer import ChatTemplateError
+    try:
+        text = await anyio.to_thread.run_sync(
+            lambda: state.tokenizer.apply_chat_template(list(params.messages), add_generation_prompt=True,
+                                                        tools=tools, **kwargs))
+    except ChatTemplateError as e:
+        raise oa.bad("messages", f"the conversation cannot be rendered with the model's chat template: {e}",
+                     code="invalid_messages") from None
+    ids = await anyio.to_thread.run_sync(lambda: state.tokenizer.encode(text, add_special_tokens=False))
+    mt_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _generate(state, "chat", params, ids, reasoning=ends_inside_think(text), mt_param=mt_param)
+
+
+async def completions(request: HttpRequest):
+    state: ServeState = request.app.state.strata
+    body = oa.parse_json_body(await read_body(request, state.config.max_body_bytes))
+    params = oa.parse_completion(body)
+    if isinstance(params.prompt, str):
+        if params.prompt == "":
+            raise oa.bad("prompt", "prompt is empty: send some text", code="empty_prompt")
+        text = params.prompt
+        ids = await anyio.to_thread.run_sync(lambda: state.tokenizer.encode(text, add_special_tokens=False))
+    else:
+        ids = list(params.prompt)
+        vocab = state.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise oa.bad(f"prompt[{i}]", f"prompt[{i}] = {t} is not a token id of this model: ids are "
+                                             f"0..{vocab - 1}", code="out_of_range")
+        text = state.tokenizer.decode(ids) if params.echo else ""
+    return _generate(state, "text", params, ids, reasoning=False, mt_param="max_tokens",
+                     echo_text=text if params.echo else "")
+
+
+def _generate(state: ServeState, kind: str, params: oa.CommonParams, ids: list[int], *, reasoning: bool,
+              mt_param: str, echo_text: str = "") -> "GenerationResponse":
+    n, limit = len(ids), state.max_context
+    if n == 0:
+        raise oa.bad("messages" if kind == "chat" else "prompt", "the prompt is empty after tokenization",
+                     code="empty_prompt")
+    if n >= limit:
+        raise oa.bad("messages" if kind == "chat" else "prompt",
+                     f"the prompt is {n} tokens but max_context is {limit}: a prompt must be at most {limit - 1} "
+                     f"tokens so that at least one token can be generated; shorten the prompt, or start the server "
+                     f"with a larger --max-context", code="context_length_exceeded")
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = limit - n
+    elif n + max_tokens > limit:
+        raise oa.bad(mt_param, f"the prompt is {n} tokens and {mt_param} is {max_tokens}: {n + max_tokens} tokens "
+                               f"exceed max_context {limit}; the largest {mt_param} for this prompt is {limit - n}",
+                     code="context_length_exceeded")
+    if state.scheduler_error is not None:
+        raise ApiError(503, f"the server cannot generate: its scheduler stopped ({state.scheduler_error}); "
+                            f"restart the server", code="scheduler_stopped")
+    s = params.sampling
+    rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    req = Request(id=rid, prompt_ids=tuple(int(i) for i in ids), max_tokens=int(max_tokens),
+                  sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                          seed=s.seed),
+                  stop=tuple(params.stop), reasoning=reasoning)
+    try:
+        events = state.scheduler.submit(req)
+    except QueueFull as e:
+        raise ApiError(503, str(e), code="queue_full",
+                       headers={"Retry-After": str(max(1, int(math.ceil(e.retry_after_s))))}) from None
+    return GenerationResponse(state, req, events, kind, params, echo_text)
+
+
+class GenerationResponse:
+    """An ASGI response that drives one submitted request to its end, streamed (SSE) or whole (JSON)."""
+
+    def __init__(self, state: ServeState, req: Request, events: anyio.abc.ObjectReceiveStream, kind: str,
+                 params: oa.CommonParams, echo_text: str):
+        self.state, self.req, self.events, self.kind, self.params = state, req, events, kind, params
+        self.echo_text = echo_text
+        self.created = oa.now()
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.ended = False          # a Finished or Failed came from the scheduler
+        self.disconnected = False
+
+    async def __call__(self, scope, receive, send):
+        m = self.state.metrics
+        m.active.inc()
+        try:
+            async with anyio.create_task_group() as tg:
+                async def watch_disconnect():
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            if not self.ended:
+                                self.disconnected = True
+                            tg.cancel_scope.cancel()
+                            return
+
+                tg.start_soon(watch_disconnect)
+                try:
+                    if self.params.stream:
+                        await self._stream(send)
+                    else:
+                        await self._whole(send)
+                except OSError:            # the transport went away under a send
+                    self.disconnected = True
+                tg.cancel_scope.cancel()
+        finally:
+            m.active.dec()
+            if not self.ended:
+                self.state.scheduler.cancel(self.req.id)
+                m.cancelled.inc()
+                log.info("%s: the client went away after %.0f ms; its slot is freed", self.req.id,
+                         (time.perf_counter() - self.t0) * 1000)
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.events.aclose()
+                except Exception:
+                    pass
+
+    # -- events
+
+    async def _next(self, timeout: float) -> list | None:
+        """The next event and whatever else is already waiting; None when nothing came within `timeout`."""
+        got = []
+        with anyio.move_on_after(timeout):
+            try:
+                got.append(await self.events.receive())
+            except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                got.append(Failed("the scheduler ended this request without a result", 500))
+        if not got:
+            if self.state.scheduler_error is not None:
+                return [Failed(f"the scheduler stopped ({self.state.scheduler_error}); restart the server", 503)]
+            return None
+        while not isinstance(got[-1], (Finished, Failed)):
+            try:
+                got.append(self.events.receive_nowait())
+            except anyio.WouldBlock:
+                break
+            except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                got.append(Failed("the scheduler ended this request without a result", 500))
+        return got
+
+    def _mark_first(self, d: Delta):
+        if self.t_first is None and (d.content or d.reasoning):
+            self.t_first = time.perf_counter()
+            self.state.metrics.ttft.observe(self.t_first - self.t0)
+
+    def _finish_log(self, fin: Finished):
+        self.ended = True
+        now = time.perf_counter()
+        m = self.state.metrics
+        m.duration.observe(now - self.t0)
+        m.completion_tokens.observe(fin.completion_tokens)
+        first = self.t_first or now
+        gen_s = max(now - first, 1e-9)
+        rate = max(fin.completion_tokens - 1, 0) / gen_s
+        log.info("%s: prompt %d tokens, %d generated, finish %s; first text after %.0f ms, %.0f ms in all "
+                 "(%.1f tok/s after the first)%s", self.req.id, fin.prompt_tokens, fin.completion_tokens, fin.reason,
+                 (first - self.t0) * 1000, (now - self.t0) * 1000, rate, _timings_text(fin.timings))
+
+    def _fail_log(self, f: Failed):
+        self.ended = True
+        self.state.metrics.duration.observe(time.perf_counter() - self.t0)
+        log.warning("%s: failed (%d): %s", self.req.id, f.status, f.message)
+
+    # -- whole responses
+
+    async def _whole(self, send):
+        content, reasoning = [], []
+        while True:
+            evs = await self._next(POLL_S)
+            if evs is None:
+                continue
+            for ev in evs:
+                if isinstance(ev, Delta):
+                    self._mark_first(ev)
+                    content.append(ev.content)
+                    reasoning.append(ev.reasoning)
+                elif isinstance(ev, Finished):
+                    self._finish_log(ev)
+                    timings = dict(ev.timings) if ev.timings else None
+                    if self.kind == "chat":
+                        body = oa.chat_response(self.req.id, self.state.model_name, self.created, "".join(content),
+                                                "".join(reasoning), ev.reason, ev.prompt_tokens,
+                                                ev.completion_tokens, timings)
+                    else:
+                        text = self.echo_text + "".join(r + c for r, c in zip(reasoning, content))
+                        body = oa.completion_response(self.req.id, self.state.model_name, self.created, text,
+                                                      ev.reason, ev.prompt_tokens, ev.completion_tokens, timings)
+                    await _send_json(send, 200, body)
+                    return
+                elif isinstance(ev, Failed):
+                    self._fail_log(ev)
+                    await _send_json(send, ev.status, oa.error_body(ev.status, ev.message, code="generation_failed"))
+                    return
+
+    # -- streamed responses
+
+    async def _stream(self, send):
+        rid, model, created = self.req.id, self.state.model_name, self.created
+        iu = self.params.include_usage
+        chat = self.kind == "chat"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                                (b"x-accel-buffering", b"no")]})
+
+        async def out(data):
+            await send({"type": "http.response.body", "body": data if isinstance(data, bytes) else oa.sse(data),
+                        "more_body": True})
+
+        if chat:
+            await out(oa.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, include_usage=iu))
+        elif self.echo_text:
+            await out(oa.completion_chunk(rid, model, created, self.echo_text, include_usage=iu))
+        last_write = time.perf_counter()
+        while True:
+            evs = await self._next(POLL_S)
+            if evs is None:
+                if time.perf_counter() - last_write >= KEEPALIVE_S:
+                    await out(b": keep-alive\n\n")
+                    last_write = time.perf_counter()
+                continue
+            buf = bytearray()
+            r_acc, c_acc = [], []
+            terminal = None
+            for ev in evs:
+                if isinstance(ev, Delta):
+                    self._mark_first(ev)
+                    # keep order: reasoning text before content text within one batch of events
+                    if ev.reasoning and c_acc:
+                        self._flush(buf, r_acc, c_acc)
+                    r_acc.append(ev.reasoning)
+                    c_acc.append(ev.content)
+                else:
+                    terminal = ev
+            self._flush(buf, r_acc, c_acc)
+            if isinstance(terminal, Finished):
+                self._finish_log(terminal)
+                if chat:
+                    buf += oa.sse(oa.chat_chunk(rid, model, created, {}, terminal.reason, include_usage=iu))
+                else:
+                    buf += oa.sse(oa.completion_chunk(rid, model, created, "", terminal.reason, include_usage=iu))
+                if iu:
+                    buf += oa.sse(oa.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else
+                                                 "text_completion", terminal.prompt_tokens,
+                                                 terminal.completion_tokens))
+                buf += oa.sse("[DONE]")
+            elif isinstance(terminal, Failed):
+                self._fail_log(terminal)
+                buf += oa.sse(oa.error_body(terminal.status, terminal.message, code="generation_failed"))
+            if buf:
+                await out(bytes(buf))
+                last_write = time.perf_counter()
+            if terminal is not None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+
+    def _flush(self, buf: bytearray, r_acc: list, c_acc: list):
+        r, c = "".join(r_acc), "".join(c_acc)
+        r_acc.clear()
+        c_acc.clear()
+        rid, model, created, iu = self.req.id, self.state.model_name, self.created, self.params.include_usage
+        if self.kind == "chat":
+            if r:
+                buf += oa.sse(oa.chat_chunk(rid, model, created, {"reasoning_content": r}, include_usage=iu))
+            if c:
+                buf += oa.sse(oa.chat_chunk(rid, model, created, {"content": c}, include_usage=iu))
+        elif r + c:
+            buf += oa.sse(oa.completion_chunk(rid, model, created, r + c, include_usage=iu))
+
+
+def _timings_text(t: dict | None) -> str:
+    if not t:
+        return ""
+    parts = []
+    for k, v in t.items():
+        if isinstance(v, float):
+            parts.append(f"{k} {v:.1f}")
+        elif isinstance(v, (int, str)):
+            parts.append(f"{k} {v}")
+    return "; " + ", ".join(parts) if parts else ""
+
+
+async def _send_json(send, status: int, body: dict):
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_json_default).encode("utf-8")
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# other routes
+
+
+async def models(request: HttpRequest):
+    s: ServeState = request.app.state.strata
+    return _JSON(oa.models_list(s.model_name, s.created, s.max_context))
+
+
+async def model(request: HttpRequest):
+    s: ServeState = request.app.state.strata
+    mid = request.path_params["model_id"]
+    if mid != s.model_name:
+        raise ApiError(404, f"model {mid!r} is not served here; this server serves {s.model_name!r}",
+                       param="model", code="model_not_found")
+    return _JSON(oa.model_card(s.model_name, s.created, s.max_context))
+
+
+async def health(request: HttpRequest):
+    s: ServeState = request.app.state.strata
+    if s.scheduler_error is not None:
+        return _JSON({"status": "error", "message": f"the scheduler stopped: {s.scheduler_error}"}, status_code=503)
+    if not s.ready:
+        return _JSON({"status": "starting"}, status_code=503)
+    return _JSON({"status": "ok"})
+
+
+async def slots(request: HttpRequest):
+    s: ServeState = request.app.state.strata
+    return _JSON(list(s.scheduler.slots()))
+
+
+async def metrics(request: HttpRequest):
+    s: ServeState = request.app.state.strata
+    return Response(s.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def index(request: HttpRequest):
+    s: ServeState = request.app.state.strata
+    return _JSON({"name": "strata", "model": s.model_name, "max_context": s.max_context,
+                  "routes": ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health",
+                             "GET /slots", "GET /metrics"]})
+
+
+async def _http_exception(request: HttpRequest, exc: HTTPException):
+    if exc.status_code == 404:
+        msg = f"no route {request.url.path}; routes: /v1/chat/completions, /v1/completions, /v1/models, " \
+              f"/health, /slots, /metrics"
+        code = "not_found"
+    elif exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow", "")
+        msg = f"{request.method} is not allowed on {request.url.path}; use {allow or 'another method'}"
+        code = "method_not_allowed"
+    else:
+        msg, code = str(exc.detail), None
+    log.info("%d %s %s: %s", exc.status_code, request.method, request.url.path, msg)
+    return error_response(exc.status_code, msg, code=code, headers=exc.headers)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# gate: API key + per-route counts
+
+
+class _Gate:
+    """Pure ASGI middleware: the Bearer-key check (constant time; /health is open) and per-route request counts."""
+
+    def __init__(self, app, state: ServeState):
+        self.app, self.state = app, state
+        key = state.config.api_key
+        self.key = key.encode() if key else None
+
+    def _authorized(self, scope) -> bool:
+        header = b""
+        for name, value in scope.get("headers") or ():
+            if name == b"authorization":
+                header = value
+                break
+        scheme, _, token = header.strip().partition(b" ")
+        ok_scheme = scheme.lower() == b"bearer"
+        return hmac.compare_digest(token.strip() if ok_scheme else b"", self.key) and ok_scheme
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        status = [0]
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.key is not None and path != "/health" and not self._authorized(scope):
+                log.info("401 %s %s: missing or wrong API key", scope.get("method"), path)
+                self.state.metrics.rejected.labels("unauthorized").inc()
+                resp = error_response(401, "missing or wrong API key: send the header 'Authorization: Bearer "
+                                           "<key>' with the key the server was started with (--api-key or "
+                                           "STRATA_API_KEY)", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, counting_send)
+                return
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.state.metrics.http_requests.labels(self.state.metrics.route_label(path), str(status[0] or 499)).inc()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the app
+
+
+def create_app(engine, scheduler, config: ServeConfig, *,
+               on_scheduler_exit: Callable[[], None] | None = None) -> Starlette:
+    """The Starlette app serving `engine` through `scheduler`; its lifespan runs `scheduler.run` (warm-up included)."""
+    state = ServeState(engine, scheduler, config, on_scheduler_exit)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            try:
+                await tg.start(state.run_scheduler)
+            except Exception as e:
+                state.startup_error = _describe(e)
+                log.error("the scheduler failed to start: %s", state.startup_error)
+                raise
+            state.ready = True
+            log.info("ready: scheduler warmed up in %.0f ms (%d slots, prompt parts of %d tokens, max_context %d)",
+                     (time.perf_counter() - t0) * 1000, config.parallel, config.prefill, state.max_context)
+            try:
+                yield
+            finally:
+                state.ready = False
+                tg.cancel_scope.cancel()
+
+    routes = [
+        Route("/v1/chat/completions", _api(chat_completions), methods=["POST"]),
+        Route("/v1/completions", _api(completions), methods=["POST"]),
+        Route("/v1/models", _api(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _api(model), methods=["GET"]),
+        Route("/health", _api(health), methods=["GET"]),
+        Route("/slots", _api(slots), methods=["GET"]),
+        Route("/metrics", _api(metrics), methods=["GET"]),
+        Route("/", _api(index), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception})
+    app.state.strata = state
+    app.add_middleware(_Gate, state=state)
+    return app

@@ -1,0 +1,180 @@
+"""Run the app on hypercorn: `serve(config)` (async) and `serve_forever(config)` (the CLI's entry).
+
+The listening socket is bound before the model loads, so a port that is taken is reported at once; connections are
+accepted only after the scheduler's warm-up (hypercorn starts listening after the lifespan start-up).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import time
+from typing import Awaitable, Callable
+
+from strata.config import ServeConfig
+from strata.errors import StrataError
+
+log = logging.getLogger("strata.serve")
+
+STARTUP_TIMEOUT_S = 3600.0     # warm-up compiles every bucket; a large model on a slow machine takes minutes
+GRACEFUL_TIMEOUT_S = 5.0       # in-flight responses get this long at shutdown
+
+
+class _Prefix(logging.Formatter):
+    """`strata <component>: message`: strata.serve -> "strata serve: ", strata.sched -> "strata sched: "; a message
+    that already names its component ("strata batch: ...") is left as it is."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = super().format(record)
+        if msg.startswith("strata "):
+            return msg
+        parts = record.name.split(".")
+        component = parts[1] if len(parts) > 1 and parts[0] == "strata" else parts[0]
+        return f"strata {component}: {msg}"
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """One line per event on stderr, prefixed by component ("strata serve: ..."), for every strata.* logger
+    (idempotent)."""
+    logger = logging.getLogger("strata")
+    if not any(getattr(h, "_strata", False) for h in logger.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(_Prefix("%(message)s"))
+        h._strata = True
+        logger.addHandler(h)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound (not yet listening) to host:port; StrataError naming the address when that fails."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StrataError(f"cannot listen on {host}:{port}: the host does not resolve ({e.strerror}); "
+                          f"pass --host with an IP address such as 127.0.0.1") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise StrataError(f"cannot listen on {host}:{port}: {e.strerror or e}; pass another --port "
+                          f"(or stop the other server)") from None
+    return sock
+
+
+def socket_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def hypercorn_config(sock: socket.socket):
+    """A hypercorn Config serving on `sock` (which it takes over: the caller must not close it)."""
+    from hypercorn.config import Config
+    hc = Config()
+    hc.bind = [f"fd://{sock.detach()}"]
+    hc.startup_timeout = STARTUP_TIMEOUT_S
+    hc.graceful_timeout = GRACEFUL_TIMEOUT_S
+    hc.accesslog = None
+    quiet = logging.getLogger("strata.serve.hypercorn")   # hypercorn's own lines: warnings and errors only
+    quiet.setLevel(logging.WARNING)
+    hc.errorlog = quiet
+    hc.keep_alive_timeout = 75.0
+    return hc
+
+
+async def run_app(app, sock: socket.socket, shutdown_trigger: Callable[[], Awaitable[None]]) -> None:
+    """Serve `app` on the bound socket until `shutdown_trigger()` returns; the lifespan runs around it."""
+    from hypercorn.asyncio import serve as hypercorn_serve
+    await hypercorn_serve(app, hypercorn_config(sock), shutdown_trigger=shutdown_trigger)
+
+
+async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None) -> int:
+    """Load the model, build the scheduler and app, serve until `shutdown_event` is set (SIGINT/SIGTERM set it
+    when run through serve_forever). Returns the exit code: 0 after a shutdown, 1 when the scheduler stopped."""
+    from strata.engine import Engine
+    from strata.serve.app import create_app
+    try:
+        from strata.sched.scheduler import Scheduler
+    except ImportError as e:
+        raise StrataError(f"the scheduler is not available in this build ({e})") from None
+
+    shutdown_event = shutdown_event or asyncio.Event()
+    sock = bind_socket(config.host, config.port)
+    try:
+        url = socket_url(sock)
+        if config.model == "demo":
+            from strata.demo import DEMO_NOTE
+            log.info(DEMO_NOTE)
+        t0 = time.perf_counter()
+        engine = await asyncio.to_thread(
+            lambda: Engine.load(config.model, backend=config.backend, max_context=config.max_context,
+                                prefill=config.prefill, dtype=config.dtype))
+        if engine.tokenizer is None:
+            raise StrataError(f"{config.model} has no tokenizer.json beside it; strata serve needs one to render "
+                              f"chat prompts")
+        log.info("model %s loaded in %.0f ms (%s, %d layers, %d experts, %s)", config.model_name,
+                 (time.perf_counter() - t0) * 1000, engine.cfg.model_type, engine.cfg.num_layers,
+                 engine.cfg.num_experts, engine.dtype)
+        scheduler = Scheduler(engine, parallel=config.parallel, prefill=config.prefill,
+                              max_context=config.max_context, queue_limit=config.queue_limit)
+        failed = []
+
+        def on_scheduler_exit():
+            failed.append(True)
+            shutdown_event.set()
+
+        app = create_app(engine, scheduler, config, on_scheduler_exit=on_scheduler_exit)
+        log.info("serving %s on %s: %d parallel, prompt parts of %d tokens, max_context %d, queue limit %d, "
+                 "bodies up to %d bytes, API key %s (warming up first)", config.model_name, url, config.parallel,
+                 config.prefill, config.max_context, config.queue_limit, config.max_body_bytes,
+                 "required" if config.api_key else "off")
+        if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+            log.warning("listening on %s without an API key: anyone who can reach this address can use the model "
+                        "(pass --api-key or set STRATA_API_KEY)", config.host)
+        try:
+            await run_app(app, sock, shutdown_event.wait)
+        except Exception:
+            startup_error = app.state.strata.startup_error
+            if startup_error is not None:      # already logged; one line for the CLI
+                raise StrataError(f"the scheduler failed to start: {startup_error}") from None
+            raise
+        finally:
+            sock = None                        # hypercorn owns (and closed) it
+        log.info("stopped")
+        return 1 if failed else 0
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def serve_forever(config: ServeConfig) -> int:
+    """Run `serve` until SIGINT or SIGTERM; -> the exit code."""
+    configure_logging()
+
+    async def main() -> int:
+        event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, event.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        return await serve(config, event)
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        return 130
+    except StrataError:
+        raise
+    except Exception as e:   # e.g. the scheduler's warm-up failed during the lifespan start-up
+        log.error("stopped: %s: %s", type(e).__name__, e)
+        log.debug("traceback", exc_info=e)
+        return 1

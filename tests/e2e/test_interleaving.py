@@ -1,0 +1,85 @@
+"""Black-box tests of a real server on loopback: concurrency changes nothing a client sees, and a client that goes away
+frees its slot without disturbing the others."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from servers import running_server
+
+from strata import Engine
+
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # one engine for every server in this module, so compilations are shared
+    return Engine.load("demo", max_context=65536, prefill=1024)
+
+
+def _prompts():
+    base = "Summarise the notes below in one line.\n"
+    return [base + "\n".join(f"note {i}: the kettle is on and the window is open" for i in range(n))
+            for n in (1, 6, 20, 45)]
+
+
+def _ask(url, prompt, max_tokens):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=max_tokens, temperature=0)
+    return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 3, 4])
+@pytest.mark.parametrize("prefill", [16, 64])
+def test_concurrent_requests_equal_sequential(engine, parallel, prefill):
+    prompts = _prompts()
+    with running_server(engine, parallel=parallel, prefill=prefill, max_context=65536) as srv:
+        alone = [_ask(srv.url, p, 24) for p in prompts]
+        together: list = [None] * len(prompts)
+
+        def worker(i):
+            together[i] = _ask(srv.url, prompts[i], 24)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert together == alone
+    assert any(n > 0 for _, _, n in alone)
+
+
+def test_disconnect_frees_the_slot_and_spares_the_others(engine):
+    prompt = _prompts()[1]
+    with running_server(engine, parallel=2, prefill=64, max_context=65536) as srv:
+        solo = _ask(srv.url, prompt, 40)
+        other: dict = {}
+
+        def steady():
+            other["result"] = _ask(srv.url, prompt, 40)
+        body = {"model": "demo", "stream": True, "max_tokens": 5000, "temperature": 0.7, "seed": 1,
+                "messages": [{"role": "user", "content": "go on forever"}]}
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+                got, request_id = 0, None
+                for line in resp.iter_lines():
+                    if line.startswith("data:") and "content" in line:
+                        request_id = json.loads(line[5:])["id"]
+                        got += 1
+                    if got == 3:
+                        break
+                t = threading.Thread(target=steady)
+                t.start()
+                assert request_id in [s["request"] for s in c.get("/slots").json()]
+            gone = time.monotonic()                       # the response is closed: the client went away
+            while request_id in [s["request"] for s in c.get("/slots").json()]:
+                assert time.monotonic() - gone < 1.0, c.get("/slots").json()
+                time.sleep(0.01)
+            freed = time.monotonic() - gone
+        t.join(120)
+    assert freed < 1.0
+    assert other["result"] == solo

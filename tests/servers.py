@@ -1,0 +1,88 @@
+"""Real servers on loopback for the serve and e2e tests: `running_server(engine, **config)` runs the app on hypercorn in a
+background thread (its own event loop) on a socket pre-bound to 127.0.0.1 port 0, and stops it cleanly at exit."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+from strata.config import ServeConfig
+from strata.serve.app import create_app
+from strata.serve.server import bind_socket, run_app, socket_url
+
+# small shapes so warm-up compiles few buckets; max_context small so "prompt over max_context" is cheap to send
+DEFAULTS = dict(port=0, parallel=2, prefill=64, max_context=512, queue_limit=8)
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Server:
+    url: str
+    app: object
+    scheduler: object
+    config: ServeConfig
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 60.0), **kw)
+
+
+@contextmanager
+def running_server(engine, scheduler=None, **overrides):
+    """-> Server with .url; `scheduler` defaults to the real Scheduler over `engine` built from the config."""
+    cfg = ServeConfig(**{**DEFAULTS, **overrides})
+    if scheduler is None:
+        from strata.sched.scheduler import Scheduler
+        scheduler = Scheduler(engine, parallel=cfg.parallel, prefill=cfg.prefill, max_context=cfg.max_context,
+                              queue_limit=cfg.queue_limit)
+    app = create_app(engine, scheduler, cfg)
+    sock = bind_socket("127.0.0.1", 0)
+    url = socket_url(sock)
+    control: dict = {}
+    errors: list[BaseException] = []
+    up = threading.Event()
+
+    def thread_main():
+        async def main():
+            stop = asyncio.Event()
+            control["loop"], control["stop"] = asyncio.get_running_loop(), stop
+            up.set()
+            await run_app(app, sock, stop.wait)
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - reported to the test below
+            errors.append(e)
+        finally:
+            up.set()
+
+    thread = threading.Thread(target=thread_main, name="strata-test-server", daemon=True)
+    thread.start()
+    up.wait(30)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if errors or not thread.is_alive():
+                raise RuntimeError(f"the test server did not start: {errors[0] if errors else 'thread ended'!r}")
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the test server at {url} was not healthy after {STARTUP_TIMEOUT_S} s")
+            time.sleep(0.05)
+        yield Server(url, app, scheduler, cfg)
+    finally:
+        if "loop" in control:
+            try:
+                control["loop"].call_soon_threadsafe(control["stop"].set)
+            except RuntimeError:
+                pass          # the loop already ended
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the test server did not stop within 60 s"
+        if errors:
+            raise errors[0]
