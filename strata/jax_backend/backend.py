@@ -16,6 +16,7 @@ GATHER_ROUTES_MAX = 64
 GDN_CHUNK = 64
 EXPERT_BLOCK = 64   # rows per block of the prompt-part expert op
 KV_BLOCK = 512      # keys per step of the attention's online softmax
+ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
 
 
 class JaxBackend:
@@ -88,10 +89,14 @@ class JaxBackend:
     def attention(q, k_cache, v_cache, q_pos, scale):
         """q [T, Hq, hd]; caches [Cap, Hkv, hd]; a query at position p sees keys 0..p (GQA: r = Hq / Hkv).
 
-        Keys are visited in blocks of KV_BLOCK with an online softmax, and only the blocks up to the furthest
-        query's position: cost and memory follow the sequence's length, not the cache's capacity."""
+        Up to ATTN_ONE_PASS_ROWS query rows (decode) attend over the whole cache in one pass: a few fused kernels,
+        where a loop over key blocks would be bound by launches. More rows (prompt parts) visit keys in blocks of
+        KV_BLOCK with an online softmax, only up to the furthest query's position: cost and memory follow the
+        sequence's length, not the cache's capacity."""
         t, hq, hd = q.shape
         cap, hkv, _ = k_cache.shape
+        if t <= ATTN_ONE_PASS_ROWS:
+            return JaxBackend._attention_one_pass(q, k_cache, v_cache, q_pos, scale)
         blk = min(KV_BLOCK, cap)
         hi = lax.Precision.HIGHEST
         qg = q.reshape(t, hkv, hq // hkv, hd).astype(jnp.float32) * scale
@@ -119,6 +124,18 @@ class JaxBackend:
         # every query sees key 0, so after the first block m is finite and corr never computes inf - inf
         _, l, acc = lax.fori_loop(0, n_blocks, body, init)
         return (acc / l[..., None]).reshape(t, hq, hd).astype(q.dtype)
+
+    @staticmethod
+    def _attention_one_pass(q, k_cache, v_cache, q_pos, scale):
+        t, hq, hd = q.shape
+        cap, hkv, _ = k_cache.shape
+        hi = lax.Precision.HIGHEST
+        qg = q.reshape(t, hkv, hq // hkv, hd).astype(jnp.float32) * scale
+        s = jnp.einsum("tgrd,cgd->tgrc", qg, k_cache.astype(jnp.float32), precision=hi)
+        visible = jnp.arange(cap)[None, :] <= q_pos[:, None]                          # [T, Cap]
+        p = jax.nn.softmax(jnp.where(visible[:, None, None, :], s, -jnp.inf), axis=-1)
+        o = jnp.einsum("tgrc,cgd->tgrd", p, v_cache.astype(jnp.float32), precision=hi)
+        return o.reshape(t, hq, hd).astype(q.dtype)
 
     @staticmethod
     def causal_conv(u, conv_state, w, n_valid):

@@ -74,6 +74,7 @@ class _SchedulerCollector:
             ("prompt_tokens", "strata_prompt_tokens", "Prompt tokens read"),
             ("generated_tokens", "strata_generated_tokens", "Tokens generated"),
             ("windows", "strata_windows", "Scheduler windows run"),
+            ("device_seconds_sum", "strata_window_device_seconds", "Device time inside the scheduler's windows"),
         ):
             if (v := num(key)) is not None:
                 c = CounterMetricFamily(name, doc)
