@@ -59,7 +59,7 @@ class Backend(Protocol):
                keys: Array) -> Array: ...
 
 
-_BACKENDS = {"jax": "strata.jax_backend.backend:JaxBackend"}
+_BACKENDS = {"jax": "strata.jax_backend.backend:JaxBackend", "sycl": "strata.sycl_backend.backend:SyclBackend"}
 
 
 def available_backends() -> tuple[str, ...]:
@@ -69,8 +69,20 @@ def available_backends() -> tuple[str, ...]:
 def get_backend(name: str = "auto", **options) -> Backend:
     """Backends are imported lazily, so a backend's library is only imported when chosen."""
     if name == "auto":
-        name = "jax"
+        name = _auto()
     if name not in _BACKENDS:
         raise ConfigError(f"backend {name!r} is not known; allowed: auto, {', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)(**options)
+
+
+def _auto() -> str:
+    """JAX when JAX sees an NVIDIA GPU, else SYCL when a SYCL GPU is present, else JAX (on the CPU)."""
+    import jax
+    try:
+        if jax.devices("gpu"):
+            return "jax"
+    except RuntimeError:
+        pass
+    from strata.sycl_backend.runtime import has_sycl_gpu  # imports dpctl only if it is installed
+    return "sycl" if has_sycl_gpu() else "jax"

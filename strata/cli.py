@@ -77,6 +77,12 @@ SERVE_FLAGS = {
 }
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from strata.doctor import doctor
+    print(doctor())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description="Serve Mixture-of-Experts models larger than the GPU.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
@@ -93,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="a seeded request is reproducible")
     g.add_argument("--max-context", type=int, default=4096)
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
-    g.add_argument("--backend", default="jax", help="jax (default)")
+    g.add_argument("--backend", default="jax", help="jax (default) | sycl | auto")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -106,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None,
                        metavar=key.upper() if typ is str else "N", help=help_text)
     s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("doctor", help="list the devices each backend sees, and why one is missing",
+                       description="List the JAX and SYCL devices this machine has, and for a missing one what was "
+                                   "looked for.")
+    d.set_defaults(func=cmd_doctor)
     return p
 
 

@@ -1,0 +1,561 @@
+"""The Backend on dpnp + dpctl (SYCL): Intel GPUs, and the OpenCL CPU device for tests.
+
+Same ops, same semantics as the JAX backend (strata/jax_backend/backend.py); only device code differs.
+
+- One queue per device (runtime.queue_for): every array this backend creates carries `sycl_queue=` and `dtype=`,
+  every kernel is built for and submitted to that queue (kernels.Kernels.launch refuses arrays of another queue), and
+  moving data between devices is explicit (`to_device` of another backend's arrays goes through the host).
+- Activations and state are fp32. A bfloat16 checkpoint is stored as uint16 bits (`Bf16`: dpnp has no bfloat16) and
+  widened to fp32 where it is read, so bfloat16 halves the weights' memory but not the math.
+- `compile` is the identity: ops run eagerly, in order, on the queue. Host values (numpy scalars and arrays from the
+  engine and runner: positions, token ids, sampling parameters) stay on the host, so slicing at an offset, picking a
+  state to clear and the like cost no device round trip.
+- Donation semantics: state ops (kv_write, causal_conv's state, the gated delta rule's state, set_row) update their
+  input in place and return it. Callers thread state through calls as values and never reuse a state they passed
+  (the engine and runner donate it), which is what makes this safe.
+- `vmap` loops over the leading axis and stacks the results; a result that IS the input's slice (updated in place)
+  is returned as the input itself, so a bank of per-slot KV caches is never copied.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import ml_dtypes
+import numpy as np
+
+from strata.sycl_backend import runtime
+
+runtime.prepare_environment()          # before dpctl is first imported
+
+import dpctl  # noqa: E402
+import dpctl.utils._order_manager as _order_manager  # noqa: E402
+import dpnp  # noqa: E402
+from dpctl.utils import SequentialOrderManager  # noqa: E402
+
+from strata.sycl_backend.kernels import Counter, Kernels  # noqa: E402
+from strata.sycl_backend.kernels import attention as k_attention  # noqa: E402
+from strata.sycl_backend.kernels import conv as k_conv  # noqa: E402
+from strata.sycl_backend.kernels import experts as k_experts  # noqa: E402
+from strata.sycl_backend.kernels import gated_delta as k_gdn  # noqa: E402
+from strata.sycl_backend.kernels import linear as k_linear  # noqa: E402
+from strata.sycl_backend.kernels import norms as k_norms  # noqa: E402
+from strata.sycl_backend.kernels import pointwise as k_pointwise  # noqa: E402
+from strata.sycl_backend.kernels import rope as k_rope  # noqa: E402
+from strata.sycl_backend.kernels import sample as k_sample  # noqa: E402
+from strata.sycl_backend.kernels import topk as k_topk  # noqa: E402
+
+# as the JAX backend: at most this many (token, expert) routes use the gathered form of the expert op
+GATHER_ROUTES_MAX = 64
+LINEAR_KERNEL_ROWS = 16         # linear() rows up to which the kernel beats a oneMKL matmul call
+BF16_WIDEN_ELEMENTS = 1 << 24   # a bfloat16 weight is widened for a matmul in blocks of at most this many elements
+EXPERT_BLOCK = 64
+F32 = np.dtype(np.float32)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class Bf16:
+    """A bfloat16 tensor stored as its uint16 bits on the device; reads widen to fp32 (its `dtype`, the dtype the
+    backend computes in). Indexing (the embedding lookup) gathers rows, then widens them."""
+
+    __slots__ = ("bits", "_ops")
+
+    def __init__(self, bits, ops: "SyclBackend"):
+        self.bits, self._ops = bits, ops
+
+    dtype = F32
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+    @property
+    def ndim(self):
+        return self.bits.ndim
+
+    @property
+    def size(self):
+        return self.bits.size
+
+    @property
+    def sycl_queue(self):
+        return self.bits.sycl_queue
+
+    def __getitem__(self, index):
+        index = self._ops._dev(index) if isinstance(index, np.ndarray) else index
+        return self._ops.widen(self.bits[index])
+
+    def widen(self):
+        return self._ops.widen(self.bits)
+
+
+class DeviceInfo:
+    """What the engine asks of a backend's device (`platform` picks the default dtype), plus the dpctl device."""
+
+    def __init__(self, sycl_device):
+        self.sycl_device = sycl_device
+        self.platform = sycl_device.device_type.name          # "cpu" | "gpu" | "accelerator"
+        self.backend = sycl_device.backend.name
+
+    def __repr__(self):
+        return f"SyclDevice({runtime.describe(self.sycl_device)})"
+
+
+def _is_host(v) -> bool:
+    return isinstance(v, (np.ndarray, np.generic, bool, int, float))
+
+
+class _Namespace:
+    """`ops.xp`: dpnp, with this backend's queue on every array it creates, `where` that takes a host condition
+    (a host scalar picks an operand, as a traced condition would select), and the launch counter."""
+
+    CREATORS = frozenset({"arange", "zeros", "ones", "empty", "full", "eye", "identity", "asarray", "array",
+                          "linspace", "tri", "ascontiguousarray"})
+
+    def __init__(self, ops: "SyclBackend"):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        attr = getattr(dpnp, name)
+        if isinstance(attr, type) or not callable(attr):
+            return attr
+        ops = self._ops
+        creator = name in self.CREATORS
+
+        def call(*args, **kwargs):
+            if ops._counter is not None:
+                ops._counter.ops += 1
+            if creator:
+                kwargs.setdefault("sycl_queue", ops.queue)
+            return attr(*args, **kwargs)
+
+        call.__name__ = name
+        self.__dict__[name] = call
+        return call
+
+    def where(self, cond, x=None, y=None):
+        ops = self._ops
+        if ops._counter is not None:
+            ops._counter.ops += 1
+        if x is None:
+            return dpnp.where(ops._dev(cond) if _is_host(cond) else cond)
+        if (_is_host(cond) and np.ndim(cond) == 0 and isinstance(x, dpnp.ndarray) and isinstance(y, dpnp.ndarray)
+                and x.shape == y.shape and x.dtype == y.dtype):
+            return x if bool(cond) else y
+        return dpnp.where(ops._dev(cond) if _is_host(cond) else cond, x, y)
+
+
+class SyclBackend:
+    name = "sycl"
+
+    def __init__(self, device=None):
+        self.sycl_device = runtime.select_device(device)
+        self.queue = runtime.queue_for(self.sycl_device)
+        self.device = DeviceInfo(self.sycl_device)
+        self.kernels = Kernels.for_queue(self.queue)
+        self.xp = _Namespace(self)
+        self._counter: Counter | None = None
+        self._consts: dict = {}
+        self._consts_lock = threading.Lock()
+
+    def __repr__(self):
+        return f"SyclBackend({runtime.describe(self.sycl_device)})"
+
+    # --- placement and memory
+    def _dev(self, a, dtype=None):
+        """A device array on this queue (host values are uploaded; an array of another queue is refused)."""
+        if isinstance(a, dpnp.ndarray):
+            if a.sycl_queue is not self.queue:
+                raise ValueError(f"an array lives on another queue ({runtime.filter_string(a.sycl_device)}); move it "
+                                 f"explicitly with this backend's to_device")
+            return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+        if isinstance(a, Bf16):
+            return a.widen()
+        a = np.asarray(a, dtype=dtype)
+        if self._counter is not None:
+            self._counter.uploads += 1
+        return dpnp.asarray(np.ascontiguousarray(a), dtype=a.dtype, sycl_queue=self.queue)
+
+    def _f32(self, a):
+        """fp32, C-contiguous, on this queue (a no-op for the backend's own activations)."""
+        a = self._dev(a, F32)
+        return a if a.flags.c_contiguous else dpnp.ascontiguousarray(a)
+
+    def to_device(self, tree):
+        """Host trees (dicts, lists, tuples of numpy arrays) -> this device. bfloat16 becomes Bf16 (uint16 bits).
+        Arrays of another SYCL device move through the host: cross-device moves are explicit, never implicit."""
+        if isinstance(tree, dict):
+            return {k: self.to_device(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self.to_device(v) for v in tree)
+        if isinstance(tree, Bf16):
+            if tree.bits.sycl_queue is self.queue:
+                return tree
+            return Bf16(self._upload(dpnp.asnumpy(tree.bits)), self)
+        if isinstance(tree, dpnp.ndarray):
+            if tree.sycl_queue is self.queue:
+                return tree
+            return self._upload(dpnp.asnumpy(tree))
+        if isinstance(tree, np.ndarray) or hasattr(tree, "__array__"):
+            a = np.asarray(tree)
+            if a.dtype == BF16:
+                return Bf16(self._upload(a.view(np.uint16)), self)
+            return self._upload(a)
+        return tree
+
+    def _upload(self, a: np.ndarray):
+        a = np.ascontiguousarray(a)
+        return dpnp.asarray(a, dtype=a.dtype, sycl_queue=self.queue)
+
+    def to_host(self, x):
+        if isinstance(x, dict):
+            return {k: self.to_host(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.to_host(v) for v in x)
+        if isinstance(x, Bf16):
+            return dpnp.asnumpy(x.bits).view(ml_dtypes.bfloat16)
+        if isinstance(x, dpnp.ndarray):
+            return dpnp.asnumpy(x)
+        return np.asarray(x)
+
+    def free_memory_bytes(self) -> int | None:
+        try:
+            free = dpctl.utils.intel_device_info(self.sycl_device).get("free_memory")
+        except Exception:       # noqa: BLE001 - not every device reports it
+            free = None
+        return int(free) if free else None
+
+    def synchronize(self) -> None:
+        SequentialOrderManager[self.queue].wait()
+
+    def widen(self, bits):
+        return k_pointwise.widen_bf16(self.kernels, self._dev(bits) if not isinstance(bits, dpnp.ndarray) else
+                                      (bits if bits.flags.c_contiguous else dpnp.ascontiguousarray(bits)))
+
+    def _weight(self, w):
+        """A weight as fp32 on the device (Bf16 widened)."""
+        return w.widen() if isinstance(w, Bf16) else self._f32(w)
+
+    def _const(self, key, make):
+        c = self._consts.get(key)
+        if c is None:
+            with self._consts_lock:
+                c = self._consts.get(key)
+                if c is None:
+                    c = self._consts[key] = self._upload(make())
+        return c
+
+    # --- launch counting (the benchmark's launches per layer)
+    @contextlib.contextmanager
+    def count_launches(self):
+        """Counts, while active, every task submitted to this backend's queue through dpctl's order manager
+        (dpnp's kernels and copies, and this backend's kernels), the host uploads the backend makes, and the
+        ops / xp calls made from Python. Not reentrant; waits for the queue at the end."""
+        c = Counter()
+        manager = SequentialOrderManager[self.queue]
+        cls = _order_manager._SequentialOrderManager
+        orig = cls.add_event_pair
+
+        def counting(om, host_ev, comp_ev):
+            if om is manager:
+                c.tasks += len(comp_ev) if isinstance(comp_ev, (list, tuple)) else 1
+            return orig(om, host_ev, comp_ev)
+
+        self.synchronize()
+        cls.add_event_pair = counting
+        self._counter = self.kernels.counter = c
+        try:
+            yield c
+        finally:
+            self.synchronize()
+            cls.add_event_pair = orig
+            self._counter = self.kernels.counter = None
+
+    def _op(self):
+        if self._counter is not None:
+            self._counter.ops += 1
+
+    # --- dense math
+    def rms_norm(self, x, scale, eps):
+        self._op()
+        return k_norms.rms_norm(self.kernels, self._f32(x), self._f32(scale), eps)
+
+    def linear(self, x, w):
+        """[..., in] x [out, in] -> [..., out]: a work-group-per-output kernel for a few rows (decode; it reads
+        bfloat16-stored weights directly), oneMKL's matmul beyond."""
+        self._op()
+        x = self._f32(x)
+        rows = x.size // x.shape[-1] if x.shape[-1] else 0
+        if rows <= LINEAR_KERNEL_ROWS:
+            fmt = "bf16" if isinstance(w, Bf16) else "f32"
+            y = k_linear.linear(self.kernels, x.reshape(rows, x.shape[-1]), w.bits if fmt == "bf16" else
+                                self._f32(w), fmt)
+            return y.reshape(x.shape[:-1] + (w.shape[0],))
+        if isinstance(w, Bf16):
+            # widen a block of output rows at a time, so a large matrix (lm_head) never exists whole in fp32
+            step = max(1, BF16_WIDEN_ELEMENTS // max(w.shape[1], 1))
+            if w.shape[0] > step:
+                return dpnp.concatenate([dpnp.matmul(x, self.widen(w.bits[s:s + step]).T)
+                                         for s in range(0, w.shape[0], step)], axis=-1)
+        return dpnp.matmul(x, self._weight(w).T)
+
+    def _unary(self, name, x):
+        self._op()
+        return k_pointwise.unary(self.kernels, name, self._f32(x))
+
+    def silu(self, x):
+        return self._unary("silu", x)
+
+    def sigmoid(self, x):
+        return self._unary("sigmoid", x)
+
+    def softplus(self, x):
+        return self._unary("softplus", x)
+
+    def softmax(self, x):
+        self._op()
+        return k_norms.softmax(self.kernels, self._f32(x))
+
+    def rope(self, x, positions, rotary_dim, theta):
+        self._op()
+        freqs = self._const(("rope", rotary_dim, float(theta)), lambda: k_rope.inv_freq(rotary_dim, theta))
+        return k_rope.rope(self.kernels, self._f32(x), self._positions(positions), freqs, rotary_dim)
+
+    def _positions(self, p):
+        p = self._dev(p, np.dtype(np.int64))
+        return p if p.flags.c_contiguous else dpnp.ascontiguousarray(p)
+
+    # --- sequence state
+    @staticmethod
+    def _host_int(v) -> int:
+        return int(v)                       # a device scalar syncs here; the engine and runner pass host scalars
+
+    def kv_write(self, cache, new, start):
+        """cache [Cap, Hkv, hd] <- new [T, Hkv, hd] at rows start.., in place (the cache is donated)."""
+        self._op()
+        t, cap = new.shape[0], cache.shape[0]
+        s = min(max(self._host_int(start), 0), cap - t)      # as lax.dynamic_update_slice clamps
+        cache[s:s + t] = new if new.dtype == cache.dtype else new.astype(cache.dtype)
+        return cache
+
+    def attention(self, q, k_cache, v_cache, q_pos, scale):
+        self._op()
+        return k_attention.attention(self.kernels, self._f32(q), self._f32(k_cache), self._f32(v_cache),
+                                     self._positions(q_pos), scale)
+
+    def causal_conv(self, u, conv_state, w, n_valid):
+        """-> (silu(conv) [T, C], the conv state after row n_valid - 1), the state updated in place (donated)."""
+        self._op()
+        return k_conv.causal_conv(self.kernels, self._f32(u), self._state(conv_state), self._weight(w),
+                                  self._host_int(n_valid))
+
+    def _state(self, state):
+        """A state array the op may update in place: the caller's own device array when it is fp32 and contiguous
+        (it is donated), else a fresh device copy (a host array, another dtype)."""
+        if isinstance(state, dpnp.ndarray) and state.dtype == F32 and state.flags.c_contiguous:
+            return self._dev(state)
+        return dpnp.array(self._dev(state), dtype=dpnp.float32, copy=True, order="C")
+
+    def _delta_rule(self, q, k, v, g, beta, state):
+        self._op()
+        f = self._f32
+        return k_gdn.gated_delta(self.kernels, f(q), f(k), f(v), f(g), f(beta), self._state(state))
+
+    def gated_delta_chunked(self, q, k, v, g, beta, state):
+        """Prompt parts: the same recurrence as the step, run over the part's tokens inside one kernel (every
+        head and state column in parallel). Rows with g = beta = 0 leave the state unchanged."""
+        return self._delta_rule(q, k, v, g, beta, state)
+
+    def gated_delta_step(self, q, k, v, g, beta, state):
+        return self._delta_rule(q, k, v, g, beta, state)
+
+    def valid_mask(self, t, n_valid):
+        self._op()
+        if _is_host(n_valid):
+            return self._dev(np.arange(t) < int(n_valid))
+        return dpnp.arange(t, dtype=dpnp.int64, sycl_queue=self.queue) < n_valid
+
+    def take_row(self, x, i):
+        self._op()
+        n = x.shape[0]
+        if _is_host(i):
+            return x[min(max(int(i), 0), n - 1)]                # clamped, as lax.dynamic_index_in_dim
+        i = dpnp.clip(self._dev(i), 0, n - 1).reshape(1)
+        return dpnp.take(x, i, axis=0)[0]
+
+    def set_row(self, x, i, row):
+        """x with x[i] = row, in place (x is donated). A row that is x[i] itself (updated in place) costs nothing."""
+        self._op()
+        i = min(max(self._host_int(i), 0), x.shape[0] - 1)
+        dst = x[i]
+        if isinstance(row, dpnp.ndarray) and _same_memory(dst, row):
+            return x
+        dst[...] = self._dev(row)
+        return x
+
+    # --- mixture of experts
+    def topk(self, x, k):
+        self._op()
+        return k_topk.topk(self.kernels, self._f32(x), int(k))
+
+    def experts(self, x, idx, weight, gate, up, down):
+        """y[t] = sum_j weight[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = idx[t, j].
+        x [T, H]; idx, weight [T, k]; gate, up [E, I, H]; down [E, H, I] (fp32 or Bf16)."""
+        self._op()
+        x = self._f32(x)
+        idx = self._dev(idx, np.dtype(np.int32))
+        idx = idx if idx.flags.c_contiguous else dpnp.ascontiguousarray(idx)
+        weight = self._f32(weight)
+        t, kk = idx.shape
+        if t * kk <= GATHER_ROUTES_MAX:
+            fmt = "bf16" if isinstance(gate, Bf16) else "f32"
+            stored = [w.bits if isinstance(w, Bf16) else self._f32(w) for w in (gate, up, down)]
+            return k_experts.experts_gathered(self.kernels, x, idx, weight, *stored, fmt)
+        return self._experts_blocked(x, idx, weight, gate, up, down)
+
+    def _experts_blocked(self, x, idx, weight, gate, up, down):
+        # prompt parts, as the JAX backend: routes sorted by expert, each expert's group padded to whole blocks of
+        # EXPERT_BLOCK rows, every block multiplied by its expert's weights; then the routes are put back in
+        # (token, choice) order and summed over the choices (no scatter-add needed: it is a permutation).
+        q = self.queue
+        t, kk = idx.shape
+        h = x.shape[1]
+        e_count = gate.shape[0]
+        rows = t * kk
+        bsz = EXPERT_BLOCK
+        n_blocks = -(-rows // bsz) + e_count
+        flat_e = idx.reshape(-1)
+        order = dpnp.argsort(flat_e, kind="stable")
+        sorted_e = flat_e[order]
+        sizes = dpnp.bincount(flat_e, minlength=e_count)
+        padded = (sizes + bsz - 1) // bsz * bsz
+        cum_padded = dpnp.cumsum(padded)
+        pad_start = cum_padded - padded
+        start = dpnp.cumsum(sizes) - sizes
+        dest = pad_start[sorted_e] + (dpnp.arange(rows, dtype=sizes.dtype, sycl_queue=q) - start[sorted_e])
+        tok = order // kk
+        xb = dpnp.zeros((n_blocks * bsz, h), dtype=dpnp.float32, sycl_queue=q)
+        xb[dest] = x[tok]
+        xb = xb.reshape(n_blocks, bsz, h)
+        block_e = dpnp.searchsorted(cum_padded, dpnp.arange(n_blocks, dtype=cum_padded.dtype, sycl_queue=q) * bsz,
+                                    side="right")
+        block_e = dpnp.minimum(block_e, e_count - 1)
+
+        def gather(w):
+            return self.widen(w.bits[block_e]) if isinstance(w, Bf16) else self._f32(w)[block_e]
+
+        g = dpnp.matmul(xb, gather(gate).transpose(0, 2, 1))
+        u = dpnp.matmul(xb, gather(up).transpose(0, 2, 1))
+        a = self.silu(g) * u
+        y = dpnp.matmul(a, gather(down).transpose(0, 2, 1)).reshape(n_blocks * bsz, h)[dest]
+        y = y * weight.reshape(-1)[order][:, None]
+        routes = dpnp.empty((rows, h), dtype=dpnp.float32, sycl_queue=q)
+        routes[order] = y
+        return routes.reshape(t, kk, h).sum(axis=1)
+
+    # --- compilation and randomness
+    @staticmethod
+    def compile(fn, donate_argnums=(), static_argnames=()):
+        return fn
+
+    def vmap(self, fn):
+        """Map fn over the leading axis of every array argument (host or device): a loop, then a stack. An output
+        that is exactly the slice fn was given (updated in place) comes back as the input array, uncopied."""
+
+        def mapped(*args):
+            n = _leading(args)
+            made: dict[int, tuple] = {}
+            keep = []
+
+            def slice_at(i):
+                def f(a):
+                    s = a[i]
+                    if isinstance(a, dpnp.ndarray):
+                        made[id(s)] = (a, i)
+                        keep.append(s)
+                    return s
+                return f
+
+            outs = [fn(*(_tree_map(slice_at(i), a) for a in args)) for i in range(n)]
+            return _tree_zip(lambda leaves: self._stack(leaves, made), outs)
+
+        return mapped
+
+    def _stack(self, leaves, made):
+        src = [made.get(id(leaf)) for leaf in leaves]
+        if all(s is not None for s in src) and all(s[0] is src[0][0] and s[1] == i for i, s in enumerate(src)):
+            return src[0][0]                      # every row was updated in place in the input
+        if all(isinstance(leaf, dpnp.ndarray) for leaf in leaves):
+            return dpnp.stack(leaves, axis=0)
+        return self._dev(np.stack([np.asarray(self.to_host(leaf)) for leaf in leaves]))
+
+    def prng_keys(self, seeds, steps):
+        """Per-row keys [B, 2] uint32 (a 64-bit hash of (seed, step)), each reproducible from its row's (seed, step)
+        alone. Computed on the host (a few integer operations per row); the draws happen on the device."""
+        return k_sample.prng_keys_reference(self.to_host(seeds), self.to_host(steps))
+
+    # --- sampling
+    def sample(self, logits, temperature, top_k, top_p, min_p, keys):
+        """logits [B, V]; per-row temperature, top_k (0 = off), top_p (1 = off), min_p (0 = off) and key. A row with
+        temperature 0 is greedy (argmax, exactly). Same filters as the JAX backend; a different random stream."""
+        self._op()
+        logits = self._f32(logits)
+        greedy = dpnp.argmax(logits, axis=-1)
+        if _is_host(temperature) and not (np.asarray(temperature) > 0).any():
+            return greedy.astype(dpnp.int32)                  # an all-greedy batch needs no sort
+        order = dpnp.argsort(-logits, axis=-1, kind="stable")
+        sorted_logits = dpnp.take_along_axis(logits, order, axis=-1)
+        if _is_host(temperature):
+            scaled = sorted_logits / self._dev(np.maximum(np.asarray(temperature, np.float32),
+                                                          np.float32(1e-6)))[:, None]
+        else:
+            scaled = sorted_logits / dpnp.maximum(self._f32(temperature), 1e-6)[:, None]
+        probs = k_norms.softmax(self.kernels, scaled)
+        cum = dpnp.cumsum(probs, axis=-1)
+        greedy = greedy if greedy.dtype == np.int64 else greedy.astype(dpnp.int64)
+        order = order if order.dtype == np.int64 else order.astype(dpnp.int64)
+        return k_sample.sample_pick(self.kernels, scaled, probs, cum, order, greedy, self._f32(temperature),
+                                    self._dev(top_k, np.dtype(np.int32)), self._f32(top_p), self._f32(min_p),
+                                    self._dev(keys, np.dtype(np.uint32)))
+
+
+def _same_memory(a, b) -> bool:
+    return (a.shape == b.shape and a.dtype == b.dtype and a.flags.c_contiguous and b.flags.c_contiguous
+            and a.get_array()._pointer == b.get_array()._pointer)
+
+
+def _leading(args) -> int:
+    for a in args:
+        for leaf in _leaves(a):
+            if hasattr(leaf, "shape") and len(leaf.shape):
+                return leaf.shape[0]
+    raise ValueError("vmap: no array argument to map over")
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _leaves(v)
+    else:
+        yield tree
+
+
+def _tree_map(f, tree):
+    if isinstance(tree, dict):
+        return {k: _tree_map(f, v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tree_map(f, v) for v in tree)
+    return f(tree)
+
+
+def _tree_zip(f, trees):
+    """Combine structurally identical trees leaf by leaf with f(list of leaves)."""
+    first = trees[0]
+    if isinstance(first, dict):
+        return {k: _tree_zip(f, [t[k] for t in trees]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_tree_zip(f, [t[i] for t in trees]) for i in range(len(first)))
+    return f(trees)
