@@ -4,8 +4,8 @@
     python bench/engine_speed.py --real-shapes --layers 4,8        # GPU: random weights at Qwen3-Next-80B-A3B shapes
 
 Real shapes: 48 layers do not fit one H200 in bf16 (~154 GB of experts), so the model is built with fewer layers
-(the 3:1 linear:full pattern kept), the time per layer is the slope between two layer counts, and a 48-layer figure
-is the intercept (embedding, final norm, lm_head) plus 48 x the slope. Bytes per decoded token are counted from the
+(the 3:1 linear:full pattern kept), the time per layer is the least-squares slope over several layer counts, and a
+48-layer figure is the intercept (embedding, final norm, lm_head) plus 48 x the slope. Bytes per decoded token are counted from the
 parameter tree (experts at k/E of their size) plus the sequence state each token reads and writes.
 Writes JSON (machine, date, commit, figures) to --out.
 """
@@ -118,7 +118,6 @@ class RandomDeviceReader:
 
 def decode_bytes_per_token(cfg, params, context: int) -> dict:
     """HBM bytes one decoded token must move: weights it reads (experts at k/E) + state it reads and writes."""
-    import jax
     k_over_e = cfg.num_experts_per_tok / cfg.num_experts
     per_kind = {}
     for lp, kind in zip(params["layers"], cfg.layer_types):
@@ -176,14 +175,16 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode {r['decode_tok_s_b1']:.2f} tok/s",
               flush=True)
         del engine, params
-    lo, hi = min(layer_counts), max(layer_counts)
-    a, b = out["layers"][lo], out["layers"][hi]
+    # least squares over the layer counts: time = fixed + layers x per_layer (two points alone are at the mercy of noise)
+    ns = np.array(sorted(out["layers"]), float)
     for key, per in (("prompt_s", "prompt"), ("decode_s_per_token", "decode")):
-        slope = (b[key] - a[key]) / (hi - lo)
-        fixed = a[key] - lo * slope
-        out[f"{per}_s_per_layer"] = slope
-        out[f"{per}_s_fixed"] = fixed
-        out[f"{per}_s_48_layers"] = fixed + REAL_LAYERS * slope
+        ts = np.array([out["layers"][int(n)][key] for n in ns])
+        slope, fixed = np.polyfit(ns, ts, 1)
+        out[f"{per}_s_per_layer"] = float(slope)
+        out[f"{per}_s_fixed"] = float(fixed)
+        out[f"{per}_s_48_layers"] = float(fixed + REAL_LAYERS * slope)
+        out[f"{per}_fit_max_residual_s"] = float(np.abs(ts - (fixed + slope * ns)).max())
+    b = out["layers"][max(layer_counts)]
     out["prompt_tok_s_48_layers"] = prompt_len / out["prompt_s_48_layers"]
     out["decode_tok_s_b1_48_layers"] = 1.0 / out["decode_s_48_layers"]
     bytes_tok = b["bytes_per_token_48_layers"]
@@ -196,7 +197,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--real-shapes", action="store_true")
-    ap.add_argument("--layers", default="4,8")
+    ap.add_argument("--layers", default="4,8,12")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512 demo, 4096 real shapes)")
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
