@@ -5,19 +5,9 @@ import numpy as np
 import pytest
 
 from strata.jax_backend import backend as jb
+from strata.model import reference
 
 OPS = jb.JaxBackend()
-
-
-def _experts_reference(x, idx, weight, gate, up, down):
-    x, gate, up, down = (a.astype(np.float64) for a in (x, gate, up, down))
-    y = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(idx.shape[1]):
-            e = idx[t, j]
-            g, u = gate[e] @ x[t], up[e] @ x[t]
-            y[t] += weight[t, j] * (down[e] @ (g / (1 + np.exp(-g)) * u))
-    return y
 
 
 @pytest.mark.parametrize("tokens,k,experts", [(1, 4, 16), (8, 8, 16), (40, 3, 16), (130, 2, 5), (33, 6, 64)])
@@ -32,19 +22,8 @@ def test_expert_op_matches_reference(tokens, k, experts):
     gate, up = (rng.standard_normal((experts, I, H)).astype(np.float32) / 5 for _ in range(2))
     down = rng.standard_normal((experts, H, I)).astype(np.float32) / 6
     got = np.asarray(OPS.experts(x, idx, weight, gate, up, down))
-    want = _experts_reference(x, idx, weight, gate, up, down)
+    want = reference.experts(x, idx, weight, gate, up, down)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-
-
-def _delta_rule_reference(q, k, v, g, beta, S):
-    S = S.astype(np.float64).copy()
-    out = np.zeros(v.shape)
-    for t in range(q.shape[0]):
-        S *= np.exp(g[t])[:, None, None]
-        kv = np.einsum("hde,hd->he", S, k[t])
-        S += k[t][:, :, None] * ((v[t] - kv) * beta[t][:, None])[:, None, :]
-        out[t] = np.einsum("hde,hd->he", S, q[t])
-    return out, S
 
 
 @pytest.mark.parametrize("length", [1, 5, 64, 100, 130])
@@ -59,7 +38,7 @@ def test_gated_delta_rule_chunked_and_step_match_recurrence(length):
     g = -rng.random((length, H)).astype(np.float32) * 2
     beta = rng.random((length, H)).astype(np.float32)
     S0 = rng.standard_normal((H, dk, dv)).astype(np.float32)
-    want_o, want_S = _delta_rule_reference(q, k, v, g, beta, S0)
+    want_o, want_S = reference.gated_delta(q, k, v, g, beta, S0)
     o, S = OPS.gated_delta_chunked(q, k, v, g, beta, S0)
     assert np.abs(np.asarray(o) - want_o).max() <= 1e-5 * np.abs(want_o).max()
     assert np.abs(np.asarray(S) - want_S).max() <= 1e-5 * np.abs(want_S).max()

@@ -3,8 +3,8 @@ two launches, one for silu(gate x) * up x of every route, one for down and the w
 from __future__ import annotations
 
 import dpnp
-import numpy as np
 
+from strata.model.reference import experts as experts_reference  # noqa: F401 - the kernel's reference
 from strata.sycl_backend.kernels import Kernels, i32, u32
 
 
@@ -20,14 +20,3 @@ def experts_gathered(k: Kernels, x, idx, weight, gate, up, down, fmt: str, out=N
     k.launch(f"experts_act_{fmt}", [x, idx, gate, up, act, i32(kk), i32(h), i32(i), u32(routes)], [routes * i])
     k.launch(f"experts_down_{fmt}", [act, idx, weight, down, out, i32(kk), i32(h), i32(i), u32(t)], [t * h])
     return out
-
-
-def experts_reference(x, idx, weight, gate, up, down):
-    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
-    y = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(idx.shape[1]):
-            e = idx[t, j]
-            g, u = gate[e] @ x[t], up[e] @ x[t]
-            y[t] += weight[t, j] * (down[e] @ (g / (1 + np.exp(-g)) * u))
-    return y

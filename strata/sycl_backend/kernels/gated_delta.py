@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import dpnp
-import numpy as np
 
+from strata.model.reference import gated_delta as gated_delta_reference  # noqa: F401 - the kernel's reference
 from strata.sycl_backend.kernels import Kernels, i32
 
 DK_MAX = 512
@@ -17,14 +17,3 @@ def gated_delta(k: Kernels, q, kk, v, g, beta, state, out=None):
     out = dpnp.empty((t, hv, dv), dtype=dpnp.float32, sycl_queue=k.queue) if out is None else out
     k.launch("gated_delta", [q, kk, v, g, beta, state, out, i32(t), i32(hv), i32(dk), i32(dv)], [hv * dv])
     return out, state
-
-
-def gated_delta_reference(q, k, v, g, beta, state):
-    S = np.asarray(state, np.float64).copy()
-    out = np.zeros(v.shape)
-    for t in range(q.shape[0]):
-        S *= np.exp(g[t])[:, None, None]
-        kv = np.einsum("hde,hd->he", S, k[t])
-        S += k[t][:, :, None] * ((v[t] - kv) * beta[t][:, None])[:, None, :]
-        out[t] = np.einsum("hde,hd->he", S, q[t])
-    return out, S

@@ -1,0 +1,30 @@
+"""Plain numpy (float64) references for the model's device math, shared by every backend's tests and kernels."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def experts(x, idx, weight, gate, up, down):
+    """y[t] = sum_j weight[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = idx[t, j].
+    x [T, H]; idx, weight [T, k]; gate, up [E, I, H]; down [E, H, I]."""
+    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[t, j]
+            g, u = gate[e] @ x[t], up[e] @ x[t]
+            y[t] += weight[t, j] * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    return y
+
+
+def gated_delta(q, k, v, g, beta, state):
+    """The gated delta rule, one token at a time. q, k [T, Hv, dk]; v [T, Hv, dv]; g, beta [T, Hv];
+    state [Hv, dk, dv]. -> (o [T, Hv, dv], final state)."""
+    S = np.asarray(state, np.float64).copy()
+    out = np.zeros(v.shape)
+    for t in range(q.shape[0]):
+        S *= np.exp(g[t])[:, None, None]
+        kv = np.einsum("hde,hd->he", S, k[t])
+        S += k[t][:, :, None] * ((v[t] - kv) * beta[t][:, None])[:, None, :]
+        out[t] = np.einsum("hde,hd->he", S, q[t])
+    return out, S
