@@ -82,6 +82,8 @@ async def load(base: str, n: int, tokens: int, prompt_words: int) -> dict:
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     window = next((v for k, v in delta.items() if "window_seconds" in k and k.endswith("_sum")), None)
     device = next((v for k, v in delta.items() if "device_seconds" in k), None)
+    parts = {part: next((v for k, v in delta.items() if f"window_{part}_seconds" in k), None)
+             for part in ("plan", "apply", "handoff")}
     return {
         "clients": n,
         "ttft_ms_median": float(np.median([r["ttft_ms"] for r in runs if r["ttft_ms"] is not None])),
@@ -91,6 +93,7 @@ async def load(base: str, n: int, tokens: int, prompt_words: int) -> dict:
         "inter_event_ms_p50": float(np.percentile(gaps, 50)) if gaps.size else None,
         "inter_event_ms_p99": float(np.percentile(gaps, 99)) if gaps.size else None,
         "window_seconds": window, "device_seconds": device,
+        **{f"{part}_seconds": v for part, v in parts.items()},
         "scheduler_overhead_fraction": (1 - device / window) if window and device is not None else None,
     }
 
@@ -141,13 +144,17 @@ def main() -> int:
     out = {"bench": "serve_load", "machine": f"{dev.platform}:{getattr(dev, 'device_kind', '')} ({platform.node()})",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
            "model": args.model, "max_tokens": args.tokens, "results": results}
-    print("| clients | TTFT ms | per-client tok/s | aggregate tok/s | inter-event p50 ms | p99 ms | sched overhead |")
-    print("|---|---|---|---|---|---|---|")
+    print("| clients | TTFT ms | per-client tok/s | aggregate tok/s | inter-event p50 ms | p99 ms | sched overhead "
+          "| plan / apply / handoff |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         ov = r["scheduler_overhead_fraction"]
         print(f"| {r['clients']} | {r['ttft_ms_median']:.0f} | {r['per_client_tok_s_median']:.1f} | "
               f"{r['aggregate_tok_s']:.1f} | {r['inter_event_ms_p50']:.1f} | {r['inter_event_ms_p99']:.1f} | "
-              f"{'' if ov is None else f'{100 * ov:.1f}%'} |")
+              f"{'' if ov is None else f'{100 * ov:.1f}%'} | "
+              + " / ".join("" if r[f"{p}_seconds"] is None or not r["window_seconds"] else
+                           f"{100 * r[f'{p}_seconds'] / r['window_seconds']:.1f}%" for p in ("plan", "apply", "handoff"))
+              + " |")
     path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"serve_load_{args.model}_{dev.platform}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")

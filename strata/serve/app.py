@@ -75,6 +75,9 @@ class _SchedulerCollector:
             ("generated_tokens", "strata_generated_tokens", "Tokens generated"),
             ("windows", "strata_windows", "Scheduler windows run"),
             ("device_seconds_sum", "strata_window_device_seconds", "Device time inside the scheduler's windows"),
+            ("plan_seconds_sum", "strata_window_plan_seconds", "Scheduler time planning windows"),
+            ("apply_seconds_sum", "strata_window_apply_seconds", "Scheduler time applying window results and text"),
+            ("handoff_seconds_sum", "strata_window_handoff_seconds", "Time handing windows to the worker thread"),
         ):
             if (v := num(key)) is not None:
                 c = CounterMetricFamily(name, doc)
