@@ -154,9 +154,15 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
             sock.close()
 
 
+# The device work runs in a worker thread while the event loop streams text: with CPython's default 5 ms GIL switch
+# interval, a worker that needs the GIL back can wait that long behind the loop, once or twice per window.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def serve_forever(config: ServeConfig) -> int:
     """Run `serve` until SIGINT or SIGTERM; -> the exit code."""
     configure_logging()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     async def main() -> int:
         event = asyncio.Event()
