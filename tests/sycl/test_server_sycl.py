@@ -45,6 +45,7 @@ def test_concurrent_requests_equal_sequential_on_sycl(engine):
 
 
 def test_two_clients_on_sycl(engine):
+    assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
     with running_server(engine, parallel=2, prefill=1024, max_context=65536) as srv:
         r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "200", "--lines", "600",
                             "--stall", "300"], capture_output=True, text=True, timeout=900)
