@@ -86,6 +86,10 @@ class Scheduler:
 
     # --- the HTTP side (called on the event loop)
     def submit(self, req: Request):
+        n = len(req.prompt_ids)
+        if n < 1 or req.max_tokens < 1 or n + req.max_tokens > self.max_context:
+            raise ValueError(f"request {req.id}: a prompt of {n} tokens (at least 1) plus max_tokens {req.max_tokens} "
+                             f"(at least 1) must fit max_context {self.max_context}")
         if len(self.queue) >= self.queue_limit:
             raise QueueFull(len(self.queue))
         send, receive = anyio.create_memory_object_stream(max_buffer_size=math.inf)

@@ -134,3 +134,11 @@ def test_cancel_frees_the_slot_and_ends_the_stream(engine):
     assert isinstance(out["a"], Failed) and "cancelled" in out["a"].message
     assert isinstance(out["b"][1], Finished) and out["b"][1].completion_tokens == 8
     assert all(s["state"] == "free" for s in out["slots"])
+
+
+def test_submit_refuses_what_cannot_fit(engine):
+    sched = Scheduler(engine, parallel=1, prefill=64, max_context=64, queue_limit=4)
+    for prompt, max_tokens in (((), 4), ((1, 2), 0), (tuple(range(60)), 5)):
+        with pytest.raises(ValueError, match="must fit max_context 64"):
+            sched.submit(Request(id="x", prompt_ids=prompt, max_tokens=max_tokens))
+    assert not sched.queue
