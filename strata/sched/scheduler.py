@@ -17,12 +17,12 @@ import math
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import anyio
 import numpy as np
 
-from strata.runner import WindowRunner, idle_plan
+from strata.runner import WindowRunner
 from strata.sched.output import TextOutput
 from strata.sched.plan import PromptPart, WindowPlan, WindowResult
 from strata.sched.request import Failed, Finished, QueueFull, Request
@@ -199,7 +199,6 @@ class Scheduler:
         if not gen and not reading:
             return None
         n = len(self.slots_)
-        plan = idle_plan(n)
         active = np.zeros(n, bool)
         tokens, pos = np.zeros(n, np.int32), np.zeros(n, np.int32)
         temp, top_k = np.zeros(n, np.float32), np.zeros(n, np.int32)
@@ -219,8 +218,8 @@ class Scheduler:
             prompt = s.req.prompt_ids
             chunk = np.asarray(prompt[s.read:s.read + self.prefill], np.int32)
             part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=s.read + len(chunk) == len(prompt))
-        return replace(plan, decode_active=active, decode_tokens=tokens, decode_pos=pos, temperature=temp,
-                       top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, steps=steps, part=part)
+        return WindowPlan(decode_active=active, decode_tokens=tokens, decode_pos=pos, temperature=temp, top_k=top_k,
+                          top_p=top_p, min_p=min_p, seeds=seeds, steps=steps, part=part)
 
     # --- applying a window's result
     def _apply(self, plan: WindowPlan, box: dict):
