@@ -21,6 +21,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = {"max_context": args.max_context}
     if args.dtype:
         options["dtype"] = args.dtype
+    if args.device:
+        options["device"] = args.device
     engine = Engine.load(args.model, backend=args.backend, **options)
     if engine.tokenizer is None:
         raise StrataError(f"{args.model} has no tokenizer.json beside it; generate needs one to encode the prompt")
@@ -74,6 +76,7 @@ SERVE_FLAGS = {
     "api_key": (str, "require 'Authorization: Bearer KEY' on every route but /health (or set STRATA_API_KEY)"),
     "backend": (str, "jax (default) | sycl | auto"),
     "dtype": (str, "auto (default) | float32 | bfloat16"),
+    "device": (str, "the backend's device: gpu, cpu (jax); level_zero:gpu:0, opencl:cpu (sycl)"),
 }
 
 
@@ -100,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-context", type=int, default=4096)
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
     g.add_argument("--backend", default="jax", help="jax (default) | sycl | auto")
+    g.add_argument("--device", default=None, help="the backend's device: gpu, cpu (jax); level_zero:gpu:0, opencl:cpu "
+                                                  "(sycl)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",

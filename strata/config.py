@@ -38,6 +38,7 @@ class ServeConfig:
     api_key: str | None = None           # when set, every route but /health needs `Authorization: Bearer KEY`
     backend: str = "jax"                 # jax | sycl | auto
     dtype: str = "auto"                  # auto | float32 | bfloat16
+    device: str | None = None            # the backend's device: e.g. "gpu", "cpu" (jax); "level_zero:gpu:0" (sycl)
 
     def __post_init__(self):
         for f in fields(self):
@@ -83,6 +84,8 @@ _RULES: dict[str, tuple[str, Any, str]] = {
                 "a non-empty printable string without surrounding spaces"),
     "backend": _choice(BACKENDS),
     "dtype": _choice(DTYPES),
+    "device": ("a string", lambda v: v is None or (isinstance(v, str) and v.strip() != "" and "\n" not in v),
+               "a device string such as gpu, cpu (jax) or level_zero:gpu:0, opencl:cpu (sycl)"),
 }
 KEYS = tuple(f.name for f in fields(ServeConfig))
 assert set(KEYS) == set(_RULES)
