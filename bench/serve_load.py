@@ -45,9 +45,9 @@ def metric_sums(text: str) -> dict[str, float]:
 
 
 async def one_client(client: httpx.AsyncClient, base: str, i: int, tokens: int, prompt_words: int) -> dict:
-    # sampled with a seed (not greedy) so the random demo model rarely ends early on an end-of-sequence token
+    # every client generates exactly `tokens` (ignore_eos: the random demo model would end at random moments)
     body = {"model": "default", "max_tokens": tokens, "stream": True, "temperature": 1.0, "seed": i,
-            "stream_options": {"include_usage": True},
+            "stream_options": {"include_usage": True}, "ignore_eos": True,
             "messages": [{"role": "user", "content": f"client {i}: " + "the heron waits by the pond " * prompt_words}]}
     t0 = time.perf_counter()
     stamps = []

@@ -337,7 +337,8 @@ def _generate(state: ServeState, kind: str, params: oa.CommonParams, ids: list[i
     req = Request(id=rid, prompt_ids=tuple(int(i) for i in ids), max_tokens=int(max_tokens),
                   sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                                           seed=s.seed),
-                  stop=tuple(params.stop), reasoning=reasoning)
+                  stop=tuple(params.stop), reasoning=reasoning,
+                  stop_token_ids=() if params.ignore_eos else None)
     try:
         events = state.scheduler.submit(req)
     except QueueFull as e:

@@ -189,6 +189,7 @@ class CommonParams:
     stream: bool
     include_usage: bool
     user: str | None
+    ignore_eos: bool = False         # extension (as llama.cpp's server): generate through end-of-sequence tokens
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,7 @@ def _common(body: dict, *, chat: bool) -> dict:
         include_usage = bool(iu)
 
     user = _str(body, "user")
+    ignore_eos = bool(_bool(body, "ignore_eos"))
     if chat:
         lp = _get(body, "logprobs")
         if lp is not _MISSING and not isinstance(lp, bool):
@@ -288,7 +290,7 @@ def _common(body: dict, *, chat: bool) -> dict:
                                          f"not constrain output; send {{\"type\": \"text\"}} or leave it out",
                       code="unsupported")
     return dict(model=model, max_tokens=max_tokens, sampling=sampling, stop=stops, stream=stream,
-                include_usage=include_usage, user=user)
+                include_usage=include_usage, user=user, ignore_eos=ignore_eos)
 
 
 def _content_text(content: Any, param: str) -> str | None:

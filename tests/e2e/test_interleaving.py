@@ -61,8 +61,9 @@ def test_disconnect_frees_the_slot_and_spares_the_others(engine):
 
         def steady():
             other["result"] = _ask(srv.url, prompt, 40)
+        # ignore_eos: the random demo model would otherwise end on an end-of-sequence token at a random moment
         body = {"model": "demo", "stream": True, "max_tokens": 5000, "temperature": 0.7, "seed": 1,
-                "messages": [{"role": "user", "content": "go on forever"}]}
+                "ignore_eos": True, "messages": [{"role": "user", "content": "go on forever"}]}
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             with c.stream("POST", "/v1/chat/completions", json=body) as resp:
                 got, request_id = 0, None

@@ -491,3 +491,10 @@ def test_quiet_stream_gets_keepalive_comments(demo_engine, serve, monkeypatch):
             events = sse_events(lines)
         assert events[-1] == "[DONE]"
         assert [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2]] == ["last"]
+
+
+def test_ignore_eos_generates_exactly_max_tokens(client):
+    """The ignore_eos extension: end-of-sequence tokens do not end the request; max_tokens does."""
+    r = client.completions.create(model="demo", prompt="x", max_tokens=300, temperature=1.0, seed=7,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 300
