@@ -12,11 +12,6 @@ Writes JSON (machine, date, commit, figures) to --out.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import subprocess
 import sys
 import time
 import zlib
@@ -25,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import results_file  # noqa: E402  (bench/, beside this script)
 
 QWEN3_NEXT_80B = {
     "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_attention_heads": 16,
@@ -35,20 +31,6 @@ QWEN3_NEXT_80B = {
     "intermediate_size": 5120, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "full_attention_interval": 4,
 }
 REAL_LAYERS = 48
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("STRATA_COMMIT", "unknown")
-
-
-def machine() -> str:
-    import jax
-    d = jax.devices()[0]
-    return f"{d.platform}:{getattr(d, 'device_kind', '')} ({platform.node()}, jax {jax.__version__})"
 
 
 def timed(fn, repeat: int) -> float:
@@ -205,8 +187,7 @@ def main() -> int:
                     help="real shapes but 16 experts and a 4K vocabulary: checks the script on a CPU in seconds")
     ap.add_argument("--out", default=None, help="JSON file to write (default bench/results/<name>.json)")
     args = ap.parse_args()
-    stamp = {"machine": machine(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             "commit": commit()}
+    stamp = results_file.stamp()
     if args.real_shapes:
         prompt = args.prompt or 4096
         result = {"bench": "engine_speed_real_shapes", **stamp, "path": "XLA-only (no Pallas kernels)",
@@ -230,10 +211,7 @@ def main() -> int:
         name = f"engine_speed_{args.model}_{engine.backend.device.platform}"
         print(f"prompt {prompt} tokens: {result['prompt_tok_s']:.0f} tok/s; decode b1: "
               f"{result['decode_tok_s_b1']:.1f} tok/s ({result['machine']})")
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    results_file.write(result, args.out, name)
     return 0
 
 

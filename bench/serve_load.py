@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import os
-import platform
 import re
 import socket
 import subprocess
@@ -24,6 +21,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+import results_file  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,15 +134,10 @@ def main() -> int:
         if proc:
             proc.terminate()
             proc.wait(30)
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("STRATA_COMMIT", "unknown")
     import jax
     dev = jax.devices()[0]
-    out = {"bench": "serve_load", "machine": f"{dev.platform}:{getattr(dev, 'device_kind', '')} ({platform.node()})",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-           "model": args.model, "max_tokens": args.tokens, "results": results}
+    out = {"bench": "serve_load", **results_file.stamp(), "model": args.model, "max_tokens": args.tokens,
+           "results": results}
     print("| clients | TTFT ms | per-client tok/s | aggregate tok/s | inter-event p50 ms | p99 ms | sched overhead "
           "| plan / apply / handoff |")
     print("|---|---|---|---|---|---|---|---|")
@@ -155,10 +149,7 @@ def main() -> int:
               + " / ".join("" if r[f"{p}_seconds"] is None or not r["window_seconds"] else
                            f"{100 * r[f'{p}_seconds'] / r['window_seconds']:.1f}%" for p in ("plan", "apply", "handoff"))
               + " |")
-    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"serve_load_{args.model}_{dev.platform}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    results_file.write(out, args.out, f"serve_load_{args.model}_{dev.platform}")
     return 0
 
 
