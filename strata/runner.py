@@ -45,7 +45,7 @@ class WindowRunner:
         plan = idle_plan(s)
         self.run(replace(plan, decode_active=np.ones(s, bool)))          # the decode rows
         for b in self.buckets():
-            self.run(_with_part(plan, 0, np.zeros(b, np.int32), 0))
+            self.run(replace(plan, part=PromptPart(slot=0, tokens=np.zeros(b, np.int32), start=0, last=True)))
         return time.perf_counter() - t
 
     def run(self, plan: WindowPlan) -> WindowResult:
@@ -81,10 +81,6 @@ def idle_plan(n_slots: int) -> WindowPlan:
     return WindowPlan(decode_active=z(bool), decode_tokens=z(np.int32), decode_pos=z(np.int32),
                       temperature=z(np.float32), top_k=z(np.int32), top_p=np.ones(n_slots, np.float32),
                       min_p=z(np.float32), seeds=np.zeros((n_slots, 2), np.uint32), steps=z(np.int32))
-
-
-def _with_part(plan: WindowPlan, slot: int, tokens: np.ndarray, start: int) -> WindowPlan:
-    return replace(plan, part=PromptPart(slot=slot, tokens=tokens, start=start, last=True))
 
 
 def _decode_rows(ops, cfg, params, states, tokens, pos, active, temperature, top_k, top_p, min_p, seeds, steps):

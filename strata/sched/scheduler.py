@@ -308,7 +308,7 @@ class Scheduler:
         n = len(s.req.prompt_ids)
         log.info(f"strata serve: prompt {n} tokens = 0 reused + {n} read in {read_ms:.0f} ms "
                  f"({n / max(read_ms / 1000, 1e-9):.1f} tok/s), {s.generated} generated in {gen_ms:.0f} ms "
-                 f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s)")
+                 f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s), finish {reason} ({s.req.id})")
         self._end(s, Finished(reason, n, s.generated, {"read_ms": read_ms, "generate_ms": gen_ms,
                                                        "parts": s.parts}))
 

@@ -433,7 +433,8 @@ class GenerationResponse:
         first = self.t_first or now
         gen_s = max(now - first, 1e-9)
         rate = max(fin.completion_tokens - 1, 0) / gen_s
-        log.info("%s: prompt %d tokens, %d generated, finish %s; first text after %.0f ms, %.0f ms in all "
+        # the scheduler logs the request's one info line; this adds what only HTTP sees (time to first text)
+        log.debug("%s: prompt %d tokens, %d generated, finish %s; first text after %.0f ms, %.0f ms in all "
                  "(%.1f tok/s after the first)%s", self.req.id, fin.prompt_tokens, fin.completion_tokens, fin.reason,
                  (first - self.t0) * 1000, (now - self.t0) * 1000, rate, _timings_text(fin.timings))
 
