@@ -50,9 +50,9 @@ def test_window_runner_decode_rows_keep_the_slot_bank_in_place(engine):
     ops = engine.backend
     from dataclasses import replace
 
-    from strata.runner import _with_part
+    from strata.sched.plan import PromptPart
     plan = idle_plan(2)
-    runner.run(_with_part(plan, 0, np.arange(3, 12, dtype=np.int32), 0))
+    runner.run(replace(plan, part=PromptPart(slot=0, tokens=np.arange(3, 12, dtype=np.int32), start=0, last=True)))
     bank = [dict(layer) for layer in runner.states]
     ssm_slot1 = [ops.to_host(layer["ssm"][1]) for layer in runner.states if "ssm" in layer]
     step = replace(plan, decode_active=np.array([True, False]), decode_tokens=np.array([7, 0], np.int32),
