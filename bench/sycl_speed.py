@@ -47,19 +47,23 @@ def machine(ops) -> str:
 
 def decode_fn(engine, cfg, params, n_tokens=1):
     """One decode step of a fresh sequence holding 8 tokens, for a model restricted to (cfg, params)."""
-    from strata.engine import _decode_step, _sampling_arrays
+    from strata.engine import _sample, _sampling_arrays
     from strata.model.forward import forward, init_state
     ops = engine.backend
     sp = _sampling_arrays(0.0, 0, 1.0, 0.0)
     seed = np.zeros(2, np.uint32)
     state = ops.to_device(init_state(cfg, engine.capacity, engine.dtype))
     prompt = np.arange(3, 11, dtype=np.int32)
-    _, state = forward(ops, cfg, params, state, prompt, np.int32(0), np.int32(8), all_logits=False)
+    experts = engine.expert_args()
+    _, state, _ = forward(ops, cfg, engine.layout, params, experts, state, prompt, np.int32(0), np.int32(8),
+                          all_logits=False)
     box = {"state": state, "pos": 8}
 
     def step():
-        nxt, box["state"] = _decode_step(ops, cfg, params, box["state"], np.array([7], np.int32),
-                                         np.int32(box["pos"]), *sp, seed, np.int32(box["pos"]))
+        logits, box["state"], _ = forward(ops, cfg, engine.layout, params, experts, box["state"],
+                                          np.array([7], np.int32), np.int32(box["pos"]), np.int32(1),
+                                          all_logits=False)
+        nxt = _sample(ops, logits, *sp, seed, np.int32(box["pos"]))
         box["pos"] += 1
         return int(nxt[0])
     return step

@@ -86,6 +86,65 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pack(args: argparse.Namespace) -> int:
+    from strata.experts.pack import write_pack
+    t0 = time.perf_counter()
+    bar = _ProgressBar("strata pack", sys.stderr)
+    try:
+        out = write_pack(args.model, args.out, args.experts, progress=bar, force=args.force)
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    from strata.experts.pack import PackReader
+    with PackReader(out) as pack:
+        size = pack.n_blobs * pack.blob_bytes
+        n_experts, n_layers, fmt = pack.n_experts, len(pack.expert_layers), pack.format
+    mib = size / 2**20
+    resumed = f" (resumed after {bar.first} of {bar.total} blobs)" if bar.first else ""
+    _log(f"strata pack: {n_experts} experts x {n_layers} layers in {fmt} = {mib:.2f} MiB, written and verified in "
+         f"{elapsed:.1f} s ({mib / max(elapsed, 1e-9):.0f} MiB/s){resumed} to {out}")
+    return 0
+
+
+class _ProgressBar:
+    """progress(done, total) -> a bar on stderr: one line redrawn with \\r on a terminal, else a line per 10%."""
+
+    def __init__(self, name: str, stream, width: int = 30):
+        self.name, self.stream, self.width = name, stream, width
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.first = None
+        self.total = 0
+        self.last_tenth = -1
+        self.drawn = False
+        self.drawn_at = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.first is None:
+            self.first = done
+        self.total = total
+        frac = done / total if total else 1.0
+        if self.tty:
+            now = time.monotonic()
+            if done not in (self.first, total) and now - self.drawn_at < 0.1:
+                return
+            self.drawn_at = now
+            filled = int(frac * self.width)
+            self.stream.write(f"\r{self.name}: [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} "
+                              f"blobs ({frac * 100:.0f}%)")
+            self.stream.flush()
+            self.drawn = True
+        else:
+            tenth = int(frac * 10)
+            if tenth > self.last_tenth:
+                self.last_tenth = tenth
+                print(f"{self.name}: {done}/{total} blobs ({tenth * 10}%)", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.tty and self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description="Serve Mixture-of-Experts models larger than the GPU.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
@@ -117,6 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None,
                        metavar=key.upper() if typ is str else "N", help=help_text)
     s.set_defaults(func=cmd_serve)
+
+    k = sub.add_parser("pack", help="write a model's pack: experts as aligned, checksummed blobs for SSD streaming",
+                       description="Write a model as a Strata pack directory: every routed expert quantised into one "
+                                   "4096-aligned blob of experts.bin (with a crc32 each in checksums.bin), the other "
+                                   "tensors in dense.safetensors, the tokenizer files copied, pack.json last. An "
+                                   "interrupted run continues where it stopped when rerun with the same arguments.")
+    k.add_argument("--model", required=True, help="checkpoint directory, .gguf file, or 'demo'")
+    k.add_argument("--out", required=True, metavar="DIR", help="the pack directory to write")
+    k.add_argument("--experts", default="int4", metavar="FORMAT",
+                   help="expert format: int4 (default) | int8 | nvfp4 | bf16 | f32")
+    k.add_argument("--force", action="store_true", help="overwrite an existing, unfinished or mismatched pack")
+    k.set_defaults(func=cmd_pack)
 
     d = sub.add_parser("doctor", help="list the devices each backend sees, and why one is missing",
                        description="List the JAX and SYCL devices this machine has, and for a missing one what was "

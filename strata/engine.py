@@ -1,13 +1,14 @@
 """Engine: load a model, own the backend and the sequence state, read prompts in parts, decode.
 
 The facade tests and the CLI use:
-    engine = Engine.load("demo" | checkpoint_dir | file.gguf, backend="jax", **options)
+    engine = Engine.load("demo" | checkpoint_dir | file.gguf | pack_dir, backend="jax", **options)
     engine.logits(token_ids) -> np.float32 [T, vocab]
     engine.generate(token_ids, max_tokens, temperature=0.0, seed=None) -> list[int]
     engine.tokenizer
 """
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from dataclasses import dataclass, fields
@@ -24,6 +25,8 @@ from strata.model.config import ModelConfig
 from strata.model.forward import forward, init_state
 from strata.model.params import build_params
 
+log = logging.getLogger("strata")
+
 # Prompt parts are padded up to one of these token counts, so compilations are bounded (one per bucket used).
 PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -34,6 +37,21 @@ class EngineOptions:
     max_context: int = 4096      # tokens of one sequence (prompt + generated)
     prefill: int = 1024          # prompt part size: a prompt is read in parts of at most this many tokens
     device: str | None = None    # backend device kind ("cpu", "gpu"); None: the backend's default
+    sequences: int = 1           # sequence states the memory plan makes room for (the server's parallel slots)
+    # --- experts (strata/experts/): where they live and how misses are served
+    expert_cache: int | str = "auto"     # device slots: "auto" (as many as fit) or a number of experts
+    resident_budget_gib: float | None = None   # host RAM for the expert mirror; None: every expert
+    stream_experts: bool = False         # no host mirror: misses are read from the pack
+    vram_reserve_mib: int = 0            # device memory the plan leaves untouched
+    miss_policy: str = "fetch"           # decode misses: "fetch" (copy into a slot) | "cpu" (compute on the CPU)
+    prefill_borrow: bool = True          # prompt parts stream experts through borrowed cache slots
+    staging_slots: int = 0               # with prefill_borrow off: slots reserved for prompt parts (0: auto)
+    adapt_every: int = 1                 # windows between adaptive swaps (0: off)
+    adapt_swaps: int = 8                 # swaps at most per adaptation
+    adapt_decay: float = 0.97            # per-window decay of routing counts
+    profile: str | None = None           # routing profile (strata profile) for the initial placement
+    host_chunk_mib: int = 1024           # largest single host allocation of the mirror
+    debug_slots: bool = False            # check every slot a computation reads against the pack (slow)
 
     @staticmethod
     def from_kwargs(kw: dict) -> "EngineOptions":
@@ -50,6 +68,7 @@ class EngineOptions:
                 raise ConfigError(f"{name} must be a positive integer, found {v!r}")
         if opts.prefill > PART_BUCKETS[-1]:
             raise ConfigError(f"prefill must be at most {PART_BUCKETS[-1]}, found {opts.prefill}")
+        _check_expert_options(opts)
         return opts
 
 
@@ -84,10 +103,33 @@ class Engine:
         # KV rows beyond max_context absorb the padding of the last part, so a write never runs off the cache
         self.capacity = options.max_context + bucket_for(min(options.prefill, options.max_context))
         ops = backend
-        self._read = ops.compile(partial(forward, ops, cfg), donate_argnums=(1,), static_argnames=("all_logits",))
-        self._decode = ops.compile(partial(_decode_step, ops, cfg), donate_argnums=(1,))
-        self._sample = ops.compile(partial(_sample, ops))
+        self.experts = None          # an ExpertSet once attach_experts ran (models with routed experts)
+        self.stepped = None          # the layer-at-a-time forward, for a cache that does not hold every expert
+        self._empty_pool = ops.pool_alloc(1, 1)
         self._compiled: dict = {}
+        self._sample = ops.compile(partial(_sample, ops))
+
+    @property
+    def layout(self):
+        return self.experts.layout if self.experts is not None else None
+
+    @property
+    def fused(self) -> bool:
+        """True when windows run as one compiled function (every expert resident, or no experts)."""
+        return self.experts is None or self.experts.fused
+
+    def _fused(self, name: str, fn, **kw):
+        return self.compiled((name, self.layout), lambda: self.backend.compile(
+            partial(fn, self.backend, self.cfg, self.layout), **kw))
+
+    def read_part(self, state, tokens, start: int, n_valid: int, all_logits: bool):
+        """One part of one sequence -> (logits, new state), fused or layer by layer."""
+        if self.fused:
+            f = self._fused("read", forward, donate_argnums=(2,), static_argnames=("all_logits",))
+            logits, state, _ = f(self.params, self.expert_args(), state, tokens, np.int32(start), np.int32(n_valid),
+                                 all_logits=all_logits)
+            return logits, state
+        return self.stepped.sequence(self.params, state, tokens, start, n_valid, all_logits)
 
     def compiled(self, name: str, make):
         """One compiled function per engine and name (its shapes are cached inside), so every runner over this
@@ -97,10 +139,18 @@ class Engine:
         return self._compiled[name]
 
     @classmethod
-    def load(cls, path_or_name: str | os.PathLike = "demo", backend: str = "jax", **options) -> "Engine":
+    def load(cls, path_or_name: str | os.PathLike = "demo", backend: str = "jax", say=None, **options) -> "Engine":
+        """say(line): where the load's log lines go (default: the "strata" logger at info)."""
         opts = EngineOptions.from_kwargs(options)
+        say = say or (lambda line: log.info(line))
         ops = get_backend(backend, **({"device": opts.device} if opts.device else {}))
-        config, tensors, tok_dir = load_source(path_or_name)
+        pack = None
+        if _is_pack(path_or_name):
+            from strata.experts.pack import PackReader
+            pack = PackReader(path_or_name)
+            config, tensors, tok_dir = pack.config, pack.dense(), pack.dir
+        else:
+            config, tensors, tok_dir = load_source(path_or_name)
         cfg = ModelConfig.from_hf(config, source=f"{path_or_name} config")
         dtype = opts.dtype
         if dtype == "auto":
@@ -111,7 +161,48 @@ class Engine:
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
             from strata.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_dir(Path(tok_dir))
-        return cls(cfg, params, ops, opts, tokenizer)
+        engine = cls(cfg, params, ops, opts, tokenizer)
+        if pack is not None:
+            from strata.experts.tiers import PackStore
+            store = PackStore(pack, stream=opts.stream_experts)
+        else:
+            from strata.experts.tiers import MemoryStore
+            from strata.model.params import read_experts
+            from strata.weights.quant import layout
+            lay = layout("f32" if dtype == "float32" else "bf16", cfg.hidden_size, cfg.moe_intermediate_size)
+            store = MemoryStore(lay, read_experts(cfg, tensors, np_dtype)) if cfg.num_experts else None
+        engine.attach_experts(store, say)
+        return engine
+
+    def attach_experts(self, store, say=print) -> None:
+        """Plan memory for the experts in `store` (an expert source), open the cache and place them."""
+        if store is None:
+            return
+        from strata.experts.setup import build_experts
+        from strata.model.stepped import SteppedForward
+        self.experts = build_experts(self.backend, self.cfg, store, self.options, self.state_bytes(),
+                                     self.work_bytes(), self.compiled, say=say)
+        self.stepped = SteppedForward(self.backend, self.cfg, self.experts.moe, self.compiled)
+
+    def state_bytes(self) -> int:
+        """Device bytes of the sequence state of `options.sequences` sequences (plus one for Engine sequences)."""
+        one = init_state(self.cfg, self.capacity, self.dtype)
+        return (self.options.sequences + 1) * sum(a.nbytes for layer in one for a in layer.values())
+
+    def work_bytes(self) -> int:
+        """Activations of the largest prompt part, estimated: per token the residual stream and its temporaries
+        (8 x hidden), the routed experts' intermediate (2 x k x moe_intermediate), and the logits."""
+        c = self.cfg
+        t = bucket_for(min(self.options.prefill, self.options.max_context))
+        per_token = 8 * c.hidden_size + 2 * c.num_experts_per_tok * c.moe_intermediate_size + c.vocab_size
+        return t * per_token * 4
+
+    def expert_args(self) -> dict:
+        """The pool and slot table for a fused window (an empty pool for a model without experts)."""
+        if self.experts is None:
+            xp = self.backend.xp
+            return {"pool": self._empty_pool, "table": np.zeros((0, 1), np.int32)}
+        return self.experts.args()
 
     # --- sequences
     def sequence(self) -> "Sequence":
@@ -184,8 +275,7 @@ class Sequence:
             b = bucket_for(len(chunk))
             padded = np.zeros(b, np.int32)
             padded[:len(chunk)] = chunk
-            logits, self.state = e._read(e.params, self.state, padded, np.int32(self.pos), np.int32(len(chunk)),
-                                         all_logits=all_logits)
+            logits, self.state = e.read_part(self.state, padded, self.pos, len(chunk), all_logits)
             self.pos += len(chunk)
             if all_logits:
                 out.append(e.backend.to_host(logits)[:len(chunk)])
@@ -198,8 +288,8 @@ class Sequence:
         e = self.engine
         if self.pos + 1 > e.options.max_context:
             raise StrataError(f"{self.pos + 1} tokens exceed max_context {e.options.max_context}")
-        nxt, self.state = e._decode(e.params, self.state, np.array([token], np.int32), np.int32(self.pos), *sp,
-                                    seed_arr, np.int32(step))
+        logits, self.state = e.read_part(self.state, np.array([token], np.int32), self.pos, 1, False)
+        nxt = e._sample(logits, *sp, seed_arr, np.int32(step))
         self.pos += 1
         return int(nxt[0])
 
@@ -208,11 +298,6 @@ def _sample(ops, logits, temperature, top_k, top_p, min_p, seed, step):
     """One sequence's sampling step: seed uint32 [2], step int32 scalar."""
     keys = ops.prng_keys(seed[None], step[None])
     return ops.sample(logits, temperature, top_k, top_p, min_p, keys)
-
-
-def _decode_step(ops, cfg, params, state, token, pos, temperature, top_k, top_p, min_p, seed, step):
-    logits, state = forward(ops, cfg, params, state, token, pos, 1, all_logits=False)
-    return _sample(ops, logits, temperature, top_k, top_p, min_p, seed, step), state
 
 
 def _sampling_arrays(temperature, top_k, top_p, min_p):
@@ -231,3 +316,34 @@ def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, seed):
     need(0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], found {min_p}")
     need(seed is None or (isinstance(seed, int) and 0 <= seed < 2 ** 63),
          f"seed must be an integer in [0, 2^63), found {seed!r}")
+
+
+def _is_pack(path_or_name) -> bool:
+    if str(path_or_name) == "demo":
+        return False
+    from strata.experts.pack import is_pack
+    return is_pack(Path(path_or_name))
+
+
+def _check_expert_options(o: EngineOptions) -> None:
+    from strata.experts.moe import MISS_POLICIES
+
+    def need(ok, msg):
+        if not ok:
+            raise ConfigError(msg)
+    ec = o.expert_cache
+    need(ec == "auto" or (isinstance(ec, int) and not isinstance(ec, bool) and ec >= 1),
+         f"expert_cache must be 'auto' or a positive number of experts, found {ec!r}")
+    need(o.resident_budget_gib is None or o.resident_budget_gib >= 0,
+         f"resident_budget_gib must be >= 0, found {o.resident_budget_gib!r}")
+    need(isinstance(o.vram_reserve_mib, int) and o.vram_reserve_mib >= 0,
+         f"vram_reserve_mib must be an integer >= 0, found {o.vram_reserve_mib!r}")
+    need(o.miss_policy in MISS_POLICIES, f"miss_policy {o.miss_policy!r} is not allowed; allowed: "
+         f"{', '.join(MISS_POLICIES)}")
+    for name in ("staging_slots", "adapt_every", "adapt_swaps"):
+        v = getattr(o, name)
+        need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} must be an integer >= 0, found {v!r}")
+    need(isinstance(o.sequences, int) and o.sequences >= 1, f"sequences must be an integer >= 1, found {o.sequences!r}")
+    need(isinstance(o.host_chunk_mib, int) and o.host_chunk_mib >= 1,
+         f"host_chunk_mib must be an integer >= 1, found {o.host_chunk_mib!r}")
+    need(0.0 < o.adapt_decay <= 1.0, f"adapt_decay must be in (0, 1], found {o.adapt_decay!r}")

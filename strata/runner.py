@@ -5,6 +5,10 @@ so device order follows data. Decode rows are the single-sequence forward pass m
 runs the same forward pass on one slot's state. Inactive decode rows write their key/value into the scratch row
 (capacity - 1, beyond max_context, never visible to a real query) and leave the recurrent state unchanged (n_valid 0).
 Compilation: one decode function for S, one prompt-part function per bucket; all of them at warm-up.
+
+When the expert cache holds every expert, each call is one compiled function over the slot table (fused); otherwise
+the layers run one at a time and the routed experts are resolved on the host between them (strata/model/stepped.py),
+and between windows the cache refills loaned slots and makes its adaptive swaps.
 """
 from __future__ import annotations
 
@@ -29,10 +33,13 @@ class WindowRunner:
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
         self.states = ops.to_device(bank)                     # per layer {name: [S, ...]}
         self.scratch_pos = engine.capacity - 1
-        self._decode = engine.compiled("decode_rows", lambda: ops.compile(partial(_decode_rows, ops, cfg),
-                                                                          donate_argnums=(1,)))
-        self._part = engine.compiled("prompt_part", lambda: ops.compile(partial(_prompt_part, ops, cfg),
-                                                                         donate_argnums=(1,)))
+        self.windows = 0
+        lay = engine.layout
+        self._decode = engine.compiled(("decode_rows", lay), lambda: ops.compile(
+            partial(_decode_rows, ops, cfg, lay), donate_argnums=(2,)))
+        self._part = engine.compiled(("prompt_part", lay), lambda: ops.compile(
+            partial(_prompt_part, ops, cfg, lay), donate_argnums=(2,)))
+        self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
 
     def buckets(self) -> list[int]:
         return [b for b in PART_BUCKETS if b <= bucket_for(self.part_size)]
@@ -56,8 +63,13 @@ class WindowRunner:
         decode_finite = np.ones(self.n_slots, bool)
         if plan.n_decode:
             pos = np.where(plan.decode_active, plan.decode_pos, self.scratch_pos).astype(np.int32)
-            nxt, fin, self.states = self._decode(e.params, self.states, plan.decode_tokens, pos,
-                                                 plan.decode_active.astype(np.int32), *sp, plan.seeds, plan.steps)
+            active = plan.decode_active.astype(np.int32)
+            if e.fused:
+                nxt, fin, self.states = self._decode(e.params, e.expert_args(), self.states, plan.decode_tokens, pos,
+                                                     active, *sp, plan.seeds, plan.steps)
+            else:
+                logits, self.states = e.stepped.rows(e.params, self.states, plan.decode_tokens, pos, active)
+                nxt, fin = self._sample(logits, *sp, plan.seeds, plan.steps)
             decode_next, decode_finite = e.backend.to_host(nxt), e.backend.to_host(fin)
         t1 = time.perf_counter()
         part_next = part_finite = None
@@ -67,10 +79,20 @@ class WindowRunner:
             padded = np.zeros(bucket_for(n), np.int32)
             padded[:n] = p.tokens
             i = p.slot
-            nxt, fin, self.states = self._part(e.params, self.states, np.int32(i), padded, np.int32(p.start),
-                                               np.int32(n), *(a[i:i + 1] for a in sp), plan.seeds[i],
-                                               plan.steps[i])
-            part_next, part_finite = int(nxt), bool(fin)
+            one = [a[i:i + 1] for a in sp]
+            if e.fused:
+                nxt, fin, self.states = self._part(e.params, e.expert_args(), self.states, np.int32(i), padded,
+                                                   np.int32(p.start), np.int32(n), *one, plan.seeds[i],
+                                                   plan.steps[i])
+            else:
+                logits, self.states = e.stepped.slot_part(e.params, self.states, i, padded, p.start, n)
+                nxt, fin = self._sample(logits, *one, plan.seeds[i:i + 1], plan.steps[i:i + 1])
+            to_host = e.backend.to_host
+            part_next = int(np.asarray(to_host(nxt)).reshape(-1)[0])
+            part_finite = bool(np.asarray(to_host(fin)).reshape(-1)[0])
+        self.windows += 1
+        if e.experts is not None:
+            e.experts.end_window(self.windows)
         t2 = time.perf_counter()
         return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - t0, t2 - t1)
 
@@ -83,25 +105,32 @@ def idle_plan(n_slots: int) -> WindowPlan:
                       min_p=z(np.float32), seeds=np.zeros((n_slots, 2), np.uint32), steps=z(np.int32))
 
 
-def _decode_rows(ops, cfg, params, states, tokens, pos, active, temperature, top_k, top_p, min_p, seeds, steps):
+def _decode_rows(ops, cfg, layout, params, experts, states, tokens, pos, active, temperature, top_k, top_p, min_p,
+                 seeds, steps):
     """[S] rows of one token each -> (next tokens [S], finite [S], states)."""
-    xp = ops.xp
-
     def row(state, token, p, n_valid):
-        logits, state = forward(ops, cfg, params, state, token[None], p, n_valid, all_logits=False)
+        logits, state, _ = forward(ops, cfg, layout, params, experts, state, token[None], p, n_valid,
+                                   all_logits=False)
         return logits[0], state
 
     logits, states = ops.vmap(row)(states, tokens, pos, active)                    # [S, V]
+    nxt, fin = _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps)
+    return nxt, fin, states
+
+
+def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps):
+    """logits [B, V] -> (sampled tokens [B], finite [B])."""
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seeds, steps))
-    return nxt, xp.all(xp.isfinite(logits), axis=-1), states
+    return nxt, ops.xp.all(ops.xp.isfinite(logits), axis=-1)
 
 
-def _prompt_part(ops, cfg, params, states, slot, tokens, start, n_valid, temperature, top_k, top_p, min_p, seed,
-                 step):
+def _prompt_part(ops, cfg, layout, params, experts, states, slot, tokens, start, n_valid, temperature, top_k, top_p,
+                 min_p, seed, step):
     """One prompt part on one slot's state -> (token sampled after its last row, finite, states)."""
     xp = ops.xp
     state = [{k: v[slot] for k, v in layer.items()} for layer in states]
-    logits, state = forward(ops, cfg, params, state, tokens, start, n_valid, all_logits=False)   # [1, V]
+    logits, state, _ = forward(ops, cfg, layout, params, experts, state, tokens, start, n_valid,
+                               all_logits=False)                                            # [1, V]
     states = [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)]
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))
     return nxt[0], xp.all(xp.isfinite(logits)), states

@@ -5,16 +5,16 @@ sequence state threaded through as values (donated by the caller).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Above this many (token, expert) routes the expert op sorts routes by expert and runs a grouped matmul; below it,
-# it gathers each route's weights (decode reads exactly the experts it uses).
-GATHER_ROUTES_MAX = 64
+from strata.jax_backend.kernels.experts import experts_from_pool
+
 GDN_CHUNK = 64
-EXPERT_BLOCK = 64   # rows per block of the prompt-part expert op
 KV_BLOCK = 512      # keys per step of the attention's online softmax
 ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
 
@@ -223,42 +223,34 @@ class JaxBackend:
         return lax.top_k(x, k)
 
     @staticmethod
-    def experts(x, idx, weight, gate, up, down):
-        """The expert op: y[t] = sum_j weight[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = idx[t, j].
-        x [T, H]; idx, weight [T, k]; gate, up [E, I, H]; down [E, H, I]."""
-        t, kk = idx.shape
-        hi = lax.Precision.HIGHEST
-        if t * kk <= GATHER_ROUTES_MAX:
-            # decode: gather the routed experts' weights, so only they are read
-            g = jnp.einsum("th,tkih->tki", x, gate[idx].astype(x.dtype), precision=hi)
-            u = jnp.einsum("th,tkih->tki", x, up[idx].astype(x.dtype), precision=hi)
-            y = jnp.einsum("tki,tkhi->tkh", jax.nn.silu(g) * u, down[idx].astype(x.dtype), precision=hi)
-            return jnp.einsum("tkh,tk->th", y, weight.astype(x.dtype), precision=hi)
-        # prompt parts: sort routes by expert and lay each expert's group out padded to whole blocks of
-        # EXPERT_BLOCK rows, so every block belongs to one expert; each block then multiplies by its expert's
-        # weights. (lax.ragged_dot lowers to a dense [E, rows, H] expansion on GPU: too big at thousands of tokens.)
-        e_count = gate.shape[0]
-        rows = t * kk
-        bsz = EXPERT_BLOCK
-        n_blocks = -(-rows // bsz) + e_count                                         # static bound on padded blocks
-        flat_e = idx.reshape(-1)
-        order = jnp.argsort(flat_e, stable=True)                                     # routes sorted by expert
-        sorted_e = flat_e[order]
-        sizes = jnp.bincount(flat_e, length=e_count)                                 # [E]
-        padded = (sizes + bsz - 1) // bsz * bsz
-        pad_start = jnp.cumsum(padded) - padded                                      # [E] first padded row
-        start = jnp.cumsum(sizes) - sizes                                            # [E] first sorted route
-        dest = pad_start[sorted_e] + (jnp.arange(rows) - start[sorted_e])            # [rows] padded row of route
-        tok = order // kk
-        xb = jnp.zeros((n_blocks * bsz, x.shape[1]), x.dtype).at[dest].set(x[tok])
-        xb = xb.reshape(n_blocks, bsz, -1)                                           # [nb, B, H]
-        block_e = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * bsz, side="right")
-        block_e = jnp.minimum(block_e, e_count - 1)                                  # trailing empty blocks
-        g = jnp.einsum("nbh,nih->nbi", xb, gate[block_e].astype(x.dtype), precision=hi)
-        u = jnp.einsum("nbh,nih->nbi", xb, up[block_e].astype(x.dtype), precision=hi)
-        y = jnp.einsum("nbi,nhi->nbh", jax.nn.silu(g) * u, down[block_e].astype(x.dtype), precision=hi)
-        y = y.reshape(n_blocks * bsz, -1)[dest] * weight.reshape(-1)[order][:, None].astype(x.dtype)
-        return jnp.zeros_like(x).at[tok].add(y)
+    def experts_pool(x, slots, weight, pool, layout, max_distinct):
+        """The expert op over the slot pool (strata/jax_backend/kernels/experts.py): x [T, H]; slots, weight [T, k]
+        (slot -1: not computed here); pool uint8 [N, layout.nbytes]."""
+        return experts_from_pool(layout, pool, x, slots, weight, max_distinct)
+
+    @staticmethod
+    def route_counts(idx, valid, n_experts):
+        """[T, k] routes of the valid rows -> [E] int32 counts."""
+        w = jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.int32)
+        return jnp.zeros(n_experts, jnp.int32).at[idx.reshape(-1)].add(w.reshape(-1))
+
+    # --- the slot pool (uint8 [N, nbytes]; a value: every write returns the pool the next computation reads)
+    def pool_alloc(self, n, nbytes):
+        return jax.device_put(jnp.zeros((n, nbytes), jnp.uint8), self.device)
+
+    def pool_write(self, pool, slots, blobs):
+        """pool with rows `slots` [m] replaced by blobs [m, nbytes] (host); the old pool is donated. m is padded to
+        a power of two by repeating the last row (the same bytes into the same slot), so compilations stay few."""
+        slots = np.asarray(slots, np.int32)
+        m = len(slots)
+        b = 1 << max(0, (m - 1).bit_length())
+        if b > m:
+            slots = np.concatenate([slots, np.repeat(slots[-1:], b - m)])
+            blobs = np.concatenate([blobs, np.repeat(blobs[-1:], b - m, axis=0)])
+        return _pool_write(pool, jax.device_put(slots, self.device), jax.device_put(blobs, self.device))
+
+    def pool_read(self, pool, slots):
+        return np.asarray(pool[jnp.asarray(slots)])
 
     # --- sampling
     @staticmethod
@@ -298,3 +290,8 @@ class JaxBackend:
         seeds: uint32 [B, 2] (low, high words of 63-bit seeds); steps: int32 [B]."""
         key = lambda s, t: jax.random.fold_in(jax.random.fold_in(jax.random.key(s[0]), s[1]), t)  # noqa: E731
         return jax.vmap(key)(seeds, steps)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _pool_write(pool, slots, blobs):
+    return pool.at[slots].set(blobs)

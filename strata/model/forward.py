@@ -31,30 +31,68 @@ def init_state(cfg: ModelConfig, capacity: int, dtype) -> list[dict]:
     return state
 
 
-def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, all_logits: bool):
-    """-> (logits [T, V] fp32 if all_logits else [1, V] at row n_valid - 1, new state).
+def forward(ops, cfg: ModelConfig, layout, params: dict, experts: dict, state: list, tokens, start, n_valid,
+            all_logits: bool):
+    """-> (logits [T, V] fp32 if all_logits else [1, V] at row n_valid - 1, new state, routing counts [Lp, E]).
 
-    tokens [T] int32; start, n_valid: int32 scalars (traced: one compilation per bucket T)."""
-    xp = ops.xp
+    tokens [T] int32; start, n_valid: int32 scalars (traced: one compilation per bucket T). Every routed expert is
+    resident: experts = {"pool": uint8 [N, layout.nbytes], "table": int32 [Lp, E] slot of (MoE layer p, expert)}.
+    (With a partial cache the layers run one at a time instead: strata/model/stepped.py.)"""
     t = tokens.shape[0]
-    x = params["embed"][tokens]                                                   # [T, H]
-    positions = start + xp.arange(t)
+    x = embed(params, tokens)                                                     # [T, H]
     valid = ops.valid_mask(t, n_valid)                                            # [T]
-    new_state = []
+    new_state, counts = [], []
+    p = 0
     for lp, st, kind in zip(params["layers"], state, cfg.layer_types):
-        h = ops.rms_norm(x, lp["in_norm"], cfg.rms_norm_eps)
-        if kind == LINEAR:
-            y, st = gated_deltanet(ops, cfg, lp, st, h, start, valid, n_valid)
-        else:
-            y, st = attention(ops, cfg, lp, st, h, positions, start, valid)
-        x = x + y
-        x = x + mlp(ops, cfg, lp, ops.rms_norm(x, lp["post_norm"], cfg.rms_norm_eps))
+        x, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+        if h is not None:
+            slots = ops.xp.where(valid[:, None], experts["table"][p][idx], -1)     # [T, k]; padded rows: none
+            y = ops.experts_pool(h, slots, w.astype(h.dtype), experts["pool"], layout, cfg.num_experts)
+            x = layer_back(ops, cfg, lp, x, h, y)
+            counts.append(ops.route_counts(idx, valid, cfg.num_experts))
+            p += 1
         new_state.append(st)
+    counts = ops.xp.stack(counts) if counts else ops.xp.zeros((0, cfg.num_experts), ops.xp.int32)
+    return head(ops, cfg, params, x, n_valid, all_logits), new_state, counts
+
+
+def embed(params: dict, tokens):
+    return params["embed"][tokens]
+
+
+def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, n_valid):
+    """One layer up to its routed experts: the mixer and, for a dense layer, its MLP.
+    -> (x, h, w, idx, st): for a sparse layer h [T, H] is the experts' input and (w, idx) [T, k] the routes, and the
+    layer ends with layer_back(.., y) once the experts' output y is known; for a dense layer h = w = idx = None."""
+    t = x.shape[0]
+    positions = start + ops.xp.arange(t)
+    valid = ops.valid_mask(t, n_valid)
+    h = ops.rms_norm(x, lp["in_norm"], cfg.rms_norm_eps)
+    if kind == LINEAR:
+        y, st = gated_deltanet(ops, cfg, lp, st, h, start, valid, n_valid)
+    else:
+        y, st = attention(ops, cfg, lp, st, h, positions, start, valid)
+    x = x + y
+    h = ops.rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
+    if "router" not in lp:
+        return x + _swiglu(ops, h, lp["mlp_gate"], lp["mlp_up"], lp["mlp_down"]), None, None, None, st
+    w, idx = route(ops, cfg, lp, h)
+    return x, h, w, idx, st
+
+
+def layer_back(ops, cfg: ModelConfig, lp: dict, x, h, y):
+    """The rest of a sparse layer: y (the routed experts' weighted sum) plus the gated shared expert."""
+    if "sh_gate" in lp:
+        y = y + ops.sigmoid(ops.linear(h, lp["sh_router"])) * _swiglu(ops, h, lp["sh_gate"], lp["sh_up"],
+                                                                      lp["sh_down"])
+    return x + y
+
+
+def head(ops, cfg: ModelConfig, params: dict, x, n_valid, all_logits: bool):
     if not all_logits:
         x = ops.take_row(x, n_valid - 1)[None]
     x = ops.rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    logits = ops.linear(x, params["lm_head"]).astype(xp.float32)
-    return logits, new_state
+    return ops.linear(x, params["lm_head"]).astype(ops.xp.float32)
 
 
 def attention(ops, cfg: ModelConfig, lp: dict, st: dict, h, positions, start, valid):
@@ -112,12 +150,6 @@ def _l2norm(xp, x):
     return x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def mlp(ops, cfg: ModelConfig, lp: dict, h):
-    if "router" not in lp:
-        return _swiglu(ops, h, lp["mlp_gate"], lp["mlp_up"], lp["mlp_down"])
-    return moe(ops, cfg, lp, h)
-
-
 def _swiglu(ops, h, w_gate, w_up, w_down):
     return ops.linear(ops.silu(ops.linear(h, w_gate)) * ops.linear(h, w_up), w_down)
 
@@ -129,12 +161,3 @@ def route(ops, cfg: ModelConfig, lp: dict, h):
     if cfg.norm_topk_prob:
         w = w / ops.xp.sum(w, axis=-1, keepdims=True)
     return w, idx
-
-
-def moe(ops, cfg: ModelConfig, lp: dict, h):
-    w, idx = route(ops, cfg, lp, h)
-    y = ops.experts(h, idx, w.astype(h.dtype), lp["exp_gate"], lp["exp_up"], lp["exp_down"])
-    if "sh_gate" in lp:
-        y = y + ops.sigmoid(ops.linear(h, lp["sh_router"])) * _swiglu(ops, h, lp["sh_gate"], lp["sh_up"],
-                                                                      lp["sh_down"])
-    return y

@@ -6,7 +6,8 @@ naming the tensor, its file, and the expected and found shapes. Load-time rearra
 - Gated DeltaNet's per-key-head interleaved in_proj_qkvz rows [q|k|v|z] per group become [all q|all k|all v|all z]
   (the conv's channel order), and in_proj_ba rows [b|a] per group become [all b|all a];
 - gated attention's q_proj rows [query|gate] per head become two matrices;
-- experts are stacked: gate, up [E, I, H], down [E, H, I].
+- routed experts are not in the tree: they live in an expert pool (strata/experts/); `read_experts` stacks a
+  checkpoint's experts per sparse layer as gate, up [E, I, H], down [E, H, I] for encoding into blobs.
 """
 from __future__ import annotations
 
@@ -136,17 +137,8 @@ def _dense_mlp(cfg: ModelConfig, r: TensorReader, p: str, width: int) -> dict:
 
 
 def _moe(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
-    H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    if r.has(p + "experts.gate_up_proj"):
-        # transformers' fused in-memory layout, when a checkpoint was saved that way
-        gate_up = r.get(p + "experts.gate_up_proj", (E, 2 * I, H))
-        gate, up = gate_up[:, :I], gate_up[:, I:]
-        down = r.get(p + "experts.down_proj", (E, H, I))
-    else:
-        gate = r.xp.stack([r.get(f"{p}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)])
-        up = r.xp.stack([r.get(f"{p}experts.{e}.up_proj.weight", (I, H)) for e in range(E)])
-        down = r.xp.stack([r.get(f"{p}experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
-    out = {"router": r.get(p + "gate.weight", (E, H)), "exp_gate": gate, "exp_up": up, "exp_down": down}
+    H, E = cfg.hidden_size, cfg.num_experts
+    out = {"router": r.get(p + "gate.weight", (E, H))}
     if cfg.shared_expert_intermediate_size:
         Is = cfg.shared_expert_intermediate_size
         out.update({
@@ -156,3 +148,26 @@ def _moe(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
             "sh_router": r.get(p + "shared_expert_gate.weight", (1, H)),
         })
     return out
+
+
+def expert_layer_prefixes(cfg: ModelConfig) -> list[str]:
+    """The tensor-name prefix of every sparse layer's MLP, in order (MoE layer position p = index here)."""
+    return [f"model.layers.{i}.mlp." for i in range(cfg.num_layers) if cfg.is_sparse_layer(i)]
+
+
+def read_experts(cfg: ModelConfig, src: TensorSource, dtype=np.float32, prefix: str | None = None):
+    """One sparse layer's routed experts (or, with prefix None, every sparse layer's): (gate [E, I, H],
+    up [E, I, H], down [E, H, I]) from either the per-expert names or transformers' fused layout."""
+    if prefix is None:
+        return [read_experts(cfg, src, dtype, p) for p in expert_layer_prefixes(cfg)]
+    r = TensorReader(src, dtype)
+    H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    p = prefix
+    if r.has(p + "experts.gate_up_proj"):
+        # transformers' fused in-memory layout, when a checkpoint was saved that way
+        gate_up = r.get(p + "experts.gate_up_proj", (E, 2 * I, H))
+        return gate_up[:, :I], gate_up[:, I:], r.get(p + "experts.down_proj", (E, H, I))
+    gate = np.stack([r.get(f"{p}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)])
+    up = np.stack([r.get(f"{p}experts.{e}.up_proj.weight", (I, H)) for e in range(E)])
+    down = np.stack([r.get(f"{p}experts.{e}.down_proj.weight", (H, I)) for e in range(E)])
+    return gate, up, down

@@ -35,6 +35,7 @@ from dpctl.utils import SequentialOrderManager  # noqa: E402
 
 from strata.sycl_backend.kernels import Counter, Kernels  # noqa: E402
 from strata.sycl_backend.kernels import attention as k_attention  # noqa: E402
+from strata.sycl_backend.kernels import blob_decode as k_blob  # noqa: E402
 from strata.sycl_backend.kernels import conv as k_conv  # noqa: E402
 from strata.sycl_backend.kernels import experts as k_experts  # noqa: E402
 from strata.sycl_backend.kernels import gated_delta as k_gdn  # noqa: E402
@@ -398,20 +399,69 @@ class SyclBackend:
         self._op()
         return k_topk.topk(self.kernels, self._f32(x), int(k))
 
-    def experts(self, x, idx, weight, gate, up, down):
-        """y[t] = sum_j weight[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = idx[t, j].
-        x [T, H]; idx, weight [T, k]; gate, up [E, I, H]; down [E, H, I] (fp32 or Bf16)."""
+    def route_counts(self, idx, valid, n_experts):
+        """[T, k] routes of the valid rows -> [E] int32 counts."""
+        idx = self._dev(idx, np.dtype(np.int64)).reshape(-1)
+        kk = idx.shape[0] // max(valid.shape[0], 1)
+        w = dpnp.repeat(self._dev(valid).astype(dpnp.float32), kk)
+        return dpnp.bincount(idx, weights=w, minlength=n_experts).astype(dpnp.int32)
+
+    # --- the slot pool (uint8 [N, nbytes], written in place on this queue; every task goes through dpctl's sequential
+    # order manager, so a computation submitted before a write reads the bytes it was submitted with)
+    def pool_alloc(self, n, nbytes):
+        return dpnp.zeros((n, nbytes), dtype=dpnp.uint8, sycl_queue=self.queue)
+
+    def pool_write(self, pool, slots, blobs):
+        pool[self._dev(np.asarray(slots, np.int64))] = self._upload(np.asarray(blobs, np.uint8))
+        return pool
+
+    def pool_read(self, pool, slots):
+        return dpnp.asnumpy(pool[self._dev(np.asarray(slots, np.int64))])
+
+    def experts_pool(self, x, slots, weight, pool, layout, max_distinct):
+        """The expert op over a pool of packed expert blobs (strata/weights/quant.py), as quant.expert_reference:
+        y[t] = sum_j weight[t, j] * expert(slots[t, j])(x[t]), a route with slot -1 contributing exactly 0.
+        x [T, H] fp32; slots int [T, k] (host or device); weight [T, k]; pool uint8 [N, layout.nbytes] on this
+        queue; max_distinct: a bound on the distinct slots one call uses (the experts of one layer).
+
+        Two launches of blob_decode.cl, then the expert op's usual forms: pool_select ranks the distinct slots
+        used and remaps the routes to them (a skipped route to an all-zero expert, with weight 0), blob_decode
+        decodes those blobs once into fp32 gate / up / down [R + 1, ...] (index R: the zero expert), then the
+        gathered kernels (few routes) or the blocked matmuls (prompt parts) run on them. Unreferenced slots are
+        never read. With host slots R is the exact count of distinct slots used (more than max_distinct, or a
+        slot outside the pool, is a ValueError); with device slots R = min(max_distinct, routes), and routes past
+        the first max_distinct distinct slots (or outside the pool) contribute 0: the caller's bound is trusted."""
         self._op()
+        if pool.dtype != np.uint8 or pool.ndim != 2 or pool.shape[1] != layout.nbytes:
+            raise ValueError(f"experts_pool: pool must be uint8 [N, {layout.nbytes}] for the {layout.fmt} layout; "
+                             f"got {pool.dtype} {tuple(pool.shape)}")
         x = self._f32(x)
-        idx = self._dev(idx, np.dtype(np.int32))
-        idx = idx if idx.flags.c_contiguous else dpnp.ascontiguousarray(idx)
-        weight = self._f32(weight)
-        t, kk = idx.shape
-        if t * kk <= GATHER_ROUTES_MAX:
-            fmt = "bf16" if isinstance(gate, Bf16) else "f32"
-            stored = [w.bits if isinstance(w, Bf16) else self._f32(w) for w in (gate, up, down)]
-            return k_experts.experts_gathered(self.kernels, x, idx, weight, *stored, fmt)
-        return self._experts_blocked(x, idx, weight, gate, up, down)
+        t, kk = slots.shape
+        if tuple(weight.shape) != (t, kk) or x.shape[0] != t or x.shape[1] != layout.hidden:
+            raise ValueError(f"experts_pool: x {tuple(x.shape)}, slots {(t, kk)} and weight {tuple(weight.shape)} "
+                             f"do not agree (hidden {layout.hidden})")
+        routes = t * kk
+        n = pool.shape[0]
+        if _is_host(slots):
+            s = np.asarray(slots)
+            used = np.unique(s[s >= 0])
+            if used.size and used[-1] >= n:
+                raise ValueError(f"experts_pool: slot {int(used[-1])} is outside the pool of {n} slots")
+            if used.size > max_distinct:
+                raise ValueError(f"experts_pool: {used.size} distinct slots used, more than max_distinct "
+                                 f"{max_distinct}")
+            if used.size == 0:
+                return dpnp.zeros((t, x.shape[1]), dtype=dpnp.float32, sycl_queue=self.queue)
+            r = int(used.size)
+        else:
+            r = max(1, min(int(max_distinct), routes))
+        slots = self._dev(slots, np.dtype(np.int32))
+        slots = slots if slots.flags.c_contiguous else dpnp.ascontiguousarray(slots)
+        sel, idx, w = k_blob.pool_select(self.kernels, slots, self._f32(weight), n, r)
+        gate, up, down = k_blob.blob_decode(self.kernels, pool, sel, layout)
+        if routes <= GATHER_ROUTES_MAX:
+            return k_experts.experts_gathered(self.kernels, x, idx, w, gate, up, down, "f32")
+        return self._experts_blocked(x, idx, w, gate, up, down)
 
     def _experts_blocked(self, x, idx, weight, gate, up, down):
         # prompt parts, as the JAX backend: routes sorted by expert, each expert's group padded to whole blocks of
@@ -482,6 +532,8 @@ class SyclBackend:
         return mapped
 
     def _stack(self, leaves, made):
+        if all(leaf is None for leaf in leaves):
+            return None                           # an output fn leaves empty (a dense layer's routes)
         src = [made.get(id(leaf)) for leaf in leaves]
         if all(s is not None for s in src) and all(s[0] is src[0][0] and s[1] == i for i, s in enumerate(src)):
             return src[0][0]                      # every row was updated in place in the input

@@ -6,6 +6,7 @@ import pytest
 
 from strata.jax_backend import backend as jb
 from strata.model import reference
+from strata.weights import quant
 
 OPS = jb.JaxBackend()
 
@@ -21,7 +22,13 @@ def test_expert_op_matches_reference(tokens, k, experts):
     weight = rng.random((tokens, k)).astype(np.float32)
     gate, up = (rng.standard_normal((experts, I, H)).astype(np.float32) / 5 for _ in range(2))
     down = rng.standard_normal((experts, H, I)).astype(np.float32) / 6
-    got = np.asarray(OPS.experts(x, idx, weight, gate, up, down))
+    # experts in f32 blobs, in a pool twice their number, at shuffled slots (the others hold garbage)
+    lay = quant.layout("f32", H, I)
+    pool = rng.integers(0, 256, (2 * experts, lay.nbytes), dtype=np.uint8)
+    slot_of = rng.permutation(2 * experts)[:experts]
+    for e in range(experts):
+        pool[slot_of[e]] = quant.encode_expert(lay, gate[e], up[e], down[e])
+    got = np.asarray(OPS.experts_pool(x, slot_of[idx].astype(np.int32), weight, pool, lay, experts))
     want = reference.experts(x, idx, weight, gate, up, down)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 

@@ -383,9 +383,14 @@ def test_demo_mtp_weights(demo_small):
         assert tuple(mtp[norm].shape) == (H,)
     layer = mtp["layer"]
     attention = {"q", "gate", "k", "v", "o", "q_norm", "k_norm"}
-    moe = {"router", "exp_gate", "exp_up", "exp_down", "sh_gate", "sh_up", "sh_down", "sh_router"}
+    moe = {"router", "sh_gate", "sh_up", "sh_down", "sh_router"}
     assert attention | moe | {"in_norm", "post_norm"} <= set(layer)
     assert "qkv" not in layer                               # a full-attention layer, not Gated DeltaNet
+    # routed experts live in the expert pool, not the tree; the MTP layer's are read by prefix
+    from strata.engine import load_source
+    from strata.model.params import read_experts
+    _, src, _ = load_source("demo")
+    gate, up, down = read_experts(cfg, src, prefix="mtp.layers.0.mlp.")
     E, I = cfg.num_experts, cfg.moe_intermediate_size
-    assert tuple(layer["exp_gate"].shape) == (E, I, H) and tuple(layer["exp_down"].shape) == (E, H, I)
+    assert gate.shape == up.shape == (E, I, H) and down.shape == (E, H, I)
     assert tuple(layer["q"].shape) == (cfg.num_heads * cfg.head_dim, H)

@@ -47,8 +47,9 @@ def test_bf16_weights_stored_as_uint16_compute_as_their_fp32_values(sycl_device,
     from strata.sycl_backend.backend import Bf16
     monkeypatch.setattr(backend, "BF16_WIDEN_ELEMENTS", 5000)        # matmuls widen the weights block by block
     e16 = Engine.load("demo", backend="sycl", device=sycl_device, max_context=128, dtype="bfloat16")
-    assert isinstance(e16.params["layers"][0]["exp_gate"], Bf16)
-    assert e16.params["layers"][0]["exp_gate"].bits.dtype == np.uint16
+    assert isinstance(e16.params["layers"][0]["router"], Bf16)
+    assert e16.params["layers"][0]["router"].bits.dtype == np.uint16
+    assert e16.layout.fmt == "bf16"                                   # the experts: bf16 blobs in the slot pool
     ops = e16.backend
     host = ops.to_host(e16.params)
     as32 = _tree(lambda a: a.astype(np.float32) if a.dtype == ml_dtypes.bfloat16 else a, host)
@@ -57,7 +58,8 @@ def test_bf16_weights_stored_as_uint16_compute_as_their_fp32_values(sycl_device,
     outs = []
     for params in (e16.params, p32):
         state = ops.to_device(init_state(e16.cfg, e16.capacity, np.float32))
-        logits, _ = forward(ops, e16.cfg, params, state, tokens, np.int32(0), np.int32(len(tokens)), all_logits=True)
+        logits, _, _ = forward(ops, e16.cfg, e16.layout, params, e16.expert_args(), state, tokens, np.int32(0),
+                               np.int32(len(tokens)), all_logits=True)
         outs.append(ops.to_host(logits))
     assert np.abs(outs[0] - outs[1]).max() <= 1e-5 * np.ptp(outs[1])
     # and decode (the gathered expert op and the row kernels read the uint16 bits directly)

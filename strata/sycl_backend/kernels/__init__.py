@@ -31,7 +31,7 @@ from dpctl.utils import SequentialOrderManager
 from strata.errors import ConfigError
 
 HERE = Path(__file__).parent
-FAMILIES = ("norms", "pointwise", "rope", "attention", "conv", "gated_delta", "topk", "sample")
+FAMILIES = ("norms", "pointwise", "rope", "attention", "conv", "gated_delta", "topk", "sample", "blob_decode")
 # families that read weights are compiled once per stored weight format: (C type, widening to fp32)
 PER_FORMAT = ("linear", "experts")
 WEIGHT_FORMATS = {"f32": ("float", "((p)[i])"), "bf16": ("ushort", "as_float(((uint)(p)[i]) << 16)")}

@@ -1,0 +1,277 @@
+"""ExpertCache: the device slots that hold experts, as a state machine, and the slot table windows compute with.
+
+A slot is FREE, FILLING, RESIDENT(layer, expert, version) or LOANED(owner). Only RESIDENT slots are in the table
+(int32 [Lp, E]: slot of (MoE layer position p, expert e), -1 when not resident), and a window receives the table by
+value (`table()` returns a read-only copy), so nothing done to the cache later can change what a running window
+reads. A loan takes the slot out of the table *before* the borrower writes into it, and a returned slot is FREE
+until it is refilled (and verified against the pack). On JAX the pool itself is a value too: every write produces
+the pool the next computation reads, so a computation dispatched earlier can never see a later write
+(../shared/seeds/000_*.txt: a decode window read a slot on loan to a prompt part).
+
+Illegal transitions raise SlotStateError: they are bugs, not conditions to handle.
+
+Policy state lives here as well: decayed routing counts per (layer, expert) decide victims, what to refill and which
+swaps are worth making between windows.
+"""
+from __future__ import annotations
+
+import enum
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    FILLING = "filling"
+    RESIDENT = "resident"
+    LOANED = "loaned"
+
+
+@dataclass(frozen=True)
+class Slot:
+    state: SlotState = SlotState.FREE
+    layer: int = -1              # MoE layer position p (RESIDENT, FILLING)
+    expert: int = -1
+    version: int = 0             # the fill that wrote this content (RESIDENT)
+    owner: str | None = None     # LOANED
+
+
+class SlotStateError(RuntimeError):
+    """An illegal slot transition: a bug in the caller."""
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0                 # routes whose expert was resident when its layer ran
+    misses: int = 0               # routes whose expert was not
+    fills: int = 0                # experts written into slots (misses fetched, refills, swaps)
+    loans: int = 0                # slots lent to prompt parts
+    bytes_copied: int = 0         # host -> device
+    copy_seconds: float = 0.0
+    cpu_routes: int = 0           # routes computed on the CPU
+    cpu_seconds: float = 0.0
+    swaps: int = 0                # adaptive swaps between windows
+    verified: int = 0             # slots checked against the pack
+    by_kind: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "by_kind"}
+        d["hit_rate"] = self.hits / max(self.hits + self.misses, 1)
+        return d
+
+
+class ExpertCache:
+    """n_slots device slots over `source` (an ExpertSource: blob(p, e) bytes, checksum(p, e)).
+
+    ops: the backend (pool_alloc / pool_write / pool_read). The pool is uint8 [n_slots, nbytes]."""
+
+    def __init__(self, ops, source, n_slots: int, n_layers: int, n_experts: int, decay: float = 0.97):
+        if n_slots < 1:
+            raise ValueError(f"an expert cache needs at least 1 slot, found {n_slots}")
+        self.ops, self.source = ops, source
+        self.n_slots, self.n_layers, self.n_experts = n_slots, n_layers, n_experts
+        self.nbytes = source.layout.nbytes
+        self.pool = ops.pool_alloc(n_slots, self.nbytes)
+        self._slots = [Slot() for _ in range(n_slots)]
+        self._table = np.full((n_layers, n_experts), -1, np.int32)
+        self._version = 0
+        self.table_version = 0       # changes whenever the table does (device copies of it are keyed by it)
+        self.decay = decay
+        self.score = np.zeros((n_layers, n_experts), np.float64)     # decayed routing counts
+        self.stats = CacheStats()
+
+    # --- what windows see
+    def table(self) -> np.ndarray:
+        """The slot table by value: a read-only copy, RESIDENT slots only."""
+        t = self._table.copy()
+        t.setflags(write=False)
+        return t
+
+    def slot(self, i: int) -> Slot:
+        return self._slots[i]
+
+    def slot_of(self, p: int, e: int) -> int:
+        return int(self._table[p, e])
+
+    @property
+    def n_resident(self) -> int:
+        return int((self._table >= 0).sum())
+
+    def all_resident(self) -> bool:
+        return self.n_resident == self.n_layers * self.n_experts
+
+    def free_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self._slots) if s.state is SlotState.FREE]
+
+    # --- transitions
+    def _move(self, i: int, want_from: tuple[SlotState, ...], to: Slot) -> None:
+        s = self._slots[i]
+        if s.state not in want_from:
+            raise SlotStateError(f"slot {i} is {s.state.value}, expected {'/'.join(w.value for w in want_from)} "
+                                 f"before becoming {to.state.value}")
+        if s.state is SlotState.RESIDENT:
+            self._table[s.layer, s.expert] = -1
+            self.table_version += 1
+        self._slots[i] = to
+        if to.state is SlotState.RESIDENT:
+            if self._table[to.layer, to.expert] >= 0:
+                raise SlotStateError(f"expert ({to.layer}, {to.expert}) is already resident in slot "
+                                     f"{self._table[to.layer, to.expert]}; slot {i} cannot hold it too")
+            self._table[to.layer, to.expert] = i
+            self.table_version += 1
+
+    def evict(self, i: int) -> None:
+        """RESIDENT -> FREE (out of the table)."""
+        self._move(i, (SlotState.RESIDENT,), Slot())
+
+    def fill(self, slots, pairs, verify: bool = False) -> None:
+        """FREE -> FILLING -> RESIDENT(p, e, version): write the experts `pairs` [(p, e)] into `slots`."""
+        slots = [int(i) for i in slots]
+        if len(slots) != len(pairs):
+            raise ValueError(f"{len(slots)} slots for {len(pairs)} experts")
+        if not slots:
+            return
+        for i, (p, e) in zip(slots, pairs):
+            self._move(i, (SlotState.FREE,), Slot(SlotState.FILLING, p, e))
+        self.pool = self._write(slots, pairs)
+        for i, (p, e) in zip(slots, pairs):
+            self._version += 1
+            self._move(i, (SlotState.FILLING,), Slot(SlotState.RESIDENT, p, e, self._version))
+        self.stats.fills += len(slots)
+        if verify:
+            self.verify(slots)
+
+    def loan(self, n: int, owner: str, keep=()) -> list[int]:
+        """Lend n slots to `owner` (a prompt part): FREE ones first, then the least valuable RESIDENT ones not in
+        `keep`; each leaves the table before the borrower can write to it. Fewer than n if not enough are free."""
+        chosen = self.victims(n, keep)
+        for i in chosen:
+            if self._slots[i].state is SlotState.RESIDENT:
+                self.evict(i)
+            self._move(i, (SlotState.FREE,), Slot(SlotState.LOANED, owner=owner))
+        self.stats.loans += len(chosen)
+        return chosen
+
+    def write_loaned(self, slots, pairs, owner: str) -> None:
+        """The borrower writes experts into slots it holds on loan (they stay LOANED and out of the table)."""
+        for i in slots:
+            s = self._slots[i]
+            if s.state is not SlotState.LOANED or s.owner != owner:
+                raise SlotStateError(f"slot {i} is {s.state.value} (owner {s.owner}); {owner} cannot write to it")
+        self.pool = self._write([int(i) for i in slots], pairs)
+
+    def give_back(self, slots, owner: str) -> None:
+        """LOANED(owner) -> FREE: the content is not trusted until refilled."""
+        for i in slots:
+            s = self._slots[i]
+            if s.state is not SlotState.LOANED or s.owner != owner:
+                raise SlotStateError(f"slot {i} is {s.state.value} (owner {s.owner}); {owner} cannot return it")
+            self._slots[i] = Slot()
+
+    def reserve(self, n: int, owner: str) -> list[int]:
+        """Slots set aside for good (staging buffers when prompt parts do not borrow): LOANED to `owner`."""
+        return self.loan(n, owner)
+
+    # --- policy
+    def victims(self, n: int, keep=()) -> list[int]:
+        """Up to n slots to reuse: FREE first, then RESIDENT by lowest score, never one in `keep`."""
+        keep = set(int(i) for i in keep)
+        free = [i for i in self.free_slots() if i not in keep]
+        if len(free) >= n:
+            return free[:n]
+        resident = [i for i, s in enumerate(self._slots) if s.state is SlotState.RESIDENT and i not in keep]
+        resident.sort(key=lambda i: (self.score[self._slots[i].layer, self._slots[i].expert], self._slots[i].version))
+        return free + resident[:n - len(free)]
+
+    def observe(self, p: int, counts: np.ndarray) -> None:
+        """Routing counts [E] of MoE layer p from one window."""
+        self.score[p] += counts
+
+    def observe_all(self, counts: np.ndarray) -> None:
+        """Routing counts [Lp, E] of one window (all layers)."""
+        self.score += counts
+
+    def end_window(self) -> None:
+        self.score *= self.decay
+
+    def refill(self, limit: int | None = None, verify: bool = False) -> int:
+        """Fill FREE slots with the best-scoring experts not resident (between windows). -> slots filled."""
+        free = self.free_slots()
+        if limit is not None:
+            free = free[:limit]
+        if not free:
+            return 0
+        pairs = self._best_absent(len(free))
+        self.fill(free[:len(pairs)], pairs, verify=verify)
+        return len(pairs)
+
+    def adapt(self, max_swaps: int, verify: bool = False) -> int:
+        """Swap up to max_swaps low-scoring residents for higher-scoring absent experts (between windows)."""
+        if max_swaps <= 0:
+            return 0
+        candidates = self._best_absent(max_swaps)
+        resident = [i for i, s in enumerate(self._slots) if s.state is SlotState.RESIDENT]
+        resident.sort(key=lambda i: self.score[self._slots[i].layer, self._slots[i].expert])
+        slots, pairs = [], []
+        for (p, e), i in zip(candidates, resident):
+            s = self._slots[i]
+            if self.score[p, e] <= self.score[s.layer, s.expert]:
+                break
+            self.evict(i)
+            slots.append(i)
+            pairs.append((p, e))
+        self.fill(slots, pairs, verify=verify)
+        self.stats.swaps += len(slots)
+        return len(slots)
+
+    def place(self, priority: np.ndarray | None = None, verify: bool = False) -> int:
+        """Initial placement: fill every FREE slot, best `priority` [Lp, E] first (a profile's counts; None: in
+        order, which for a cache that holds everything is all of them)."""
+        if priority is not None:
+            self.score = np.asarray(priority, np.float64).copy()
+        return self.refill(verify=verify)
+
+    def _best_absent(self, n: int) -> list[tuple[int, int]]:
+        absent = np.flatnonzero(self._table.reshape(-1) < 0)
+        if len(absent) == 0 or n <= 0:
+            return []
+        # highest score first; ties in (layer, expert) order, so a placement is deterministic
+        order = absent[np.lexsort((absent, -self.score.reshape(-1)[absent]))][:n]
+        return [(int(k) // self.n_experts, int(k) % self.n_experts) for k in order]
+
+    # --- bytes
+    def _write(self, slots: list[int], pairs) -> object:
+        t = time.perf_counter()
+        blobs = np.stack([self.source.blob(p, e) for p, e in pairs])          # [m, nbytes] uint8
+        pool = self.ops.pool_write(self.pool, np.asarray(slots, np.int32), blobs)
+        self.stats.bytes_copied += blobs.nbytes
+        self.stats.copy_seconds += time.perf_counter() - t
+        return pool
+
+    def verify(self, slots=None) -> list[int]:
+        """Check RESIDENT slots' bytes against the pack's checksums; -> the slots that failed (and were evicted,
+        so a bad slot is never read again; the caller refills)."""
+        slots = [i for i in (range(self.n_slots) if slots is None else slots)
+                 if self._slots[i].state is SlotState.RESIDENT]
+        if not slots:
+            return []
+        data = self.ops.pool_read(self.pool, np.asarray(slots, np.int32))    # [m, nbytes]
+        bad = []
+        for row, i in zip(data, slots):
+            s = self._slots[i]
+            if zlib.crc32(row) != self.source.checksum(s.layer, s.expert):
+                bad.append(i)
+                self.evict(i)
+        self.stats.verified += len(slots)
+        return bad
+
+    def content_matches(self, pool, slots, pairs) -> bool:
+        """Does `pool` (the value a computation read) hold exactly the experts `pairs` in `slots`? For tests and
+        debug checks of what a window computed with."""
+        if not len(slots):
+            return True
+        data = self.ops.pool_read(pool, np.asarray(slots, np.int32))
+        return all(zlib.crc32(row) == self.source.checksum(p, e) for row, (p, e) in zip(data, pairs))

@@ -1,0 +1,172 @@
+"""Routed experts with a partial cache: resolve one layer's routes to slots, bring in what is missing, compute.
+
+Called between a layer's router and the rest of the layer (strata/model/stepped.py), with the routes on the host.
+For each call:
+- hits: routes whose expert is RESIDENT in the table the call took (by value) at its start;
+- decode misses (miss_policy "fetch"): copied into cache slots, evicting the least valuable experts; they stay
+  RESIDENT afterwards. (miss_policy "cpu"): computed on the CPU from the host copy, by the same expert op;
+- prompt-part misses: streamed through staging slots, borrowed from the cache (LOANED to the part: out of the table
+  before anything is written to them, FREE when given back) or, with borrowing off, a set of slots reserved at start.
+When the misses do not fit at once, the call runs in passes; each pass is one call of the same expert op, and the
+passes' outputs are summed.
+
+Every expert computation goes through `ops.experts_pool` (or the same function on the CPU), so a format's scales are
+applied the same way on every path. With `check_uses` on (tests, --debug-slots), every pass first checks that each
+slot it reads holds exactly the (layer, expert) it is read as, in the very pool value the pass computes with.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import numpy as np
+
+from strata.experts.cache import ExpertCache
+
+MISS_POLICIES = ("fetch", "cpu")
+
+
+class SlotMismatch(AssertionError):
+    """A computation was about to read a slot whose bytes are not the expert it claims: the seed-000 bug."""
+
+
+class MoeRunner:
+    def __init__(self, ops, cache: ExpertCache, source, layout, n_experts: int, compiled, miss_policy: str = "fetch",
+                 borrow: bool = True, staging: int = 0, check_uses: bool = False, verify_fills: bool = False):
+        """source: where misses' bytes come from on the host (the mirror, else the store).
+        staging: with borrow off, how many slots are reserved for prompt parts at start.
+        compiled(name, make): the engine's memo of compiled functions."""
+        if miss_policy not in MISS_POLICIES:
+            raise ValueError(f"miss policy {miss_policy!r}; allowed: {', '.join(MISS_POLICIES)}")
+        self.ops, self.cache, self.source, self.layout = ops, cache, source, layout
+        self.n_experts = n_experts
+        self.miss_policy, self.borrow = miss_policy, borrow
+        self.check_uses, self.verify_fills = check_uses, verify_fills
+        self.staging = cache.reserve(staging, "staging") if (not borrow and staging) else []
+        self.borrow_limit = max(1, cache.n_slots // 2)
+        self._op = compiled(("experts_pool", layout), lambda: ops.compile(partial(_op, ops, layout, n_experts)))
+        self._cpu_op = None
+        self.uses_checked = 0
+
+    # --- one layer
+    def compute(self, p: int, h, w, idx, valid: np.ndarray, part: bool, owner: str = "part"):
+        """h [T, H], w [T, k] (device), idx [T, k] (device or host), valid [T] bool (host) -> y [T, H] (device)."""
+        ids = np.asarray(self.ops.to_host(idx)).astype(np.int32)
+        ids = np.where(valid[:, None], ids, -1)                                       # [T, k]; -1: no route
+        routed = ids >= 0
+        self.cache.observe(p, np.bincount(ids[routed], minlength=self.n_experts))
+        table = self.cache.table()[p]                                                 # by value
+        slots = np.where(routed, table[np.maximum(ids, 0)], -1).astype(np.int32)
+        hit = slots >= 0
+        missing = np.unique(ids[routed & ~hit])
+        st = self.cache.stats
+        st.hits += int(hit.sum())
+        st.misses += int((routed & ~hit).sum())
+        if len(missing) == 0:
+            return self._run(h, slots, w, [(p, e) for e in ids[hit]], slots[hit])
+        if part:
+            return self._staged(p, h, w, ids, slots, missing, owner)
+        if self.miss_policy == "cpu":
+            return self._cpu(p, h, w, ids, slots, missing)
+        return self._fetch(p, h, w, ids, slots, missing)
+
+    def _fetch(self, p, h, w, ids, slots, missing):
+        """Copy the missing experts into cache slots (evicting by score), then compute; in passes if they do not
+        all fit beside this call's hits."""
+        cache = self.cache
+        keep = set(int(s) for s in np.unique(slots[slots >= 0]))
+        if len(missing) <= cache.n_slots - len(keep):
+            victims = cache.victims(len(missing), keep)
+            for i in victims:
+                if cache.slot(i).state.name == "RESIDENT":
+                    cache.evict(i)
+            cache.fill(victims, [(p, int(e)) for e in missing], verify=self.verify_fills)
+            table = cache.table()[p]
+            slots = np.where(ids >= 0, table[np.maximum(ids, 0)], -1).astype(np.int32)
+            use = slots >= 0
+            return self._run(h, slots, w, [(p, int(e)) for e in ids[use]], slots[use])
+        # passes: this call's hits first, then the misses a cache-full at a time
+        y = self._run(h, slots, w, [(p, int(e)) for e in ids[slots >= 0]], slots[slots >= 0])
+        for start in range(0, len(missing), cache.n_slots):
+            chunk = missing[start:start + cache.n_slots]
+            victims = cache.victims(len(chunk))
+            for i in victims:
+                if cache.slot(i).state.name == "RESIDENT":
+                    cache.evict(i)
+            cache.fill(victims, [(p, int(e)) for e in chunk], verify=self.verify_fills)
+            table = cache.table()[p]
+            sel = np.isin(ids, chunk)
+            s = np.where(sel, table[np.maximum(ids, 0)], -1).astype(np.int32)
+            y = y + self._run(h, s, w, [(p, int(e)) for e in ids[sel]], s[sel])
+        return y
+
+    def _staged(self, p, h, w, ids, slots, missing, owner):
+        """A prompt part's misses, streamed through staging slots (borrowed, or reserved when borrowing is off)."""
+        cache = self.cache
+        hits = slots >= 0
+        if self.borrow:
+            keep = set(int(s) for s in np.unique(slots[hits]))
+            staging = cache.loan(min(len(missing), self.borrow_limit), owner, keep)
+            loaned = staging
+        else:
+            staging, loaned = self.staging, []
+        y = None
+        if not staging:                     # every other slot holds this call's hits: compute them, then borrow
+            y = self._run(h, slots, w, [(p, int(e)) for e in ids[hits]], slots[hits])
+            staging = loaned = cache.loan(min(len(missing), self.borrow_limit), owner)
+            hits = np.zeros_like(hits)
+        try:
+            for start in range(0, len(missing), len(staging)):
+                chunk = missing[start:start + len(staging)]
+                dest = np.asarray(staging[:len(chunk)], np.int32)
+                cache.write_loaned(dest, [(p, int(e)) for e in chunk], owner if self.borrow else "staging")
+                lut = np.full(self.n_experts, -1, np.int32)
+                lut[chunk] = dest
+                sel = np.isin(ids, chunk)
+                s = np.where(sel, lut[np.maximum(ids, 0)], -1)
+                if start == 0:
+                    s = np.where(hits, slots, s)                      # the first pass also computes the hits
+                s = s.astype(np.int32)
+                use = s >= 0
+                part = self._run(h, s, w, [(p, int(e)) for e in ids[use]], s[use])
+                y = part if y is None else y + part
+        finally:
+            if loaned:
+                cache.give_back(loaned, owner)
+        return y
+
+    def _cpu(self, p, h, w, ids, slots, missing):
+        """Hits on the device; misses on the CPU from the host copy (the same expert op, run there)."""
+        t = time.perf_counter()
+        y = self._run(h, slots, w, [(p, int(e)) for e in ids[slots >= 0]], slots[slots >= 0])
+        lut = np.full(self.n_experts, -1, np.int32)
+        lut[missing] = np.arange(len(missing))                        # expert -> row of the host blobs
+        blobs = np.stack([self.source.blob(p, int(e)) for e in missing])
+        sel = (ids >= 0) & (slots < 0)
+        s = np.where(sel, lut[np.maximum(ids, 0)], -1).astype(np.int32)
+        y_cpu = self._cpu_compute(self.ops.to_host(h), s, self.ops.to_host(w), blobs)
+        self.cache.stats.cpu_routes += int(sel.sum())
+        self.cache.stats.cpu_seconds += time.perf_counter() - t
+        return y + self.ops.to_device(y_cpu.astype(np.asarray(self.ops.to_host(h)).dtype))
+
+    def _cpu_compute(self, h, s, w, blobs):
+        import jax
+        from strata.jax_backend.kernels.experts import experts_from_pool
+        cpu = jax.devices("cpu")[0]
+        if self._cpu_op is None:
+            self._cpu_op = jax.jit(partial(experts_from_pool, self.layout), static_argnames=("max_distinct",))
+        args = jax.device_put((blobs, np.asarray(h), s, np.asarray(w)), cpu)
+        return np.asarray(self._cpu_op(*args, max_distinct=self.n_experts))
+
+    # --- every device pass
+    def _run(self, h, slots, w, claimed, used_slots):
+        if self.check_uses and len(used_slots):
+            if not self.cache.content_matches(self.cache.pool, [int(s) for s in used_slots], claimed):
+                raise SlotMismatch(f"a pass would read slots {sorted(set(int(s) for s in used_slots))} whose bytes "
+                                   f"are not the experts it claims")
+            self.uses_checked += len(used_slots)
+        return self._op(h, slots, w, self.cache.pool)
+
+
+def _op(ops, layout, n_experts, h, slots, w, pool):
+    return ops.experts_pool(h, slots, w.astype(h.dtype), pool, layout, n_experts)

@@ -1,0 +1,99 @@
+"""The memory planner: from one device's own free-memory figure, how many expert slots fit beside the sequence state
+and the working buffers, and how many experts the host mirror holds.
+
+Each device is sized from its own query, taken before the plan allocates anything on it (never from a process-wide
+figure that includes another device's allocations: ../shared/seeds/002_*.txt, part 2). The plan is printed, and
+the engine allocates exactly what it printed; when even the minimum does not fit, it refuses and names what to
+change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata.errors import ConfigError
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    free_bytes: int | None       # the device's own figure at planning time (None: the device does not say)
+    reserve_bytes: int           # --vram-reserve-mib: left untouched
+    state_bytes: int             # sequence state (KV + recurrent) of every sequence
+    work_bytes: int              # activations of the largest prompt part (estimate)
+    slot_bytes: int              # one expert
+    slots: int                   # device slots in the cache
+    staging: int                 # of which reserved for prompt parts (borrowing off)
+    total_experts: int
+    mirrored: int                # experts held in host RAM
+    mirror_bytes: int
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def planned_bytes(self) -> int:
+        """Everything the plan puts on the device beyond what was already there."""
+        return self.cache_bytes + self.state_bytes + self.work_bytes
+
+    def lines(self) -> list[str]:
+        free = "unknown (the device does not report it)" if self.free_bytes is None else \
+            f"{self.free_bytes / GIB:.2f} GiB free"
+        cached = self.slots - self.staging
+        out = [f"strata plan: device {free}; reserve {self.reserve_bytes / MIB:.0f} MiB, sequence state "
+               f"{self.state_bytes / MIB:.1f} MiB, working buffers {self.work_bytes / MIB:.1f} MiB",
+               f"strata plan: expert cache {cached} slots of {self.slot_bytes / MIB:.2f} MiB = "
+               f"{cached * self.slot_bytes / GIB:.2f} GiB, {cached} of {self.total_experts} experts "
+               f"({100 * cached / max(self.total_experts, 1):.0f}%)"
+               + (f", plus {self.staging} staging slots for prompt parts" if self.staging else "")]
+        if self.mirrored < self.total_experts:
+            out.append(f"strata plan: host mirror {self.mirrored} experts = {self.mirror_bytes / GIB:.2f} GiB of RAM; "
+                       f"the other {self.total_experts - self.mirrored} are read from the pack on demand")
+        else:
+            out.append(f"strata plan: host mirror holds all {self.total_experts} experts "
+                       f"({self.mirror_bytes / GIB:.2f} GiB of RAM)")
+        return out
+
+
+def plan_memory(free_bytes: int | None, *, slot_bytes: int, total_experts: int, state_bytes: int, work_bytes: int,
+                expert_cache: int | str = "auto", vram_reserve_mib: int = 0, staging: int = 0,
+                min_slots: int = 1, host_budget_bytes: int | None = None, stream: bool = False,
+                device: str = "the device") -> MemoryPlan:
+    reserve = vram_reserve_mib * MIB
+    need_min = min_slots + staging
+    if free_bytes is None:
+        room = None
+    else:
+        room = free_bytes - reserve - state_bytes - work_bytes
+    if expert_cache == "auto":
+        fit = total_experts + staging if room is None else int(room // slot_bytes)
+        slots = min(total_experts + staging, fit)
+    else:
+        if not isinstance(expert_cache, int) or isinstance(expert_cache, bool) or expert_cache < 1:
+            raise ConfigError(f"expert_cache must be 'auto' or a positive number of slots, found {expert_cache!r}")
+        slots = min(expert_cache, total_experts) + staging
+        if room is not None and slots * slot_bytes > room:
+            raise ConfigError(
+                f"expert_cache {expert_cache} needs {slots * slot_bytes / GIB:.2f} GiB on {device}, but only "
+                f"{max(room, 0) / GIB:.2f} GiB is left there ({free_bytes / GIB:.2f} GiB free - {reserve / MIB:.0f} "
+                f"MiB reserve - {state_bytes / MIB:.1f} MiB sequence state - {work_bytes / MIB:.1f} MiB working "
+                f"buffers); lower expert_cache, max_context, parallel or vram_reserve_mib")
+    if slots < need_min:
+        have = "unknown" if room is None else f"{max(room, 0) / MIB:.1f} MiB"
+        raise ConfigError(
+            f"{device} cannot hold the minimum expert cache: {need_min} slots of {slot_bytes / MIB:.2f} MiB "
+            f"({min_slots} for one token's experts" + (f" + {staging} staging" if staging else "") +
+            f") beside {state_bytes / MIB:.1f} MiB of sequence state and {work_bytes / MIB:.1f} MiB of working "
+            f"buffers, with {reserve / MIB:.0f} MiB reserved; room left: {have}. Lower max_context, parallel, "
+            f"prefill or vram_reserve_mib, or use a smaller expert format")
+    if stream:
+        mirrored = 0
+    elif host_budget_bytes is None:
+        mirrored = total_experts
+    else:
+        mirrored = min(total_experts, max(0, int(host_budget_bytes // slot_bytes)))
+    return MemoryPlan(free_bytes=free_bytes, reserve_bytes=reserve, state_bytes=state_bytes, work_bytes=work_bytes,
+                      slot_bytes=slot_bytes, slots=slots, staging=staging if slots > staging else 0,
+                      total_experts=total_experts, mirrored=mirrored, mirror_bytes=mirrored * slot_bytes)

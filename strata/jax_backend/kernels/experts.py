@@ -1,0 +1,149 @@
+"""The expert op over a device pool of packed expert blobs, in plain XLA (the baseline the Pallas kernels must match).
+
+Why: a model larger than the GPU keeps its experts on disk/host and copies the ones a step needs into a device pool,
+uint8 [N, nbytes], one expert per slot, each stored as ONE contiguous blob in one of the formats of
+strata/weights/quant.py (so one read / one copy moves one expert, quantised or not). The forward pass then names
+experts by pool slot rather than by expert id, and this op decodes the blobs it uses on the fly.
+
+- `decode_blobs` turns blobs into float weights with slices and bitcasts only; in float32 it equals
+  quant.decode_expert bit for bit.
+- `experts_from_pool` is the expert op itself, with the arithmetic of JaxBackend.experts (weights cast to x's dtype,
+  matmuls at HIGHEST precision) and its two forms picked by the static number of routes: a gather form for decode
+  (each route's blob is gathered and decoded) and a grouped form for prompt parts (routes sorted by slot, each slot's
+  group padded to whole blocks of EXPERT_BLOCK rows, one blob decoded per block). A slot of -1 marks a route that is
+  not computed here (e.g. its expert is not resident): it contributes exactly zero and costs no block.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from strata.weights import quant
+from strata.weights.quant import BlobLayout
+
+# The same values as strata.jax_backend.backend's (tests check it); defined here so that the backend may import this
+# module without an import cycle.
+GATHER_ROUTES_MAX = 64   # up to this many (token, route) pairs the op gathers each route's blob
+EXPERT_BLOCK = 64        # rows per block of the grouped (prompt-part) form
+
+_E2M1_LUT = quant.E2M1_LUT   # numpy [16] float32: e2m1 code -> value
+
+
+def _field(layout: BlobLayout, blobs, name: str):
+    """Field `name` of every blob, typed: [R, *field.shape] in the field's dtype (bitcast, no conversion)."""
+    f = layout.field(name)
+    r = blobs.shape[0]
+    raw = lax.slice_in_dim(blobs, f.offset, f.end, axis=1)                         # [R, size] uint8
+    dt = quant.np_dtype(f.dtype)
+    if dt == np.uint8:
+        typed = raw
+    elif dt.itemsize == 1:
+        typed = lax.bitcast_convert_type(raw, dt)
+    else:
+        typed = lax.bitcast_convert_type(raw.reshape(r, -1, dt.itemsize), dt)     # [R, n]
+    return typed.reshape((r,) + f.shape)
+
+
+def _nibbles(p):
+    """uint8 [..., cols/2] -> [..., cols], the low nibble first (= even column)."""
+    q = jnp.stack([p & 0xF, p >> 4], axis=-1)
+    return q.reshape(p.shape[:-1] + (p.shape[-1] * 2,))
+
+
+def decode_blobs(layout: BlobLayout, blobs, dtype):
+    """blobs uint8 [R, >= nbytes] -> (gate [R, I, H], up [R, I, H], down [R, H, I]) in `dtype`.
+    Decoding is done in float32 (equal to quant.decode_expert bit for bit), then cast to `dtype`."""
+    f32 = jnp.float32
+    r = blobs.shape[0]
+    fmt = layout.fmt
+    out = []
+    for i, m in enumerate(quant.MATRICES):
+        rows, cols = layout.shape_of(m)
+        if fmt in ("f32", "bf16"):
+            w = _field(layout, blobs, m).astype(f32)
+        elif fmt == "int8":
+            w = _field(layout, blobs, f"{m}.q").astype(f32) * _field(layout, blobs, f"{m}.s")[..., None]
+        elif fmt == "int4":
+            g = layout.group_of(m)
+            q = _nibbles(_field(layout, blobs, f"{m}.q")).astype(f32).reshape(r, rows, cols // g, g)
+            s = _field(layout, blobs, f"{m}.s").astype(f32)
+            z = _field(layout, blobs, f"{m}.z").astype(f32)
+            w = ((q - z[..., None]) * s[..., None]).reshape(r, rows, cols)
+        elif fmt == "nvfp4":
+            blk = quant.NVFP4_BLOCK
+            codes = _nibbles(_field(layout, blobs, f"{m}.q")).astype(jnp.int32)
+            v = jnp.asarray(_E2M1_LUT)[codes].reshape(r, rows, cols // blk, blk)
+            bs = _field(layout, blobs, f"{m}.s").astype(f32)
+            gs = _field(layout, blobs, "tail")[:, i]                                 # [R]
+            w = ((v * bs[..., None]) * gs[:, None, None, None]).reshape(r, rows, cols)
+        else:
+            raise ValueError(f"unknown expert format {fmt!r}")
+        out.append(w.astype(dtype))
+    return tuple(out)
+
+
+def experts_from_pool(layout: BlobLayout, pool, x, slots, weight, max_distinct: int):
+    """The expert op over a pool: y[t] = sum_j weight[t, j] * down(silu(gate x_t) * up x_t), for the expert in
+    slot slots[t, j]; a slot of -1 contributes 0.
+
+    pool uint8 [N, nbytes]; x [T, H] (float32 or bfloat16); slots int32 [T, k] in [-1, N); weight [T, k].
+    Returns [T, H] in x.dtype. `layout` and `max_distinct` are static; `max_distinct` bounds the number of distinct
+    slots one call uses (e.g. the layer's expert count): a call that uses more gets wrong results for the excess."""
+    t, kk = slots.shape
+    hi = lax.Precision.HIGHEST
+    flat = slots.reshape(-1).astype(jnp.int32)
+    valid = flat >= 0
+    n_slots = pool.shape[0]
+    if t * kk <= GATHER_ROUTES_MAX:
+        # decode: gather the routed slots' blobs, so only they are read
+        blobs = jnp.take(pool, jnp.where(valid, flat, 0), axis=0)                    # [T*k, nbytes]
+        gate, up, down = (w.reshape((t, kk) + w.shape[1:]) for w in decode_blobs(layout, blobs, x.dtype))
+        g = jnp.einsum("th,tkih->tki", x, gate, precision=hi)
+        u = jnp.einsum("th,tkih->tki", x, up, precision=hi)
+        y = jnp.einsum("tki,tkhi->tkh", jax.nn.silu(g) * u, down, precision=hi)
+        ok = valid.reshape(t, kk)
+        y = jnp.where(ok[..., None], y, 0)            # a skipped route's (garbage) expert never reaches the sum
+        w = jnp.where(ok, weight, 0).astype(x.dtype)
+        return jnp.einsum("tkh,tk->th", y, w, precision=hi)
+    # prompt parts: sort routes by slot (skipped routes last) and lay each slot's group out padded to whole blocks
+    # of EXPERT_BLOCK rows, so every block belongs to one slot; each block multiplies by its decoded blob.
+    rows = t * kk
+    bsz = EXPERT_BLOCK
+    n_groups = max(1, min(int(max_distinct), rows))
+    n_blocks = -(-rows // bsz) + n_groups                                            # static bound on padded blocks
+    key = jnp.where(valid, flat, n_slots)                                            # skipped routes sort last
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    sorted_ok = sorted_key < n_slots
+    first = jnp.concatenate([jnp.ones((1,), bool), sorted_key[1:] != sorted_key[:-1]])
+    gid = jnp.where(sorted_ok, jnp.cumsum(first) - 1, n_groups)                     # [rows] group of route
+    sizes = jax.ops.segment_sum(sorted_ok.astype(jnp.int32), gid, num_segments=n_groups,
+                                indices_are_sorted=True)                             # skipped routes dropped
+    padded = (sizes + bsz - 1) // bsz * bsz
+    pad_end = jnp.cumsum(padded)
+    pad_start = pad_end - padded                                                     # [G] first padded row
+    start = jnp.cumsum(sizes) - sizes                                                # [G] first sorted route
+    gc = jnp.minimum(gid, n_groups - 1)
+    in_group = sorted_ok & (gid < n_groups)
+    dest = jnp.where(in_group, pad_start[gc] + (jnp.arange(rows) - start[gc]), n_blocks * bsz)  # past end: dropped
+    tok = order // kk
+    xb = jnp.zeros((n_blocks * bsz, x.shape[1]), x.dtype).at[dest].set(x[tok], mode="drop")
+    xb = xb.reshape(n_blocks, bsz, -1)                                               # [nb, B, H]
+    block_g = jnp.minimum(jnp.searchsorted(pad_end, jnp.arange(n_blocks) * bsz, side="right"), n_groups - 1)
+    group_slot = sorted_key[jnp.minimum(start, rows - 1)]                            # [G]; empty groups: any slot
+    block_slot = jnp.minimum(group_slot[block_g], n_slots - 1)                       # trailing blocks: unread rows
+    gate, up, down = decode_blobs(layout, jnp.take(pool, block_slot, axis=0), x.dtype)
+    g = jnp.einsum("nbh,nih->nbi", xb, gate, precision=hi)
+    u = jnp.einsum("nbh,nih->nbi", xb, up, precision=hi)
+    y = jnp.einsum("nbi,nhi->nbh", jax.nn.silu(g) * u, down, precision=hi)
+    y = (jnp.take(y.reshape(n_blocks * bsz, -1), dest, axis=0, mode="fill", fill_value=0)
+         * weight.reshape(-1)[order][:, None].astype(x.dtype))
+    return jnp.zeros_like(x).at[jnp.where(in_group, tok, t)].add(y, mode="drop")
+
+
+def _reference(layout: BlobLayout, pool, x, slots, weight):
+    """The numpy reference of experts_from_pool (float64 arithmetic), float32 [T, H]."""
+    return quant.expert_reference(layout, np.asarray(pool), np.asarray(x, np.float32), np.asarray(slots),
+                                  np.asarray(weight, np.float32))

@@ -1,0 +1,97 @@
+"""The forward pass one layer at a time, for an expert cache that does not hold every expert.
+
+The same building blocks as forward.py (layer_front, layer_back, head), each compiled once per layer kind and
+shape; between a sparse layer's router and the rest of the layer the routes come to the host and the MoeRunner
+(strata/experts/moe.py) resolves them to slots, brings in what is missing and runs the expert op. Three shapes of
+call: one sequence's state (Engine sequences), one slot of the runner's bank (a prompt part), and all slots of the
+bank at once (decode rows, one token each, vmapped).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from strata.model.config import ModelConfig
+from strata.model.forward import embed, head, layer_back, layer_front
+
+
+class SteppedForward:
+    def __init__(self, ops, cfg: ModelConfig, moe, compiled):
+        self.ops, self.cfg, self.moe = ops, cfg, moe
+        c = ops.compile
+        self._embed = compiled("st_embed", lambda: c(embed))
+        self._front_seq = compiled("st_front_seq", lambda: c(partial(_front_seq, ops, cfg), donate_argnums=(1,),
+                                                             static_argnames=("kind",)))
+        self._front_slot = compiled("st_front_slot", lambda: c(partial(_front_slot, ops, cfg), donate_argnums=(1,),
+                                                               static_argnames=("kind",)))
+        self._front_rows = compiled("st_front_rows", lambda: c(partial(_front_rows, ops, cfg), donate_argnums=(1,),
+                                                               static_argnames=("kind",)))
+        self._back = compiled("st_back", lambda: c(partial(layer_back, ops, cfg)))
+        self._head = compiled("st_head", lambda: c(partial(head, ops, cfg), static_argnames=("all_logits",)))
+
+    def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool):
+        """One sequence's part (T tokens, the first n_valid real) -> (logits, new state)."""
+        t = len(tokens)
+        valid = np.arange(t) < n_valid
+        x = self._embed(params, tokens)
+        state = list(state)
+        p = 0
+        for i, (kind, lp) in enumerate(zip(self.cfg.layer_types, params["layers"])):
+            x, h, w, idx, state[i] = self._front_seq(lp, state[i], x, np.int32(start), np.int32(n_valid), kind=kind)
+            if h is not None:
+                y = self.moe.compute(p, h, w, idx, valid, part=t > 1, owner="sequence")
+                x = self._back(lp, x, h, y)
+                p += 1
+        return self._head(params, x, np.int32(n_valid), all_logits=all_logits), state
+
+    def slot_part(self, params, bank: list, slot: int, tokens, start: int, n_valid: int):
+        """A prompt part on one slot of the runner's bank -> (logits [1, V] of its last real row, new bank)."""
+        t = len(tokens)
+        valid = np.arange(t) < n_valid
+        x = self._embed(params, tokens)
+        bank = list(bank)
+        p = 0
+        for i, (kind, lp) in enumerate(zip(self.cfg.layer_types, params["layers"])):
+            x, h, w, idx, bank[i] = self._front_slot(lp, bank[i], np.int32(slot), x, np.int32(start),
+                                                     np.int32(n_valid), kind=kind)
+            if h is not None:
+                y = self.moe.compute(p, h, w, idx, valid, part=t > 1, owner=f"prompt part of slot {slot}")
+                x = self._back(lp, x, h, y)
+                p += 1
+        return self._head(params, x, np.int32(n_valid), all_logits=False), bank
+
+    def rows(self, params, bank: list, tokens, pos, active):
+        """One token for each slot of the bank (tokens, pos, active [S]) -> (logits [S, V], new bank)."""
+        s = len(tokens)
+        valid = np.asarray(active) > 0
+        x = self._embed(params, np.asarray(tokens)[:, None])                           # [S, 1, H]
+        bank = list(bank)
+        p = 0
+        for i, (kind, lp) in enumerate(zip(self.cfg.layer_types, params["layers"])):
+            x, h, w, idx, bank[i] = self._front_rows(lp, bank[i], x, pos, active, kind=kind)
+            if h is not None:
+                hs = h.reshape(s, -1)
+                y = self.moe.compute(p, hs, w.reshape(s, -1), idx.reshape(s, -1), valid, part=False)
+                x = self._back(lp, x, h, y.reshape(h.shape))
+                p += 1
+        return self._head(params, x.reshape(s, -1), np.int32(s), all_logits=True), bank
+
+
+def _front_seq(ops, cfg, lp, st, x, start, n_valid, kind):
+    return layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+
+
+def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, kind):
+    st = {k: v[slot] for k, v in bank.items()}
+    x, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+    return x, h, w, idx, {k: ops.set_row(bank[k], slot, v) for k, v in st.items()}
+
+
+def _front_rows(ops, cfg, lp, bank, x, pos, active, kind):
+    def row(st, x1, p, n):
+        x1, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x1, p, n)
+        return (x1, h, w, idx), st
+
+    (x, h, w, idx), bank = ops.vmap(row)(bank, x, pos, active)
+    return x, h, w, idx, bank
