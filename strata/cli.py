@@ -5,6 +5,8 @@ import argparse
 import sys
 import time
 
+import numpy as np
+
 from strata.errors import StrataError
 
 
@@ -77,7 +79,58 @@ SERVE_FLAGS = {
     "backend": (str, "jax (default) | sycl | auto"),
     "dtype": (str, "auto (default) | float32 | bfloat16"),
     "device": (str, "the backend's device: gpu, cpu (jax); level_zero:gpu:0, opencl:cpu (sycl)"),
+    "expert_cache": ("cache", "device expert slots: auto (default: as many as fit) or a number of experts"),
+    "resident_budget_gib": (float, "host RAM for the expert mirror in GiB (default: every expert)"),
+    "stream_experts": (bool, "no host mirror: misses are read from the pack on SSD"),
+    "vram_reserve_mib": (int, "device memory the memory plan leaves untouched (default 0)"),
+    "miss_policy": (str, "decode misses: fetch (default: copy into a slot) | cpu (compute on the CPU)"),
+    "prefill_borrow": (bool, "prompt parts stream experts through borrowed cache slots (default on)"),
+    "adapt_every": (int, "windows between adaptive expert swaps (default 1; 0 = off)"),
+    "adapt_swaps": (int, "experts swapped at most per adaptation (default 8)"),
+    "adapt_decay": (float, "per-window decay of routing counts (default 0.97)"),
+    "profile": (str, "routing profile from strata profile, for the initial placement"),
+    "debug_slots": (bool, "check every expert slot a computation reads against the pack (slow)"),
 }
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Run prompts through the model with every expert resident and record how often each expert is routed to."""
+    from strata import Engine
+    from strata.experts.profile import save_profile
+    try:
+        lines = [ln for ln in open(args.prompts, encoding="utf-8").read().splitlines() if ln.strip()]
+    except OSError as e:
+        raise StrataError(f"cannot read prompts file {args.prompts}: {e.strerror or e}") from None
+    if not lines:
+        raise StrataError(f"prompts file {args.prompts} has no prompts (one prompt per non-empty line)")
+    t0 = time.perf_counter()
+    engine = Engine.load(args.model, backend=args.backend, max_context=args.max_context, say=_log,
+                         **({"device": args.device} if args.device else {}))
+    if engine.experts is None:
+        raise StrataError(f"{args.model} has no routed experts to profile")
+    if engine.tokenizer is None:
+        raise StrataError(f"{args.model} has no tokenizer.json beside it; profile needs one to encode the prompts")
+    engine.record_routing = True
+    tok, tokens = engine.tokenizer, 0
+    for text in lines:
+        text = text.replace("\\n", "\n")
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        ids = ids[:max(1, args.max_context - args.max_tokens)]
+        out = engine.generate(ids, args.max_tokens)
+        tokens += len(ids) + len(out) - 1                  # the last generated token is not read back
+    counts = engine.experts.cache.routed
+    save_profile(args.out, counts, str(args.model), tokens)
+    share = np.sort(counts, axis=1)[:, ::-1]
+    top = int(np.ceil(0.2 * counts.shape[1]))
+    frac = share[:, :top].sum() / max(share.sum(), 1)
+    _log(f"strata profile: {len(lines)} prompts, {tokens} tokens, {int(counts.sum())} routes over "
+         f"{counts.shape[0]} layers x {counts.shape[1]} experts in {time.perf_counter() - t0:.1f} s; the top 20% of "
+         f"each layer's experts took {100 * frac:.0f}% of its routes; written to {args.out}")
+    return 0
+
+
+def _cache_size(v: str):
+    return v if v == "auto" else int(v)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -173,8 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the file. With no arguments it serves the demo model on 127.0.0.1:8080.")
     s.add_argument("--config", default=None, metavar="FILE.toml", help="TOML file of settings (see configs/demo.toml)")
     for key, (typ, help_text) in SERVE_FLAGS.items():
-        s.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None,
-                       metavar=key.upper() if typ is str else "N", help=help_text)
+        flag = "--" + key.replace("_", "-")
+        if typ is bool:
+            s.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            s.add_argument(flag, dest=key, type=_cache_size if typ == "cache" else typ, default=None,
+                           metavar=key.upper() if typ is str else "N", help=help_text)
     s.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("pack", help="write a model's pack: experts as aligned, checksummed blobs for SSD streaming",
@@ -188,6 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert format: int4 (default) | int8 | nvfp4 | bf16 | f32")
     k.add_argument("--force", action="store_true", help="overwrite an existing, unfinished or mismatched pack")
     k.set_defaults(func=cmd_pack)
+
+    f = sub.add_parser("profile", help="record how often each expert is routed to, for the initial placement",
+                       description="Run the prompts (one per line of FILE; \\n inside a line is a newline) through "
+                                   "the model with every expert resident, generating --max-tokens after each, and "
+                                   "write the routing counts per (layer, expert) to a profile file that "
+                                   "`strata serve --profile` places experts by.")
+    f.add_argument("--model", required=True, help="checkpoint directory, .gguf file, pack directory, or 'demo'")
+    f.add_argument("--prompts", required=True, metavar="FILE", help="text file, one prompt per line")
+    f.add_argument("--out", required=True, metavar="FILE.json", help="the profile to write")
+    f.add_argument("--max-tokens", type=int, default=32, help="tokens generated after each prompt (default 32)")
+    f.add_argument("--max-context", type=int, default=4096)
+    f.add_argument("--backend", default="jax", help="jax (default) | sycl | auto")
+    f.add_argument("--device", default=None)
+    f.set_defaults(func=cmd_profile)
 
     d = sub.add_parser("doctor", help="list the devices each backend sees, and why one is missing",
                        description="List the JAX and SYCL devices this machine has, and for a missing one what was "

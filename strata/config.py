@@ -20,6 +20,7 @@ MAX_PREFILL = 16384
 MAX_CONTEXT_LIMIT = 1 << 22
 BACKENDS = ("auto", "jax", "sycl")
 DTYPES = ("auto", "float32", "bfloat16")
+MISS_POLICIES = ("fetch", "cpu")
 
 # Environment variables the serve config reads (the STRATA_* registry of this group).
 ENV_VARS = {"api_key": "STRATA_API_KEY"}
@@ -39,6 +40,29 @@ class ServeConfig:
     backend: str = "jax"                 # jax | sycl | auto
     dtype: str = "auto"                  # auto | float32 | bfloat16
     device: str | None = None            # the backend's device: e.g. "gpu", "cpu" (jax); "level_zero:gpu:0" (sycl)
+    # experts (see strata/experts/): device slots, host mirror, misses, prompt-part staging, adaptive placement
+    expert_cache: int | str = "auto"     # device slots: "auto" (as many as fit) or a number of experts
+    resident_budget_gib: float | None = None  # host RAM for the expert mirror (None: all experts)
+    stream_experts: bool = False         # no host mirror: misses are read from the pack on SSD
+    vram_reserve_mib: int = 0            # device memory the memory plan leaves untouched
+    miss_policy: str = "fetch"           # decode misses: fetch (copy into a slot) | cpu (compute on the CPU)
+    prefill_borrow: bool = True          # prompt parts stream experts through borrowed cache slots
+    adapt_every: int = 1                 # windows between adaptive swaps (0: off)
+    adapt_swaps: int = 8                 # experts swapped at most per adaptation
+    adapt_decay: float = 0.97            # per-window decay of the routing counts
+    profile: str | None = None           # routing profile (strata profile) for the initial placement
+    debug_slots: bool = False            # check every slot a computation reads against the pack (slow)
+
+    def engine_options(self) -> dict:
+        """The Engine.load options this config sets."""
+        keys = ("max_context", "prefill", "dtype", "expert_cache", "resident_budget_gib", "stream_experts",
+                "vram_reserve_mib", "miss_policy", "prefill_borrow", "adapt_every", "adapt_swaps", "adapt_decay",
+                "profile", "debug_slots")
+        out = {k: getattr(self, k) for k in keys}
+        out["sequences"] = self.parallel
+        if self.device:
+            out["device"] = self.device
+        return out
 
     def __post_init__(self):
         for f in fields(self):
@@ -70,6 +94,14 @@ def _nonempty_str(what: str):
     return ("a string", lambda v: isinstance(v, str) and v.strip() != "" and "\n" not in v, what)
 
 
+def _bool():
+    return ("a boolean", lambda v: isinstance(v, bool), "true or false")
+
+
+def _nonempty_str_or_none(what: str):
+    return ("a string", lambda v: v is None or (isinstance(v, str) and v.strip() != "" and "\n" not in v), what)
+
+
 _RULES: dict[str, tuple[str, Any, str]] = {
     "model": _nonempty_str("a checkpoint directory, a .gguf file, or 'demo'"),
     "host": _nonempty_str("an IP address or host name to listen on, e.g. 127.0.0.1 or 0.0.0.0"),
@@ -86,6 +118,22 @@ _RULES: dict[str, tuple[str, Any, str]] = {
     "dtype": _choice(DTYPES),
     "device": ("a string", lambda v: v is None or (isinstance(v, str) and v.strip() != "" and "\n" not in v),
                "a device string such as gpu, cpu (jax) or level_zero:gpu:0, opencl:cpu (sycl)"),
+    "expert_cache": ("an integer or \"auto\"", lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool)
+                                                                          and 1 <= v <= 1 << 24),
+                     "\"auto\" or a number of experts in [1, 16777216]"),
+    "resident_budget_gib": ("a number", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                                and 0 <= v <= 1 << 20),
+                            "a number of GiB >= 0"),
+    "stream_experts": _bool(),
+    "vram_reserve_mib": _int_range(0, 1 << 24),
+    "miss_policy": _choice(MISS_POLICIES),
+    "prefill_borrow": _bool(),
+    "adapt_every": _int_range(0, 1 << 20),
+    "adapt_swaps": _int_range(0, 1 << 20),
+    "adapt_decay": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
+                    "a number in (0, 1]"),
+    "profile": _nonempty_str_or_none("a profile file written by strata profile"),
+    "debug_slots": _bool(),
 }
 KEYS = tuple(f.name for f in fields(ServeConfig))
 assert set(KEYS) == set(_RULES)

@@ -106,6 +106,7 @@ class Engine:
         self.experts = None          # an ExpertSet once attach_experts ran (models with routed experts)
         self.stepped = None          # the layer-at-a-time forward, for a cache that does not hold every expert
         self._empty_pool = ops.pool_alloc(1, 1)
+        self.record_routing = False  # fused windows report routing counts to the cache (strata profile)
         self._compiled: dict = {}
         self._sample = ops.compile(partial(_sample, ops))
 
@@ -126,8 +127,10 @@ class Engine:
         """One part of one sequence -> (logits, new state), fused or layer by layer."""
         if self.fused:
             f = self._fused("read", forward, donate_argnums=(2,), static_argnames=("all_logits",))
-            logits, state, _ = f(self.params, self.expert_args(), state, tokens, np.int32(start), np.int32(n_valid),
-                                 all_logits=all_logits)
+            logits, state, counts = f(self.params, self.expert_args(), state, tokens, np.int32(start),
+                                      np.int32(n_valid), all_logits=all_logits)
+            if self.record_routing and self.experts is not None:
+                self.experts.cache.observe_all(np.asarray(self.backend.to_host(counts)))
             return logits, state
         return self.stepped.sequence(self.params, state, tokens, start, n_valid, all_logits)
 

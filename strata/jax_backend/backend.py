@@ -250,7 +250,12 @@ class JaxBackend:
         return _pool_write(pool, jax.device_put(slots, self.device), jax.device_put(blobs, self.device))
 
     def pool_read(self, pool, slots):
-        return np.asarray(pool[jnp.asarray(slots)])
+        """rows `slots` [m] of the pool -> host uint8 [m, nbytes] (m padded to a power of two inside, as writes)."""
+        slots = np.asarray(slots, np.int32)
+        m = len(slots)
+        b = 1 << max(0, (m - 1).bit_length())
+        padded = np.concatenate([slots, np.repeat(slots[-1:], b - m)]) if b > m else slots
+        return np.asarray(_pool_read(pool, jax.device_put(padded, self.device)))[:m]
 
     # --- sampling
     @staticmethod
@@ -295,3 +300,8 @@ class JaxBackend:
 @partial(jax.jit, donate_argnums=(0,))
 def _pool_write(pool, slots, blobs):
     return pool.at[slots].set(blobs)
+
+
+@jax.jit
+def _pool_read(pool, slots):
+    return pool[slots]

@@ -114,9 +114,7 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
             log.info(DEMO_NOTE)
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(
-            lambda: Engine.load(config.model, backend=config.backend, max_context=config.max_context,
-                                prefill=config.prefill, dtype=config.dtype,
-                                **({"device": config.device} if config.device else {})))
+            lambda: Engine.load(config.model, backend=config.backend, **config.engine_options()))
         if engine.tokenizer is None:
             raise StrataError(f"{config.model} has no tokenizer.json beside it; strata serve needs one to render "
                               f"chat prompts")
