@@ -98,15 +98,14 @@ class RandomDeviceReader:
         return 1.0 + w if zero_centred else w
 
 
-def decode_bytes_per_token(cfg, params, context: int) -> dict:
-    """HBM bytes one decoded token must move: weights it reads (experts at k/E) + state it reads and writes."""
-    k_over_e = cfg.num_experts_per_tok / cfg.num_experts
+def decode_bytes_per_token(cfg, params, context: int, expert_bytes: int) -> dict:
+    """HBM bytes one decoded token must move: weights it reads (k experts of expert_bytes each per sparse layer) +
+    state it reads and writes."""
     per_kind = {}
     for lp, kind in zip(params["layers"], cfg.layer_types):
-        b = 0
+        b = cfg.num_experts_per_tok * expert_bytes if "router" in lp else 0
         for name, leaf in lp.items():
-            size = leaf.size * leaf.dtype.itemsize
-            b += size * k_over_e if name.startswith("exp_") else size
+            b += leaf.size * leaf.dtype.itemsize
         if kind == "linear_attention":
             b += 2 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
         else:
@@ -150,9 +149,13 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         build_s = time.perf_counter() - t
         engine = Engine(cfg, params, backend, EngineOptions(dtype="bfloat16", max_context=prompt_len + 2 * decode_tokens
                                                             + 8, prefill=min(prompt_len, 4096)))
+        from synthetic_experts import SyntheticStore         # bench/, beside this script
+        n_moe = sum(cfg.is_sparse_layer(i) for i in range(n))
+        store = SyntheticStore("bf16", cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
+        engine.attach_experts(store, say=lambda line: None)          # every expert resident, bf16
         r = measure(engine, prompt_len, decode_tokens, repeat)
         r["build_s"] = build_s
-        r.update(decode_bytes_per_token(cfg, params, prompt_len))
+        r.update(decode_bytes_per_token(cfg, params, prompt_len, store.layout.nbytes))
         out["layers"][n] = r
         print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode {r['decode_tok_s_b1']:.2f} tok/s",
               flush=True)

@@ -39,6 +39,9 @@ class Slot:
     owner: str | None = None     # LOANED
 
 
+_CODES = (SlotState.FREE, SlotState.FILLING, SlotState.RESIDENT, SlotState.LOANED)
+
+
 class SlotStateError(RuntimeError):
     """An illegal slot transition: a bug in the caller."""
 
@@ -76,6 +79,10 @@ class ExpertCache:
         self.nbytes = source.layout.nbytes
         self.pool = ops.pool_alloc(n_slots, self.nbytes)
         self._slots = [Slot() for _ in range(n_slots)]
+        # the same facts as arrays, for the policy's vectorised choices over thousands of slots
+        self._code = np.zeros(n_slots, np.int8)                        # index into _CODES
+        self._pe = np.zeros((n_slots, 2), np.int64)                    # (layer, expert) of a RESIDENT slot
+        self._ver = np.zeros(n_slots, np.int64)
         self._table = np.full((n_layers, n_experts), -1, np.int32)
         self._version = 0
         self.table_version = 0       # changes whenever the table does (device copies of it are keyed by it)
@@ -105,7 +112,10 @@ class ExpertCache:
         return self.n_resident == self.n_layers * self.n_experts
 
     def free_slots(self) -> list[int]:
-        return [i for i, s in enumerate(self._slots) if s.state is SlotState.FREE]
+        return np.flatnonzero(self._code == _CODES.index(SlotState.FREE)).tolist()
+
+    def _resident(self) -> np.ndarray:
+        return np.flatnonzero(self._code == _CODES.index(SlotState.RESIDENT))
 
     # --- transitions
     def _move(self, i: int, want_from: tuple[SlotState, ...], to: Slot) -> None:
@@ -117,6 +127,9 @@ class ExpertCache:
             self._table[s.layer, s.expert] = -1
             self.table_version += 1
         self._slots[i] = to
+        self._code[i] = _CODES.index(to.state)
+        self._pe[i] = (to.layer, to.expert)
+        self._ver[i] = to.version
         if to.state is SlotState.RESIDENT:
             if self._table[to.layer, to.expert] >= 0:
                 raise SlotStateError(f"expert ({to.layer}, {to.expert}) is already resident in slot "
@@ -170,7 +183,7 @@ class ExpertCache:
             s = self._slots[i]
             if s.state is not SlotState.LOANED or s.owner != owner:
                 raise SlotStateError(f"slot {i} is {s.state.value} (owner {s.owner}); {owner} cannot return it")
-            self._slots[i] = Slot()
+            self._move(i, (SlotState.LOANED,), Slot())
 
     def reserve(self, n: int, owner: str) -> list[int]:
         """Slots set aside for good (staging buffers when prompt parts do not borrow): LOANED to `owner`."""
@@ -179,13 +192,16 @@ class ExpertCache:
     # --- policy
     def victims(self, n: int, keep=()) -> list[int]:
         """Up to n slots to reuse: FREE first, then RESIDENT by lowest score, never one in `keep`."""
-        keep = set(int(i) for i in keep)
-        free = [i for i in self.free_slots() if i not in keep]
+        keep = np.fromiter((int(i) for i in keep), np.int64)
+        free = np.flatnonzero(self._code == _CODES.index(SlotState.FREE))
+        free = free[~np.isin(free, keep)]
         if len(free) >= n:
-            return free[:n]
-        resident = [i for i, s in enumerate(self._slots) if s.state is SlotState.RESIDENT and i not in keep]
-        resident.sort(key=lambda i: (self.score[self._slots[i].layer, self._slots[i].expert], self._slots[i].version))
-        return free + resident[:n - len(free)]
+            return free[:n].tolist()
+        res = self._resident()
+        res = res[~np.isin(res, keep)]
+        score = self.score[self._pe[res, 0], self._pe[res, 1]]
+        order = np.lexsort((self._ver[res], score))[:n - len(free)]     # lowest score, then oldest fill
+        return free.tolist() + res[order].tolist()
 
     def observe(self, p: int, counts: np.ndarray) -> None:
         """Routing counts [E] of MoE layer p from one window."""
@@ -216,8 +232,9 @@ class ExpertCache:
         if max_swaps <= 0:
             return 0
         candidates = self._best_absent(max_swaps)
-        resident = [i for i, s in enumerate(self._slots) if s.state is SlotState.RESIDENT]
-        resident.sort(key=lambda i: self.score[self._slots[i].layer, self._slots[i].expert])
+        res = self._resident()
+        res_score = self.score[self._pe[res, 0], self._pe[res, 1]]
+        resident = res[np.argsort(res_score, kind="stable")][:len(candidates)].tolist()
         slots, pairs = [], []
         for (p, e), i in zip(candidates, resident):
             s = self._slots[i]
@@ -248,9 +265,9 @@ class ExpertCache:
     # --- bytes
     def _write(self, slots: list[int], pairs) -> object:
         t = time.perf_counter()
-        blobs = np.stack([self.source.blob(p, e) for p, e in pairs])          # [m, nbytes] uint8
+        blobs = [self.source.blob(p, e) for p, e in pairs]                   # m x uint8 [nbytes], views where possible
         pool = self.ops.pool_write(self.pool, np.asarray(slots, np.int32), blobs)
-        self.stats.bytes_copied += blobs.nbytes
+        self.stats.bytes_copied += len(blobs) * self.nbytes
         self.stats.copy_seconds += time.perf_counter() - t
         return pool
 

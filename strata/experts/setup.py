@@ -94,7 +94,8 @@ def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, comp
 
 
 def _is_memory(store) -> bool:
-    return store.where.startswith("memory")
+    """A store already in RAM (a checkpoint's experts) is its own host tier: no mirror to fill."""
+    return bool(getattr(store, "in_memory", False))
 
 
 def _order(priority, n_layers: int, n_experts: int):

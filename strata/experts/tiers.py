@@ -21,6 +21,8 @@ GIB = 1 << 30
 class MemoryStore:
     """A checkpoint's experts encoded into blobs in RAM (format f32 or bf16: the checkpoint's own numbers)."""
 
+    in_memory = True
+
     def __init__(self, layout: BlobLayout, experts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]):
         """experts: per MoE layer (gate [E, I, H], up [E, I, H], down [E, H, I])."""
         self.layout = layout
@@ -44,6 +46,8 @@ class MemoryStore:
 class PackStore:
     """Experts read from a pack (strata/experts/pack.py) on SSD: by explicit reads (`stream=True`, the
     --stream-experts path: every miss is one pread of one blob) or through the page cache via mmap."""
+
+    in_memory = False
 
     def __init__(self, reader, stream: bool = False):
         self.reader, self.stream = reader, stream

@@ -239,14 +239,16 @@ class JaxBackend:
         return jax.device_put(jnp.zeros((n, nbytes), jnp.uint8), self.device)
 
     def pool_write(self, pool, slots, blobs):
-        """pool with rows `slots` [m] replaced by blobs [m, nbytes] (host); the old pool is donated. m is padded to
-        a power of two by repeating the last row (the same bytes into the same slot), so compilations stay few."""
+        """pool with rows `slots` [m] replaced by `blobs` (m host uint8 [nbytes] arrays, each copied to the device
+        as it is, with no host-side gathering); the old pool is donated. m is padded to a power of two by repeating
+        the last one (the same bytes into the same slot), so compilations stay few."""
         slots = np.asarray(slots, np.int32)
+        blobs = list(blobs)
         m = len(slots)
         b = 1 << max(0, (m - 1).bit_length())
         if b > m:
             slots = np.concatenate([slots, np.repeat(slots[-1:], b - m)])
-            blobs = np.concatenate([blobs, np.repeat(blobs[-1:], b - m, axis=0)])
+            blobs = blobs + [blobs[-1]] * (b - m)
         return _pool_write(pool, jax.device_put(slots, self.device), jax.device_put(blobs, self.device))
 
     def pool_read(self, pool, slots):
@@ -299,7 +301,7 @@ class JaxBackend:
 
 @partial(jax.jit, donate_argnums=(0,))
 def _pool_write(pool, slots, blobs):
-    return pool.at[slots].set(blobs)
+    return pool.at[slots].set(jnp.stack(blobs))
 
 
 @jax.jit

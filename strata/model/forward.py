@@ -155,8 +155,12 @@ def _swiglu(ops, h, w_gate, w_up, w_down):
 
 
 def route(ops, cfg: ModelConfig, lp: dict, h):
-    """Router: softmax over all experts in fp32, top-k, optional renormalisation. -> (weights [T, k], ids [T, k])"""
-    probs = ops.softmax(ops.linear(h, lp["router"]))                                      # [T, E] fp32
+    """Router: softmax over all experts in fp32, top-k, optional renormalisation. -> (weights [T, k], ids [T, k]).
+    A "router_bias" [E] (no checkpoint has one; benchmarks set it to skew routing) is added to the logits."""
+    logits = ops.linear(h, lp["router"])
+    if "router_bias" in lp:
+        logits = logits.astype(ops.xp.float32) + lp["router_bias"]
+    probs = ops.softmax(logits)                                                           # [T, E] fp32
     w, idx = ops.topk(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         w = w / ops.xp.sum(w, axis=-1, keepdims=True)

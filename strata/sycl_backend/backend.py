@@ -412,7 +412,7 @@ class SyclBackend:
         return dpnp.zeros((n, nbytes), dtype=dpnp.uint8, sycl_queue=self.queue)
 
     def pool_write(self, pool, slots, blobs):
-        pool[self._dev(np.asarray(slots, np.int64))] = self._upload(np.asarray(blobs, np.uint8))
+        pool[self._dev(np.asarray(slots, np.int64))] = self._upload(np.stack([np.asarray(b, np.uint8) for b in blobs]))
         return pool
 
     def pool_read(self, pool, slots):

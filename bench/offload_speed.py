@@ -1,0 +1,196 @@
+"""Decode and prompt speed with experts offloaded: a 16 GB card's expert cache on an H200.
+
+    python bench/offload_speed.py                  # GPU: Qwen3-Next-80B-A3B shapes, 48 layers, int4 experts
+    python bench/offload_speed.py --smoke          # the same script on a CPU in a minute (tiny shapes)
+
+Random weights at real shapes; the routed experts in int4 (group 128) come from host RAM (bench/synthetic_experts.py),
+the device cache is capped at --cache-gib (12 GiB stands for a 16 GB card). Routing from random weights is near
+uniform; the skewed run adds a fixed router bias so that ~20% of each layer's experts take ~80% of the routes, and the
+adaptive policy (decayed counts, swaps between windows) has something to find.
+
+Per run: decode tokens/s at batch 1 and 4 (through the WindowRunner, as the server runs them), prompt tokens/s for a
+4K and a 32K prompt, the hit rate, bytes copied host -> device per second, and the bound those bytes imply at the
+host-to-device rate measured in the same run: bound = copy rate / bytes copied per token.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file  # noqa: E402
+from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader  # noqa: E402
+from synthetic_experts import SyntheticStore  # noqa: E402
+
+GIB = 1 << 30
+
+
+def h2d_rate(nbytes: int, n: int = 64) -> dict:
+    """Host -> device bytes/s: `n` separate expert-sized numpy buffers (how misses are copied), and one large one."""
+    import jax
+    dev = jax.devices()[0]
+    blobs = [np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8) for i in range(n)]
+    jax.block_until_ready(jax.device_put(blobs, dev))
+    t = time.perf_counter()
+    for _ in range(3):
+        jax.block_until_ready(jax.device_put(blobs, dev))
+    per_blob = 3 * n * nbytes / (time.perf_counter() - t)
+    big = np.concatenate(blobs)
+    jax.block_until_ready(jax.device_put(big, dev))
+    t = time.perf_counter()
+    for _ in range(3):
+        jax.block_until_ready(jax.device_put(big, dev))
+    one = 3 * big.nbytes / (time.perf_counter() - t)
+    return {"h2d_bytes_per_s_expert_buffers": per_blob, "h2d_bytes_per_s_one_buffer": one}
+
+
+def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: float | None, max_context: int,
+          prefill: int, adapt_swaps: int):
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from strata.backend import get_backend
+    from strata.engine import Engine, EngineOptions
+    from strata.model.config import ModelConfig
+    from strata.model.params import params_from_reader
+    cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=48, **cfg_overrides), source="qwen3-next shapes")
+    ops = get_backend("jax")
+    params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
+    hot = None
+    if skew is not None:
+        rng = np.random.default_rng(7)
+        hot = [rng.choice(cfg.num_experts, max(1, cfg.num_experts // 5), replace=False) for _ in range(48)]
+        for lp, h in zip([lp for lp in params["layers"] if "router" in lp], hot):
+            b = np.zeros(cfg.num_experts, np.float32)
+            b[h] = skew
+            lp["router_bias"] = jnp.asarray(b)
+    store = SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, 48, cfg.num_experts)
+    slots = cache_slots or int(cache_gib * GIB // store.layout.nbytes)
+    opts = EngineOptions(dtype="bfloat16", max_context=max_context, prefill=prefill, sequences=4,
+                         expert_cache=min(slots, 48 * cfg.num_experts), adapt_swaps=adapt_swaps)
+    engine = Engine(cfg, params, ops, opts)
+    lines = []
+    engine.attach_experts(store, say=lines.append)
+    return engine, store, hot, lines
+
+
+def decode_run(engine, n_rows: int, tokens: int, warm: int) -> dict:
+    """n_rows sequences decoding together through the WindowRunner (a short prompt each, then `tokens` windows)."""
+    from strata.runner import WindowRunner, idle_plan
+    from strata.sched.plan import PromptPart
+    runner = WindowRunner(engine, n_rows, min(64, engine.options.prefill))
+    rng = np.random.default_rng(1)
+    nxt = np.zeros(n_rows, np.int32)
+    base = idle_plan(n_rows)
+    for s in range(n_rows):
+        prompt = rng.integers(0, engine.cfg.vocab_size, 32).astype(np.int32)
+        r = runner.run(replace(base, part=PromptPart(slot=s, tokens=prompt, start=0, last=True)))
+        nxt[s] = r.part_next
+    pos = np.full(n_rows, 32, np.int32)
+    plan = replace(base, decode_active=np.ones(n_rows, bool))
+    cache = engine.experts.cache
+    for i in range(warm + tokens):
+        if i == warm:
+            st0 = dict(cache.stats.as_dict())
+            t0 = time.perf_counter()
+        r = runner.run(replace(plan, decode_tokens=nxt, decode_pos=pos))
+        nxt, pos = r.decode_next.astype(np.int32), pos + 1
+    dt = time.perf_counter() - t0
+    st = cache.stats.as_dict()
+    hits, misses = st["hits"] - st0["hits"], st["misses"] - st0["misses"]
+    copied = st["bytes_copied"] - st0["bytes_copied"]
+    return {"rows": n_rows, "windows": tokens, "seconds": dt, "tok_s": n_rows * tokens / dt,
+            "window_ms": 1000 * dt / tokens, "hit_rate": hits / max(hits + misses, 1),
+            "bytes_copied_per_window": copied / tokens, "copy_bytes_per_s": copied / dt,
+            "copy_seconds_share": (st["copy_seconds"] - st0["copy_seconds"]) / dt}
+
+
+def prompt_run(engine, n: int) -> dict:
+    cache = engine.experts.cache
+    st0 = dict(cache.stats.as_dict())
+    ids = np.random.default_rng(2).integers(0, engine.cfg.vocab_size, n).tolist()
+    t = time.perf_counter()
+    engine.sequence().read(ids, part_size=engine.options.prefill)
+    dt = time.perf_counter() - t
+    st = cache.stats.as_dict()
+    return {"tokens": n, "seconds": dt, "tok_s": n / dt, "bytes_copied": st["bytes_copied"] - st0["bytes_copied"],
+            "copy_bytes_per_s": (st["bytes_copied"] - st0["bytes_copied"]) / dt,
+            "hit_rate": (st["hits"] - st0["hits"]) / max(st["hits"] - st0["hits"] + st["misses"] - st0["misses"], 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU: checks the script")
+    ap.add_argument("--cache-gib", type=float, default=12.0)
+    ap.add_argument("--decode", type=int, default=24)
+    ap.add_argument("--warm", type=int, default=16, help="windows before timing (the cache adapts)")
+    ap.add_argument("--prompts", default="4096,32768")
+    ap.add_argument("--skew-bias", type=float, default=4.0, help="router logit bias of the hot 20%% of experts")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    stamp = results_file.stamp()
+    over, slots, prompts, prefill = {}, None, [int(x) for x in args.prompts.split(",")], 4096
+    if args.smoke:
+        over = {"num_experts": 32, "vocab_size": 1024, "hidden_size": 256, "moe_intermediate_size": 128,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_attention_heads": 2,
+                "intermediate_size": 256, "shared_expert_intermediate_size": 128}
+        slots, prompts, prefill = 48 * 32 // 3, [256], 128
+    result = {"bench": "offload_speed", **stamp, "experts": "int4 (group 128)", "dense": "bfloat16",
+              "path": "XLA-only expert op; layers run one at a time, misses copied into slots between them",
+              "cache_gib": args.cache_gib, "runs": {}}
+    if not args.smoke:
+        result.update(h2d_rate(1 << 20 | (620 << 10)))
+    for name, skew in (("uniform", None), ("skewed", args.skew_bias)):
+        t = time.perf_counter()
+        engine, store, hot, lines = build(over, slots, args.cache_gib, skew, max(prompts) + 256, prefill,
+                                          adapt_swaps=64)
+        for line in lines:
+            print(line, flush=True)
+        run = {"build_s": time.perf_counter() - t, "slots": engine.experts.cache.n_slots,
+               "slot_bytes": store.layout.nbytes, "experts_total": 48 * engine.cfg.num_experts,
+               "decode": {}, "prompt": {}}
+        for rows in (1, 4):
+            r = decode_run(engine, rows, args.decode, args.warm)
+            run["decode"][f"b{rows}"] = r
+            print(f"{name}: decode b{rows} {r['tok_s']:.1f} tok/s, {r['window_ms']:.1f} ms/window, hit rate "
+                  f"{100 * r['hit_rate']:.1f}%, {r['bytes_copied_per_window'] / 1e6:.0f} MB copied per window "
+                  f"({r['copy_bytes_per_s'] / 1e9:.1f} GB/s)", flush=True)
+        if hot is not None:
+            counts = engine.experts.cache.routed
+            run["hot_share_of_routes"] = float(sum(counts[p, h].sum() for p, h in enumerate(hot)) / counts.sum())
+        if name == "uniform":
+            for n in prompts:
+                r = prompt_run(engine, n)
+                run["prompt"][str(n)] = r
+                print(f"{name}: prompt {n} tokens {r['tok_s']:.0f} tok/s, {r['copy_bytes_per_s'] / 1e9:.1f} GB/s "
+                      f"copied, hit rate {100 * r['hit_rate']:.1f}%", flush=True)
+        result["runs"][name] = run
+        del engine
+    rate = result.get("h2d_bytes_per_s_expert_buffers")
+    if rate:
+        for run in result["runs"].values():
+            for r in run["decode"].values():
+                per_token = r["bytes_copied_per_window"] / r["rows"]
+                r["copy_bound_tok_s"] = rate / per_token if per_token else None
+                r["fraction_of_copy_bound"] = r["tok_s"] / r["copy_bound_tok_s"] if per_token else None
+        print(f"\nhost->device: {rate / 1e9:.1f} GB/s in expert-sized buffers, "
+              f"{result['h2d_bytes_per_s_one_buffer'] / 1e9:.1f} GB/s in one buffer")
+        print("| routing | batch | tok/s | hit rate | GB/s copied | bound (copy) tok/s | of bound |\n|---|---|---|---|---|---|---|")
+        for name, run in result["runs"].items():
+            for b, r in run["decode"].items():
+                bound = r["copy_bound_tok_s"]
+                print(f"| {name} | {b} | {r['tok_s']:.1f} | {100 * r['hit_rate']:.1f}% | "
+                      f"{r['copy_bytes_per_s'] / 1e9:.1f} | {bound:.1f} | {100 * r['fraction_of_copy_bound']:.0f}% |"
+                      if bound else f"| {name} | {b} | {r['tok_s']:.1f} | {100 * r['hit_rate']:.1f}% | 0 | - | - |")
+    results_file.write(result, args.out, "offload_speed_smoke" if args.smoke else "offload_speed_h200_int4")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
