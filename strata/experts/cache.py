@@ -98,6 +98,10 @@ class ExpertCache:
         t.setflags(write=False)
         return t
 
+    def table_row(self, p: int) -> np.ndarray:
+        """One MoE layer's row of the table, by value."""
+        return self._table[p].copy()
+
     def slot(self, i: int) -> Slot:
         return self._slots[i]
 

@@ -55,7 +55,7 @@ class MoeRunner:
         ids = np.where(valid[:, None], ids, -1)                                       # [T, k]; -1: no route
         routed = ids >= 0
         self.cache.observe(p, np.bincount(ids[routed], minlength=self.n_experts))
-        table = self.cache.table()[p]                                                 # by value
+        table = self.cache.table_row(p)                                               # by value
         slots = np.where(routed, table[np.maximum(ids, 0)], -1).astype(np.int32)
         hit = slots >= 0
         missing = np.unique(ids[routed & ~hit])
@@ -81,7 +81,7 @@ class MoeRunner:
                 if cache.slot(i).state.name == "RESIDENT":
                     cache.evict(i)
             cache.fill(victims, [(p, int(e)) for e in missing], verify=self.verify_fills)
-            table = cache.table()[p]
+            table = cache.table_row(p)
             slots = np.where(ids >= 0, table[np.maximum(ids, 0)], -1).astype(np.int32)
             use = slots >= 0
             return self._run(h, slots, w, [(p, int(e)) for e in ids[use]], slots[use])
@@ -94,7 +94,7 @@ class MoeRunner:
                 if cache.slot(i).state.name == "RESIDENT":
                     cache.evict(i)
             cache.fill(victims, [(p, int(e)) for e in chunk], verify=self.verify_fills)
-            table = cache.table()[p]
+            table = cache.table_row(p)
             sel = np.isin(ids, chunk)
             s = np.where(sel, table[np.maximum(ids, 0)], -1).astype(np.int32)
             y = y + self._run(h, s, w, [(p, int(e)) for e in ids[sel]], s[sel])

@@ -73,9 +73,12 @@ def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, comp
         priority = load_profile(opts.profile, store.n_layers, store.n_experts)
     mirror = None
     source = store
+    if _is_memory(store) and hasattr(store, "pin") and hasattr(ops, "host_tier"):
+        store.pin(ops.host_tier)              # an in-memory source gets its pinned copies from the backend too
     if plan.mirrored and not _is_memory(store):
         order = _order(priority, store.n_layers, store.n_experts)
-        mirror = HostMirror(store, plan.mirror_bytes, chunk_bytes=opts.host_chunk_mib * MIB, order=order)
+        mirror = HostMirror(store, plan.mirror_bytes, chunk_bytes=opts.host_chunk_mib * MIB, order=order,
+                            pin=getattr(ops, "host_tier", None))
         source = mirror
     cache = ExpertCache(ops, source, plan.slots, store.n_layers, store.n_experts, decay=opts.adapt_decay)
     moe = MoeRunner(ops, cache, source, store.layout, store.n_experts, compiled, miss_policy=opts.miss_policy,

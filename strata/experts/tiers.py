@@ -78,10 +78,12 @@ class HostMirror:
     """A RAM copy of experts, allocated in chunks of at most `chunk_bytes` each: one huge host allocation fails on
     some drivers (../shared/seeds/002_*.txt, part 1). Experts not mirrored come from the store.
 
-    Host memory here is ordinary (pageable) numpy memory: JAX exposes no way to pin a numpy buffer, so a copy to the
-    device goes through the runtime's staging buffer."""
+    With `pin` (the backend's host_tier: pinned host memory on a GPU), every mirrored expert is also copied into its
+    own pinned buffer, which the device reads by DMA (pageable memory goes through the driver's staging copy, several
+    times slower: bench/results/offload_speed_*.json); the chunks are freed once pinned."""
 
-    def __init__(self, store, budget_bytes: int, chunk_bytes: int = GIB, order: list[tuple[int, int]] | None = None):
+    def __init__(self, store, budget_bytes: int, chunk_bytes: int = GIB, order: list[tuple[int, int]] | None = None,
+                 pin=None):
         if chunk_bytes < store.layout.nbytes:
             raise ConfigError(f"host chunk of {chunk_bytes} bytes is smaller than one expert ({store.layout.nbytes} "
                               f"bytes)")
@@ -104,15 +106,22 @@ class HostMirror:
             self.where_is[p, e] = (c, r)
         self.n_mirrored = n
         self.hits = self.store_reads = 0
+        self.pinned = None
+        if pin is not None and n:
+            self.pinned = pin([self.chunks[c][r] for c, r in (self.where_is[p, e] for p, e in chosen)])
+            self.pinned_at = {pe: i for i, pe in enumerate(chosen)}
+            self.chunks = []
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
+        return self.n_mirrored * self.layout.nbytes
 
-    def blob(self, p: int, e: int) -> np.ndarray:
+    def blob(self, p: int, e: int):
         c, r = self.where_is[p, e]
         if c >= 0:
             self.hits += 1
+            if self.pinned is not None:
+                return self.pinned[self.pinned_at[(p, e)]]
             return self.chunks[c][r]
         self.store_reads += 1
         return self.store.blob(p, e)

@@ -251,6 +251,14 @@ class JaxBackend:
             blobs = blobs + [blobs[-1]] * (b - m)
         return _pool_write(pool, jax.device_put(slots, self.device), jax.device_put(blobs, self.device))
 
+    def host_tier(self, blobs: list) -> list:
+        """Copies of host blobs the device can read by DMA: pinned host memory on a GPU (one allocation per blob,
+        far below any per-allocation limit); on a CPU device the blobs as they are."""
+        if self.device.platform == "cpu":
+            return list(blobs)
+        sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
+        return [jax.device_put(b, sharding) for b in blobs]
+
     def pool_read(self, pool, slots):
         """rows `slots` [m] of the pool -> host uint8 [m, nbytes] (m padded to a power of two inside, as writes)."""
         slots = np.asarray(slots, np.int32)

@@ -28,6 +28,7 @@ class SteppedForward:
         self._front_rows = compiled("st_front_rows", lambda: c(partial(_front_rows, ops, cfg), donate_argnums=(1,),
                                                                static_argnames=("kind",)))
         self._back = compiled("st_back", lambda: c(partial(layer_back, ops, cfg)))
+        self._back_rows = compiled("st_back_rows", lambda: c(partial(_back_rows, ops, cfg)))
         self._head = compiled("st_head", lambda: c(partial(head, ops, cfg), static_argnames=("all_logits",)))
 
     def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool):
@@ -69,13 +70,12 @@ class SteppedForward:
         bank = list(bank)
         p = 0
         for i, (kind, lp) in enumerate(zip(self.cfg.layer_types, params["layers"])):
-            x, h, w, idx, bank[i] = self._front_rows(lp, bank[i], x, pos, active, kind=kind)
+            x, h, w, idx, bank[i] = self._front_rows(lp, bank[i], x, pos, active, kind=kind)   # h [S, H]; w, idx [S, k]
             if h is not None:
-                hs = h.reshape(s, -1)
-                y = self.moe.compute(p, hs, w.reshape(s, -1), idx.reshape(s, -1), valid, part=False)
-                x = self._back(lp, x, h, y.reshape(h.shape))
+                y = self.moe.compute(p, h, w, idx, valid, part=False)
+                x = self._back_rows(lp, x, h, y)
                 p += 1
-        return self._head(params, x.reshape(s, -1), np.int32(s), all_logits=True), bank
+        return self._head(params, x[:, 0], np.int32(s), all_logits=True), bank
 
 
 def _front_seq(ops, cfg, lp, st, x, start, n_valid, kind):
@@ -94,4 +94,12 @@ def _front_rows(ops, cfg, lp, bank, x, pos, active, kind):
         return (x1, h, w, idx), st
 
     (x, h, w, idx), bank = ops.vmap(row)(bank, x, pos, active)
-    return x, h, w, idx, bank
+    if h is None:
+        return x, None, None, None, bank
+    s = x.shape[0]
+    return x, h.reshape(s, -1), w.reshape(s, -1), idx.reshape(s, -1), bank       # rows of one token each
+
+
+def _back_rows(ops, cfg, lp, x, h, y):
+    """layer_back for [S, 1, H] rows, with h, y [S, H]."""
+    return layer_back(ops, cfg, lp, x, h[:, None], y[:, None])
