@@ -49,10 +49,11 @@ def h2d_rate(nbytes: int, n: int = 64) -> dict:
     one = 3 * big.nbytes / (time.perf_counter() - t)
     from strata.jax_backend.backend import JaxBackend
     pinned = JaxBackend().host_tier(blobs)
-    jax.block_until_ready(jax.device_put(pinned, dev))
+    on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    jax.block_until_ready(jax.device_put(pinned, on_device))
     t = time.perf_counter()
     for _ in range(3):
-        jax.block_until_ready(jax.device_put(pinned, dev))
+        jax.block_until_ready(jax.device_put(pinned, on_device))
     per_pinned = 3 * n * nbytes / (time.perf_counter() - t)
     return {"h2d_bytes_per_s_pinned_expert_buffers": per_pinned, "h2d_bytes_per_s_expert_buffers": per_blob,
             "h2d_bytes_per_s_one_buffer": one}

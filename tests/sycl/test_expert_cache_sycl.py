@@ -5,15 +5,21 @@ tests/experts/test_cache_equivalence.py), for the demo model from its checkpoint
 Arrangements other than "every expert resident" run layer by layer (strata/model/stepped.py): the backend's
 experts_pool over slots, pool_write / pool_read, vmap with None outputs for dense layers, set_row on a bank. Every
 run checks each slot it reads against the pack (debug_slots), so a wrong slot fails loudly rather than as a logit
-error. Last, the int4 pack with 8 slots gives the same greedy tokens on JAX and on SYCL.
+error. Then: prompt parts long enough for the blocked form of the expert op; the int4 pack with 8 slots gives the
+same greedy tokens on JAX and on SYCL; and the WindowRunner's slot bank (prompt parts on one slot: set_row; decode
+rows: vmap, with None routes from a dense layer) on a tiny model with a dense layer between sparse ones.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from strata import Engine
 from strata.experts.pack import write_pack
+from strata.runner import WindowRunner, idle_plan
+from strata.sched.plan import PromptPart
 
 PROMPT_LEN, PART, GEN = 40, 16, 12
 # Between arrangements only the order of float32 sums changes (a miss computed in its own pass, on the CPU through
@@ -118,3 +124,67 @@ def test_int4_pack_two_per_layer_jax_and_sycl_greedy_tokens_identical(int4_pack,
     for e, _, _ in (sycl, jax):
         _missed(e, e.backend.name)
     assert sycl[2] == jax[2], "int4 pack, 8 slots: JAX and SYCL greedy tokens differ"
+
+
+def test_blocked_expert_op_arrangements_match_all_resident(sycl_device):
+    """One 40-token part (bucket 64: 256 routes, the blocked form; padded rows skipped) then decode, with 2 slots
+    per layer (misses borrowed, then fetched) and with 3 staging slots (the part's misses in passes)."""
+    def run(**opts):
+        e = Engine.load("demo", backend="sycl", device=sycl_device, max_context=256, prefill=64, debug_slots=True,
+                        say=lambda line: None, **opts)
+        prompt = _prompt(e.cfg.vocab_size)
+        return e, e.logits(prompt), e.generate(prompt, GEN, stop_token_ids=[])
+
+    ref = run()
+    assert ref[0].fused
+    for name, opts in (("two-per-layer", dict(expert_cache=8)),
+                       ("no-borrow", dict(expert_cache=8, prefill_borrow=False, staging_slots=3))):
+        _missed(_compare(ref, run(**opts), f"demo sycl blocked {name}"), name)
+
+
+@pytest.fixture(scope="module")
+def dense_between(tmp_path_factory):
+    """A tiny Qwen3-Next whose layer 1 is dense (mlp_only_layers): 3 sparse layers of 8 experts, 2 per token."""
+    pytest.importorskip("torch", reason="torch builds the tiny checkpoint with a dense layer")
+    from oracle import build_hf_model, save_hf_model
+    return save_hf_model(build_hf_model("qwen3_next", 5, mlp_only_layers=[1]), tmp_path_factory.mktemp("dense") / "hf")
+
+
+def _drive_runner(path, device, backend="sycl", **options):
+    """Two slots: a 20-token prompt on each in parts of 8 (stepped.slot_part), then 6 decode windows with both rows
+    active (stepped.rows) -> (engine, tokens per slot)."""
+    if backend == "sycl":
+        options["device"] = device
+    e = Engine.load(str(path), backend=backend, max_context=128, prefill=8, debug_slots=True, say=lambda line: None,
+                    **options)
+    runner = WindowRunner(e, 2, 8)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, e.cfg.vocab_size, 20).astype(np.int32) for _ in range(2)]
+    plan = idle_plan(2)
+    tokens = []
+    for s, prompt in enumerate(prompts):
+        for start in range(0, len(prompt), 8):
+            res = runner.run(replace(plan, part=PromptPart(slot=s, tokens=prompt[start:start + 8], start=start,
+                                                           last=start + 8 >= len(prompt))))
+        assert res.part_finite
+        tokens.append([res.part_next])
+    pos = np.full(2, len(prompts[0]), np.int32)
+    for _ in range(6):
+        res = runner.run(replace(plan, decode_active=np.ones(2, bool), decode_pos=pos,
+                                 decode_tokens=np.array([t[-1] for t in tokens], np.int32)))
+        assert res.decode_finite.all()
+        pos = pos + 1
+        for t, nxt in zip(tokens, res.decode_next):
+            t.append(int(nxt))
+    return e, tokens
+
+
+def test_window_runner_with_a_dense_layer_matches_all_resident(dense_between, sycl_device):
+    ref, want = _drive_runner(dense_between, sycl_device)
+    assert ref.fused and ref.experts.cache.n_layers == 3
+    e, got = _drive_runner(dense_between, sycl_device, expert_cache=4)
+    _missed(e, "dense-between, 4 slots")
+    assert got == want, "the stepped runner (slot parts, vmapped decode rows) differs from the fused one"
+    j, got_jax = _drive_runner(dense_between, None, backend="jax", expert_cache=4)
+    _missed(j, "jax dense-between, 4 slots")
+    assert got_jax == want, "JAX and SYCL differ on the stepped runner"
