@@ -12,12 +12,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def commit() -> str:
-    """The checkout's short commit; STRATA_COMMIT where there is no git (the lent GPU gets a copy of the tree)."""
+    """STRATA_COMMIT when set (the lent GPU gets a copy of the tree, whose .git may be another commit's), else the
+    checkout's short commit."""
+    if os.environ.get("STRATA_COMMIT"):
+        return os.environ["STRATA_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("STRATA_COMMIT", "unknown")
+        return "unknown"
 
 
 def stamp() -> dict:
