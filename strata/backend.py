@@ -45,9 +45,16 @@ class Backend(Protocol):
     def take_row(self, x: Array, i: Array) -> Array: ...                                 # x[i] at a traced index
     def set_row(self, x: Array, i: Array, row: Array) -> Array: ...                      # x with x[i] = row
 
-    # --- mixture of experts
+    # --- mixture of experts: the one expert op, over a pool of expert blobs (strata/weights/quant.py formats)
     def topk(self, x: Array, k: int) -> tuple[Array, Array]: ...                        # values, indices over last axis
-    def experts(self, x: Array, idx: Array, weight: Array, gate: Array, up: Array, down: Array) -> Array: ...
+    def experts_pool(self, x: Array, slots: Array, weight: Array, pool: Array, layout, max_distinct: int) -> Array:
+        ...                     # x [T, H]; slots, weight [T, k] (slot -1: not computed here); pool uint8 [N, nbytes]
+    def route_counts(self, idx: Array, valid: Array, n_experts: int) -> Array: ...       # [T, k], [T] -> [E] int32
+
+    # --- the slot pool (strata/experts/cache.py owns which expert is in which slot)
+    def pool_alloc(self, n: int, nbytes: int) -> Array: ...                              # uint8 [n, nbytes] zeros
+    def pool_write(self, pool: Array, slots, blobs) -> Array: ...                        # the pool after the writes
+    def pool_read(self, pool: Array, slots) -> Any: ...                                  # host uint8 [m, nbytes]
 
     # --- compilation and randomness
     def compile(self, fn, donate_argnums=(), static_argnames=()): ...                    # jit, or identity

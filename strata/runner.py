@@ -53,6 +53,9 @@ class WindowRunner:
         self.run(replace(plan, decode_active=np.ones(s, bool)))          # the decode rows
         for b in self.buckets():
             self.run(replace(plan, part=PromptPart(slot=0, tokens=np.zeros(b, np.int32), start=0, last=True)))
+        if self.engine.experts is not None:       # the warm-up's routes are not traffic: counters start at zero
+            st = self.engine.experts.cache.stats
+            st.hits = st.misses = st.cpu_routes = 0
         return time.perf_counter() - t
 
     def run(self, plan: WindowPlan) -> WindowResult:
@@ -92,6 +95,9 @@ class WindowRunner:
             part_finite = bool(np.asarray(to_host(fin)).reshape(-1)[0])
         self.windows += 1
         if e.experts is not None:
+            if e.fused:     # every expert resident: every route of the window's real rows was a hit
+                rows = plan.n_decode + (len(plan.part.tokens) if plan.part is not None else 0)
+                e.experts.cache.stats.hits += rows * e.cfg.num_experts_per_tok * e.experts.cache.n_layers
             e.experts.end_window(self.windows)
         t2 = time.perf_counter()
         return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - t0, t2 - t1)

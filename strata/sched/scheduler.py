@@ -109,7 +109,15 @@ class Scheduler:
     def metrics(self) -> dict:
         toks = sum(n for n, _ in self._recent)
         secs = sum(t for _, t in self._recent)
-        return dict(self.stats, queue_depth=len(self.queue), tokens_per_s=toks / secs if secs > 0 else 0.0)
+        out = dict(self.stats, queue_depth=len(self.queue), tokens_per_s=toks / secs if secs > 0 else 0.0)
+        experts = getattr(self.runner.engine, "experts", None)
+        if experts is not None:
+            st = experts.cache.stats
+            out.update(expert_hits=st.hits, expert_misses=st.misses, expert_fills=st.fills,
+                       expert_bytes_copied=st.bytes_copied, expert_copy_seconds=st.copy_seconds,
+                       expert_cpu_routes=st.cpu_routes, expert_cpu_seconds=st.cpu_seconds, expert_loans=st.loans,
+                       expert_swaps=st.swaps, expert_slots_resident=experts.cache.n_resident)
+        return out
 
     # --- the engine task
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED):

@@ -78,11 +78,22 @@ class _SchedulerCollector:
             ("plan_seconds_sum", "strata_window_plan_seconds", "Scheduler time planning windows"),
             ("apply_seconds_sum", "strata_window_apply_seconds", "Scheduler time applying window results and text"),
             ("handoff_seconds_sum", "strata_window_handoff_seconds", "Time handing windows to the worker thread"),
+            ("expert_hits", "strata_expert_hits", "Routes whose expert was in a device slot"),
+            ("expert_misses", "strata_expert_misses", "Routes whose expert was not"),
+            ("expert_fills", "strata_expert_fills", "Experts written into device slots (misses, refills, swaps)"),
+            ("expert_bytes_copied", "strata_expert_bytes_copied", "Expert bytes copied host to device"),
+            ("expert_copy_seconds", "strata_expert_copy_seconds", "Time spent copying experts to the device"),
+            ("expert_cpu_routes", "strata_expert_cpu_routes", "Routes computed on the CPU"),
+            ("expert_cpu_seconds", "strata_expert_cpu_seconds", "Time spent computing experts on the CPU"),
+            ("expert_loans", "strata_expert_loans", "Device slots lent to prompt parts"),
+            ("expert_swaps", "strata_expert_swaps", "Adaptive expert swaps between windows"),
         ):
             if (v := num(key)) is not None:
                 c = CounterMetricFamily(name, doc)
                 c.add_metric([], v)
                 yield c
+        if (v := num("expert_slots_resident")) is not None:
+            yield GaugeMetricFamily("strata_expert_slots_resident", "Device slots holding an expert", value=v)
         if (v := num("queue_depth")) is not None:
             yield GaugeMetricFamily("strata_queue_depth", "Requests waiting for a slot", value=v)
         if (v := num("tokens_per_s")) is not None:

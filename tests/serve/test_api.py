@@ -215,8 +215,14 @@ def test_health_slots_metrics(server, client):
     for name in ("strata_http_requests_total", "strata_requests_finished_total", "strata_requests_failed_total",
                  "strata_prompt_tokens_total", "strata_generated_tokens_total", "strata_queue_depth",
                  "strata_tokens_per_second", "strata_window_seconds_count", "strata_window_seconds_sum",
-                 "strata_slots", "strata_time_to_first_token_seconds_bucket", "strata_requests_active"):
+                 "strata_slots", "strata_time_to_first_token_seconds_bucket", "strata_requests_active",
+                 "strata_expert_hits_total", "strata_expert_misses_total", "strata_expert_bytes_copied_total",
+                 "strata_expert_cpu_seconds_total", "strata_expert_slots_resident"):
         assert re.search(rf"^{name}(\{{| )", text, re.M), f"{name} missing from /metrics"
+    # the demo model with every expert resident: every route hits, nothing is copied after load
+    assert float(re.search(r"^strata_expert_slots_resident (\S+)", text, re.M).group(1)) == 64
+    assert float(re.search(r"^strata_expert_hits_total (\S+)", text, re.M).group(1)) > 0
+    assert float(re.search(r"^strata_expert_misses_total (\S+)", text, re.M).group(1)) == 0
     finished = float(re.search(r"^strata_requests_finished_total (\S+)", text, re.M).group(1))
     assert finished >= 1
     assert re.search(r'^strata_http_requests_total\{code="200",route="/v1/chat/completions"\} [1-9]', text, re.M)
