@@ -173,7 +173,8 @@ class Engine:
             from strata.model.params import read_experts
             from strata.weights.quant import layout
             lay = layout("f32" if dtype == "float32" else "bf16", cfg.hidden_size, cfg.moe_intermediate_size)
-            store = MemoryStore(lay, read_experts(cfg, tensors, np_dtype)) if cfg.num_experts else None
+            sparse = any(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
+            store = MemoryStore(lay, read_experts(cfg, tensors, np_dtype)) if sparse else None
         engine.attach_experts(store, say)
         return engine
 
@@ -203,7 +204,6 @@ class Engine:
     def expert_args(self) -> dict:
         """The pool and slot table for a fused window (an empty pool for a model without experts)."""
         if self.experts is None:
-            xp = self.backend.xp
             return {"pool": self._empty_pool, "table": np.zeros((0, 1), np.int32)}
         return self.experts.args()
 

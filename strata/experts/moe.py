@@ -75,30 +75,32 @@ class MoeRunner:
         all fit beside this call's hits."""
         cache = self.cache
         keep = set(int(s) for s in np.unique(slots[slots >= 0]))
-        if len(missing) <= cache.n_slots - len(keep):
-            victims = cache.victims(len(missing), keep)
-            for i in victims:
-                if cache.slot(i).state.name == "RESIDENT":
-                    cache.evict(i)
-            cache.fill(victims, [(p, int(e)) for e in missing], verify=self.verify_fills)
+        victims = cache.victims(len(missing), keep)
+        if len(victims) == len(missing):
+            self._refill(victims, p, missing)
             table = cache.table_row(p)
             slots = np.where(ids >= 0, table[np.maximum(ids, 0)], -1).astype(np.int32)
             use = slots >= 0
             return self._run(h, slots, w, [(p, int(e)) for e in ids[use]], slots[use])
-        # passes: this call's hits first, then the misses a cache-full at a time
+        # passes: this call's hits first, then the misses as many at a time as there are slots to reuse (slots on
+        # loan, such as reserved staging slots, are not among them)
         y = self._run(h, slots, w, [(p, int(e)) for e in ids[slots >= 0]], slots[slots >= 0])
-        for start in range(0, len(missing), cache.n_slots):
-            chunk = missing[start:start + cache.n_slots]
-            victims = cache.victims(len(chunk))
-            for i in victims:
-                if cache.slot(i).state.name == "RESIDENT":
-                    cache.evict(i)
-            cache.fill(victims, [(p, int(e)) for e in chunk], verify=self.verify_fills)
+        room = len(cache.victims(cache.n_slots))
+        for start in range(0, len(missing), room):
+            chunk = missing[start:start + room]
+            self._refill(cache.victims(len(chunk)), p, chunk)
             table = cache.table_row(p)
             sel = np.isin(ids, chunk)
             s = np.where(sel, table[np.maximum(ids, 0)], -1).astype(np.int32)
             y = y + self._run(h, s, w, [(p, int(e)) for e in ids[sel]], s[sel])
         return y
+
+    def _refill(self, victims, p, experts):
+        cache = self.cache
+        for i in victims:
+            if cache.slot(i).state.name == "RESIDENT":
+                cache.evict(i)
+        cache.fill(victims, [(p, int(e)) for e in experts], verify=self.verify_fills)
 
     def _staged(self, p, h, w, ids, slots, missing, owner):
         """A prompt part's misses, streamed through staging slots (borrowed, or reserved when borrowing is off)."""

@@ -127,3 +127,19 @@ def test_the_check_catches_a_window_reading_a_slot_on_loan():
     with pytest.raises(SlotMismatch):
         moe._run(OPS.to_device(np.ones((ROWS, H), np.float32)), slots, OPS.to_device(np.ones((ROWS, K), np.float32)),
                  [(0, 0)], [victim])
+
+
+def test_decode_misses_beyond_the_usable_slots_run_in_passes_beside_staging_slots():
+    """Borrowing off: the reserved staging slots are not reusable, so a decode window whose misses outnumber the
+    other slots computes them in passes of the slots that are (found by reading the fetch path, kept as a case)."""
+    cache = ExpertCache(OPS, STORE, 4, LAYERS, E)
+    moe = MoeRunner(OPS, cache, STORE, LAYOUT, E, _compiled, borrow=False, staging=2, check_uses=True)
+    cache.place()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((ROWS, H)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 3], [4, 5], [6, 7]], np.int32)            # 8 distinct experts, 2 reusable slots
+    w = rng.random((ROWS, K)).astype(np.float32)
+    y = moe.compute(1, OPS.to_device(x), OPS.to_device(w), ids, np.ones(ROWS, bool), part=False)
+    want = _reference(1, x, ids, w)
+    assert np.abs(np.asarray(y) - want).max() <= 1e-5 * np.abs(want).max()
+    _check_invariants(cache, set(moe.staging))
