@@ -63,7 +63,7 @@ class MoeRunner:
         st.hits += int(hit.sum())
         st.misses += int((routed & ~hit).sum())
         if len(missing) == 0:
-            return self._run(h, slots, w, [(p, e) for e in ids[hit]], slots[hit])
+            return self._run(h, slots, w, p, ids)
         if part:
             return self._staged(p, h, w, ids, slots, missing, owner)
         if self.miss_policy == "cpu":
@@ -80,11 +80,10 @@ class MoeRunner:
             self._refill(victims, p, missing)
             table = cache.table_row(p)
             slots = np.where(ids >= 0, table[np.maximum(ids, 0)], -1).astype(np.int32)
-            use = slots >= 0
-            return self._run(h, slots, w, [(p, int(e)) for e in ids[use]], slots[use])
+            return self._run(h, slots, w, p, ids)
         # passes: this call's hits first, then the misses as many at a time as there are slots to reuse (slots on
         # loan, such as reserved staging slots, are not among them)
-        y = self._run(h, slots, w, [(p, int(e)) for e in ids[slots >= 0]], slots[slots >= 0])
+        y = self._run(h, slots, w, p, ids)
         room = len(cache.victims(cache.n_slots))
         for start in range(0, len(missing), room):
             chunk = missing[start:start + room]
@@ -92,7 +91,7 @@ class MoeRunner:
             table = cache.table_row(p)
             sel = np.isin(ids, chunk)
             s = np.where(sel, table[np.maximum(ids, 0)], -1).astype(np.int32)
-            y = y + self._run(h, s, w, [(p, int(e)) for e in ids[sel]], s[sel])
+            y = y + self._run(h, s, w, p, ids)
         return y
 
     def _refill(self, victims, p, experts):
@@ -114,7 +113,7 @@ class MoeRunner:
             staging, loaned = self.staging, []
         y = None
         if not staging:                     # every other slot holds this call's hits: compute them, then borrow
-            y = self._run(h, slots, w, [(p, int(e)) for e in ids[hits]], slots[hits])
+            y = self._run(h, slots, w, p, ids)
             staging = loaned = cache.loan(min(len(missing), self.borrow_limit), owner)
             hits = np.zeros_like(hits)
         try:
@@ -129,8 +128,7 @@ class MoeRunner:
                 if start == 0:
                     s = np.where(hits, slots, s)                      # the first pass also computes the hits
                 s = s.astype(np.int32)
-                use = s >= 0
-                part = self._run(h, s, w, [(p, int(e)) for e in ids[use]], s[use])
+                part = self._run(h, s, w, p, ids)
                 y = part if y is None else y + part
         finally:
             if loaned:
@@ -140,16 +138,17 @@ class MoeRunner:
     def _cpu(self, p, h, w, ids, slots, missing):
         """Hits on the device; misses on the CPU from the host copy (the same expert op, run there)."""
         t = time.perf_counter()
-        y = self._run(h, slots, w, [(p, int(e)) for e in ids[slots >= 0]], slots[slots >= 0])
+        y = self._run(h, slots, w, p, ids)
         lut = np.full(self.n_experts, -1, np.int32)
         lut[missing] = np.arange(len(missing))                        # expert -> row of the host blobs
         blobs = np.stack([self.source.blob(p, int(e)) for e in missing])
         sel = (ids >= 0) & (slots < 0)
         s = np.where(sel, lut[np.maximum(ids, 0)], -1).astype(np.int32)
-        y_cpu = self._cpu_compute(self.ops.to_host(h), s, self.ops.to_host(w), blobs)
+        h_host = np.asarray(self.ops.to_host(h))
+        y_cpu = self._cpu_compute(h_host, s, self.ops.to_host(w), blobs)
         self.cache.stats.cpu_routes += int(sel.sum())
         self.cache.stats.cpu_seconds += time.perf_counter() - t
-        return y + self.ops.to_device(y_cpu.astype(np.asarray(self.ops.to_host(h)).dtype))
+        return y + self.ops.to_device(y_cpu.astype(h_host.dtype))
 
     def _cpu_compute(self, h, s, w, blobs):
         import jax
@@ -161,12 +160,18 @@ class MoeRunner:
         return np.asarray(self._cpu_op(*args, max_distinct=self.n_experts))
 
     # --- every device pass
-    def _run(self, h, slots, w, claimed, used_slots):
-        if self.check_uses and len(used_slots):
-            if not self.cache.content_matches(self.cache.pool, [int(s) for s in used_slots], claimed):
-                raise SlotMismatch(f"a pass would read slots {sorted(set(int(s) for s in used_slots))} whose bytes "
-                                   f"are not the experts it claims")
-            self.uses_checked += len(used_slots)
+    def _run(self, h, slots, w, p: int, ids):
+        """One pass of the expert op: route (t, j) reads slot slots[t, j] (-1: not in this pass) as expert
+        (p, ids[t, j])."""
+        if self.check_uses:
+            use = slots >= 0
+            used = slots[use]
+            if len(used):
+                claimed = [(p, int(e)) for e in ids[use]]
+                if not self.cache.content_matches(self.cache.pool, [int(s) for s in used], claimed):
+                    raise SlotMismatch(f"a pass would read slots {sorted(set(int(s) for s in used))} whose bytes "
+                                       f"are not the experts it claims")
+                self.uses_checked += len(used)
         return self._op(h, slots, w, self.cache.pool)
 
 

@@ -123,10 +123,11 @@ def test_the_check_catches_a_window_reading_a_slot_on_loan():
     assert victim in lent and cache.table()[0, 0] == -1      # the loan took it out of the table first
     cache.write_loaned([victim], [(1, 5)], "prompt part")     # and wrote another expert into it
     slots = np.full((ROWS, K), -1, np.int32)
-    slots[0, 0] = stale[0, 0]
+    slots[0, 0] = stale[0, 0]                                  # read as expert (0, 0), as the stale table says
+    ids = np.zeros((ROWS, K), np.int32)
     with pytest.raises(SlotMismatch):
         moe._run(OPS.to_device(np.ones((ROWS, H), np.float32)), slots, OPS.to_device(np.ones((ROWS, K), np.float32)),
-                 [(0, 0)], [victim])
+                 0, ids)
 
 
 def test_decode_misses_beyond_the_usable_slots_run_in_passes_beside_staging_slots():
