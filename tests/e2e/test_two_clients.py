@@ -1,6 +1,9 @@
 """The field report's interleaving (../shared/seeds/000_*.txt), run by its own client (../shared/clients/two_clients.py)
 against a real server: client A decodes while client B's long prompt is read in several parts. 20 runs in a row,
-with every expert resident (test_two_clients_tiny_cache.py repeats it with a tiny expert cache)."""
+with every expert resident, and with a tiny expert cache: 8 of the demo's 64 experts in device slots, so B's prompt
+parts borrow slots while A decodes (the report's failure: a decode window reading a slot on loan to a prompt part),
+every slot any computation reads checked against the pack. (Both in one file: run one after the other, these CPU-heavy
+runs do not overlap the timing-sensitive disconnect test on the other worker.)"""
 from __future__ import annotations
 
 import logging
@@ -36,3 +39,30 @@ def test_two_clients_twenty_times(engine, caplog):
     parts = [m for m in caplog.messages if m.startswith("strata batch: the prompt was read in ")]
     assert len(parts) >= RUNS and all(int(m.split(" parts,")[0].rsplit(" ", 1)[1]) > 1 for m in parts)
 
+
+@pytest.fixture(scope="module")
+def tiny_cache_engine():
+    # 2 slots per MoE layer (8 of the demo's 64 experts): every prompt part borrows, most decode rows miss
+    return Engine.load("demo", max_context=65536, prefill=1024, expert_cache=8, debug_slots=True,
+                       say=lambda line: None)
+
+
+def test_two_clients_twenty_times_with_a_tiny_expert_cache(tiny_cache_engine, caplog):
+    assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
+    e = tiny_cache_engine
+    caplog.set_level(logging.INFO, logger="strata.sched")
+    with running_server(e, parallel=2, prefill=1024, max_context=65536) as srv:
+        for run in range(RUNS):
+            loans = e.experts.cache.stats.loans
+            r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "40",
+                                "--lines", "300", "--delay", "0.5", "--stall", "120"], capture_output=True,
+                               text=True, timeout=600)
+            assert r.returncode == 0, f"run {run}: {r.stdout}{r.stderr}"
+            assert all(s["state"] == "free" for s in httpx.get(srv.url + "/slots").json())
+            assert e.experts.cache.stats.loans > loans, f"run {run}: B's prompt parts borrowed no slot"
+    cache = e.experts.cache
+    assert not any(cache.slot(i).state.name == "LOANED" for i in range(cache.n_slots))   # every loan came back
+    assert cache.verify() == []                                                    # and every resident slot is intact
+    assert e.experts.moe.uses_checked > 0 and not e.fused
+    parts = [m for m in caplog.messages if m.startswith("strata batch: the prompt was read in ")]
+    assert len(parts) >= RUNS and all(int(m.split(" parts,")[0].rsplit(" ", 1)[1]) > 1 for m in parts)
