@@ -61,8 +61,10 @@ def test_disconnect_frees_the_slot_and_spares_the_others(engine):
 
         def steady():
             other["result"] = _ask(srv.url, prompt, 40)
-        # ignore_eos: the random demo model would otherwise end on an end-of-sequence token at a random moment
-        body = {"model": "demo", "stream": True, "max_tokens": 5000, "temperature": 0.7, "seed": 1,
+        # ignore_eos: the random demo model would otherwise end on an end-of-sequence token at a random moment.
+        # max_tokens near the context: on a loaded machine 5000 tokens could all be generated (into the socket's
+        # buffers) before this thread looked at /slots; this many cannot, as the unread socket fills and throttles it
+        body = {"model": "demo", "stream": True, "max_tokens": 60000, "temperature": 0.7, "seed": 1,
                 "ignore_eos": True, "messages": [{"role": "user", "content": "go on forever"}]}
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             with c.stream("POST", "/v1/chat/completions", json=body) as resp:
