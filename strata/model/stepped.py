@@ -33,34 +33,30 @@ class SteppedForward:
 
     def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool):
         """One sequence's part (T tokens, the first n_valid real) -> (logits, new state)."""
-        t = len(tokens)
-        valid = np.arange(t) < n_valid
-        x = self._embed(params, tokens)
-        state = list(state)
-        p = 0
-        for i, (kind, lp) in enumerate(zip(self.cfg.layer_types, params["layers"])):
-            x, h, w, idx, state[i] = self._front_seq(lp, state[i], x, np.int32(start), np.int32(n_valid), kind=kind)
-            if h is not None:
-                y = self.moe.compute(p, h, w, idx, valid, part=t > 1, owner="sequence")
-                x = self._back(lp, x, h, y)
-                p += 1
-        return self._head(params, x, np.int32(n_valid), all_logits=all_logits), state
+        def front(lp, st, x, kind):
+            return self._front_seq(lp, st, x, np.int32(start), np.int32(n_valid), kind=kind)
+        return self._part(params, state, tokens, n_valid, all_logits, front, "sequence")
 
     def slot_part(self, params, bank: list, slot: int, tokens, start: int, n_valid: int):
         """A prompt part on one slot of the runner's bank -> (logits [1, V] of its last real row, new bank)."""
+        def front(lp, st, x, kind):
+            return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), kind=kind)
+        return self._part(params, bank, tokens, n_valid, False, front, f"prompt part of slot {slot}")
+
+    def _part(self, params, states: list, tokens, n_valid: int, all_logits: bool, front, owner: str):
+        """The layers of one part: front(lp, layer state, x, kind) runs a layer's first half on whichever state."""
         t = len(tokens)
         valid = np.arange(t) < n_valid
         x = self._embed(params, tokens)
-        bank = list(bank)
+        states = list(states)
         p = 0
         for i, (kind, lp) in enumerate(zip(self.cfg.layer_types, params["layers"])):
-            x, h, w, idx, bank[i] = self._front_slot(lp, bank[i], np.int32(slot), x, np.int32(start),
-                                                     np.int32(n_valid), kind=kind)
+            x, h, w, idx, states[i] = front(lp, states[i], x, kind)
             if h is not None:
-                y = self.moe.compute(p, h, w, idx, valid, part=t > 1, owner=f"prompt part of slot {slot}")
+                y = self.moe.compute(p, h, w, idx, valid, part=t > 1, owner=owner)
                 x = self._back(lp, x, h, y)
                 p += 1
-        return self._head(params, x, np.int32(n_valid), all_logits=False), bank
+        return self._head(params, x, np.int32(n_valid), all_logits=all_logits), states
 
     def rows(self, params, bank: list, tokens, pos, active):
         """One token for each slot of the bank (tokens, pos, active [S]) -> (logits [S, V], new bank)."""
