@@ -15,6 +15,7 @@ host-to-device rate measured in the same run: bound = copy rate / bytes copied p
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from dataclasses import replace
@@ -55,12 +56,22 @@ def h2d_rate(nbytes: int, n: int = 64) -> dict:
     for _ in range(3):
         jax.block_until_ready(jax.device_put(pinned, on_device))
     per_pinned = 3 * n * nbytes / (time.perf_counter() - t)
+    # the copies a window-fetch decode makes: rows of one pinned chunk, copied by a compiled loop (pool_fill)
+    ops = JaxBackend()
+    chunk = ops.host_chunk(big.reshape(n, nbytes))
+    pool = ops.pool_alloc(n, nbytes)
+    rows = np.arange(n)
+    pool = jax.block_until_ready(ops.pool_fill(pool, rows, chunk, rows))
+    t = time.perf_counter()
+    for _ in range(3):
+        pool = jax.block_until_ready(ops.pool_fill(pool, rows, chunk, rows))
+    in_window = 3 * n * nbytes / (time.perf_counter() - t)
     return {"h2d_bytes_per_s_pinned_expert_buffers": per_pinned, "h2d_bytes_per_s_expert_buffers": per_blob,
-            "h2d_bytes_per_s_one_buffer": one}
+            "h2d_bytes_per_s_one_buffer": one, "h2d_bytes_per_s_compiled_chunk_copies": in_window}
 
 
 def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: float | None, max_context: int,
-          prefill: int, adapt_swaps: int):
+          prefill: int, adapt_swaps: int, window_fetch: bool):
     import jax.numpy as jnp
     import ml_dtypes
 
@@ -82,7 +93,8 @@ def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: 
     store = SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, 48, cfg.num_experts)
     slots = cache_slots or int(cache_gib * GIB // store.layout.nbytes)
     opts = EngineOptions(dtype="bfloat16", max_context=max_context, prefill=prefill, sequences=4,
-                         expert_cache=min(slots, 48 * cfg.num_experts), adapt_swaps=adapt_swaps)
+                         expert_cache=min(slots, 48 * cfg.num_experts), adapt_swaps=adapt_swaps,
+                         window_fetch=window_fetch)
     engine = Engine(cfg, params, ops, opts)
     lines = []
     engine.attach_experts(store, say=lines.append)
@@ -144,6 +156,8 @@ def main() -> int:
                     help="router logit bias of the hot 20%% of experts (router logits have std ~1 at these random "
                          "weights; 1.2 gives them ~80%% of the top-10 routes)")
     ap.add_argument("--runs", default="uniform,skewed")
+    ap.add_argument("--layer-by-layer", action="store_true",
+                    help="decode windows layer by layer, misses copied between layers (window_fetch off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     stamp = results_file.stamp()
@@ -154,7 +168,10 @@ def main() -> int:
                 "intermediate_size": 256, "shared_expert_intermediate_size": 128}
         slots, prompts, prefill = 48 * 32 // 3, [256], 128
     result = {"bench": "offload_speed", **stamp, "experts": "int4 (group 128)", "dense": "bfloat16",
-              "path": "XLA-only expert op; layers run one at a time, misses copied into slots between them",
+              "path": ("XLA-only expert op; " + (
+                  "layers run one at a time, misses copied into slots between them" if args.layer_by_layer else
+                  "decode windows compiled whole, each layer's misses copied from pinned host chunks by the device "
+                  "(window_fetch); prompt parts layer by layer through borrowed slots")),
               "cache_gib": args.cache_gib, "runs": {}}
     if not args.smoke:
         result.update(h2d_rate(1 << 20 | (620 << 10)))
@@ -163,7 +180,7 @@ def main() -> int:
             continue
         t = time.perf_counter()
         engine, store, hot, lines = build(over, slots, args.cache_gib, skew, max(prompts) + 256, prefill,
-                                          adapt_swaps=64)
+                                          adapt_swaps=64, window_fetch=not args.layer_by_layer)
         for line in lines:
             print(line, flush=True)
         run = {"build_s": time.perf_counter() - t, "slots": engine.experts.cache.n_slots,
@@ -187,6 +204,7 @@ def main() -> int:
                       f"copied, hit rate {100 * r['hit_rate']:.1f}%", flush=True)
         result["runs"][name] = run
         del engine
+        gc.collect()                      # the mirror's pinned chunks go before the next run pins its own
     rate = result.get("h2d_bytes_per_s_pinned_expert_buffers")
     if rate:
         for run in result["runs"].values():
@@ -204,7 +222,8 @@ def main() -> int:
                 print(f"| {name} | {b} | {r['tok_s']:.1f} | {100 * r['hit_rate']:.1f}% | "
                       f"{r['copy_bytes_per_s'] / 1e9:.1f} | {bound:.1f} | {100 * r['fraction_of_copy_bound']:.0f}% |"
                       if bound else f"| {name} | {b} | {r['tok_s']:.1f} | {100 * r['hit_rate']:.1f}% | 0 | - | - |")
-    results_file.write(result, args.out, "offload_speed_smoke" if args.smoke else "offload_speed_h200_int4")
+    name = "offload_speed_smoke" if args.smoke else "offload_speed_h200_int4"
+    results_file.write(result, args.out, name + ("_layer_by_layer" if args.layer_by_layer else ""))
     return 0
 
 

@@ -28,20 +28,15 @@ class SyntheticStore:
             w = rng.standard_normal((hidden, inter), np.float32) / np.sqrt(inter)
             self._blobs[d] = encode_expert(self.layout, g, u, w)
         self._crc = [zlib.crc32(b) for b in self._blobs]
-        self._served = list(self._blobs)
         self.where = f"synthetic ({self.distinct} distinct random {fmt} experts)"
         self.reads = 0
-
-    def pin(self, host_tier) -> None:
-        """Serve the blobs from the backend's host tier (pinned host memory on a GPU)."""
-        self._served = host_tier(list(self._blobs))
 
     def _d(self, p: int, e: int) -> int:
         return (p * self.n_experts + e) % self.distinct
 
     def blob(self, p: int, e: int) -> np.ndarray:
         self.reads += 1
-        return self._served[self._d(p, e)]
+        return self._blobs[self._d(p, e)]
 
     def checksum(self, p: int, e: int) -> int:
         return self._crc[self._d(p, e)]

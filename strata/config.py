@@ -47,6 +47,7 @@ class ServeConfig:
     vram_reserve_mib: int = 0            # device memory the memory plan leaves untouched
     miss_policy: str = "fetch"           # decode misses: fetch (copy into a slot) | cpu (compute on the CPU)
     prefill_borrow: bool = True          # prompt parts stream experts through borrowed cache slots
+    window_fetch: bool = True            # decode windows copy misses from pinned host memory themselves
     adapt_every: int = 1                 # windows between adaptive swaps (0: off)
     adapt_swaps: int = 8                 # experts swapped at most per adaptation
     adapt_decay: float = 0.97            # per-window decay of the routing counts
@@ -56,7 +57,7 @@ class ServeConfig:
     def engine_options(self) -> dict:
         """The Engine.load options this config sets."""
         keys = ("max_context", "prefill", "dtype", "expert_cache", "resident_budget_gib", "stream_experts",
-                "vram_reserve_mib", "miss_policy", "prefill_borrow", "adapt_every", "adapt_swaps", "adapt_decay",
+                "vram_reserve_mib", "miss_policy", "prefill_borrow", "window_fetch", "adapt_every", "adapt_swaps", "adapt_decay",
                 "profile", "debug_slots")
         out = {k: getattr(self, k) for k in keys}
         out["sequences"] = self.parallel
@@ -128,6 +129,7 @@ _RULES: dict[str, tuple[str, Any, str]] = {
     "vram_reserve_mib": _int_range(0, 1 << 24),
     "miss_policy": _choice(MISS_POLICIES),
     "prefill_borrow": _bool(),
+    "window_fetch": _bool(),
     "adapt_every": _int_range(0, 1 << 20),
     "adapt_swaps": _int_range(0, 1 << 20),
     "adapt_decay": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,

@@ -23,6 +23,7 @@ from strata.backend import get_backend
 from strata.errors import ConfigError, ModelLoadError, StrataError
 from strata.model.config import ModelConfig
 from strata.model.forward import forward, init_state
+from strata.model.stepped import rows_fetching
 from strata.model.params import build_params
 
 log = logging.getLogger("strata")
@@ -45,6 +46,7 @@ class EngineOptions:
     vram_reserve_mib: int = 0            # device memory the plan leaves untouched
     miss_policy: str = "fetch"           # decode misses: "fetch" (copy into a slot) | "cpu" (compute on the CPU)
     prefill_borrow: bool = True          # prompt parts stream experts through borrowed cache slots
+    window_fetch: bool = True            # decode windows copy misses from pinned host memory themselves
     staging_slots: int = 0               # with prefill_borrow off: slots reserved for prompt parts (0: auto)
     adapt_every: int = 1                 # windows between adaptive swaps (0: off)
     adapt_swaps: int = 8                 # swaps at most per adaptation
@@ -132,7 +134,22 @@ class Engine:
             if self.record_routing and self.experts is not None:
                 self.experts.cache.observe_all(np.asarray(self.backend.to_host(counts)))
             return logits, state
+        if self.experts.window_fetch and len(tokens) == 1 and not all_logits:
+            return self._read_one_fetching(state, tokens, start)
         return self.stepped.sequence(self.params, state, tokens, start, n_valid, all_logits)
+
+    def _read_one_fetching(self, state, tokens, start: int):
+        """One decoded token of one sequence as a window-fetch decode row (strata/model/stepped.py rows_fetching)
+        over a bank of one: the path a runner's decode window takes."""
+        x = self.experts
+        starts = x.window_starts
+        f = self.compiled(("read_one_fetching", self.layout, starts), lambda: self.backend.compile(
+            partial(_read_one_fetching, self.backend, self.cfg, self.layout, starts), donate_argnums=(2,)))
+        args, table = x.fetch_args()
+        logits, state, counts, copied = f(self.params, args, state, np.asarray(tokens, np.int32),
+                                          np.int32(start))
+        x.record_window(table, np.asarray(self.backend.to_host(counts)), np.asarray(self.backend.to_host(copied)))
+        return logits, state
 
     def compiled(self, name: str, make):
         """One compiled function per engine and name (its shapes are cached inside), so every runner over this
@@ -297,6 +314,14 @@ class Sequence:
         return int(nxt[0])
 
 
+def _read_one_fetching(ops, cfg, layout, starts, params, experts, state, tokens, start):
+    """tokens [1] at position start -> (logits [1, V], state, routing counts, experts copied)."""
+    bank = [{k: v[None] for k, v in layer.items()} for layer in state]
+    logits, bank, counts, copied = rows_fetching(ops, cfg, layout, starts, params, experts, bank, tokens,
+                                                 start[None], ops.xp.ones((1,), ops.xp.int32))
+    return logits, [{k: v[0] for k, v in layer.items()} for layer in bank], counts, copied
+
+
 def _sample(ops, logits, temperature, top_k, top_p, min_p, seed, step):
     """One sequence's sampling step: seed uint32 [2], step int32 scalar."""
     keys = ops.prng_keys(seed[None], step[None])
@@ -349,4 +374,6 @@ def _check_expert_options(o: EngineOptions) -> None:
     need(isinstance(o.sequences, int) and o.sequences >= 1, f"sequences must be an integer >= 1, found {o.sequences!r}")
     need(isinstance(o.host_chunk_mib, int) and o.host_chunk_mib >= 1,
          f"host_chunk_mib must be an integer >= 1, found {o.host_chunk_mib!r}")
+    for name in ("stream_experts", "prefill_borrow", "window_fetch", "debug_slots"):
+        need(isinstance(getattr(o, name), bool), f"{name} must be true or false, found {getattr(o, name)!r}")
     need(0.0 < o.adapt_decay <= 1.0, f"adapt_decay must be in (0, 1], found {o.adapt_decay!r}")

@@ -6,9 +6,11 @@ runs the same forward pass on one slot's state. Inactive decode rows write their
 (capacity - 1, beyond max_context, never visible to a real query) and leave the recurrent state unchanged (n_valid 0).
 Compilation: one decode function for S, one prompt-part function per bucket; all of them at warm-up.
 
-When the expert cache holds every expert, each call is one compiled function over the slot table (fused); otherwise
-the layers run one at a time and the routed experts are resolved on the host between them (strata/model/stepped.py),
-and between windows the cache refills loaned slots and makes its adaptive swaps.
+When the expert cache holds every expert, each call is one compiled function over the slot table (fused). Otherwise
+decode rows are still one compiled function when every expert is mirrored in pinned host memory (the device copies
+each layer's misses itself: window fetch), and the rest runs the layers one at a time, the routed experts resolved
+on the host between them (strata/model/stepped.py); between windows the cache refills loaned slots and makes its
+adaptive swaps.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 
 from strata.engine import PART_BUCKETS, Engine, bucket_for
 from strata.model.forward import forward, init_state
+from strata.model.stepped import rows_fetching
 from strata.sched.plan import PromptPart, WindowPlan, WindowResult
 
 
@@ -40,6 +43,11 @@ class WindowRunner:
         self._part = engine.compiled(("prompt_part", lay), lambda: ops.compile(
             partial(_prompt_part, ops, cfg, lay), donate_argnums=(2,)))
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
+        self._decode_fetch = None
+        if engine.experts is not None and engine.experts.window_fetch:
+            starts = engine.experts.window_starts
+            self._decode_fetch = engine.compiled(("decode_rows_fetching", lay, starts), lambda: ops.compile(
+                partial(_decode_rows_fetching, ops, cfg, lay, starts), donate_argnums=(2,)))
 
     def buckets(self) -> list[int]:
         return [b for b in PART_BUCKETS if b <= bucket_for(self.part_size)]
@@ -55,7 +63,7 @@ class WindowRunner:
             self.run(replace(plan, part=PromptPart(slot=0, tokens=np.zeros(b, np.int32), start=0, last=True)))
         if self.engine.experts is not None:       # the warm-up's routes are not traffic: counters start at zero
             st = self.engine.experts.cache.stats
-            st.hits = st.misses = st.cpu_routes = 0
+            st.hits = st.misses = st.cpu_routes = st.window_copies = 0
         return time.perf_counter() - t
 
     def run(self, plan: WindowPlan) -> WindowResult:
@@ -70,6 +78,12 @@ class WindowRunner:
             if e.fused:
                 nxt, fin, self.states = self._decode(e.params, e.expert_args(), self.states, plan.decode_tokens, pos,
                                                      active, *sp, plan.seeds, plan.steps)
+            elif e.experts.window_fetch:
+                args, table = e.experts.fetch_args()
+                nxt, fin, self.states, counts, copied = self._decode_fetch(
+                    e.params, args, self.states, plan.decode_tokens, pos, active, *sp, plan.seeds, plan.steps)
+                e.experts.record_window(table, np.asarray(e.backend.to_host(counts)),
+                                        np.asarray(e.backend.to_host(copied)))
             else:
                 logits, self.states = e.stepped.rows(e.params, self.states, plan.decode_tokens, pos, active)
                 nxt, fin = self._sample(logits, *sp, plan.seeds, plan.steps)
@@ -122,6 +136,16 @@ def _decode_rows(ops, cfg, layout, params, experts, states, tokens, pos, active,
     logits, states = ops.vmap(row)(states, tokens, pos, active)                    # [S, V]
     nxt, fin = _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps)
     return nxt, fin, states
+
+
+def _decode_rows_fetching(ops, cfg, layout, starts, params, experts, states, tokens, pos, active, temperature, top_k,
+                          top_p, min_p, seeds, steps):
+    """_decode_rows over a partial cache, in one compiled function (strata/model/stepped.py, rows_fetching)
+    -> (next tokens [S], finite [S], states, routing counts [Lp, E], experts copied [Lp])."""
+    logits, states, counts, copied = rows_fetching(ops, cfg, layout, starts, params, experts, states, tokens, pos,
+                                                   active)
+    nxt, fin = _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps)
+    return nxt, fin, states, counts, copied
 
 
 def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps):

@@ -51,6 +51,7 @@ class CacheStats:
     hits: int = 0                 # routes whose expert was resident when its layer ran
     misses: int = 0               # routes whose expert was not
     fills: int = 0                # experts written into slots (misses fetched, refills, swaps)
+    window_copies: int = 0        # misses a decode window copied from pinned host memory by itself (not kept)
     loans: int = 0                # slots lent to prompt parts
     bytes_copied: int = 0         # host -> device
     copy_seconds: float = 0.0
@@ -269,9 +270,12 @@ class ExpertCache:
     # --- bytes
     def _write(self, slots: list[int], pairs) -> object:
         t = time.perf_counter()
-        blobs = [self.source.blob(p, e) for p, e in pairs]                   # m x uint8 [nbytes], views where possible
-        pool = self.ops.pool_write(self.pool, np.asarray(slots, np.int32), blobs)
-        self.stats.bytes_copied += len(blobs) * self.nbytes
+        if hasattr(self.source, "write_pool"):                               # the host mirror copies its own
+            pool = self.source.write_pool(self.ops, self.pool, slots, pairs)
+        else:
+            blobs = [self.source.blob(p, e) for p, e in pairs]               # m x uint8 [nbytes], views where possible
+            pool = self.ops.pool_write(self.pool, np.asarray(slots, np.int32), blobs)
+        self.stats.bytes_copied += len(pairs) * self.nbytes
         self.stats.copy_seconds += time.perf_counter() - t
         return pool
 

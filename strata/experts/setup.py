@@ -27,12 +27,57 @@ class ExpertSet:
     mirror: HostMirror | None
     adapt_every: int
     adapt_swaps: int
+    enabled_window_fetch: bool = True
     _table_dev: tuple | None = None
+    _window_chunks: list | None = None
+
+    def __post_init__(self):
+        self._window_chunks = self.mirror.window_chunks() if self.mirror is not None else None
 
     @property
     def fused(self) -> bool:
         """Every expert resident: windows run as one compiled function over the slot table (no host round trips)."""
         return self.cache.all_resident()
+
+    @property
+    def window_fetch(self) -> bool:
+        """Decode windows run as one compiled function that copies its misses from pinned host memory by itself
+        (every expert mirrored there, misses fetched): the layers need no round trip to the host. Prompt parts, and
+        every other arrangement, run layer by layer."""
+        return (self.enabled_window_fetch and not self.fused and self.moe.miss_policy == "fetch"
+                and self._window_chunks is not None)
+
+    @property
+    def window_starts(self) -> tuple:
+        """Per MoE layer, the first expert of each host chunk (static for compilation)."""
+        return tuple(starts for _, starts in self._window_chunks)
+
+    def fetch_args(self) -> tuple[dict, np.ndarray]:
+        """-> (the pool, the slot table and the host chunks for a window-fetch decode, the table it got (host)).
+        With --debug-slots every slot of the table is checked against the pack first: the window may read any."""
+        c = self.cache
+        table = c.table()
+        if self.moe.check_uses:
+            used = np.flatnonzero(table.reshape(-1) >= 0)
+            pairs = [(int(k) // c.n_experts, int(k) % c.n_experts) for k in used]
+            if not c.content_matches(c.pool, [int(table.reshape(-1)[k]) for k in used], pairs):
+                from strata.experts.moe import SlotMismatch
+                raise SlotMismatch("a decode window would read slots whose bytes are not the experts the table "
+                                   "names")
+            self.moe.uses_checked += len(used)
+        args = dict(self.args())
+        args["chunks"] = [chunks for chunks, _ in self._window_chunks]
+        return args, table
+
+    def record_window(self, table: np.ndarray, counts: np.ndarray, copied: np.ndarray) -> None:
+        """What a window-fetch decode did: routing counts [Lp, E] of its real rows, experts it copied [Lp]."""
+        c = self.cache
+        c.observe_all(counts)
+        hits = int(counts[table >= 0].sum())
+        c.stats.hits += hits
+        c.stats.misses += int(counts.sum()) - hits
+        c.stats.window_copies += int(copied.sum())
+        c.stats.bytes_copied += int(copied.sum()) * self.layout.nbytes
 
     def args(self) -> dict:
         """The pool and the slot table by value, for a fused window (the table's device copy is remade only when
@@ -61,6 +106,10 @@ def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, comp
     if not opts.prefill_borrow:
         staging = opts.staging_slots or min(cfg.num_experts, 64)
     budget = None if opts.resident_budget_gib is None else int(opts.resident_budget_gib * GIB)
+    pinned = getattr(ops, "fetches_from_host", False)
+    if pinned and opts.window_fetch and opts.miss_policy == "fetch" and not opts.stream_experts:
+        # a window-fetch decode window's staging rows: k experts for each of the runner's rows
+        work_bytes += opts.sequences * cfg.num_experts_per_tok * slot_bytes
     plan = plan_memory(ops.free_memory_bytes(), slot_bytes=slot_bytes, total_experts=total,
                        state_bytes=state_bytes, work_bytes=work_bytes, expert_cache=opts.expert_cache,
                        vram_reserve_mib=opts.vram_reserve_mib, staging=staging,
@@ -73,12 +122,13 @@ def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, comp
         priority = load_profile(opts.profile, store.n_layers, store.n_experts)
     mirror = None
     source = store
-    if _is_memory(store) and hasattr(store, "pin") and hasattr(ops, "host_tier"):
-        store.pin(ops.host_tier)              # an in-memory source gets its pinned copies from the backend too
-    if plan.mirrored and not _is_memory(store):
+    # a checkpoint's experts in RAM are their own host tier, but when the cache cannot hold them all, copying them
+    # into pinned chunks lets decode windows fetch their misses themselves (at the price of a second copy in RAM)
+    fetching = pinned and opts.window_fetch and opts.miss_policy == "fetch"
+    if plan.mirrored and (not _is_memory(store) or (fetching and plan.slots < total and plan.mirrored == total)):
         order = _order(priority, store.n_layers, store.n_experts)
         mirror = HostMirror(store, plan.mirror_bytes, chunk_bytes=opts.host_chunk_mib * MIB, order=order,
-                            pin=getattr(ops, "host_tier", None))
+                            device=ops)
         source = mirror
     cache = ExpertCache(ops, source, plan.slots, store.n_layers, store.n_experts, decay=opts.adapt_decay)
     moe = MoeRunner(ops, cache, source, store.layout, store.n_experts, compiled, miss_policy=opts.miss_policy,
@@ -89,11 +139,18 @@ def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, comp
     if bad:
         raise RuntimeError(f"slot {bad[0]} does not match the pack after it was filled: the copy to the device is "
                            f"broken (checksum mismatch)")
+    experts = ExpertSet(store.layout, cache, moe, plan, store, mirror, opts.adapt_every, opts.adapt_swaps,
+                        opts.window_fetch)
+    if experts.fused:
+        misses = "none (every expert resident)"
+    elif experts.window_fetch:
+        misses = "decode windows copy them from pinned host memory themselves"
+    else:
+        misses = "copied in layer by layer" if opts.miss_policy == "fetch" else "run on the CPU"
     say(f"strata experts: {placed} of {total} experts placed in the cache "
-        f"({'by profile' if priority is not None else 'in order'}), slot 0 verified; misses "
-        f"{'are copied in' if opts.miss_policy == 'fetch' else 'run on the CPU'}, prompt parts "
-        f"{'borrow cache slots' if opts.prefill_borrow else f'use {plan.staging} staging slots'}")
-    return ExpertSet(store.layout, cache, moe, plan, store, mirror, opts.adapt_every, opts.adapt_swaps)
+        f"({'by profile' if priority is not None else 'in order'}), slot 0 verified; misses: {misses}; prompt "
+        f"parts {'borrow cache slots' if opts.prefill_borrow else f'use {plan.staging} staging slots'}")
+    return experts
 
 
 def _is_memory(store) -> bool:

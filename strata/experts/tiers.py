@@ -76,14 +76,16 @@ class PackStore:
 
 class HostMirror:
     """A RAM copy of experts, allocated in chunks of at most `chunk_bytes` each: one huge host allocation fails on
-    some drivers (../shared/seeds/002_*.txt, part 1). Experts not mirrored come from the store.
+    some drivers (../shared/seeds/002_*.txt, part 1). Experts not mirrored come from the store. A chunk holds
+    experts of one layer only, in expert order, so a layer's complete set is a few chunks of consecutive experts.
 
-    With `pin` (the backend's host_tier: pinned host memory on a GPU), every mirrored expert is also copied into its
-    own pinned buffer, which the device reads by DMA (pageable memory goes through the driver's staging copy, several
-    times slower: bench/results/offload_speed_*.json); the chunks are freed once pinned."""
+    With `device` (a backend whose compiled windows read pinned host memory: `fetches_from_host`), every chunk is
+    one pinned allocation, which the device copies from by DMA (pageable memory goes through the driver's staging
+    copy, several times slower: bench/results/offload_speed_*.json), and, when every expert is mirrored, which a
+    decode window copies its misses from by itself (`window_chunks`)."""
 
     def __init__(self, store, budget_bytes: int, chunk_bytes: int = GIB, order: list[tuple[int, int]] | None = None,
-                 pin=None):
+                 device=None):
         if chunk_bytes < store.layout.nbytes:
             raise ConfigError(f"host chunk of {chunk_bytes} bytes is smaller than one expert ({store.layout.nbytes} "
                               f"bytes)")
@@ -94,34 +96,41 @@ class HostMirror:
         n = min(total, max(0, int(budget_bytes // nb)))
         if order is None:
             order = [(p, e) for p in range(self.n_layers) for e in range(self.n_experts)]
-        chosen = order[:n]
+        chosen = np.zeros((self.n_layers, self.n_experts), bool)
+        for p, e in order[:n]:
+            chosen[p, e] = True
+        self.device = device if device is not None and getattr(device, "fetches_from_host", False) else None
         per_chunk = max(1, chunk_bytes // nb)
-        self.chunks: list[np.ndarray] = []
+        self.chunks: list = []                      # uint8 [n_c, nbytes]: numpy, or pinned host arrays
+        self.spans: list[tuple[int, int, int]] = []  # per chunk (layer, first expert, experts) when consecutive
         self.where_is = np.full((self.n_layers, self.n_experts, 2), -1, np.int64)   # (chunk, row) or -1
-        for k, (p, e) in enumerate(chosen):
-            c, r = divmod(k, per_chunk)
-            if c == len(self.chunks):
-                self.chunks.append(np.empty((min(per_chunk, n - c * per_chunk), nb), np.uint8))
-            self.chunks[c][r] = store.blob(p, e)
-            self.where_is[p, e] = (c, r)
+        for p in range(self.n_layers):
+            es = np.flatnonzero(chosen[p])
+            for a in range(0, len(es), per_chunk):
+                part = es[a:a + per_chunk]
+                rows = np.stack([store.blob(p, int(e)) for e in part])
+                c = len(self.chunks)
+                self.chunks.append(self.device.host_chunk(rows) if self.device is not None else rows)
+                self.spans.append((p, int(part[0]), len(part)) if part[-1] - part[0] == len(part) - 1
+                                  else (p, -1, len(part)))
+                self.where_is[p, part] = np.stack([np.full(len(part), c), np.arange(len(part))], axis=1)
         self.n_mirrored = n
         self.hits = self.store_reads = 0
-        self.pinned = None
-        if pin is not None and n:
-            self.pinned = pin([self.chunks[c][r] for c, r in (self.where_is[p, e] for p, e in chosen)])
-            self.pinned_at = {pe: i for i, pe in enumerate(chosen)}
-            self.chunks = []
 
     @property
     def nbytes(self) -> int:
         return self.n_mirrored * self.layout.nbytes
 
+    @property
+    def pinned(self) -> bool:
+        return self.device is not None
+
     def blob(self, p: int, e: int):
         c, r = self.where_is[p, e]
         if c >= 0:
             self.hits += 1
-            if self.pinned is not None:
-                return self.pinned[self.pinned_at[(p, e)]]
+            if self.device is not None:
+                return self.device.host_rows(self.chunks[c], [r])[0]
             return self.chunks[c][r]
         self.store_reads += 1
         return self.store.blob(p, e)
@@ -131,3 +140,28 @@ class HostMirror:
 
     def has(self, p: int, e: int) -> bool:
         return bool(self.where_is[p, e, 0] >= 0)
+
+    def write_pool(self, ops, pool, slots, pairs):
+        """pool with `slots` [m] filled with experts `pairs` [(p, e)] -> the new pool (the old one donated). Pinned
+        chunks are copied from by the device, one call per chunk; everything else goes through ops.pool_write."""
+        slots = np.asarray(slots, np.int32)
+        where = np.array([self.where_is[p, e] for p, e in pairs], np.int64).reshape(-1, 2)
+        from_chunk = where[:, 0] >= 0 if self.device is not None else np.zeros(len(pairs), bool)
+        for c in np.unique(where[from_chunk, 0]):
+            sel = from_chunk & (where[:, 0] == c)
+            pool = ops.pool_fill(pool, slots[sel], self.chunks[c], where[sel, 1])
+        rest = np.flatnonzero(~from_chunk)
+        if len(rest):
+            pool = ops.pool_write(pool, slots[rest], [self.blob(*pairs[i]) for i in rest])
+        return pool
+
+    def window_chunks(self) -> list[tuple[list, tuple[int, ...]]] | None:
+        """Per MoE layer (its pinned chunks, their first experts), when every expert is mirrored in pinned memory:
+        what a decode window copies its misses from (kernels/experts.py, experts_fetching); else None."""
+        if self.device is None or self.n_mirrored < self.n_layers * self.n_experts:
+            return None
+        out = [([], []) for _ in range(self.n_layers)]
+        for chunk, (p, a, _) in zip(self.chunks, self.spans):
+            out[p][0].append(chunk)
+            out[p][1].append(a)
+        return [(chunks, tuple(starts)) for chunks, starts in out]

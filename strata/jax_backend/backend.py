@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from strata.jax_backend.kernels.experts import experts_from_pool
+from strata.jax_backend.kernels.experts import experts_fetching, experts_from_pool
 
 GDN_CHUNK = 64
 KV_BLOCK = 512      # keys per step of the attention's online softmax
@@ -229,6 +229,12 @@ class JaxBackend:
         return experts_from_pool(layout, pool, x, slots, weight, max_distinct)
 
     @staticmethod
+    def experts_fetch(x, ids, weight, valid, pool, table_row, chunks, starts, layout):
+        """The expert op with misses copied from host chunks inside the window (kernels/experts.py,
+        experts_fetching) -> (y [T, H], experts copied)."""
+        return experts_fetching(layout, pool, table_row, chunks, starts, x, ids, weight.astype(x.dtype), valid)
+
+    @staticmethod
     def route_counts(idx, valid, n_experts):
         """[T, k] routes of the valid rows -> [E] int32 counts."""
         w = jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.int32)
@@ -261,6 +267,28 @@ class JaxBackend:
             return list(blobs)
         sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
         return [jax.device_put(b, sharding) for b in blobs]
+
+    @property
+    def fetches_from_host(self) -> bool:
+        """Whether a compiled window can read host chunks (pinned host memory) by itself: experts_fetch."""
+        return "pinned_host" in {m.kind for m in self.device.addressable_memories()}
+
+    def host_chunk(self, rows):
+        """A host chunk: uint8 [n, nbytes] rows copied into pinned host memory (one allocation)."""
+        return jax.device_put(rows, jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host"))
+
+    def pool_fill(self, pool, slots, chunk, rows):
+        """pool with rows `slots` [m] replaced by rows `rows` [m] of host chunk `chunk`, copied by the device (one
+        copy per expert); the old pool is donated. m is padded to a power of two as in pool_write."""
+        slots, rows = _pad_pow2(np.asarray(slots, np.int32), np.asarray(rows, np.int32))
+        return _pool_fill(pool, chunk, jax.device_put(slots, self.device), jax.device_put(rows, self.device))
+
+    def host_rows(self, chunk, rows):
+        """rows `rows` [m] of a host chunk -> numpy uint8 [m, nbytes] (through the device: the chunk is pinned host
+        memory, which only the device's copies read)."""
+        (rows,) = _pad_pow2(np.asarray(rows, np.int32))
+        m = len(rows)
+        return np.asarray(_host_rows(chunk, jax.device_put(rows, self.device)))[:m]
 
     def pool_read(self, pool, slots):
         """rows `slots` [m] of the pool -> host uint8 [m, nbytes] (m padded to a power of two inside, as writes)."""
@@ -313,6 +341,31 @@ class JaxBackend:
 @partial(jax.jit, donate_argnums=(0,))
 def _pool_write(pool, slots, blobs):
     return pool.at[slots].set(jnp.stack(blobs))
+
+
+def _pad_pow2(*arrays):
+    """Index arrays [m] padded to a power of two by repeating their last entry (a repeated copy is harmless)."""
+    m = len(arrays[0])
+    b = 1 << max(0, (m - 1).bit_length())
+    return tuple(np.concatenate([a, np.repeat(a[-1:], b - m)]) if b > m else a for a in arrays)
+
+
+def _copy_rows(chunk, rows, out, dest):
+    def copy(i, out):
+        blob = jax.device_put(lax.dynamic_index_in_dim(chunk, rows[i], keepdims=False), jax.memory.Space.Device)
+        return lax.dynamic_update_index_in_dim(out, blob, dest[i], 0)
+    return lax.fori_loop(0, rows.shape[0], copy, out)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _pool_fill(pool, chunk, slots, rows):
+    return _copy_rows(chunk, rows, pool, slots)
+
+
+@jax.jit
+def _host_rows(chunk, rows):
+    out = jnp.zeros((rows.shape[0], chunk.shape[1]), jnp.uint8)
+    return _copy_rows(chunk, rows, out, jnp.arange(rows.shape[0]))
 
 
 @jax.jit

@@ -5,6 +5,9 @@ shape; between a sparse layer's router and the rest of the layer the routes come
 (strata/experts/moe.py) resolves them to slots, brings in what is missing and runs the expert op. Three shapes of
 call: one sequence's state (Engine sequences), one slot of the runner's bank (a prompt part), and all slots of the
 bank at once (decode rows, one token each, vmapped).
+
+When every expert is mirrored in pinned host memory, decode rows need no round trip at all: rows_fetching is the same
+loop as rows() inside one compiled function, the device copying each layer's misses itself.
 """
 from __future__ import annotations
 
@@ -72,6 +75,31 @@ class SteppedForward:
                 x = self._back_rows(lp, x, h, y)
                 p += 1
         return self._head(params, x[:, 0], np.int32(s), all_logits=True), bank
+
+
+def rows_fetching(ops, cfg: ModelConfig, layout, starts: tuple, params, experts: dict, bank: list, tokens, pos,
+                  active):
+    """Decode rows over a partial cache as ONE compiled function: rows() with each sparse layer's experts computed
+    by ops.experts_fetch, which reads hits from the pool and copies misses from the pinned host chunks itself.
+    experts = {"pool", "table" [Lp, E] (by value), "chunks": per MoE layer its host chunks}; starts: per MoE layer
+    the chunks' first experts (static). -> (logits [S, V], new bank, routing counts [Lp, E], copied [Lp])."""
+    s = tokens.shape[0]
+    valid = active > 0
+    x = embed(params, tokens[:, None])                                                   # [S, 1, H]
+    bank = list(bank)
+    counts, copied = [], []
+    p = 0
+    for i, (kind, lp) in enumerate(zip(cfg.layer_types, params["layers"])):
+        x, h, w, idx, bank[i] = _front_rows(ops, cfg, lp, bank[i], x, pos, active, kind)
+        if h is not None:
+            y, n = ops.experts_fetch(h, idx, w, valid, experts["pool"], experts["table"][p], experts["chunks"][p],
+                                     starts[p], layout)
+            x = _back_rows(ops, cfg, lp, x, h, y)
+            counts.append(ops.route_counts(idx, valid, cfg.num_experts))
+            copied.append(n)
+            p += 1
+    logits = head(ops, cfg, params, x[:, 0], s, all_logits=True)
+    return logits, bank, ops.xp.stack(counts), ops.xp.stack(copied)
 
 
 def _front_seq(ops, cfg, lp, st, x, start, n_valid, kind):

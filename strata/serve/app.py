@@ -81,6 +81,8 @@ class _SchedulerCollector:
             ("expert_hits", "strata_expert_hits", "Routes whose expert was in a device slot"),
             ("expert_misses", "strata_expert_misses", "Routes whose expert was not"),
             ("expert_fills", "strata_expert_fills", "Experts written into device slots (misses, refills, swaps)"),
+            ("expert_window_copies", "strata_expert_window_copies",
+             "Missing experts a decode window copied from host memory by itself"),
             ("expert_bytes_copied", "strata_expert_bytes_copied", "Expert bytes copied host to device"),
             ("expert_copy_seconds", "strata_expert_copy_seconds", "Time spent copying experts to the device"),
             ("expert_cpu_routes", "strata_expert_cpu_routes", "Routes computed on the CPU"),

@@ -2,8 +2,10 @@
 float-summation order between every expert arrangement, for the demo model (16 experts per layer) and a tiny
 Qwen3-Next with 64 experts per layer, from a checkpoint (f32 blobs) and from packs in every format.
 
-Arrangements: all experts resident (one compiled window), half of them, 2 slots per MoE layer, read from the pack
-on every miss (--stream-experts), decode misses on the CPU, prompt parts with and without borrowed slots. Every run
+Arrangements: all experts resident (one compiled window), half of them, 2 slots per MoE layer (decode misses copied
+by the compiled window from pinned host chunks), half with decode layer by layer (misses copied into slots between
+layers), read from the pack on every miss (--stream-experts), decode misses on the CPU, prompt parts with and
+without borrowed slots. Every run
 checks each slot it reads against the pack (debug_slots), so a wrong slot fails loudly rather than as a logit error.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ def _arrangements(total: int, layers: int):
     half = total // 2
     return {
         "half": dict(expert_cache=half),
+        "layer-by-layer": dict(expert_cache=half, window_fetch=False),
         "two-per-layer": dict(expert_cache=2 * layers),
         "cpu-misses": dict(expert_cache=half, miss_policy="cpu"),
         "no-borrow": dict(expert_cache=2 * layers, prefill_borrow=False, staging_slots=3),
@@ -86,6 +89,9 @@ def test_checkpoint_arrangements_match_all_resident(model, tiny64):
         assert e.experts.moe.uses_checked > 0
         if opts.get("miss_policy") == "cpu":
             assert st.cpu_routes > 0
+        # decode misses: copied by the compiled window itself, unless it is off or misses run on the CPU
+        fetching = opts.get("window_fetch", True) and opts.get("miss_policy", "fetch") == "fetch"
+        assert e.experts.window_fetch == fetching and (st.window_copies > 0) == fetching, name
         if opts.get("prefill_borrow") is False:
             assert st.loans == 3                       # only the staging slots, reserved once
         else:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from strata.experts.cache import ExpertCache, SlotState
 from strata.experts.moe import MoeRunner, SlotMismatch
-from strata.experts.tiers import MemoryStore
+from strata.experts.tiers import HostMirror, MemoryStore
 from strata.jax_backend.backend import JaxBackend
 from strata.weights import quant
 
@@ -28,6 +28,9 @@ LAYOUT = quant.layout("f32", H, I)
 WEIGHTS = [(rng0.standard_normal((E, I, H)).astype(np.float32) / 4, rng0.standard_normal((E, I, H)).astype(np.float32) / 4,
             rng0.standard_normal((E, H, I)).astype(np.float32) / 4) for _ in range(LAYERS)]
 STORE = MemoryStore(LAYOUT, WEIGHTS)
+# the pinned host copy a window-fetch decode copies its misses from: chunks of 3 experts, so a layer spans three
+MIRROR = HostMirror(STORE, LAYERS * E * LAYOUT.nbytes, chunk_bytes=3 * LAYOUT.nbytes, device=OPS)
+WINDOW_CHUNKS = MIRROR.window_chunks()
 COMPILED: dict = {}
 
 
@@ -66,8 +69,17 @@ def _check_invariants(cache: ExpertCache, staging: set[int]):
     assert cache.verify() == [], "a resident slot's bytes are not its expert's"
 
 
+def _window_fetch(p, x, ids, w, valid, pool, table):
+    chunks, starts = WINDOW_CHUNKS[p]
+    f = _compiled(("window", starts), lambda: OPS.compile(
+        lambda x, ids, w, valid, pool, row, chunks: OPS.experts_fetch(x, ids, w, valid, pool, row, chunks, starts,
+                                                                      LAYOUT)))
+    return f(x, ids, w, valid, pool, table[p], chunks)
+
+
 step = st.one_of(
     st.tuples(st.just("decode"), st.integers(0, LAYERS - 1), st.integers(1, ROWS)),
+    st.tuples(st.just("window"), st.integers(0, LAYERS - 1), st.integers(1, ROWS)),
     st.tuples(st.just("part"), st.integers(0, LAYERS - 1), st.integers(1, PART)),
     st.tuples(st.just("adapt"), st.integers(0, 6), st.just(0)),
     st.tuples(st.just("refill"), st.just(0), st.just(0)),
@@ -89,7 +101,19 @@ def test_every_computation_reads_the_experts_it_claims(n_slots, borrow, policy, 
     cache.place(rng.random((LAYERS, E)))
     _check_invariants(cache, staging)
     for kind, a, b in steps:
-        if kind in ("decode", "part"):
+        if kind == "window":            # a window-fetch decode layer: the table by value, misses from host chunks
+            x = rng.standard_normal((ROWS, H)).astype(np.float32)
+            ids = np.stack([rng.choice(E, K, replace=False) for _ in range(ROWS)]).astype(np.int32)
+            w = rng.random((ROWS, K)).astype(np.float32)
+            valid = np.arange(ROWS) < b
+            table = cache.table()
+            y, copied = _window_fetch(a, x, ids, w, valid, cache.pool, table)
+            routed = np.where(valid[:, None], ids, -1)
+            want = _reference(a, x, routed, w)
+            assert np.abs(np.asarray(y) - want).max() <= 1e-5 * max(np.abs(want).max(), 1e-3)
+            missing = {int(e) for e in routed[routed >= 0] if table[a, e] < 0}
+            assert int(copied) == len(missing)
+        elif kind in ("decode", "part"):
             rows = ROWS if kind == "decode" else PART
             x = rng.standard_normal((rows, H)).astype(np.float32)
             ids = np.stack([rng.choice(E, K, replace=False) for _ in range(rows)]).astype(np.int32)

@@ -182,3 +182,35 @@ def test_f32_format_matches_the_backend_expert_op(tokens, k, dtype):
         # on GPU, scatter-add (the grouped form's sum over a token's routes) runs on atomics in no fixed order, and
         # fusion may differ: run to run, either op rounds differently (f32: ~1e-7; bfloat16: a bfloat16 ulp)
         assert rel_err(got, want) <= (1e-6 if dtype == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("fmt", Q.FORMATS)
+def test_fetching_form_copies_the_misses_from_host_chunks(fmt, tokens):
+    """experts_fetching: hits read from a poisoned pool, misses copied by the compiled function from host chunks
+    (pinned host memory, three chunks of consecutive experts); equal to the reference over the true experts, and
+    the number of experts it copied is the number of distinct misses of the valid rows."""
+    rng = np.random.default_rng()
+    lay = Q.layout(fmt, H, I)
+    pool, slot_of = poisoned_pool(rng, lay)
+    every = pool[slot_of]                                          # [E, nbytes]: expert e's blob
+    resident = rng.random(E) < 0.5
+    table = np.where(resident, slot_of, -1).astype(np.int32)
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    starts = (0, 3, 6)
+    chunks = [jax.device_put(every[a:b], pinned) for a, b in zip(starts, starts[1:] + (E,))]
+    k = 4
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weight = rng.random((tokens, k)).astype(np.float32)
+    valid = np.arange(tokens) < max(1, tokens - 1)                 # the last of several rows is padding
+    fn = jax.jit(lambda *a: K.experts_fetching(lay, *a[:3], starts, *a[3:]))
+    x = rng.standard_normal((tokens, H)).astype(np.float32)
+    y, copied = fn(jnp.asarray(pool), jnp.asarray(table), chunks, jnp.asarray(x), jnp.asarray(ids),
+                   jnp.asarray(weight), jnp.asarray(valid))
+    routed = np.where(valid[:, None], ids, -1)
+    want = K._reference(lay, every, x, routed, weight)
+    got = np.asarray(y)
+    assert np.isfinite(got).all() and np.all(got[~valid] == 0)
+    err = rel_err(got, want)
+    assert err <= LIMIT["float32"][fmt], f"{fmt} T={tokens}: relative error {err:.2e}"
+    assert int(copied) == len({int(e) for e in routed[routed >= 0] if table[e] < 0})

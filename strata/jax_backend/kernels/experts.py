@@ -147,3 +147,37 @@ def _reference(layout: BlobLayout, pool, x, slots, weight):
     """The numpy reference of experts_from_pool (float64 arithmetic), float32 [T, H]."""
     return quant.expert_reference(layout, np.asarray(pool), np.asarray(x, np.float32), np.asarray(slots),
                                   np.asarray(weight, np.float32))
+
+
+def experts_fetching(layout: BlobLayout, pool, table_row, chunks, starts, x, ids, weight, valid):
+    """The expert op for one MoE layer when not every expert is in the pool: hits read their pool slots, misses are
+    copied from host memory into a staging buffer by the device itself, inside the same compiled window (no round
+    trip to the host between the router and the experts; bench/host_fetch_probe.py measured such copies at the full
+    pinned host-to-device rate).
+
+    pool uint8 [N, nbytes]; table_row int32 [E] (slot of each of this layer's experts, -1 if not resident: the
+    window's table, by value); chunks: host arrays uint8 [n_c, nbytes] (pinned host memory) holding experts
+    starts[c] .. starts[c] + n_c - 1 (starts static); x [T, H]; ids, weight [T, k]; valid [T] bool.
+    -> (y [T, H], number of experts copied). Both passes are experts_from_pool, so the arithmetic is the same op's."""
+    t, kk = ids.shape
+    n_experts = table_row.shape[0]
+    m = t * kk
+    resident = table_row[ids]                                                        # [T, k]
+    slots = jnp.where(valid[:, None], resident, -1)
+    y = experts_from_pool(layout, pool, x, slots, weight, max_distinct=min(m, n_experts))
+    miss = valid[:, None] & (resident < 0)                                           # [T, k]
+    # the distinct missing experts, sorted, padded with n_experts: staging row i holds expert wanted[i]
+    wanted = jnp.unique(jnp.where(miss, ids, n_experts).reshape(-1), size=m, fill_value=n_experts)   # [M]
+    staging = jnp.zeros((m, layout.nbytes), jnp.uint8)
+    for chunk, a in zip(chunks, starts):
+        lo = jnp.searchsorted(wanted, a)                   # the wanted experts this chunk holds: rows lo .. hi-1
+        hi = jnp.searchsorted(wanted, a + chunk.shape[0])
+
+        def copy(i, st, chunk=chunk, a=a):
+            blob = lax.dynamic_index_in_dim(chunk, wanted[i] - a, keepdims=False)    # [nbytes] in host memory
+            return lax.dynamic_update_index_in_dim(st, jax.device_put(blob, jax.memory.Space.Device), i, 0)
+
+        staging = lax.fori_loop(lo, hi, copy, staging)
+    rows = jnp.where(miss, jnp.searchsorted(wanted, ids), -1).astype(jnp.int32)     # [T, k] staging row
+    y = y + experts_from_pool(layout, staging, x, rows, weight, max_distinct=m)
+    return y, jnp.sum(wanted < n_experts).astype(jnp.int32)
