@@ -116,11 +116,15 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int) -> dict:
     pos = np.full(n_rows, 32, np.int32)
     plan = replace(base, decode_active=np.ones(n_rows, bool))
     cache = engine.experts.cache
+    call_s = between_s = 0.0
     for i in range(warm + tokens):
         if i == warm:
             st0 = dict(cache.stats.as_dict())
             t0 = time.perf_counter()
+            call_s = between_s = 0.0
         r = runner.run(replace(plan, decode_tokens=nxt, decode_pos=pos))
+        call_s += r.decode_s
+        between_s += r.part_s           # no prompt part here: the cache's work between windows (refill, swaps)
         nxt, pos = r.decode_next.astype(np.int32), pos + 1
     dt = time.perf_counter() - t0
     st = cache.stats.as_dict()
@@ -128,6 +132,8 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int) -> dict:
     copied = st["bytes_copied"] - st0["bytes_copied"]
     return {"rows": n_rows, "windows": tokens, "seconds": dt, "tok_s": n_rows * tokens / dt,
             "window_ms": 1000 * dt / tokens, "hit_rate": hits / max(hits + misses, 1),
+            "decode_call_ms": 1000 * call_s / tokens, "between_windows_ms": 1000 * between_s / tokens,
+            "swaps_per_window": (st["swaps"] - st0["swaps"]) / tokens,
             "bytes_copied_per_window": copied / tokens, "copy_bytes_per_s": copied / dt,
             "copy_seconds_share": (st["copy_seconds"] - st0["copy_seconds"]) / dt}
 
@@ -150,7 +156,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU: checks the script")
     ap.add_argument("--cache-gib", type=float, default=12.0)
     ap.add_argument("--decode", type=int, default=24)
-    ap.add_argument("--warm", type=int, default=16, help="windows before timing (the cache adapts)")
+    ap.add_argument("--warm", type=int, default=64,
+                    help="windows before timing: the cache adapts (swaps between windows, up to 64 each)")
     ap.add_argument("--prompts", default="4096,32768")
     ap.add_argument("--skew-bias", type=float, default=1.2,
                     help="router logit bias of the hot 20%% of experts (router logits have std ~1 at these random "
@@ -189,7 +196,9 @@ def main() -> int:
         for rows in (1, 4):
             r = decode_run(engine, rows, args.decode, args.warm)
             run["decode"][f"b{rows}"] = r
-            print(f"{name}: decode b{rows} {r['tok_s']:.1f} tok/s, {r['window_ms']:.1f} ms/window, hit rate "
+            print(f"{name}: decode b{rows} {r['tok_s']:.1f} tok/s, {r['window_ms']:.1f} ms/window "
+                  f"({r['decode_call_ms']:.1f} decoding, {r['between_windows_ms']:.1f} between windows, "
+                  f"{r['swaps_per_window']:.0f} swaps), hit rate "
                   f"{100 * r['hit_rate']:.1f}%, {r['bytes_copied_per_window'] / 1e6:.0f} MB copied per window "
                   f"({r['copy_bytes_per_s'] / 1e9:.1f} GB/s)", flush=True)
         if hot is not None:

@@ -42,6 +42,12 @@ class Slot:
 _CODES = (SlotState.FREE, SlotState.FILLING, SlotState.RESIDENT, SlotState.LOANED)
 
 
+# A swap costs one copy now and pays off when the newcomer is routed more than the expert it evicts over the counts'
+# horizon: require its decayed count to exceed the other's by about one route, so near-uniform routing (every count
+# a little above or below its neighbours) does not churn the cache.
+SWAP_MARGIN = 1.0
+
+
 class SlotStateError(RuntimeError):
     """An illegal slot transition: a bug in the caller."""
 
@@ -243,7 +249,7 @@ class ExpertCache:
         slots, pairs = [], []
         for (p, e), i in zip(candidates, resident):
             s = self._slots[i]
-            if self.score[p, e] <= self.score[s.layer, s.expert]:
+            if self.score[p, e] <= self.score[s.layer, s.expert] + SWAP_MARGIN:
                 break
             self.evict(i)
             slots.append(i)

@@ -143,13 +143,15 @@ class HostMirror:
 
     def write_pool(self, ops, pool, slots, pairs):
         """pool with `slots` [m] filled with experts `pairs` [(p, e)] -> the new pool (the old one donated). Pinned
-        chunks are copied from by the device, one call per chunk; everything else goes through ops.pool_write."""
+        chunks are copied from by the device, all in one call; everything else goes through ops.pool_write."""
         slots = np.asarray(slots, np.int32)
         where = np.array([self.where_is[p, e] for p, e in pairs], np.int64).reshape(-1, 2)
         from_chunk = where[:, 0] >= 0 if self.device is not None else np.zeros(len(pairs), bool)
-        for c in np.unique(where[from_chunk, 0]):
-            sel = from_chunk & (where[:, 0] == c)
-            pool = ops.pool_fill(pool, slots[sel], self.chunks[c], where[sel, 1])
+        if from_chunk.any():
+            idx = np.flatnonzero(from_chunk)
+            idx = idx[np.argsort(where[idx, 0], kind="stable")]                      # grouped by chunk
+            bounds = np.searchsorted(where[idx, 0], np.arange(len(self.chunks) + 1))  # chunk c: bounds[c]..[c+1]
+            pool = ops.pool_fill(pool, slots[idx], self.chunks, bounds, where[idx, 1])
         rest = np.flatnonzero(~from_chunk)
         if len(rest):
             pool = ops.pool_write(pool, slots[rest], [self.blob(*pairs[i]) for i in rest])

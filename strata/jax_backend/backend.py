@@ -277,11 +277,13 @@ class JaxBackend:
         """A host chunk: uint8 [n, nbytes] rows copied into pinned host memory (one allocation)."""
         return jax.device_put(rows, jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host"))
 
-    def pool_fill(self, pool, slots, chunk, rows):
-        """pool with rows `slots` [m] replaced by rows `rows` [m] of host chunk `chunk`, copied by the device (one
-        copy per expert); the old pool is donated. m is padded to a power of two as in pool_write."""
+    def pool_fill(self, pool, slots, chunks, bounds, rows):
+        """pool with rows `slots` [m] replaced by host-chunk rows, copied by the device in one call (one copy per
+        expert): entries bounds[c] .. bounds[c+1]-1 come from chunks[c], at rows `rows` [m]. The old pool is
+        donated; m is padded to a power of two (the padding is never copied), so compilations stay few."""
         slots, rows = _pad_pow2(np.asarray(slots, np.int32), np.asarray(rows, np.int32))
-        return _pool_fill(pool, chunk, jax.device_put(slots, self.device), jax.device_put(rows, self.device))
+        return _pool_fill(pool, list(chunks), jax.device_put(np.asarray(bounds, np.int32), self.device),
+                          jax.device_put(slots, self.device), jax.device_put(rows, self.device))
 
     def host_rows(self, chunk, rows):
         """rows `rows` [m] of a host chunk -> numpy uint8 [m, nbytes] (through the device: the chunk is pinned host
@@ -350,22 +352,25 @@ def _pad_pow2(*arrays):
     return tuple(np.concatenate([a, np.repeat(a[-1:], b - m)]) if b > m else a for a in arrays)
 
 
-def _copy_rows(chunk, rows, out, dest):
+def _copy_rows(chunk, rows, out, dest, lo, hi):
+    """out with out[dest[i]] = chunk[rows[i]] for i in lo .. hi-1 (chunk in host memory: one copy each)."""
     def copy(i, out):
         blob = jax.device_put(lax.dynamic_index_in_dim(chunk, rows[i], keepdims=False), jax.memory.Space.Device)
         return lax.dynamic_update_index_in_dim(out, blob, dest[i], 0)
-    return lax.fori_loop(0, rows.shape[0], copy, out)
+    return lax.fori_loop(lo, hi, copy, out)
 
 
 @partial(jax.jit, donate_argnums=(0,))
-def _pool_fill(pool, chunk, slots, rows):
-    return _copy_rows(chunk, rows, pool, slots)
+def _pool_fill(pool, chunks, bounds, slots, rows):
+    for c, chunk in enumerate(chunks):
+        pool = _copy_rows(chunk, rows, pool, slots, bounds[c], bounds[c + 1])
+    return pool
 
 
 @jax.jit
 def _host_rows(chunk, rows):
     out = jnp.zeros((rows.shape[0], chunk.shape[1]), jnp.uint8)
-    return _copy_rows(chunk, rows, out, jnp.arange(rows.shape[0]))
+    return _copy_rows(chunk, rows, out, jnp.arange(rows.shape[0]), 0, rows.shape[0])
 
 
 @jax.jit

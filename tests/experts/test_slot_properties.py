@@ -168,3 +168,21 @@ def test_decode_misses_beyond_the_usable_slots_run_in_passes_beside_staging_slot
     want = _reference(1, x, ids, w)
     assert np.abs(np.asarray(y) - want).max() <= 1e-5 * np.abs(want).max()
     _check_invariants(cache, set(moe.staging))
+
+
+def test_adapt_swaps_in_a_clearly_busier_expert_and_does_not_churn_on_near_ties():
+    """Adaptive swaps follow decayed routing counts, with a margin of about one route (cache.SWAP_MARGIN): an expert
+    routed far more than a resident one replaces it; counts within the margin swap nothing."""
+    from strata.experts.cache import SWAP_MARGIN
+    cache = ExpertCache(OPS, STORE, 4, LAYERS, E)
+    cache.place()                                        # in order: layer 0, experts 0..3
+    assert sorted(int(e) for e in np.flatnonzero(cache.table()[0] >= 0)) == [0, 1, 2, 3]
+    near = np.zeros(E)
+    near[5] = SWAP_MARGIN                                # better than the residents (0), but only by the margin
+    cache.observe(0, near)
+    assert cache.adapt(4) == 0 and cache.stats.swaps == 0
+    busy = np.zeros(E)
+    busy[6] = 5
+    cache.observe(0, busy)
+    assert cache.adapt(4) == 1 and cache.table()[0, 6] >= 0
+    assert cache.verify() == []
