@@ -162,7 +162,7 @@ def main() -> int:
     ap.add_argument("--skew-bias", type=float, default=1.2,
                     help="router logit bias of the hot 20%% of experts (router logits have std ~1 at these random "
                          "weights; 1.2 gives them ~80%% of the top-10 routes)")
-    ap.add_argument("--runs", default="uniform,skewed")
+    ap.add_argument("--runs", default="uniform,skewed,resident")
     ap.add_argument("--layer-by-layer", action="store_true",
                     help="decode windows layer by layer, misses copied between layers (window_fetch off)")
     ap.add_argument("--out", default=None)
@@ -182,11 +182,13 @@ def main() -> int:
               "cache_gib": args.cache_gib, "runs": {}}
     if not args.smoke:
         result.update(h2d_rate(1 << 20 | (620 << 10)))
-    for name, skew in (("uniform", None), ("skewed", args.skew_bias)):
+    for name, skew in (("uniform", None), ("skewed", args.skew_bias), ("resident", None)):
         if name not in args.runs.split(","):
             continue
         t = time.perf_counter()
-        engine, store, hot, lines = build(over, slots, args.cache_gib, skew, max(prompts) + 256, prefill,
+        # "resident": every expert in the device cache (one compiled window, nothing copied): the compute floor
+        n_slots = 48 * (32 if args.smoke else QWEN3_NEXT_80B["num_experts"]) if name == "resident" else slots
+        engine, store, hot, lines = build(over, n_slots, args.cache_gib, skew, max(prompts) + 256, prefill,
                                           adapt_swaps=64, window_fetch=not args.layer_by_layer)
         for line in lines:
             print(line, flush=True)

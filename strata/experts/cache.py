@@ -46,6 +46,7 @@ _CODES = (SlotState.FREE, SlotState.FILLING, SlotState.RESIDENT, SlotState.LOANE
 # horizon: require its decayed count to exceed the other's by about one route, so near-uniform routing (every count
 # a little above or below its neighbours) does not churn the cache.
 SWAP_MARGIN = 1.0
+WRITE_BATCH_BYTES = 256 << 20    # experts written to the pool per call, from a source without its own copies
 
 
 class SlotStateError(RuntimeError):
@@ -279,8 +280,12 @@ class ExpertCache:
         if hasattr(self.source, "write_pool"):                               # the host mirror copies its own
             pool = self.source.write_pool(self.ops, self.pool, slots, pairs)
         else:
-            blobs = [self.source.blob(p, e) for p, e in pairs]               # m x uint8 [nbytes], views where possible
-            pool = self.ops.pool_write(self.pool, np.asarray(slots, np.int32), blobs)
+            # in batches: pool_write stacks its blobs on the device, which must stay small beside the pool
+            pool = self.pool
+            per = max(1, WRITE_BATCH_BYTES // self.nbytes)
+            for a in range(0, len(pairs), per):
+                blobs = [self.source.blob(p, e) for p, e in pairs[a:a + per]]  # uint8 [nbytes] each, views if any
+                pool = self.ops.pool_write(pool, np.asarray(slots[a:a + per], np.int32), blobs)
         self.stats.bytes_copied += len(pairs) * self.nbytes
         self.stats.copy_seconds += time.perf_counter() - t
         return pool
