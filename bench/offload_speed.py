@@ -61,10 +61,10 @@ def h2d_rate(nbytes: int, n: int = 64) -> dict:
     chunk = ops.host_chunk(big.reshape(n, nbytes))
     pool = ops.pool_alloc(n, nbytes)
     rows = np.arange(n)
-    pool = jax.block_until_ready(ops.pool_fill(pool, rows, chunk, rows))
+    pool = jax.block_until_ready(ops.pool_fill(pool, rows, [chunk], [0, n], rows))
     t = time.perf_counter()
     for _ in range(3):
-        pool = jax.block_until_ready(ops.pool_fill(pool, rows, chunk, rows))
+        pool = jax.block_until_ready(ops.pool_fill(pool, rows, [chunk], [0, n], rows))
     in_window = 3 * n * nbytes / (time.perf_counter() - t)
     return {"h2d_bytes_per_s_pinned_expert_buffers": per_pinned, "h2d_bytes_per_s_expert_buffers": per_blob,
             "h2d_bytes_per_s_one_buffer": one, "h2d_bytes_per_s_compiled_chunk_copies": in_window}
