@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import results_file  # noqa: E402  (bench/, beside this script)
+import summary  # noqa: E402  (bench/, beside this script)
 
 QWEN3_NEXT_80B = {
     "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_attention_heads": 16,
@@ -214,7 +215,9 @@ def main() -> int:
         name = f"engine_speed_{args.model}_{engine.backend.device.platform}"
         print(f"prompt {prompt} tokens: {result['prompt_tok_s']:.0f} tok/s; decode b1: "
               f"{result['decode_tok_s_b1']:.1f} tok/s ({result['machine']})")
-    results_file.write(result, args.out, name)
+    path = results_file.write(result, args.out, name)
+    if path.parent == summary.RESULTS:
+        summary.refresh()
     return 0
 
 

@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402
+import summary  # noqa: E402
 from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader  # noqa: E402
 from synthetic_experts import SyntheticStore  # noqa: E402
 
@@ -179,7 +180,7 @@ def main() -> int:
                   "layers run one at a time, misses copied into slots between them" if args.layer_by_layer else
                   "decode windows compiled whole, each layer's misses copied from pinned host chunks by the device "
                   "(window_fetch); prompt parts layer by layer through borrowed slots")),
-              "cache_gib": args.cache_gib, "runs": {}}
+              "cache_gib": args.cache_gib, "window_fetch": not args.layer_by_layer, "runs": {}}
     if not args.smoke:
         result.update(h2d_rate(1 << 20 | (620 << 10)))
     for name, skew in (("uniform", None), ("skewed", args.skew_bias), ("resident", None)):
@@ -234,7 +235,9 @@ def main() -> int:
                       f"{r['copy_bytes_per_s'] / 1e9:.1f} | {bound:.1f} | {100 * r['fraction_of_copy_bound']:.0f}% |"
                       if bound else f"| {name} | {b} | {r['tok_s']:.1f} | {100 * r['hit_rate']:.1f}% | 0 | - | - |")
     name = "offload_speed_smoke" if args.smoke else "offload_speed_h200_int4"
-    results_file.write(result, args.out, name + ("_layer_by_layer" if args.layer_by_layer else ""))
+    path = results_file.write(result, args.out, name + ("_layer_by_layer" if args.layer_by_layer else ""))
+    if not args.smoke and path.parent == summary.RESULTS:
+        summary.refresh()
     return 0
 
 

@@ -17,6 +17,7 @@ from strata.jax_backend.kernels.experts import experts_fetching, experts_from_po
 GDN_CHUNK = 64
 KV_BLOCK = 512      # keys per step of the attention's online softmax
 ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
+FILL_BATCH = 64          # experts per pool_fill call (100 MB at Qwen3-Next-80B int4: the copies dwarf the call)
 
 
 class JaxBackend:
@@ -278,12 +279,21 @@ class JaxBackend:
         return jax.device_put(rows, jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host"))
 
     def pool_fill(self, pool, slots, chunks, bounds, rows):
-        """pool with rows `slots` [m] replaced by host-chunk rows, copied by the device in one call (one copy per
-        expert): entries bounds[c] .. bounds[c+1]-1 come from chunks[c], at rows `rows` [m]. The old pool is
-        donated; m is padded to a power of two (the padding is never copied), so compilations stay few."""
-        slots, rows = _pad_pow2(np.asarray(slots, np.int32), np.asarray(rows, np.int32))
-        return _pool_fill(pool, list(chunks), jax.device_put(np.asarray(bounds, np.int32), self.device),
-                          jax.device_put(slots, self.device), jax.device_put(rows, self.device))
+        """pool with rows `slots` [m] replaced by host-chunk rows, copied by the device (one copy per expert):
+        entries bounds[c] .. bounds[c+1]-1 come from chunks[c], at rows `rows` [m]. The old pool is donated.
+        Calls take FILL_BATCH entries each, the index arrays padded to exactly that (the padding is never copied):
+        one compilation serves every fill, so none happens under load."""
+        slots, rows = np.asarray(slots, np.int32), np.asarray(rows, np.int32)
+        bounds = np.asarray(bounds, np.int64)
+        chunks = list(chunks)
+        for a in range(0, len(slots), FILL_BATCH):
+            pad = np.zeros(FILL_BATCH, np.int32)
+            s, r = pad.copy(), pad.copy()
+            n = min(FILL_BATCH, len(slots) - a)
+            s[:n], r[:n] = slots[a:a + n], rows[a:a + n]
+            b = np.clip(bounds - a, 0, n).astype(np.int32)            # this batch's entries of chunk c
+            pool = _pool_fill(pool, chunks, *jax.device_put((b, s, r), self.device))
+        return pool
 
     def host_rows(self, chunk, rows):
         """rows `rows` [m] of a host chunk -> numpy uint8 [m, nbytes] (through the device: the chunk is pinned host

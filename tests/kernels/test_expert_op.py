@@ -184,12 +184,13 @@ def test_f32_format_matches_the_backend_expert_op(tokens, k, dtype):
         assert rel_err(got, want) <= (1e-6 if dtype == "float32" else 1e-2)
 
 
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("tokens", [1, 4, 20], ids=["gather-1", "gather-4", "grouped-20"])
 @pytest.mark.parametrize("fmt", Q.FORMATS)
 def test_fetching_form_copies_the_misses_from_host_chunks(fmt, tokens):
     """experts_fetching: hits read from a poisoned pool, misses copied by the compiled function from host chunks
-    (pinned host memory, three chunks of consecutive experts); equal to the reference over the true experts, and
-    the number of experts it copied is the number of distinct misses of the valid rows."""
+    (pinned host memory, three chunks of consecutive experts) and computed with the hits in one op over the pool and
+    the staging rows laid end to end (both forms of the op); equal to the reference over the true experts, and the
+    number of experts it copied is the number of distinct misses of the valid rows."""
     rng = np.random.default_rng()
     lay = Q.layout(fmt, H, I)
     pool, slot_of = poisoned_pool(rng, lay)

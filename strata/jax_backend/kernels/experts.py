@@ -84,21 +84,35 @@ def decode_blobs(layout: BlobLayout, blobs, dtype):
     return tuple(out)
 
 
+def _take_blobs(pools: tuple, idx):
+    """Rows `idx` [R] of the pools laid end to end (pool 0's slots first, then pool 1's, ...) -> uint8 [R, nbytes].
+    Each pool is gathered from once; no pool is concatenated (that would copy the whole cache)."""
+    out = jnp.take(pools[0], jnp.clip(idx, 0, pools[0].shape[0] - 1), axis=0)
+    off = pools[0].shape[0]
+    for extra in pools[1:]:
+        rows = jnp.take(extra, jnp.clip(idx - off, 0, extra.shape[0] - 1), axis=0)
+        out = jnp.where((idx >= off)[:, None], rows, out)
+        off += extra.shape[0]
+    return out
+
+
 def experts_from_pool(layout: BlobLayout, pool, x, slots, weight, max_distinct: int):
     """The expert op over a pool: y[t] = sum_j weight[t, j] * down(silu(gate x_t) * up x_t), for the expert in
     slot slots[t, j]; a slot of -1 contributes 0.
 
-    pool uint8 [N, nbytes]; x [T, H] (float32 or bfloat16); slots int32 [T, k] in [-1, N); weight [T, k].
+    pool uint8 [N, nbytes], or a tuple of such pools read as one laid end to end (a window's staging rows after the
+    cache's slots); x [T, H] (float32 or bfloat16); slots int32 [T, k] in [-1, N); weight [T, k].
     Returns [T, H] in x.dtype. `layout` and `max_distinct` are static; `max_distinct` bounds the number of distinct
     slots one call uses (e.g. the layer's expert count): a call that uses more gets wrong results for the excess."""
     t, kk = slots.shape
     hi = lax.Precision.HIGHEST
     flat = slots.reshape(-1).astype(jnp.int32)
     valid = flat >= 0
-    n_slots = pool.shape[0]
+    pools = tuple(pool) if isinstance(pool, (tuple, list)) else (pool,)
+    n_slots = sum(p.shape[0] for p in pools)
     if t * kk <= GATHER_ROUTES_MAX:
         # decode: gather the routed slots' blobs, so only they are read
-        blobs = jnp.take(pool, jnp.where(valid, flat, 0), axis=0)                    # [T*k, nbytes]
+        blobs = _take_blobs(pools, jnp.where(valid, flat, 0))                        # [T*k, nbytes]
         gate, up, down = (w.reshape((t, kk) + w.shape[1:]) for w in decode_blobs(layout, blobs, x.dtype))
         g = jnp.einsum("th,tkih->tki", x, gate, precision=hi)
         u = jnp.einsum("th,tkih->tki", x, up, precision=hi)
@@ -134,7 +148,7 @@ def experts_from_pool(layout: BlobLayout, pool, x, slots, weight, max_distinct: 
     block_g = jnp.minimum(jnp.searchsorted(pad_end, jnp.arange(n_blocks) * bsz, side="right"), n_groups - 1)
     group_slot = sorted_key[jnp.minimum(start, rows - 1)]                            # [G]; empty groups: any slot
     block_slot = jnp.minimum(group_slot[block_g], n_slots - 1)                       # trailing blocks: unread rows
-    gate, up, down = decode_blobs(layout, jnp.take(pool, block_slot, axis=0), x.dtype)
+    gate, up, down = decode_blobs(layout, _take_blobs(pools, block_slot), x.dtype)
     g = jnp.einsum("nbh,nih->nbi", xb, gate, precision=hi)
     u = jnp.einsum("nbh,nih->nbi", xb, up, precision=hi)
     y = jnp.einsum("nbi,nhi->nbh", jax.nn.silu(g) * u, down, precision=hi)
@@ -158,13 +172,12 @@ def experts_fetching(layout: BlobLayout, pool, table_row, chunks, starts, x, ids
     pool uint8 [N, nbytes]; table_row int32 [E] (slot of each of this layer's experts, -1 if not resident: the
     window's table, by value); chunks: host arrays uint8 [n_c, nbytes] (pinned host memory) holding experts
     starts[c] .. starts[c] + n_c - 1 (starts static); x [T, H]; ids, weight [T, k]; valid [T] bool.
-    -> (y [T, H], number of experts copied). Both passes are experts_from_pool, so the arithmetic is the same op's."""
+    -> (y [T, H], number of experts copied). The experts are computed by ONE experts_from_pool over the pool and
+    the staging rows laid end to end, so each route's blob is decoded once, with the same op's arithmetic."""
     t, kk = ids.shape
     n_experts = table_row.shape[0]
     m = t * kk
     resident = table_row[ids]                                                        # [T, k]
-    slots = jnp.where(valid[:, None], resident, -1)
-    y = experts_from_pool(layout, pool, x, slots, weight, max_distinct=min(m, n_experts))
     miss = valid[:, None] & (resident < 0)                                           # [T, k]
     # the distinct missing experts, sorted, padded with n_experts: staging row i holds expert wanted[i]
     wanted = jnp.unique(jnp.where(miss, ids, n_experts).reshape(-1), size=m, fill_value=n_experts)   # [M]
@@ -178,6 +191,9 @@ def experts_fetching(layout: BlobLayout, pool, table_row, chunks, starts, x, ids
             return lax.dynamic_update_index_in_dim(st, jax.device_put(blob, jax.memory.Space.Device), i, 0)
 
         staging = lax.fori_loop(lo, hi, copy, staging)
-    rows = jnp.where(miss, jnp.searchsorted(wanted, ids), -1).astype(jnp.int32)     # [T, k] staging row
-    y = y + experts_from_pool(layout, staging, x, rows, weight, max_distinct=m)
+    # a hit reads its slot, a miss staging row r reads "slot" N + r of the pools laid end to end
+    n = pool.shape[0]
+    slots = jnp.where(miss, n + jnp.searchsorted(wanted, ids), jnp.where(valid[:, None], resident, -1))
+    y = experts_from_pool(layout, (pool, staging), x, slots.astype(jnp.int32), weight,
+                          max_distinct=min(m, n_experts))    # an expert is a hit or a miss, not both
     return y, jnp.sum(wanted < n_experts).astype(jnp.int32)

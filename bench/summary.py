@@ -1,0 +1,153 @@
+"""The headline figures: bench/results/SUMMARY.json and the README's table, both made from the result files.
+
+    python bench/summary.py            # rebuild SUMMARY.json from bench/results/*.json and the README's table
+
+Every headline key names one figure (tokens/s, ms) with the machine, date, commit and result file it comes from.
+A key is read from the result files that can hold it; when several do, the newest measurement (by its date) wins, so
+re-running a bench updates the summary. A key no file holds yet is listed as not measured, never guessed. The bench
+scripts call refresh() after writing their result, so the summary and the README follow every recorded run.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+README = Path(__file__).resolve().parents[1] / "README.md"
+BEGIN, END = "<!-- summary:begin (bench/summary.py writes this table) -->", "<!-- summary:end -->"
+
+
+@dataclass(frozen=True)
+class Source:
+    bench: str                       # the result file's "bench" field
+    path: tuple                      # keys leading to the figure inside the file
+    prompt_tokens: int | None = None  # engine_speed results: the prompt length the run used
+    require: tuple = ()              # (field, value) pairs the file must have
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    label: str                       # what a reader of the README's table sees
+    unit: str
+    sources: tuple[Source, ...]
+
+
+KEYS = (
+    Key("decode_tok_s_b1", "decode, batch 1, 4K context, every expert on the GPU", "tok/s",
+        (Source("engine_speed_real_shapes", ("decode_tok_s_b1_48_layers",), 4096),)),
+    Key("decode_tok_s_b4", "decode, batch 4, every expert on the GPU", "tok/s",
+        (Source("engine_speed_batched", ("decode_tok_s_b4",)),)),
+    Key("decode_tok_s_b16", "decode, batch 16, every expert on the GPU", "tok/s",
+        (Source("engine_speed_batched", ("decode_tok_s_b16",)),)),
+    Key("prompt_tok_s_4k", "prompt of 4K tokens", "tok/s",
+        (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 4096),)),
+    Key("prompt_tok_s_32k", "prompt of 32K tokens (parts of 4K)", "tok/s",
+        (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 32768),)),
+    Key("offload_decode_tok_s_b1", "decode, batch 1, 12 GiB expert cache (32%), the rest in host RAM", "tok/s",
+        (Source("offload_speed", ("runs", "uniform", "decode", "b1", "tok_s"), require=(("window_fetch", True),)),)),
+    Key("followup_ttft_ms_64k", "time to first token of a follow-up turn on a 64K conversation", "ms",
+        (Source("followup_ttft", ("ttft_ms_64k",)),)),
+)
+
+
+def _prompt_tokens(result: dict) -> int | None:
+    """The prompt length an engine_speed result measured (every layer count ran the same prompt)."""
+    layers = result.get("layers") or {}
+    for run in layers.values():
+        if isinstance(run, dict) and "prompt_tokens" in run:
+            return int(run["prompt_tokens"])
+    return None
+
+
+def _dig(result: dict, path: tuple):
+    v = result
+    for k in path:
+        if not isinstance(v, dict) or k not in v:
+            return None
+        v = v[k]
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def collect(results_dir: Path = RESULTS) -> dict:
+    """-> {key: {"value", "unit", "label", "machine", "date", "commit", "source"}} for every key some file holds."""
+    files = []
+    for path in sorted(results_dir.glob("*.json")):
+        if path.name == "SUMMARY.json":
+            continue
+        try:
+            files.append((path, json.loads(path.read_text())))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"bench/summary.py: {path} is not a readable JSON result: {e}")
+    out = {}
+    for key in KEYS:
+        found = []
+        for src in key.sources:
+            for f, result in files:
+                if result.get("bench") != src.bench or "smoke" in f.name:
+                    continue
+                if src.prompt_tokens is not None and _prompt_tokens(result) != src.prompt_tokens:
+                    continue
+                if any(result.get(field) != value for field, value in src.require):
+                    continue
+                v = _dig(result, src.path)
+                if v is not None:
+                    found.append((str(result.get("date", "")), f.name, result, v))
+        if found:
+            date, name, result, v = max(found, key=lambda x: (x[0], x[1]))
+            out[key.name] = {"value": round(float(v), 3), "unit": key.unit, "label": key.label,
+                             "machine": result.get("machine", "unknown"), "date": date,
+                             "commit": result.get("commit", "unknown"), "source": name}
+    return out
+
+
+def table(summary: dict) -> str:
+    """The README's performance table, one row per headline key (measured or not)."""
+    rows = ["| figure | key | value | machine | date | commit | from |", "|---|---|---|---|---|---|---|"]
+    for key in KEYS:
+        s = summary.get(key.name)
+        if s is None:
+            rows.append(f"| {key.label} | `{key.name}` | not measured yet | | | | |")
+            continue
+        v = s["value"]
+        shown = f"{v:,.0f}" if v >= 1000 else f"{v:,.1f}"
+        rows.append(f"| {key.label} | `{key.name}` | {shown} {s['unit']} | {s['machine']} | {s['date'][:10]} | "
+                    f"{s['commit']} | `{s['source']}` |")
+    return "\n".join(rows)
+
+
+def write_readme(summary: dict, readme: Path = README) -> bool:
+    """Replace the table between the README's markers; -> whether the README changed."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"bench/summary.py: {readme} has no summary markers ({BEGIN} ... {END})")
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    new = pattern.sub(lambda _: f"{BEGIN}\n{table(summary)}\n{END}", text)
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
+def refresh(results_dir: Path = RESULTS, readme: Path | None = README) -> dict:
+    """Rebuild SUMMARY.json (and the README's table) from the result files; -> the summary."""
+    summary = collect(results_dir)
+    (results_dir / "SUMMARY.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    if readme is not None:
+        write_readme(summary, readme)
+    return summary
+
+
+def main() -> int:
+    summary = refresh()
+    missing = [k.name for k in KEYS if k.name not in summary]
+    print(table(summary))
+    if missing:
+        print(f"\nnot measured yet: {', '.join(missing)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
