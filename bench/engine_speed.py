@@ -68,6 +68,24 @@ def measure(engine, prompt_len: int, decode_tokens: int, repeat: int) -> dict:
             "decode_s_per_token": t_decode, "decode_tok_s_b1": 1.0 / t_decode}
 
 
+def measure_batched(engine, batch: int, context: int, windows: int) -> float:
+    """Seconds per decode window of `batch` rows at position `context`, through the WindowRunner as the server runs
+    them (one compiled window for all rows). The rows' state is whatever warm-up left: timing does not depend on it."""
+    from dataclasses import replace
+
+    from strata.runner import WindowRunner, idle_plan
+    runner = WindowRunner(engine, batch, 16)
+    runner.warm_up()
+    plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool),
+                   decode_pos=np.full(batch, context, np.int32))
+    tokens = np.arange(batch, dtype=np.int32)
+    runner.run(replace(plan, decode_tokens=tokens))
+    t = time.perf_counter()
+    for i in range(windows):
+        tokens = runner.run(replace(plan, decode_tokens=tokens, decode_pos=plan.decode_pos + i)).decode_next
+    return (time.perf_counter() - t) / windows
+
+
 # --- real shapes, random weights built on the device
 
 
@@ -132,6 +150,9 @@ def hbm_bandwidth() -> float:
     return 2 * x.size * 4 / t
 
 
+BATCHES = (4, 16)     # decode batches measured beside batch 1
+
+
 def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, repeat: int,
                 overrides: dict | None = None) -> dict:
     import ml_dtypes
@@ -149,21 +170,27 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
         build_s = time.perf_counter() - t
         engine = Engine(cfg, params, backend, EngineOptions(dtype="bfloat16", max_context=prompt_len + 2 * decode_tokens
-                                                            + 8, prefill=min(prompt_len, 4096)))
+                                                            + 8, prefill=min(prompt_len, 4096),
+                                                            sequences=max(BATCHES)))
         from synthetic_experts import SyntheticStore         # bench/, beside this script
         n_moe = sum(cfg.is_sparse_layer(i) for i in range(n))
         store = SyntheticStore("bf16", cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
         engine.attach_experts(store, say=lambda line: None)          # every expert resident, bf16
         r = measure(engine, prompt_len, decode_tokens, repeat)
+        for b in BATCHES:
+            r[f"decode_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens)
         r["build_s"] = build_s
         r.update(decode_bytes_per_token(cfg, params, prompt_len, store.layout.nbytes))
         out["layers"][n] = r
-        print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode {r['decode_tok_s_b1']:.2f} tok/s",
+        print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode {r['decode_tok_s_b1']:.2f} tok/s, "
+              + ", ".join(f"b{b} {1000 * r[f'decode_s_per_window_b{b}']:.1f} ms/window" for b in BATCHES),
               flush=True)
         del engine, params
     # least squares over the layer counts: time = fixed + layers x per_layer (two points alone are at the mercy of noise)
     ns = np.array(sorted(out["layers"]), float)
-    for key, per in (("prompt_s", "prompt"), ("decode_s_per_token", "decode")):
+    fits = [("prompt_s", "prompt"), ("decode_s_per_token", "decode")]
+    fits += [(f"decode_s_per_window_b{b}", f"decode_b{b}") for b in BATCHES]
+    for key, per in fits:
         ts = np.array([out["layers"][int(n)][key] for n in ns])
         slope, fixed = np.polyfit(ns, ts, 1)
         out[f"{per}_s_per_layer"] = float(slope)
@@ -173,6 +200,8 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
     b = out["layers"][max(layer_counts)]
     out["prompt_tok_s_48_layers"] = prompt_len / out["prompt_s_48_layers"]
     out["decode_tok_s_b1_48_layers"] = 1.0 / out["decode_s_48_layers"]
+    for batch in BATCHES:
+        out[f"decode_tok_s_b{batch}_48_layers"] = batch / out[f"decode_b{batch}_s_48_layers"]
     bytes_tok = b["bytes_per_token_48_layers"]
     out["decode_roofline_tok_s"] = out["hbm_bytes_per_s"] / bytes_tok
     out["decode_fraction_of_roofline"] = out["decode_tok_s_b1_48_layers"] / out["decode_roofline_tok_s"]
@@ -198,11 +227,13 @@ def main() -> int:
                   "dtype": "bfloat16", **real_shapes([int(x) for x in args.layers.split(",")], prompt,
                                                       args.decode, args.repeat,
                                                       {"num_experts": 16, "vocab_size": 4096} if args.smoke else None)}
-        name = "engine_speed_real_shapes"
+        name = "engine_speed_real_shapes" + ("_smoke" if args.smoke else "")
         print(f"\n| figure | value |\n|---|---|\n"
               f"| HBM read+write | {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s |\n"
               f"| prompt {prompt} tok, 48 layers (scaled) | {result['prompt_tok_s_48_layers']:.0f} tok/s |\n"
               f"| decode b1, 48 layers (scaled) | {result['decode_tok_s_b1_48_layers']:.2f} tok/s |\n"
+              + "".join(f"| decode b{b}, 48 layers (scaled) | {result[f'decode_tok_s_b{b}_48_layers']:.2f} tok/s |\n"
+                        for b in BATCHES) +
               f"| decode bytes/token, 48 layers | {result['layers'][max(result['layers'])]['bytes_per_token_48_layers'] / 1e9:.3f} GB |\n"
               f"| decode roofline | {result['decode_roofline_tok_s']:.0f} tok/s |\n"
               f"| decode fraction of roofline | {100 * result['decode_fraction_of_roofline']:.1f}% |")
