@@ -102,7 +102,7 @@ class HostMirror:
         self.device = device if device is not None and getattr(device, "fetches_from_host", False) else None
         per_chunk = max(1, chunk_bytes // nb)
         self.chunks: list = []                      # uint8 [n_c, nbytes]: numpy, or pinned host arrays
-        self.spans: list[tuple[int, int, int]] = []  # per chunk (layer, first expert, experts) when consecutive
+        self.chunk_at: list[tuple[int, int]] = []   # per chunk (layer, first expert)
         self.where_is = np.full((self.n_layers, self.n_experts, 2), -1, np.int64)   # (chunk, row) or -1
         for p in range(self.n_layers):
             es = np.flatnonzero(chosen[p])
@@ -111,8 +111,7 @@ class HostMirror:
                 rows = np.stack([store.blob(p, int(e)) for e in part])
                 c = len(self.chunks)
                 self.chunks.append(self.device.host_chunk(rows) if self.device is not None else rows)
-                self.spans.append((p, int(part[0]), len(part)) if part[-1] - part[0] == len(part) - 1
-                                  else (p, -1, len(part)))
+                self.chunk_at.append((p, int(part[0])))
                 self.where_is[p, part] = np.stack([np.full(len(part), c), np.arange(len(part))], axis=1)
         self.n_mirrored = n
         self.hits = self.store_reads = 0
@@ -120,10 +119,6 @@ class HostMirror:
     @property
     def nbytes(self) -> int:
         return self.n_mirrored * self.layout.nbytes
-
-    @property
-    def pinned(self) -> bool:
-        return self.device is not None
 
     def blob(self, p: int, e: int):
         c, r = self.where_is[p, e]
@@ -163,7 +158,7 @@ class HostMirror:
         if self.device is None or self.n_mirrored < self.n_layers * self.n_experts:
             return None
         out = [([], []) for _ in range(self.n_layers)]
-        for chunk, (p, a, _) in zip(self.chunks, self.spans):
+        for chunk, (p, a) in zip(self.chunks, self.chunk_at):   # complete: a chunk's experts are consecutive
             out[p][0].append(chunk)
             out[p][1].append(a)
         return [(chunks, tuple(starts)) for chunks, starts in out]

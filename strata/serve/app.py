@@ -238,15 +238,34 @@ async def read_body(request: HttpRequest, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {int(declared)} bytes; this server accepts at most {limit} bytes "
-                            f"(max_body_bytes); send a shorter request", code="body_too_large")
+                            f"(max_body_bytes); send a shorter request", code="body_too_large", headers=CLOSE)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"the request body is over {limit} bytes, the most this server accepts "
-                                f"(max_body_bytes); send a shorter request", code="body_too_large")
+                                f"(max_body_bytes); send a shorter request", code="body_too_large", headers=CLOSE)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+# An answer sent before the request's body was read ends the connection: the server cannot read the next request
+# on it, and a client that reused it would see it close without an answer.
+CLOSE = {"Connection": "close"}
+
+
+async def drain_body(request: HttpRequest, limit: int) -> dict:
+    """Read and drop the body of a request answered without it (unknown route, wrong method, no API key), so the
+    connection stays usable; -> the headers the answer needs (CLOSE when the body is over `limit`)."""
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return CLOSE
+    except ClientDisconnect:
+        return CLOSE
+    return {}
 
 
 def _api(fn):
@@ -637,7 +656,9 @@ async def _http_exception(request: HttpRequest, exc: HTTPException):
     else:
         msg, code = str(exc.detail), None
     log.info("%d %s %s: %s", exc.status_code, request.method, request.url.path, msg)
-    return error_response(exc.status_code, msg, code=code, headers=exc.headers)
+    headers = dict(exc.headers or {})
+    headers.update(await drain_body(request, request.app.state.strata.config.max_body_bytes))
+    return error_response(exc.status_code, msg, code=code, headers=headers)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -677,10 +698,11 @@ class _Gate:
             if self.key is not None and path != "/health" and not self._authorized(scope):
                 log.info("401 %s %s: missing or wrong API key", scope.get("method"), path)
                 self.state.metrics.rejected.labels("unauthorized").inc()
+                drained = await drain_body(HttpRequest(scope, receive), self.state.config.max_body_bytes)
                 resp = error_response(401, "missing or wrong API key: send the header 'Authorization: Bearer "
                                            "<key>' with the key the server was started with (--api-key or "
                                            "STRATA_API_KEY)", code="invalid_api_key",
-                                      headers={"WWW-Authenticate": "Bearer"})
+                                      headers={"WWW-Authenticate": "Bearer", **drained})
                 await resp(scope, receive, counting_send)
                 return
             await self.app(scope, receive, counting_send)

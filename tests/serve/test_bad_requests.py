@@ -276,3 +276,37 @@ def test_demo_config_file_sets_every_key():
 def dataclasses_frozen_error():
     import dataclasses
     return dataclasses.FrozenInstanceError
+
+
+def test_an_answer_sent_without_the_route_reads_the_body_first(server):
+    """An unknown route's 404 is sent only once the request's whole body was read: hypercorn closes a connection
+    whose request body is unread, and a client that reused it saw 'Server disconnected without sending a response'
+    (found as a rare failure of the test above under load). A body over max_body_bytes is not read to its end; the
+    answer then says Connection: close. Driven at the ASGI level, so the order of events is exact."""
+    import anyio
+
+    def call(chunks):
+        reads, sent = [], []
+
+        async def receive():
+            i = len(reads)
+            reads.append(i)
+            if i < len(chunks):
+                return {"type": "http.request", "body": chunks[i], "more_body": i < len(chunks) - 1}
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/embeddings", "raw_path": b"/v1/embeddings", "query_string": b"",
+                 "root_path": "", "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+        anyio.run(server.app, scope, receive, send)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        return len(reads), start["status"], dict(start["headers"])
+
+    n, status, headers = call([b'{"model": ', b'"demo"}'])
+    assert (n, status) == (2, 404) and b"connection" not in headers
+    n, status, headers = call([b"x" * (MAX_BODY // 2)] * 3)               # over max_body_bytes by the third part
+    assert (n, status) == (3, 404) and headers.get(b"connection") == b"close"
