@@ -1,0 +1,71 @@
+"""Window fetch through the WindowRunner, as the server runs it: decode windows over a partial cache are one compiled
+function that copies its misses from pinned host chunks, interleaved with prompt parts that borrow cache slots and
+with the cache's swaps between windows. The tokens equal those of the all-resident runner, and after warm-up nothing
+is compiled (ARCHITECTURE.md, "Bounded shapes": compilations happen at warm-up, not under load)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import numpy as np
+
+from strata import Engine
+from strata.runner import WindowRunner, idle_plan
+from strata.sched.plan import PromptPart
+
+SLOTS, PART = 2, 16
+
+
+def _drive(runner: WindowRunner, vocab: int) -> list[np.ndarray]:
+    """Prompt parts on both slots (the second slot's prompt read in several parts while the first decodes), then
+    decode windows; -> the tokens every window produced."""
+    rng = np.random.default_rng(0)
+    base = idle_plan(SLOTS)
+    pos = np.zeros(SLOTS, np.int32)
+    nxt = np.zeros(SLOTS, np.int32)
+    out = []
+    r = runner.run(replace(base, part=PromptPart(slot=0, tokens=rng.integers(0, vocab, PART).astype(np.int32),
+                                                 start=0, last=True)))
+    pos[0], nxt[0] = PART, r.part_next
+    for i in range(8):
+        part = None
+        if i < 3:                    # slot 1's prompt, 3 parts of 5 tokens, beside slot 0's decoding
+            part = PromptPart(slot=1, tokens=rng.integers(0, vocab, 5).astype(np.int32), start=int(pos[1]),
+                              last=i == 2)
+        active = np.array([True, i >= 3])
+        r = runner.run(replace(base, decode_active=active, decode_tokens=nxt, decode_pos=pos, part=part))
+        out.append(np.where(active, r.decode_next, -1))
+        nxt = np.where(active, r.decode_next, nxt).astype(np.int32)
+        pos = pos + active
+        if part is not None:
+            pos[1] += len(part.tokens)
+            if part.last:
+                nxt[1] = r.part_next
+                out.append(np.array([r.part_next]))
+    return out
+
+
+def test_runner_tokens_equal_all_resident_and_nothing_compiles_under_load():
+    ref = Engine.load("demo", max_context=256, prefill=PART, say=lambda line: None)
+    e = Engine.load("demo", max_context=256, prefill=PART, expert_cache=8, debug_slots=True, say=lambda line: None)
+    assert ref.fused and e.experts.window_fetch
+    want = _drive(WindowRunner(ref, SLOTS, PART), ref.cfg.vocab_size)
+
+    runner = WindowRunner(e, SLOTS, PART)
+    runner.warm_up()
+    lowered = []
+
+    def listen(name, secs, **kw):
+        if name.endswith("jaxpr_to_mlir_module_duration"):
+            lowered.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        got = _drive(runner, e.cfg.vocab_size)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == [], f"{len(lowered)} functions were compiled under load, after warm-up"
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)) and len(got) == len(want), "tokens differ"
+    st = e.experts.cache.stats
+    assert st.window_copies > 0 and st.loans > 0, st.as_dict()         # both paths ran
+    assert e.experts.moe.uses_checked > 0 and e.experts.cache.verify() == []
