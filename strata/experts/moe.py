@@ -141,7 +141,10 @@ class MoeRunner:
         y = self._run(h, slots, w, p, ids)
         lut = np.full(self.n_experts, -1, np.int32)
         lut[missing] = np.arange(len(missing))                        # expert -> row of the host blobs
-        blobs = np.stack([self.source.blob(p, int(e)) for e in missing])
+        if hasattr(self.source, "blobs"):                             # the mirror reads its chunks in bulk
+            blobs = self.source.blobs(p, missing)
+        else:
+            blobs = np.stack([self.source.blob(p, int(e)) for e in missing])
         sel = (ids >= 0) & (slots < 0)
         s = np.where(sel, lut[np.maximum(ids, 0)], -1).astype(np.int32)
         h_host = np.asarray(self.ops.to_host(h))

@@ -133,6 +133,20 @@ class HostMirror:
     def checksum(self, p: int, e: int) -> int:
         return self.store.checksum(p, e)
 
+    def blobs(self, p: int, experts) -> np.ndarray:
+        """Experts `experts` of MoE layer p -> uint8 [m, nbytes] on the host; pinned chunks are read with one
+        device call per chunk rather than one per expert."""
+        where = np.array([self.where_is[p, int(e)] for e in experts], np.int64).reshape(-1, 2)
+        out = np.empty((len(where), self.layout.nbytes), np.uint8)
+        pinned = where[:, 0] >= 0 if self.device is not None else np.zeros(len(where), bool)
+        for c in np.unique(where[pinned, 0]):
+            sel = pinned & (where[:, 0] == c)
+            out[sel] = self.device.host_rows(self.chunks[c], where[sel, 1])
+            self.hits += int(sel.sum())
+        for i in np.flatnonzero(~pinned):
+            out[i] = self.blob(p, int(experts[i]))
+        return out
+
     def has(self, p: int, e: int) -> bool:
         return bool(self.where_is[p, e, 0] >= 0)
 

@@ -186,3 +186,15 @@ def test_adapt_swaps_in_a_clearly_busier_expert_and_does_not_churn_on_near_ties(
     cache.observe(0, busy)
     assert cache.adapt(4) == 1 and cache.table()[0, 6] >= 0
     assert cache.verify() == []
+
+
+def test_mirror_reads_blobs_in_bulk_and_singly_alike():
+    """HostMirror.blobs (pinned chunks read with one device call each, the CPU miss path) equals blob() and the
+    store, for mirrored and unmirrored experts alike."""
+    half = HostMirror(STORE, (LAYERS * E // 2) * LAYOUT.nbytes, chunk_bytes=3 * LAYOUT.nbytes, device=OPS)
+    for mirror in (MIRROR, half):
+        for p in range(LAYERS):
+            experts = np.array([5, 0, 7, 3], np.int32)
+            got = mirror.blobs(p, experts)
+            for row, e in zip(got, experts):
+                assert np.array_equal(row, STORE.blob(p, int(e))) and np.array_equal(row, mirror.blob(p, int(e)))
