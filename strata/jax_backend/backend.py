@@ -298,8 +298,8 @@ class JaxBackend:
     def host_rows(self, chunk, rows):
         """rows `rows` [m] of a host chunk -> numpy uint8 [m, nbytes] (through the device: the chunk is pinned host
         memory, which only the device's copies read)."""
-        (rows,) = _pad_pow2(np.asarray(rows, np.int32))
         m = len(rows)
+        (rows,) = _pad_pow2(np.asarray(rows, np.int32))
         return np.asarray(_host_rows(chunk, jax.device_put(rows, self.device)))[:m]
 
     def pool_read(self, pool, slots):
