@@ -304,10 +304,8 @@ class JaxBackend:
 
     def pool_read(self, pool, slots):
         """rows `slots` [m] of the pool -> host uint8 [m, nbytes] (m padded to a power of two inside, as writes)."""
-        slots = np.asarray(slots, np.int32)
         m = len(slots)
-        b = 1 << max(0, (m - 1).bit_length())
-        padded = np.concatenate([slots, np.repeat(slots[-1:], b - m)]) if b > m else slots
+        (padded,) = _pad_pow2(np.asarray(slots, np.int32))
         return np.asarray(_pool_read(pool, jax.device_put(padded, self.device)))[:m]
 
     # --- sampling
