@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine_speed import timed  # bench/, beside this script
+
 
 def timeit(fn, reps=5):
+    """Median seconds over `reps` runs after one untimed run (compilation)."""
     fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return timed(fn, reps)
 
 
 def main():

@@ -260,15 +260,6 @@ class JaxBackend:
         on_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
         return _pool_write(pool, jax.device_put(slots, self.device), jax.device_put(blobs, on_device))
 
-    def host_tier(self, blobs: list) -> list:
-        """Copies of host blobs the device can read by DMA: pinned host memory (one allocation per blob, far below
-        any per-allocation limit); where the device has no pinned memory kind, the blobs as they are."""
-        kinds = {m.kind for m in self.device.addressable_memories()}
-        if "pinned_host" not in kinds:
-            return list(blobs)
-        sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
-        return [jax.device_put(b, sharding) for b in blobs]
-
     @property
     def fetches_from_host(self) -> bool:
         """Whether a compiled window can read host chunks (pinned host memory) by itself: experts_fetch."""
