@@ -92,11 +92,148 @@ def main():
         res["gather_7_GBps_effective"] = 7 * NB / t / 1e9
     except Exception as e:                       # noqa: BLE001 - the probe records what the compiler refuses
         res["gather_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    res.update(copy_variants(layers, ids, host, on_dev, NB, K, small))
+    res["trace"] = trace_summary(lambda: window(layers, ids, jnp.int32(7), x0).block_until_ready())
     for k, v in res.items():
         print(f"{k:28s} {v}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "host_fetch_probe.json"), "w") as f:
             json.dump(res, f, indent=1)
+
+
+def copy_variants(layers, ids, host, on_dev, NB, K, small) -> dict:
+    """Other ways to copy 7 scattered blobs per layer for 48 layers: where does the per-copy overhead come from?"""
+    res = {}
+    L = len(layers)
+
+    def record(name, fn, nbytes):
+        try:
+            t = timeit(fn, reps=3)
+            res[f"{name}_s"], res[f"{name}_GBps"] = t, nbytes / t / 1e9
+        except Exception as e:                   # noqa: BLE001 - the probe records what the compiler refuses
+            res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+    # a large contiguous pinned buffer: the copy engine's own rate
+    big = jax.device_put(np.zeros((256 if small else 1024) << 20, np.uint8), host)
+    record("one_pinned_buffer", lambda: jax.device_put(big, on_dev).block_until_ready(), big.size)
+
+    # 7 copies per layer written out (no loop, static count): is the loop's per-iteration sync the overhead?
+    @jax.jit
+    def unrolled(hs, ids):
+        acc = jnp.zeros((1024,), jnp.float32)
+        for h in hs:
+            for j in range(7):
+                b = jax.device_put(jax.lax.dynamic_index_in_dim(h, ids[j], keepdims=False), on_dev)
+                acc = acc + b[:1024].astype(jnp.float32)
+        return acc
+    record(f"unrolled_{L}x7", lambda: unrolled(layers, ids).block_until_ready(), L * 7 * NB)
+
+    # the 7 rows stacked in host memory, then one copy per layer
+    @jax.jit
+    def stacked(hs, ids):
+        acc = jnp.zeros((1024,), jnp.float32)
+        for h in hs:
+            rows = jnp.stack([jax.lax.dynamic_index_in_dim(h, ids[j], keepdims=False) for j in range(7)])
+            b = jax.device_put(rows, on_dev)
+            acc = acc + b[:, :1024].astype(jnp.float32).sum(0)
+        return acc
+    record(f"stacked_{L}x7", lambda: stacked(layers, ids).block_until_ready(), L * 7 * NB)
+
+    # a contiguous run of 7 rows by one dynamic slice per layer (the lower bound of a slice-by-offset copy)
+    @jax.jit
+    def runs(hs, start):
+        acc = jnp.zeros((1024,), jnp.float32)
+        for h in hs:
+            b = jax.device_put(jax.lax.dynamic_slice_in_dim(h, start, 7), on_dev)
+            acc = acc + b[:, :1024].astype(jnp.float32).sum(0)
+        return acc
+    record(f"contiguous_{L}x7", lambda: runs(layers, jnp.int32(3)).block_until_ready(), L * 7 * NB)
+
+    # static offsets: the copy needs no offset from the device
+    @jax.jit
+    def static_rows(hs):
+        acc = jnp.zeros((1024,), jnp.float32)
+        for h in hs:
+            for j in range(7):
+                b = jax.device_put(h[5 * j + 1], on_dev)
+                acc = acc + b[:1024].astype(jnp.float32)
+        return acc
+    record(f"static_{L}x7", lambda: static_rows(layers).block_until_ready(), L * 7 * NB)
+
+    # a Triton-backend Pallas kernel reading host rows directly (zero copy over PCIe), if XLA passes host memory
+    try:
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import triton as pltr
+        BLK = 8192
+        nblk = NB // BLK
+
+        def kern(ids_ref, h_ref, o_ref):
+            row = ids_ref[pl.program_id(0)]
+            o_ref[...] = h_ref[row, pl.ds(pl.program_id(1) * BLK, BLK)]
+
+        def pallas_rows(h, idx):
+            return pl.pallas_call(
+                kern, out_shape=jax.ShapeDtypeStruct((idx.shape[0], NB), jnp.uint8), grid=(idx.shape[0], nblk),
+                in_specs=[pl.no_block_spec, pl.BlockSpec(memory_space=pl.ANY)],
+                out_specs=pl.BlockSpec((None, BLK), lambda i, j: (i, j)),
+                compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=small)(idx, h)
+
+        one = jax.jit(pallas_rows)
+        got = one(layers[0], ids[:7])
+        res["pallas_rows_correct"] = bool(np.array_equal(
+            np.asarray(got), np.asarray(jax.device_get(layers[0]))[np.asarray(ids)[:7]]))
+        record("pallas_rows_1x7", lambda: one(layers[0], ids[:7]).block_until_ready(), 7 * NB)
+
+        @jax.jit
+        def pallas_window(hs, ids):
+            acc = jnp.zeros((1024,), jnp.float32)
+            for h in hs:
+                acc = acc + pallas_rows(h, ids[:7])[:, :1024].astype(jnp.float32).sum(0)
+            return acc
+        record(f"pallas_rows_{L}x7", lambda: pallas_window(layers, ids).block_until_ready(), L * 7 * NB)
+    except Exception as e:                       # noqa: BLE001
+        res["pallas_rows_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    return res
+
+
+def trace_summary(fn) -> dict:
+    """Run fn under the profiler with a Perfetto trace; the busiest event names per thread (count, total ms)."""
+    import glob
+    import gzip
+    import tempfile
+    try:
+        fn()
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            fn()
+        path = glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True)[0]
+        events = json.load(gzip.open(path))
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        names = {}
+        for e in events:
+            if e.get("ph") == "M" and e.get("name") in ("thread_name", "process_name"):
+                names[(e["name"], e.get("pid"), e.get("tid") if e["name"] == "thread_name" else None)] = \
+                    e["args"]["name"]
+        per = {}
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            th = (names.get(("process_name", e.get("pid"), None), str(e.get("pid"))) + " / "
+                  + names.get(("thread_name", e.get("pid"), e.get("tid")), str(e.get("tid"))))
+            slot = per.setdefault(th, {}).setdefault(e["name"][:60], [0, 0.0, float("inf"), 0.0])
+            slot[0] += 1
+            slot[1] += e.get("dur", 0) / 1000
+            slot[2] = min(slot[2], e["ts"])
+            slot[3] = max(slot[3], e["ts"] + e.get("dur", 0))
+        out = {}
+        for th, d_ in per.items():
+            top = sorted(d_.items(), key=lambda kv: -kv[1][1])[:12]
+            span = (max(v[3] for v in d_.values()) - min(v[2] for v in d_.values())) / 1000
+            out[th] = {"span_ms": round(span, 3),
+                       "top": [[n, v[0], round(v[1], 3)] for n, v in top]}
+        return out
+    except Exception as e:                       # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 if __name__ == "__main__":

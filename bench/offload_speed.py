@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=24)
     ap.add_argument("--warm", type=int, default=64,
                     help="windows before timing: the cache adapts (swaps between windows, up to 64 each)")
-    ap.add_argument("--prompts", default="4096,32768")
+    ap.add_argument("--prompts", default="4096,32768", help="prompt lengths to time (empty: none)")
     ap.add_argument("--skew-bias", type=float, default=1.2,
                     help="router logit bias of the hot 20%% of experts (router logits have std ~1 at these random "
                          "weights; 1.2 gives them ~80%% of the top-10 routes)")
@@ -170,7 +170,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     stamp = results_file.stamp()
-    over, slots, prompts, prefill = {}, None, [int(x) for x in args.prompts.split(",")], 4096
+    over, slots, prompts, prefill = {}, None, [int(x) for x in args.prompts.split(",") if x], 4096
     if args.smoke:
         over = {"num_experts": 32, "vocab_size": 1024, "hidden_size": 256, "moe_intermediate_size": 128,
                 "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_attention_heads": 2,
@@ -190,7 +190,7 @@ def main() -> int:
         t = time.perf_counter()
         # "resident": every expert in the device cache (one compiled window, nothing copied): the compute floor
         n_slots = 48 * (32 if args.smoke else QWEN3_NEXT_80B["num_experts"]) if name == "resident" else slots
-        engine, store, hot, lines = build(over, n_slots, args.cache_gib, skew, max(prompts) + 256, prefill,
+        engine, store, hot, lines = build(over, n_slots, args.cache_gib, skew, max(prompts, default=0) + 256, prefill,
                                           adapt_swaps=64, window_fetch=not args.layer_by_layer)
         for line in lines:
             print(line, flush=True)
