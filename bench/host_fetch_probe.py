@@ -19,6 +19,14 @@ import numpy as np
 from engine_speed import timed  # bench/, beside this script
 
 
+class Shown(dict):
+    """A result dict that prints each entry as it is recorded, so a run cut short still shows what it measured."""
+
+    def __setitem__(self, key, value):
+        print(f"{key:28s} {value}", flush=True)
+        super().__setitem__(key, value)
+
+
 def timeit(fn, reps=5):
     """Median seconds over `reps` runs after one untimed run (compilation)."""
     fn()
@@ -33,9 +41,12 @@ def main():
     E, NB = (64, 65536) if small else (512, 1_646_592)        # int4 expert blob at Qwen3-Next-80B shapes
     L = 4 if small else 48
     rng = np.random.default_rng(0)
-    layers = [jax.device_put(rng.integers(0, 255, (E, NB), dtype=np.uint8), host) for _ in range(L)]
+    one_layer_bytes = rng.integers(0, 255, (E, NB), dtype=np.uint8)     # the same bytes in every layer: quicker
+    layers = [jax.device_put(one_layer_bytes, host) for _ in range(L)]
     jax.block_until_ready(layers)
-    res = {"device": str(dev), "jax": jax.__version__, "experts": E, "blob_bytes": NB, "layers": L}
+    res = Shown()
+    for k, v in {"device": str(dev), "jax": jax.__version__, "experts": E, "blob_bytes": NB, "layers": L}.items():
+        res[k] = v
 
     def fetch_loop(h, ids, n, st):
         def body(i, st):
@@ -52,7 +63,7 @@ def main():
 
     ids = jnp.asarray(rng.permutation(E)[:K].astype(np.int32))
     out = one_layer(layers[0], ids, jnp.int32(7), stage)
-    ok = np.array_equal(np.asarray(out)[:7], np.asarray(jax.device_get(layers[0]))[np.asarray(ids)[:7]])
+    ok = np.array_equal(np.asarray(out)[:7], one_layer_bytes[np.asarray(ids)[:7]])
     res["loop_correct"] = bool(ok)
     hlo = one_layer.lower(layers[0], ids, jnp.int32(7), stage).compile().as_text()
     res["hlo_has_copy_start"] = "copy-start" in hlo
@@ -92,18 +103,14 @@ def main():
         res["gather_7_GBps_effective"] = 7 * NB / t / 1e9
     except Exception as e:                       # noqa: BLE001 - the probe records what the compiler refuses
         res["gather_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    res.update(copy_variants(layers, ids, host, on_dev, NB, K, small))
-    res["trace"] = trace_summary(lambda: window(layers, ids, jnp.int32(7), x0).block_until_ready())
-    for k, v in res.items():
-        print(f"{k:28s} {v}")
+    copy_variants(res, layers, ids, host, on_dev, NB, small)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "host_fetch_probe.json"), "w") as f:
             json.dump(res, f, indent=1)
 
 
-def copy_variants(layers, ids, host, on_dev, NB, K, small) -> dict:
+def copy_variants(res: dict, layers, ids, host, on_dev, NB, small):
     """Other ways to copy 7 scattered blobs per layer for 48 layers: where does the per-copy overhead come from?"""
-    res = {}
     L = len(layers)
 
     def record(name, fn, nbytes):
@@ -193,47 +200,6 @@ def copy_variants(layers, ids, host, on_dev, NB, K, small) -> dict:
         record(f"pallas_rows_{L}x7", lambda: pallas_window(layers, ids).block_until_ready(), L * 7 * NB)
     except Exception as e:                       # noqa: BLE001
         res["pallas_rows_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-    return res
-
-
-def trace_summary(fn) -> dict:
-    """Run fn under the profiler with a Perfetto trace; the busiest event names per thread (count, total ms)."""
-    import glob
-    import gzip
-    import tempfile
-    try:
-        fn()
-        d = tempfile.mkdtemp()
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            fn()
-        path = glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True)[0]
-        events = json.load(gzip.open(path))
-        events = events["traceEvents"] if isinstance(events, dict) else events
-        names = {}
-        for e in events:
-            if e.get("ph") == "M" and e.get("name") in ("thread_name", "process_name"):
-                names[(e["name"], e.get("pid"), e.get("tid") if e["name"] == "thread_name" else None)] = \
-                    e["args"]["name"]
-        per = {}
-        for e in events:
-            if e.get("ph") != "X":
-                continue
-            th = (names.get(("process_name", e.get("pid"), None), str(e.get("pid"))) + " / "
-                  + names.get(("thread_name", e.get("pid"), e.get("tid")), str(e.get("tid"))))
-            slot = per.setdefault(th, {}).setdefault(e["name"][:60], [0, 0.0, float("inf"), 0.0])
-            slot[0] += 1
-            slot[1] += e.get("dur", 0) / 1000
-            slot[2] = min(slot[2], e["ts"])
-            slot[3] = max(slot[3], e["ts"] + e.get("dur", 0))
-        out = {}
-        for th, d_ in per.items():
-            top = sorted(d_.items(), key=lambda kv: -kv[1][1])[:12]
-            span = (max(v[3] for v in d_.values()) - min(v[2] for v in d_.values())) / 1000
-            out[th] = {"span_ms": round(span, 3),
-                       "top": [[n, v[0], round(v[1], 3)] for n, v in top]}
-        return out
-    except Exception as e:                       # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 if __name__ == "__main__":

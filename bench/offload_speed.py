@@ -29,6 +29,7 @@ import results_file  # noqa: E402
 import summary  # noqa: E402
 from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader  # noqa: E402
 from synthetic_experts import SyntheticStore  # noqa: E402
+from trace_summary import print_summary, trace_summary  # noqa: E402
 
 GIB = 1 << 30
 
@@ -103,7 +104,7 @@ def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: 
     return engine, store, hot, lines
 
 
-def decode_run(engine, n_rows: int, tokens: int, warm: int) -> dict:
+def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False) -> dict:
     """n_rows sequences decoding together through the WindowRunner (a short prompt each, then `tokens` windows)."""
     from strata.runner import WindowRunner, idle_plan
     from strata.sched.plan import PromptPart
@@ -130,6 +131,15 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int) -> dict:
         nxt, pos = r.decode_next.astype(np.int32), pos + 1
     dt = time.perf_counter() - t0
     st = cache.stats.as_dict()
+    extra = {}
+    if trace:                         # after the timed windows, so the profiler costs them nothing
+
+        def window():
+            nonlocal nxt, pos
+            r = runner.run(replace(plan, decode_tokens=nxt, decode_pos=pos))
+            nxt, pos = r.decode_next.astype(np.int32), pos + 1
+        extra["trace"] = trace_summary(window)
+        print_summary(extra["trace"])
     hits, misses = st["hits"] - st0["hits"], st["misses"] - st0["misses"]
     copied = st["bytes_copied"] - st0["bytes_copied"]
     return {"rows": n_rows, "windows": tokens, "seconds": dt, "tok_s": n_rows * tokens / dt,
@@ -137,7 +147,7 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int) -> dict:
             "decode_call_ms": 1000 * call_s / tokens, "between_windows_ms": 1000 * between_s / tokens,
             "swaps_per_window": (st["swaps"] - st0["swaps"]) / tokens,
             "bytes_copied_per_window": copied / tokens, "copy_bytes_per_s": copied / dt,
-            "copy_seconds_share": (st["copy_seconds"] - st0["copy_seconds"]) / dt}
+            "copy_seconds_share": (st["copy_seconds"] - st0["copy_seconds"]) / dt, **extra}
 
 
 def prompt_run(engine, n: int) -> dict:
@@ -167,6 +177,9 @@ def main() -> int:
     ap.add_argument("--runs", default="uniform,skewed,resident")
     ap.add_argument("--layer-by-layer", action="store_true",
                     help="decode windows layer by layer, misses copied between layers (window_fetch off)")
+    ap.add_argument("--batches", default="1,4", help="decode batch sizes to time")
+    ap.add_argument("--trace", action="store_true",
+                    help="after each decode run, profile one more window and print where its time went")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     stamp = results_file.stamp()
@@ -197,8 +210,8 @@ def main() -> int:
         run = {"build_s": time.perf_counter() - t, "slots": engine.experts.cache.n_slots,
                "slot_bytes": store.layout.nbytes, "experts_total": 48 * engine.cfg.num_experts,
                "decode": {}, "prompt": {}}
-        for rows in (1, 4):
-            r = decode_run(engine, rows, args.decode, args.warm)
+        for rows in [int(b) for b in args.batches.split(",")]:
+            r = decode_run(engine, rows, args.decode, args.warm, trace=args.trace)
             run["decode"][f"b{rows}"] = r
             print(f"{name}: decode b{rows} {r['tok_s']:.1f} tok/s, {r['window_ms']:.1f} ms/window "
                   f"({r['decode_call_ms']:.1f} decoding, {r['between_windows_ms']:.1f} between windows, "
