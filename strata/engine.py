@@ -372,8 +372,9 @@ def _check_expert_options(o: EngineOptions) -> None:
         v = getattr(o, name)
         need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} must be an integer >= 0, found {v!r}")
     need(isinstance(o.sequences, int) and o.sequences >= 1, f"sequences must be an integer >= 1, found {o.sequences!r}")
-    need(isinstance(o.host_chunk_mib, int) and o.host_chunk_mib >= 1,
-         f"host_chunk_mib must be an integer >= 1, found {o.host_chunk_mib!r}")
+    need(isinstance(o.host_chunk_mib, int) and 1 <= o.host_chunk_mib <= 2047,
+         f"host_chunk_mib must be an integer in 1 .. 2047 (a window's copy kernel addresses a chunk with 32-bit "
+         f"offsets), found {o.host_chunk_mib!r}")
     for name in ("stream_experts", "prefill_borrow", "window_fetch", "debug_slots"):
         need(isinstance(getattr(o, name), bool), f"{name} must be true or false, found {getattr(o, name)!r}")
     need(0.0 < o.adapt_decay <= 1.0, f"adapt_decay must be in (0, 1], found {o.adapt_decay!r}")

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from strata.jax_backend.kernels.experts import experts_fetching, experts_from_pool
+from strata.jax_backend.kernels.experts import copy_rows_loop, experts_fetching, experts_from_pool
+from strata.jax_backend.kernels.host_rows import copy_host_rows
 
 GDN_CHUNK = 64
 KV_BLOCK = 512      # keys per step of the attention's online softmax
@@ -27,6 +28,9 @@ class JaxBackend:
     def __init__(self, device: str | None = None):
         devices = jax.devices(device) if device else jax.devices()
         self.device = devices[0]
+        # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
+        # host once per row), elsewhere XLA's loop
+        self.copy_rows = copy_host_rows if self.device.platform == "gpu" else copy_rows_loop
 
     # --- placement and memory
     def to_device(self, tree):
@@ -229,11 +233,11 @@ class JaxBackend:
         (slot -1: not computed here); pool uint8 [N, layout.nbytes]."""
         return experts_from_pool(layout, pool, x, slots, weight, max_distinct)
 
-    @staticmethod
-    def experts_fetch(x, ids, weight, valid, pool, table_row, chunks, starts, layout):
+    def experts_fetch(self, x, ids, weight, valid, pool, table_row, chunks, starts, layout):
         """The expert op with misses copied from host chunks inside the window (kernels/experts.py,
-        experts_fetching) -> (y [T, H], experts copied)."""
-        return experts_fetching(layout, pool, table_row, chunks, starts, x, ids, weight.astype(x.dtype), valid)
+        experts_fetching, with this device's copy_rows) -> (y [T, H], experts copied)."""
+        return experts_fetching(layout, pool, table_row, chunks, starts, x, ids, weight.astype(x.dtype), valid,
+                                copy_rows=self.copy_rows)
 
     @staticmethod
     def route_counts(idx, valid, n_experts):
@@ -283,7 +287,7 @@ class JaxBackend:
             n = min(FILL_BATCH, len(slots) - a)
             s[:n], r[:n] = slots[a:a + n], rows[a:a + n]
             b = np.clip(bounds - a, 0, n).astype(np.int32)            # this batch's entries of chunk c
-            pool = _pool_fill(pool, chunks, *jax.device_put((b, s, r), self.device))
+            pool = _pool_fill(pool, chunks, *jax.device_put((b, s, r), self.device), copy_rows=self.copy_rows)
         return pool
 
     def host_rows(self, chunk, rows):
@@ -291,7 +295,7 @@ class JaxBackend:
         memory, which only the device's copies read)."""
         m = len(rows)
         (rows,) = _pad_pow2(np.asarray(rows, np.int32))
-        return np.asarray(_host_rows(chunk, jax.device_put(rows, self.device)))[:m]
+        return np.asarray(_host_rows(chunk, jax.device_put(rows, self.device), copy_rows=self.copy_rows))[:m]
 
     def pool_read(self, pool, slots):
         """rows `slots` [m] of the pool -> host uint8 [m, nbytes] (m padded to a power of two inside, as writes)."""
@@ -351,25 +355,22 @@ def _pad_pow2(*arrays):
     return tuple(np.concatenate([a, np.repeat(a[-1:], b - m)]) if b > m else a for a in arrays)
 
 
-def _copy_rows(chunk, rows, out, dest, lo, hi):
-    """out with out[dest[i]] = chunk[rows[i]] for i in lo .. hi-1 (chunk in host memory: one copy each)."""
-    def copy(i, out):
-        blob = jax.device_put(lax.dynamic_index_in_dim(chunk, rows[i], keepdims=False), jax.memory.Space.Device)
-        return lax.dynamic_update_index_in_dim(out, blob, dest[i], 0)
-    return lax.fori_loop(lo, hi, copy, out)
-
-
-@partial(jax.jit, donate_argnums=(0,))
-def _pool_fill(pool, chunks, bounds, slots, rows):
+@partial(jax.jit, donate_argnums=(0,), static_argnames=("copy_rows",))
+def _pool_fill(pool, chunks, bounds, slots, rows, copy_rows):
+    """Entries bounds[c] .. bounds[c+1]-1 come from chunks[c]: copied into a staging buffer by copy_rows, then put
+    into their slots on the device (entries past bounds[-1] are padding and write nothing)."""
+    m = slots.shape[0]
+    staging = jnp.zeros((m, pool.shape[1]), jnp.uint8)
     for c, chunk in enumerate(chunks):
-        pool = _copy_rows(chunk, rows, pool, slots, bounds[c], bounds[c + 1])
-    return pool
+        staging = copy_rows(staging, chunk, rows, bounds[c], bounds[c + 1])
+    real = jnp.arange(m) < bounds[-1]
+    return pool.at[jnp.where(real, slots, pool.shape[0])].set(staging, mode="drop")
 
 
-@jax.jit
-def _host_rows(chunk, rows):
+@partial(jax.jit, static_argnames=("copy_rows",))
+def _host_rows(chunk, rows, copy_rows):
     out = jnp.zeros((rows.shape[0], chunk.shape[1]), jnp.uint8)
-    return _copy_rows(chunk, rows, out, jnp.arange(rows.shape[0]), 0, rows.shape[0])
+    return copy_rows(out, chunk, rows, jnp.int32(0), jnp.int32(rows.shape[0]))
 
 
 @jax.jit

@@ -3,6 +3,8 @@ reference on the same blobs, in every format and both forms, with skipped routes
 f32 format, against the backend's former expert op over stacked weights (kept below) on the same weights."""
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 from jax import lax
 
 from strata.jax_backend.kernels import experts as K
+from strata.jax_backend.kernels.host_rows import copy_host_rows
 from strata.weights import quant as Q
 
 EXPERTS = jax.jit(K.experts_from_pool, static_argnames=("layout", "max_distinct"))
@@ -184,13 +187,15 @@ def test_f32_format_matches_the_backend_expert_op(tokens, k, dtype):
         assert rel_err(got, want) <= (1e-6 if dtype == "float32" else 1e-2)
 
 
+@pytest.mark.parametrize("copy", ["loop", "kernel"])
 @pytest.mark.parametrize("tokens", [1, 4, 20], ids=["gather-1", "gather-4", "grouped-20"])
 @pytest.mark.parametrize("fmt", Q.FORMATS)
-def test_fetching_form_copies_the_misses_from_host_chunks(fmt, tokens):
+def test_fetching_form_copies_the_misses_from_host_chunks(fmt, tokens, copy, interpret):
     """experts_fetching: hits read from a poisoned pool, misses copied by the compiled function from host chunks
     (pinned host memory, three chunks of consecutive experts) and computed with the hits in one op over the pool and
     the staging rows laid end to end (both forms of the op); equal to the reference over the true experts, and the
-    number of experts it copied is the number of distinct misses of the valid rows."""
+    number of experts it copied is the number of distinct misses of the valid rows. The copies are made by XLA's loop
+    and by the host_rows kernel (what a GPU uses)."""
     rng = np.random.default_rng()
     lay = Q.layout(fmt, H, I)
     pool, slot_of = poisoned_pool(rng, lay)
@@ -204,7 +209,8 @@ def test_fetching_form_copies_the_misses_from_host_chunks(fmt, tokens):
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]).astype(np.int32)
     weight = rng.random((tokens, k)).astype(np.float32)
     valid = np.arange(tokens) < max(1, tokens - 1)                 # the last of several rows is padding
-    fn = jax.jit(lambda *a: K.experts_fetching(lay, *a[:3], starts, *a[3:]))
+    copy_rows = K.copy_rows_loop if copy == "loop" else partial(copy_host_rows, interpret=interpret)
+    fn = jax.jit(lambda *a: K.experts_fetching(lay, *a[:3], starts, *a[3:], copy_rows=copy_rows))
     x = rng.standard_normal((tokens, H)).astype(np.float32)
     y, copied = fn(jnp.asarray(pool), jnp.asarray(table), chunks, jnp.asarray(x), jnp.asarray(ids),
                    jnp.asarray(weight), jnp.asarray(valid))

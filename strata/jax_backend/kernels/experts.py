@@ -163,15 +163,26 @@ def _reference(layout: BlobLayout, pool, x, slots, weight):
                                   np.asarray(weight, np.float32))
 
 
-def experts_fetching(layout: BlobLayout, pool, table_row, chunks, starts, x, ids, weight, valid):
+def copy_rows_loop(dst, src, rows, lo, hi):
+    """dst with dst[i] = src[rows[i]] for lo <= i < hi, by XLA: one device_put of a dynamic slice of the host chunk per
+    row in a fori_loop (the same contract as kernels/host_rows.copy_host_rows). Every iteration reads its predicate
+    back to the host, which on a GPU costs more than the copy (host_rows.py); on a CPU it is the natural form."""
+    def copy(i, st):
+        blob = lax.dynamic_index_in_dim(src, rows[i], keepdims=False)               # [nbytes] in host memory
+        return lax.dynamic_update_index_in_dim(st, jax.device_put(blob, jax.memory.Space.Device), i, 0)
+    return lax.fori_loop(lo, hi, copy, dst)
+
+
+def experts_fetching(layout: BlobLayout, pool, table_row, chunks, starts, x, ids, weight, valid,
+                     copy_rows=copy_rows_loop):
     """The expert op for one MoE layer when not every expert is in the pool: hits read their pool slots, misses are
     copied from host memory into a staging buffer by the device itself, inside the same compiled window (no round
-    trip to the host between the router and the experts; bench/host_fetch_probe.py measured such copies at the full
-    pinned host-to-device rate).
+    trip to the host between the router and the experts).
 
     pool uint8 [N, nbytes]; table_row int32 [E] (slot of each of this layer's experts, -1 if not resident: the
     window's table, by value); chunks: host arrays uint8 [n_c, nbytes] (pinned host memory) holding experts
     starts[c] .. starts[c] + n_c - 1 (starts static); x [T, H]; ids, weight [T, k]; valid [T] bool.
+    copy_rows(dst, src, rows, lo, hi) does the copies: copy_rows_loop (XLA) or host_rows.copy_host_rows (a kernel).
     -> (y [T, H], number of experts copied). The experts are computed by ONE experts_from_pool over the pool and
     the staging rows laid end to end, so each route's blob is decoded once, with the same op's arithmetic."""
     t, kk = ids.shape
@@ -185,12 +196,8 @@ def experts_fetching(layout: BlobLayout, pool, table_row, chunks, starts, x, ids
     for chunk, a in zip(chunks, starts):
         lo = jnp.searchsorted(wanted, a)                   # the wanted experts this chunk holds: rows lo .. hi-1
         hi = jnp.searchsorted(wanted, a + chunk.shape[0])
-
-        def copy(i, st, chunk=chunk, a=a):
-            blob = lax.dynamic_index_in_dim(chunk, wanted[i] - a, keepdims=False)    # [nbytes] in host memory
-            return lax.dynamic_update_index_in_dim(st, jax.device_put(blob, jax.memory.Space.Device), i, 0)
-
-        staging = lax.fori_loop(lo, hi, copy, staging)
+        staging = copy_rows(staging, chunk, (wanted - a).astype(jnp.int32), lo.astype(jnp.int32),
+                            hi.astype(jnp.int32))
     # a hit reads its slot, a miss staging row r reads "slot" N + r of the pools laid end to end
     n = pool.shape[0]
     slots = jnp.where(miss, n + jnp.searchsorted(wanted, ids), jnp.where(valid[:, None], resident, -1))
