@@ -10,7 +10,8 @@ When the expert cache holds every expert, each call is one compiled function ove
 decode rows are still one compiled function when every expert is mirrored in pinned host memory (the device copies
 each layer's misses itself: window fetch), and the rest runs the layers one at a time, the routed experts resolved
 on the host between them (strata/model/stepped.py); between windows the cache refills loaned slots and makes its
-adaptive swaps.
+adaptive swaps (at the start of the next run, or, with window fetch, right after its decode is dispatched, so the
+host's work overlaps the device's).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class WindowRunner:
         self.states = ops.to_device(bank)                     # per layer {name: [S, ...]}
         self.scratch_pos = engine.capacity - 1
         self.windows = 0
+        self._pending_between = False
+        self.between_s = 0.0              # host seconds spent on the cache's work between windows, in total
         lay = engine.layout
         self._decode = engine.compiled(("decode_rows", lay), lambda: ops.compile(
             partial(_decode_rows, ops, cfg, lay), donate_argnums=(2,)))
@@ -48,6 +51,15 @@ class WindowRunner:
             starts = engine.experts.window_starts
             self._decode_fetch = engine.compiled(("decode_rows_fetching", lay, starts), lambda: ops.compile(
                 partial(_decode_rows_fetching, ops, cfg, lay, starts), donate_argnums=(2,)))
+
+    def _between_windows(self) -> None:
+        """The cache's work between windows (refill loaned slots, adaptive swaps) for the window that ended last.
+        It is deferred to the next run so that, with window fetch, it overlaps the next window on the device."""
+        if self._pending_between:
+            self._pending_between = False
+            t = time.perf_counter()
+            self.engine.experts.end_window(self.windows)
+            self.between_s += time.perf_counter() - t
 
     def buckets(self) -> list[int]:
         return [b for b in PART_BUCKETS if b <= bucket_for(self.part_size)]
@@ -72,6 +84,9 @@ class WindowRunner:
         t0 = time.perf_counter()
         decode_next = np.zeros(self.n_slots, np.int32)
         decode_finite = np.ones(self.n_slots, bool)
+        overlap = bool(plan.n_decode) and not e.fused and e.experts is not None and e.experts.window_fetch
+        if not overlap:
+            self._between_windows()
         if plan.n_decode:
             pos = np.where(plan.decode_active, plan.decode_pos, self.scratch_pos).astype(np.int32)
             active = plan.decode_active.astype(np.int32)
@@ -82,6 +97,9 @@ class WindowRunner:
                 args, table = e.experts.fetch_args()
                 nxt, fin, self.states, counts, copied = self._decode_fetch(
                     e.params, args, self.states, plan.decode_tokens, pos, active, *sp, plan.seeds, plan.steps)
+                # the last window's refills and swaps, on the host while the device runs this one (their copies
+                # queue behind it; this window holds the pool and table it was given, by value)
+                self._between_windows()
                 e.experts.record_window(table, np.asarray(e.backend.to_host(counts)),
                                         np.asarray(e.backend.to_host(copied)))
             else:
@@ -112,7 +130,7 @@ class WindowRunner:
             if e.fused:     # every expert resident: every route of the window's real rows was a hit
                 rows = plan.n_decode + (len(plan.part.tokens) if plan.part is not None else 0)
                 e.experts.cache.stats.hits += rows * e.cfg.num_experts_per_tok * e.experts.cache.n_layers
-            e.experts.end_window(self.windows)
+            self._pending_between = True
         t2 = time.perf_counter()
         return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - t0, t2 - t1)
 

@@ -69,3 +69,25 @@ def test_runner_tokens_equal_all_resident_and_nothing_compiles_under_load():
     st = e.experts.cache.stats
     assert st.window_copies > 0 and st.loans > 0, st.as_dict()         # both paths ran
     assert e.experts.moe.uses_checked > 0 and e.experts.cache.verify() == []
+
+
+def test_between_window_work_runs_in_the_next_run_after_its_decode_is_dispatched():
+    """Slots a prompt part borrowed come back FREE and stay so until the next run, whose decode window is dispatched
+    first (with the table as it was: those slots out of it) and whose host work between windows (refill, swaps)
+    then overlaps it on the device; afterwards the slots are refilled and every slot still holds what it claims."""
+    e = Engine.load("demo", max_context=256, prefill=PART, expert_cache=8, debug_slots=True, say=lambda line: None)
+    runner = WindowRunner(e, SLOTS, PART)
+    base = idle_plan(SLOTS)
+    tokens = np.arange(PART, dtype=np.int32) % e.cfg.vocab_size
+    r = runner.run(replace(base, part=PromptPart(slot=0, tokens=tokens, start=0, last=True)))
+    cache = e.experts.cache
+    returned = cache.free_slots()
+    assert cache.stats.loans > 0, "the part borrowed no slots: the test needs it to"
+    assert returned, "the part's slots were refilled in its own run, not deferred to the next"
+    table_before = cache.table().copy()
+    fills = cache.stats.fills
+    runner.run(replace(base, decode_active=np.array([True, False]), decode_tokens=np.array([r.part_next, 0], np.int32),
+                       decode_pos=np.array([PART, 0], np.int32)))
+    assert cache.free_slots() == [] and cache.stats.fills > fills, "the deferred refill did not run"
+    assert not np.isin(returned, table_before).any(), "a FREE slot was in the table a window received"
+    assert cache.verify() == []
