@@ -140,10 +140,10 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False)
             call_s, between0 = 0.0, runner.between_s
         r = runner.run(replace(plan, decode_tokens=nxt, decode_pos=pos))
         call_s += r.decode_s + r.part_s  # no prompt part here
+        nxt, pos = r.decode_next.astype(np.int32), pos + 1
     # the cache's host work between windows (refill, swaps): with window fetch it overlaps the next window's device
     # work, so it is part of runner.run's time but not necessarily of the window's
     between_s = runner.between_s - between0
-        nxt, pos = r.decode_next.astype(np.int32), pos + 1
     dt = time.perf_counter() - t0
     st = cache.stats.as_dict()
     extra = {}
