@@ -193,14 +193,17 @@ def experts_fetching(layout: BlobLayout, pool, table_row, chunks, starts, x, ids
     # the distinct missing experts, sorted, padded with n_experts: staging row i holds expert wanted[i]
     wanted = jnp.unique(jnp.where(miss, ids, n_experts).reshape(-1), size=m, fill_value=n_experts)   # [M]
     staging = jnp.zeros((m, layout.nbytes), jnp.uint8)
+    # Lookups in `wanted` compare against all of it (M is at most a few hundred): jnp.searchsorted's default binary
+    # search is a while loop, on a GPU a launch per step and a break in XLA's command buffers (the H200 window was
+    # bound by the host's launches; what this change saves there is not measured yet).
     for chunk, a in zip(chunks, starts):
-        lo = jnp.searchsorted(wanted, a)                   # the wanted experts this chunk holds: rows lo .. hi-1
-        hi = jnp.searchsorted(wanted, a + chunk.shape[0])
-        staging = copy_rows(staging, chunk, (wanted - a).astype(jnp.int32), lo.astype(jnp.int32),
-                            hi.astype(jnp.int32))
+        lo = jnp.sum(wanted < a, dtype=jnp.int32)          # the wanted experts this chunk holds: rows lo .. hi-1
+        hi = jnp.sum(wanted < a + chunk.shape[0], dtype=jnp.int32)
+        staging = copy_rows(staging, chunk, (wanted - a).astype(jnp.int32), lo, hi)
     # a hit reads its slot, a miss staging row r reads "slot" N + r of the pools laid end to end
     n = pool.shape[0]
-    slots = jnp.where(miss, n + jnp.searchsorted(wanted, ids), jnp.where(valid[:, None], resident, -1))
+    row = jnp.searchsorted(wanted, ids, method="compare_all")                       # [T, k]
+    slots = jnp.where(miss, n + row, jnp.where(valid[:, None], resident, -1))
     y = experts_from_pool(layout, (pool, staging), x, slots.astype(jnp.int32), weight,
                           max_distinct=min(m, n_experts))    # an expert is a hit or a miss, not both
     return y, jnp.sum(wanted < n_experts).astype(jnp.int32)
