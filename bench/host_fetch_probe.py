@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine_speed import timed  # bench/, beside this script
+import results_file  # bench/, beside this script
+from engine_speed import timed
 
 
 class Shown(dict):
@@ -45,7 +46,7 @@ def main():
     layers = [jax.device_put(one_layer_bytes, host) for _ in range(L)]
     jax.block_until_ready(layers)
     res = Shown()
-    for k, v in {"device": str(dev), "jax": jax.__version__, "experts": E, "blob_bytes": NB, "layers": L}.items():
+    for k, v in {"bench": "host_fetch_probe", **results_file.stamp(), "device": str(dev), "jax": jax.__version__, "experts": E, "blob_bytes": NB, "layers": L}.items():
         res[k] = v
 
     def fetch_loop(h, ids, n, st):
