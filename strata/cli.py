@@ -91,6 +91,8 @@ SERVE_FLAGS = {
     "adapt_swaps": (int, "experts swapped at most per adaptation (default 8)"),
     "adapt_decay": (float, "per-window decay of routing counts (default 0.97)"),
     "profile": (str, "routing profile from strata profile, for the initial placement"),
+    "host_chunk_mib": (int, "largest single pinned host allocation of the expert mirror, MiB (default 1024, at most "
+                            "2047); lower it where the driver refuses large pinned allocations"),
     "debug_slots": (bool, "check every expert slot a computation reads against the pack (slow)"),
 }
 

@@ -52,13 +52,14 @@ class ServeConfig:
     adapt_swaps: int = 8                 # experts swapped at most per adaptation
     adapt_decay: float = 0.97            # per-window decay of the routing counts
     profile: str | None = None           # routing profile (strata profile) for the initial placement
+    host_chunk_mib: int = 1024           # largest single pinned allocation of the host mirror (seed 002)
     debug_slots: bool = False            # check every slot a computation reads against the pack (slow)
 
     def engine_options(self) -> dict:
         """The Engine.load options this config sets."""
         keys = ("max_context", "prefill", "dtype", "expert_cache", "resident_budget_gib", "stream_experts",
                 "vram_reserve_mib", "miss_policy", "prefill_borrow", "window_fetch", "adapt_every", "adapt_swaps", "adapt_decay",
-                "profile", "debug_slots")
+                "profile", "host_chunk_mib", "debug_slots")
         out = {k: getattr(self, k) for k in keys}
         out["sequences"] = self.parallel
         if self.device:
@@ -135,6 +136,7 @@ _RULES: dict[str, tuple[str, Any, str]] = {
     "adapt_decay": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
                     "a number in (0, 1]"),
     "profile": _nonempty_str_or_none("a profile file written by strata profile"),
+    "host_chunk_mib": _int_range(1, 2047),
     "debug_slots": _bool(),
 }
 KEYS = tuple(f.name for f in fields(ServeConfig))
