@@ -46,7 +46,10 @@ _CODES = (SlotState.FREE, SlotState.FILLING, SlotState.RESIDENT, SlotState.LOANE
 # horizon: require its decayed count to exceed the other's by about one route, so near-uniform routing (every count
 # a little above or below its neighbours) does not churn the cache.
 SWAP_MARGIN = 1.0
-WRITE_BATCH_BYTES = 256 << 20    # experts written to the pool per call, from a source without its own copies
+# experts written to the pool per call, from a source without its own copies: the bytes bound the device memory a
+# call stacks, the count bounds its arguments (each blob is one; thousands of small blobs compile for minutes)
+WRITE_BATCH_BYTES = 256 << 20
+WRITE_BATCH_BLOBS = 256
 
 
 class SlotStateError(RuntimeError):
@@ -239,8 +242,9 @@ class ExpertCache:
         self.fill(free[:len(pairs)], pairs, verify=verify)
         return len(pairs)
 
-    def adapt(self, max_swaps: int, verify: bool = False) -> int:
-        """Swap up to max_swaps low-scoring residents for higher-scoring absent experts (between windows)."""
+    def adapt(self, max_swaps: int, verify: bool = False, margin: float = SWAP_MARGIN) -> int:
+        """Swap up to max_swaps low-scoring residents for higher-scoring absent experts (between windows): a swap
+        needs the newcomer's decayed count above the evicted one's by more than `margin` routes."""
         if max_swaps <= 0:
             return 0
         candidates = self._best_absent(max_swaps)
@@ -250,7 +254,7 @@ class ExpertCache:
         slots, pairs = [], []
         for (p, e), i in zip(candidates, resident):
             s = self._slots[i]
-            if self.score[p, e] <= self.score[s.layer, s.expert] + SWAP_MARGIN:
+            if self.score[p, e] <= self.score[s.layer, s.expert] + margin:
                 break
             self.evict(i)
             slots.append(i)
@@ -282,7 +286,7 @@ class ExpertCache:
         else:
             # in batches: pool_write stacks its blobs on the device, which must stay small beside the pool
             pool = self.pool
-            per = max(1, WRITE_BATCH_BYTES // self.nbytes)
+            per = max(1, min(WRITE_BATCH_BLOBS, WRITE_BATCH_BYTES // self.nbytes))
             for a in range(0, len(pairs), per):
                 blobs = [self.source.blob(p, e) for p, e in pairs[a:a + per]]  # uint8 [nbytes] each, views if any
                 pool = self.ops.pool_write(pool, np.asarray(slots[a:a + per], np.int32), blobs)
