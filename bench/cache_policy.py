@@ -39,7 +39,7 @@ def routes(rng, n_tokens: int, n_layers: int, n_experts: int, k: int, hot, bias:
 
 
 def simulate(cache, rng, rows: int, windows: int, warm: int, k: int, hot, bias: float, adapt_swaps: int,
-             margin: float) -> dict:
+             margin: float, z: float) -> dict:
     n_layers, n_experts = cache.n_layers, cache.n_experts
     hits = misses = copies = swaps0 = 0
     for w in range(warm + windows):
@@ -58,7 +58,7 @@ def simulate(cache, rng, rows: int, windows: int, warm: int, k: int, hot, bias: 
             copies += len(np.unique(e[~resident]))
         cache.observe_all(counts)
         cache.end_window()
-        cache.adapt(adapt_swaps, margin=margin)
+        cache.adapt(adapt_swaps, margin=margin, z=z)
     swaps = cache.stats.swaps - swaps0
     return {"hit_rate": hits / max(hits + misses, 1), "copies_per_window": copies / windows,
             "swaps_per_window": swaps / windows,
@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=400)
     ap.add_argument("--warm", type=int, default=200)
     ap.add_argument("--margins", default="1,2,4")
+    ap.add_argument("--zs", default="0", help="significance terms: a swap needs margin + z * sqrt(both counts)")
     ap.add_argument("--swaps", default="8,64")
     ap.add_argument("--decays", default="0.97,0.99")
     ap.add_argument("--out", default=None)
@@ -88,20 +89,21 @@ def main() -> int:
     result = {"bench": "cache_policy", **results_file.stamp(), "layers": n_layers, "experts": n_experts, "k": k,
               "slots": slots, "windows": args.windows, "warm": args.warm, "blob_bytes_counted": REAL_BLOB,
               "runs": []}
-    print("| routing | batch | adapt_swaps | margin | decay | hit rate | copies/window | swaps/window | MB/token |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for routing, rows, swaps, margin, decay in itertools.product(
+    print("| routing | batch | adapt_swaps | margin | z | decay | hit rate | copies/window | swaps/window | MB/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for routing, rows, swaps, margin, z, decay in itertools.product(
             ("uniform", "skewed"), (1, 4), [int(s) for s in args.swaps.split(",")],
-            [float(m) for m in args.margins.split(",")], [float(d) for d in args.decays.split(",")]):
+            [float(m) for m in args.margins.split(",")], [float(x) for x in args.zs.split(",")],
+            [float(d) for d in args.decays.split(",")]):
         t = time.perf_counter()
         cache = ExpertCache(ops, store, slots, n_layers, n_experts, decay=decay)
         cache.place()                                                  # in order, as offload_speed starts
         r = simulate(cache, np.random.default_rng(1), rows, args.windows, args.warm, k,
-                     hot if routing == "skewed" else None, 1.2, swaps, margin)
-        r.update(routing=routing, rows=rows, adapt_swaps=swaps, margin=margin, decay=decay,
+                     hot if routing == "skewed" else None, 1.2, swaps, margin, z)
+        r.update(routing=routing, rows=rows, adapt_swaps=swaps, margin=margin, z=z, decay=decay,
                  seconds=time.perf_counter() - t)
         result["runs"].append(r)
-        print(f"| {routing} | {rows} | {swaps} | {margin:g} | {decay:g} | {100 * r['hit_rate']:.1f}% | "
+        print(f"| {routing} | {rows} | {swaps} | {margin:g} | {z:g} | {decay:g} | {100 * r['hit_rate']:.1f}% | "
               f"{r['copies_per_window']:.0f} | {r['swaps_per_window']:.1f} | {r['mb_per_token']:.0f} |", flush=True)
     results_file.write(result, args.out, "cache_policy_smoke" if args.smoke else "cache_policy_cpu")
     return 0

@@ -89,7 +89,7 @@ SERVE_FLAGS = {
                            "function (default on; off: layer by layer)"),
     "adapt_every": (int, "windows between adaptive expert swaps (default 1; 0 = off)"),
     "adapt_swaps": (int, "experts swapped at most per adaptation (default 8)"),
-    "adapt_decay": (float, "per-window decay of routing counts (default 0.97)"),
+    "adapt_decay": (float, "per-window decay of routing counts (default 0.99)"),
     "profile": (str, "routing profile from strata profile, for the initial placement"),
     "host_chunk_mib": (int, "largest single pinned host allocation of the expert mirror, MiB (default 1024, at most "
                             "2047); lower it where the driver refuses large pinned allocations"),

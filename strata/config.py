@@ -50,7 +50,7 @@ class ServeConfig:
     window_fetch: bool = True            # decode windows copy misses from pinned host memory themselves
     adapt_every: int = 1                 # windows between adaptive swaps (0: off)
     adapt_swaps: int = 8                 # experts swapped at most per adaptation
-    adapt_decay: float = 0.97            # per-window decay of the routing counts
+    adapt_decay: float = 0.99            # per-window decay of the routing counts
     profile: str | None = None           # routing profile (strata profile) for the initial placement
     host_chunk_mib: int = 1024           # largest single pinned allocation of the host mirror (seed 002)
     debug_slots: bool = False            # check every slot a computation reads against the pack (slow)

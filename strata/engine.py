@@ -50,7 +50,7 @@ class EngineOptions:
     staging_slots: int = 0               # with prefill_borrow off: slots reserved for prompt parts (0: auto)
     adapt_every: int = 1                 # windows between adaptive swaps (0: off)
     adapt_swaps: int = 8                 # swaps at most per adaptation
-    adapt_decay: float = 0.97            # per-window decay of routing counts
+    adapt_decay: float = 0.99            # per-window decay of routing counts
     profile: str | None = None           # routing profile (strata profile) for the initial placement
     host_chunk_mib: int = 1024           # largest single host allocation of the mirror
     debug_slots: bool = False            # check every slot a computation reads against the pack (slow)

@@ -171,18 +171,21 @@ def test_decode_misses_beyond_the_usable_slots_run_in_passes_beside_staging_slot
 
 
 def test_adapt_swaps_in_a_clearly_busier_expert_and_does_not_churn_on_near_ties():
-    """Adaptive swaps follow decayed routing counts, with a margin of about one route (cache.SWAP_MARGIN): an expert
-    routed far more than a resident one replaces it; counts within the margin swap nothing."""
-    from strata.experts.cache import SWAP_MARGIN
+    """Adaptive swaps follow decayed routing counts and need the newcomer's count above the evicted one's by more
+    than SWAP_MARGIN + SWAP_Z * sqrt(both counts) (cache.py): an expert routed far more than a resident one replaces
+    it; a count just at that threshold swaps nothing."""
+    from strata.experts.cache import SWAP_MARGIN, SWAP_Z
     cache = ExpertCache(OPS, STORE, 4, LAYERS, E)
     cache.place()                                        # in order: layer 0, experts 0..3
     assert sorted(int(e) for e in np.flatnonzero(cache.table()[0] >= 0)) == [0, 1, 2, 3]
+    # the threshold over residents with count 0: s = margin + z * sqrt(s), s = ((z + sqrt(z^2 + 4 margin)) / 2)^2
+    at = ((SWAP_Z + np.sqrt(SWAP_Z ** 2 + 4 * SWAP_MARGIN)) / 2) ** 2
     near = np.zeros(E)
-    near[5] = SWAP_MARGIN                                # better than the residents (0), but only by the margin
+    near[5] = 0.999 * at                                 # better than the residents (0), but within the threshold
     cache.observe(0, near)
     assert cache.adapt(4) == 0 and cache.stats.swaps == 0
     busy = np.zeros(E)
-    busy[6] = 5
+    busy[6] = 3 * at
     cache.observe(0, busy)
     assert cache.adapt(4) == 1 and cache.table()[0, 6] >= 0
     assert cache.verify() == []
