@@ -1,0 +1,152 @@
+"""The decode form of the expert op as Pallas kernels that dequantize int4 blobs in the kernel (issue 4; int4 first,
+the format the benchmarks run).
+
+Why: the XLA op (experts.py, experts_from_pool) gathers each route's whole blob, decodes it into float weights in
+HBM and multiplies: at Qwen3-Next-80B shapes and batch 1 that is ~3x the blob's bytes written and read again, in a
+chain of small launches. These kernels read each route's packed bytes once and keep the decoded weights in registers.
+
+Floor (H200, batch 1, one MoE layer, 10 routes of 1.57 MiB): 16.5 MB read / 3.3 TB/s = 5.0 us, against ~40 us the
+XLA gather form spends per layer in the all-resident decode (8.2 ms / 48 layers, of which the experts are a part).
+Not yet measured on the GPU: what is verified is the arithmetic, in Pallas interpret mode, against the numpy
+reference (tests/kernels/test_expert_decode.py).
+
+Two kernels per call, both on Pallas' Triton backend (verified on the H200 for the copy kernel beside this one,
+interpretable on the CPU in every JAX version we run):
+- gate/up: program (route r, block of BI rows of I) -> h[r, rows] = silu(gate[rows] . x) * (up[rows] . x);
+- down: program (route r, block of BH rows of H) -> y[r, rows] = weight[r] * (down[rows] . h[r]).
+The routes' sum per token is one XLA reduction. A route with slot -1 contributes exactly 0.
+Within a group of G = 128 columns an int4 row is (q - z) * s: the kernel sums (q - z) * x over the group's even and
+odd columns (low and high nibbles) and multiplies by s once per group.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from strata.weights import quant
+from strata.weights.quant import BlobLayout
+
+BLOCK_ROWS = 32          # rows of a weight matrix per program (a power of two: Triton block shapes must be)
+
+
+def _group_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, kk, ve, vo):
+    """sum over group kk of row `rows` [B] of int4 matrix m times v: ve, vo [G/2] are v's even and odd columns of
+    the group. -> f32 [B]."""
+    rows_n, cols = lay.shape_of(m)
+    g = lay.group_of(m)
+    q, s, z = (lay.field(f"{m}.{n}") for n in ("q", "s", "z"))
+    half = g // 2
+    byte = kk * half + lax.broadcasted_iota(jnp.int32, (1, half), 1)                # [1, G/2]
+    qb = pool_ref[slot, q.offset + rows[:, None] * (cols // 2) + byte]             # uint8 [B, G/2]
+    lo = (qb & 0xF).astype(jnp.float32)                                            # even columns
+    hi = (qb >> 4).astype(jnp.float32)                                             # odd columns
+    at = rows * (cols // g) + kk                                                   # [B] group index in s, z
+    s_bits = (pool_ref[slot, s.offset + 2 * at].astype(jnp.uint16)
+              | (pool_ref[slot, s.offset + 2 * at + 1].astype(jnp.uint16) << 8))   # little-endian float16
+    scale = lax.bitcast_convert_type(s_bits, jnp.float16).astype(jnp.float32)
+    zero = pool_ref[slot, z.offset + at].astype(jnp.float32)
+    part = jnp.sum((lo - zero[:, None]) * ve[None, :] + (hi - zero[:, None]) * vo[None, :], axis=1)
+    return part * scale
+
+
+def _gate_up_kernel(slots_ref, toks_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayout, block: int):
+    r, ib = pl.program_id(0), pl.program_id(1)
+    slot, t = slots_ref[r], toks_ref[r]
+
+    @pl.when(slot < 0)
+    def _():
+        h_ref[...] = jnp.zeros((block,), jnp.float32)
+
+    @pl.when(slot >= 0)
+    def _():
+        rows = ib * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
+        _, hidden = lay.shape_of("gate")
+        g = lay.group_of("gate")
+
+        def group(kk, acc):
+            ve = x_ref[t, pl.ds(kk * g, g // 2, stride=2)].astype(jnp.float32)
+            vo = x_ref[t, pl.ds(kk * g + 1, g // 2, stride=2)].astype(jnp.float32)
+            return (acc[0] + _group_dot(pool_ref, slot, rows, lay, "gate", kk, ve, vo),
+                    acc[1] + _group_dot(pool_ref, slot, rows, lay, "up", kk, ve, vo))
+
+        zero = jnp.zeros((block,), jnp.float32)
+        gate, up = lax.fori_loop(0, hidden // g, group, (zero, zero))
+        h_ref[...] = gate * jax.nn.sigmoid(gate) * up
+
+
+def _down_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayout, block: int):
+    r, hb = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[r]
+
+    @pl.when(slot < 0)
+    def _():
+        y_ref[...] = jnp.zeros((block,), jnp.float32)
+
+    @pl.when(slot >= 0)
+    def _():
+        rows = hb * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
+        _, inter = lay.shape_of("down")
+        g = lay.group_of("down")
+
+        def group(kk, acc):
+            ve = h_ref[r, pl.ds(kk * g, g // 2, stride=2)]
+            vo = h_ref[r, pl.ds(kk * g + 1, g // 2, stride=2)]
+            return acc + _group_dot(pool_ref, slot, rows, lay, "down", kk, ve, vo)
+
+        y = lax.fori_loop(0, inter // g, group, jnp.zeros((block,), jnp.float32))
+        y_ref[...] = y * weight_ref[r]
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "interpret"))
+def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False):
+    """The expert op (experts.experts_from_pool's contract) for few routes over int4 blobs, by the two kernels.
+
+    pool uint8 [N, nbytes]; x [T, H]; slots int32 [T, k] in [-1, N) (-1: skipped, contributes 0); weight [T, k].
+    -> [T, H] in x.dtype (computed in float32)."""
+    if layout.fmt != "int4":
+        raise ValueError(f"experts_decode_int4 reads int4 blobs, not {layout.fmt!r}")
+    t, k = slots.shape
+    inter, hidden = layout.shape_of("gate")
+    for m in quant.MATRICES:
+        g = layout.group_of(m)
+        if g & (g - 1) or layout.shape_of(m)[1] % g:
+            raise ValueError(f"{m}: group {g} must be a power of two dividing {layout.shape_of(m)[1]} columns")
+    bi, bh = min(BLOCK_ROWS, inter), min(BLOCK_ROWS, hidden)
+    if inter % bi or hidden % bh or bi & (bi - 1) or bh & (bh - 1):
+        raise ValueError(f"I={inter} and H={hidden} must be multiples of a power-of-two block (<= {BLOCK_ROWS})")
+    routes = t * k
+    flat_slots = slots.reshape(routes).astype(jnp.int32)
+    toks = jnp.arange(routes, dtype=jnp.int32) // k
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltr
+        kwargs["compiler_params"] = pltr.CompilerParams(num_warps=4, num_stages=2)
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, lay=layout, block=bi),
+        out_shape=jax.ShapeDtypeStruct((routes, inter), jnp.float32),
+        grid=(routes, inter // bi),
+        in_specs=[pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, anywhere],
+        out_specs=pl.BlockSpec((None, bi), lambda r, i: (r, i)),
+        interpret=interpret, **kwargs,
+    )(flat_slots, toks, x, pool)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, lay=layout, block=bh),
+        out_shape=jax.ShapeDtypeStruct((routes, hidden), jnp.float32),
+        grid=(routes, hidden // bh),
+        in_specs=[pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, anywhere],
+        out_specs=pl.BlockSpec((None, bh), lambda r, i: (r, i)),
+        interpret=interpret, **kwargs,
+    )(flat_slots, weight.reshape(routes).astype(jnp.float32), h, pool)
+    return y.reshape(t, k, hidden).sum(axis=1).astype(x.dtype)
+
+
+def _reference(layout: BlobLayout, pool, x, slots, weight):
+    """numpy (float64 arithmetic): the expert op over the pool's blobs, float32 [T, H]."""
+    return quant.expert_reference(layout, np.asarray(pool), np.asarray(x, np.float32), np.asarray(slots),
+                                  np.asarray(weight, np.float32))
