@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from strata.jax_backend.kernels import triton_params
 from strata.weights import quant
 from strata.weights.quant import BlobLayout
 
@@ -54,20 +55,26 @@ def _group_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, kk, ve, vo):
     return part * scale
 
 
-def _gate_up_kernel(slots_ref, toks_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayout, block: int):
-    r, ib = pl.program_id(0), pl.program_id(1)
-    slot, t = slots_ref[r], toks_ref[r]
+def _route_block(slot, out_ref, block: int, compute):
+    """Program (r, j)'s output block: compute(rows j*block ..) for a computed route, zeros for a skipped one (-1).
+    (program_id is read here, outside the branches: interpret mode cannot lower it inside one.)"""
+    rows = pl.program_id(1) * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
 
     @pl.when(slot < 0)
     def _():
-        h_ref[...] = jnp.zeros((block,), jnp.float32)
+        out_ref[...] = jnp.zeros((block,), jnp.float32)
 
     @pl.when(slot >= 0)
     def _():
-        rows = ib * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
-        _, hidden = lay.shape_of("gate")
-        g = lay.group_of("gate")
+        out_ref[...] = compute(rows)
 
+
+def _gate_up_kernel(slots_ref, toks_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayout, block: int):
+    slot, t = slots_ref[pl.program_id(0)], toks_ref[pl.program_id(0)]
+    _, hidden = lay.shape_of("gate")
+    g = lay.group_of("gate")
+
+    def compute(rows):
         def group(kk, acc):
             ve = x_ref[t, pl.ds(kk * g, g // 2, stride=2)].astype(jnp.float32)
             vo = x_ref[t, pl.ds(kk * g + 1, g // 2, stride=2)].astype(jnp.float32)
@@ -76,30 +83,26 @@ def _gate_up_kernel(slots_ref, toks_ref, x_ref, pool_ref, h_ref, *, lay: BlobLay
 
         zero = jnp.zeros((block,), jnp.float32)
         gate, up = lax.fori_loop(0, hidden // g, group, (zero, zero))
-        h_ref[...] = gate * jax.nn.sigmoid(gate) * up
+        return gate * jax.nn.sigmoid(gate) * up
+
+    _route_block(slot, h_ref, block, compute)
 
 
 def _down_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayout, block: int):
-    r, hb = pl.program_id(0), pl.program_id(1)
+    r = pl.program_id(0)
     slot = slots_ref[r]
+    _, inter = lay.shape_of("down")
+    g = lay.group_of("down")
 
-    @pl.when(slot < 0)
-    def _():
-        y_ref[...] = jnp.zeros((block,), jnp.float32)
-
-    @pl.when(slot >= 0)
-    def _():
-        rows = hb * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
-        _, inter = lay.shape_of("down")
-        g = lay.group_of("down")
-
+    def compute(rows):
         def group(kk, acc):
             ve = h_ref[r, pl.ds(kk * g, g // 2, stride=2)]
             vo = h_ref[r, pl.ds(kk * g + 1, g // 2, stride=2)]
             return acc + _group_dot(pool_ref, slot, rows, lay, "down", kk, ve, vo)
 
-        y = lax.fori_loop(0, inter // g, group, jnp.zeros((block,), jnp.float32))
-        y_ref[...] = y * weight_ref[r]
+        return lax.fori_loop(0, inter // g, group, jnp.zeros((block,), jnp.float32)) * weight_ref[r]
+
+    _route_block(slot, y_ref, block, compute)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "interpret"))
@@ -122,28 +125,24 @@ def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret
     routes = t * k
     flat_slots = slots.reshape(routes).astype(jnp.int32)
     toks = jnp.arange(routes, dtype=jnp.int32) // k
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltr
-        kwargs["compiler_params"] = pltr.CompilerParams(num_warps=4, num_stages=2)
-    anywhere = pl.BlockSpec(memory_space=pl.ANY)
-    h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, lay=layout, block=bi),
-        out_shape=jax.ShapeDtypeStruct((routes, inter), jnp.float32),
-        grid=(routes, inter // bi),
-        in_specs=[pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, anywhere],
-        out_specs=pl.BlockSpec((None, bi), lambda r, i: (r, i)),
-        interpret=interpret, **kwargs,
-    )(flat_slots, toks, x, pool)
-    y = pl.pallas_call(
-        functools.partial(_down_kernel, lay=layout, block=bh),
-        out_shape=jax.ShapeDtypeStruct((routes, hidden), jnp.float32),
-        grid=(routes, hidden // bh),
-        in_specs=[pl.no_block_spec, pl.no_block_spec, pl.no_block_spec, anywhere],
-        out_specs=pl.BlockSpec((None, bh), lambda r, i: (r, i)),
-        interpret=interpret, **kwargs,
-    )(flat_slots, weight.reshape(routes).astype(jnp.float32), h, pool)
+    h = _per_route(functools.partial(_gate_up_kernel, lay=layout, block=bi), routes, inter, bi, interpret,
+                   flat_slots, toks, x, pool)                                      # [R, I] f32
+    y = _per_route(functools.partial(_down_kernel, lay=layout, block=bh), routes, hidden, bh, interpret,
+                   flat_slots, weight.reshape(routes).astype(jnp.float32), h, pool)  # [R, H] f32
     return y.reshape(t, k, hidden).sum(axis=1).astype(x.dtype)
+
+
+def _per_route(kernel, routes: int, cols: int, block: int, interpret: bool, *args):
+    """One kernel call over grid (route, block of `cols`): the last argument is the pool (read where the kernel
+    says), the others whole arrays; -> float32 [routes, cols]."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((routes, cols), jnp.float32),
+        grid=(routes, cols // block),
+        in_specs=[pl.no_block_spec] * (len(args) - 1) + [pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((None, block), lambda r, j: (r, j)),
+        interpret=interpret, **triton_params(interpret, num_warps=4, num_stages=2),
+    )(*args)
 
 
 def _reference(layout: BlobLayout, pool, x, slots, weight):

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from strata.jax_backend.kernels import triton_params
+
 BLOCK_BYTES = 8192      # bytes per program (one row's block); a blob's stride is a multiple of 4096 (quant.BLOB_ALIGN)
 MAX_CHUNK_BYTES = (1 << 31) - 1   # the kernel's offsets into a chunk are 32-bit
 
@@ -66,10 +68,6 @@ def copy_host_rows(dst, src, rows, lo, hi, *, interpret: bool = False):
     if interpret:                                     # interpret mode reads device memory only (see the docstring)
         src = jax.device_put(src, jax.memory.Space.Device)
     bounds = jnp.stack([jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)])
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltr
-        kwargs["compiler_params"] = pltr.CompilerParams(num_warps=4, num_stages=1)
     return pl.pallas_call(
         _kernel,
         out_shape=jax.ShapeDtypeStruct((m, nbytes), jnp.uint8),
@@ -79,7 +77,7 @@ def copy_host_rows(dst, src, rows, lo, hi, *, interpret: bool = False):
         out_specs=pl.BlockSpec((None, blk), lambda i, j: (i, j)),
         input_output_aliases={3: 0},
         interpret=interpret,
-        **kwargs,
+        **triton_params(interpret, num_warps=4, num_stages=1),
     )(bounds, rows.astype(jnp.int32), src, dst)
 
 
