@@ -4,20 +4,27 @@ Inside jit, `device_put(dynamic_slice(host_array, e), device)` on an array in pi
 host-to-device copy of just that slice (XLA's host offloading). This measures, on the current device:
 - per-blob time of such copies in a while loop of dynamic length (the miss count is known only on the device),
 - the same for a fixed-length loop and for a gather of several rows (which may copy the whole array),
-- against the per-blob device_put of separately pinned blobs (what the layer-by-layer path does now).
+- against the per-blob device_put of separately pinned blobs (what the layer-by-layer path does now),
+- and other forms of the copy (written out, stacked, contiguous, static offsets, kernels/host_rows.py's kernel).
 Writes JSON to $OUT/host_fetch_probe.json when OUT is set.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import results_file  # bench/, beside this script
-from engine_speed import timed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file  # noqa: E402
+from engine_speed import timed  # noqa: E402
+
+from strata.jax_backend.kernels.host_rows import copy_host_rows  # noqa: E402
 
 
 class Shown(dict):
@@ -125,83 +132,49 @@ def copy_variants(res: dict, layers, ids, host, on_dev, NB, small):
     big = jax.device_put(np.zeros((256 if small else 1024) << 20, np.uint8), host)
     record("one_pinned_buffer", lambda: jax.device_put(big, on_dev).block_until_ready(), big.size)
 
+    def over_layers(fetch):
+        """A jitted window over every layer's host array h: fetch(h, arg) -> device arrays of rows (copied somehow);
+        a little of each is summed, so no copy is optimised away."""
+        @jax.jit
+        def window(hs, arg):
+            acc = jnp.zeros((1024,), jnp.float32)
+            for h in hs:
+                for b in fetch(h, arg):
+                    acc = acc + b.reshape(-1, NB)[:, :1024].astype(jnp.float32).sum(0)
+            return acc
+        return lambda arg: window(layers, arg).block_until_ready()
+
+    def row(h, i):
+        return jax.lax.dynamic_index_in_dim(h, i, keepdims=False)                    # [NB] in host memory
+
     # 7 copies per layer written out (no loop, static count): is the loop's per-iteration sync the overhead?
-    @jax.jit
-    def unrolled(hs, ids):
-        acc = jnp.zeros((1024,), jnp.float32)
-        for h in hs:
-            for j in range(7):
-                b = jax.device_put(jax.lax.dynamic_index_in_dim(h, ids[j], keepdims=False), on_dev)
-                acc = acc + b[:1024].astype(jnp.float32)
-        return acc
-    record(f"unrolled_{L}x7", lambda: unrolled(layers, ids).block_until_ready(), L * 7 * NB)
-
+    unrolled = over_layers(lambda h, ids: [jax.device_put(row(h, ids[j]), on_dev) for j in range(7)])
+    record(f"unrolled_{L}x7", lambda: unrolled(ids), L * 7 * NB)
     # the 7 rows stacked in host memory, then one copy per layer
-    @jax.jit
-    def stacked(hs, ids):
-        acc = jnp.zeros((1024,), jnp.float32)
-        for h in hs:
-            rows = jnp.stack([jax.lax.dynamic_index_in_dim(h, ids[j], keepdims=False) for j in range(7)])
-            b = jax.device_put(rows, on_dev)
-            acc = acc + b[:, :1024].astype(jnp.float32).sum(0)
-        return acc
-    record(f"stacked_{L}x7", lambda: stacked(layers, ids).block_until_ready(), L * 7 * NB)
-
+    stacked = over_layers(lambda h, ids: [jax.device_put(jnp.stack([row(h, ids[j]) for j in range(7)]), on_dev)])
+    record(f"stacked_{L}x7", lambda: stacked(ids), L * 7 * NB)
     # a contiguous run of 7 rows by one dynamic slice per layer (the lower bound of a slice-by-offset copy)
-    @jax.jit
-    def runs(hs, start):
-        acc = jnp.zeros((1024,), jnp.float32)
-        for h in hs:
-            b = jax.device_put(jax.lax.dynamic_slice_in_dim(h, start, 7), on_dev)
-            acc = acc + b[:, :1024].astype(jnp.float32).sum(0)
-        return acc
-    record(f"contiguous_{L}x7", lambda: runs(layers, jnp.int32(3)).block_until_ready(), L * 7 * NB)
-
+    runs = over_layers(lambda h, start: [jax.device_put(jax.lax.dynamic_slice_in_dim(h, start, 7), on_dev)])
+    record(f"contiguous_{L}x7", lambda: runs(jnp.int32(3)), L * 7 * NB)
     # static offsets: the copy needs no offset from the device
-    @jax.jit
-    def static_rows(hs):
-        acc = jnp.zeros((1024,), jnp.float32)
-        for h in hs:
-            for j in range(7):
-                b = jax.device_put(h[5 * j + 1], on_dev)
-                acc = acc + b[:1024].astype(jnp.float32)
-        return acc
-    record(f"static_{L}x7", lambda: static_rows(layers).block_until_ready(), L * 7 * NB)
+    static_rows = over_layers(lambda h, _: [jax.device_put(h[5 * j + 1], on_dev) for j in range(7)])
+    record(f"static_{L}x7", lambda: static_rows(None), L * 7 * NB)
 
-    # a Triton-backend Pallas kernel reading host rows directly (zero copy over PCIe), if XLA passes host memory
+    # the project's kernel reading host rows directly (kernels/host_rows.py: zero copy over PCIe)
+    def kernel_rows(h, idx):
+        staging = jnp.zeros((idx.shape[0], NB), jnp.uint8)
+        return copy_host_rows(staging, h, idx, jnp.int32(0), jnp.int32(idx.shape[0]), interpret=small)
+
     try:
-        from jax.experimental import pallas as pl
-        from jax.experimental.pallas import triton as pltr
-        BLK = 8192
-        nblk = NB // BLK
-
-        def kern(ids_ref, h_ref, o_ref):
-            row = ids_ref[pl.program_id(0)]
-            o_ref[...] = h_ref[row, pl.ds(pl.program_id(1) * BLK, BLK)]
-
-        def pallas_rows(h, idx):
-            return pl.pallas_call(
-                kern, out_shape=jax.ShapeDtypeStruct((idx.shape[0], NB), jnp.uint8), grid=(idx.shape[0], nblk),
-                in_specs=[pl.no_block_spec, pl.BlockSpec(memory_space=pl.ANY)],
-                out_specs=pl.BlockSpec((None, BLK), lambda i, j: (i, j)),
-                compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=small)(idx, h)
-
-        one = jax.jit(pallas_rows)
+        one = jax.jit(kernel_rows)
         got = one(layers[0], ids[:7])
         res["pallas_rows_correct"] = bool(np.array_equal(
             np.asarray(got), np.asarray(jax.device_get(layers[0]))[np.asarray(ids)[:7]]))
         record("pallas_rows_1x7", lambda: one(layers[0], ids[:7]).block_until_ready(), 7 * NB)
-
-        @jax.jit
-        def pallas_window(hs, ids):
-            acc = jnp.zeros((1024,), jnp.float32)
-            for h in hs:
-                acc = acc + pallas_rows(h, ids[:7])[:, :1024].astype(jnp.float32).sum(0)
-            return acc
-        record(f"pallas_rows_{L}x7", lambda: pallas_window(layers, ids).block_until_ready(), L * 7 * NB)
-    except Exception as e:                       # noqa: BLE001
+        kernel_window = over_layers(lambda h, ids: [kernel_rows(h, ids[:7])])
+        record(f"pallas_rows_{L}x7", lambda: kernel_window(ids), L * 7 * NB)
+    except Exception as e:                       # noqa: BLE001 - the probe records what the compiler refuses
         res["pallas_rows_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-
 
 if __name__ == "__main__":
     main()

@@ -28,11 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402
 import summary  # noqa: E402
-from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader  # noqa: E402
+from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader, timed  # noqa: E402
 from synthetic_experts import SyntheticStore  # noqa: E402
 from trace_summary import print_summary, trace_summary  # noqa: E402
 
 GIB = 1 << 30
+
+
+def _bytes_per_s(copy, nbytes: int) -> float:
+    """nbytes over the median time of copy() (which blocks until its copy is done), after one untimed run."""
+    copy()
+    return nbytes / timed(copy, 3)
 
 
 def h2d_rate(nbytes: int, n: int = 64) -> dict:
@@ -40,43 +46,27 @@ def h2d_rate(nbytes: int, n: int = 64) -> dict:
     import jax
     dev = jax.devices()[0]
     blobs = [np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8) for i in range(n)]
-    jax.block_until_ready(jax.device_put(blobs, dev))
-    t = time.perf_counter()
-    for _ in range(3):
-        jax.block_until_ready(jax.device_put(blobs, dev))
-    per_blob = 3 * n * nbytes / (time.perf_counter() - t)
+    per_blob = _bytes_per_s(lambda: jax.block_until_ready(jax.device_put(blobs, dev)), n * nbytes)
     big = np.concatenate(blobs)
-    jax.block_until_ready(jax.device_put(big, dev))
-    t = time.perf_counter()
-    for _ in range(3):
-        jax.block_until_ready(jax.device_put(big, dev))
-    one = 3 * big.nbytes / (time.perf_counter() - t)
+    one = _bytes_per_s(lambda: jax.block_until_ready(jax.device_put(big, dev)), big.nbytes)
     pinned_host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    pinned = [jax.device_put(b, pinned_host) for b in blobs]        # one pinned buffer per expert
     on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-    jax.block_until_ready(jax.device_put(pinned, on_device))
-    t = time.perf_counter()
-    for _ in range(3):
-        jax.block_until_ready(jax.device_put(pinned, on_device))
-    per_pinned = 3 * n * nbytes / (time.perf_counter() - t)
+    pinned = [jax.device_put(b, pinned_host) for b in blobs]        # one pinned buffer per expert
+    per_pinned = _bytes_per_s(lambda: jax.block_until_ready(jax.device_put(pinned, on_device)), n * nbytes)
     one_pinned = jax.device_put(np.zeros(1 << 30, np.uint8), pinned_host)    # the copy engine's own rate
-    jax.block_until_ready(jax.device_put(one_pinned, on_device))
-    t = time.perf_counter()
-    for _ in range(3):
-        jax.block_until_ready(jax.device_put(one_pinned, on_device))
-    one_pinned_rate = 3 * one_pinned.size / (time.perf_counter() - t)
+    one_pinned_rate = _bytes_per_s(lambda: jax.block_until_ready(jax.device_put(one_pinned, on_device)),
+                                   one_pinned.size)
     del one_pinned
     # the copies a window-fetch decode makes: rows of one pinned chunk, copied inside a compiled function (pool_fill)
     from strata.jax_backend.backend import JaxBackend
     ops = JaxBackend()
     chunk = ops.host_chunk(big.reshape(n, nbytes))
-    pool = ops.pool_alloc(n, nbytes)
+    pool = [ops.pool_alloc(n, nbytes)]                              # the pool is donated: each fill returns the next
     rows = np.arange(n)
-    pool = jax.block_until_ready(ops.pool_fill(pool, rows, [chunk], [0, n], rows))
-    t = time.perf_counter()
-    for _ in range(3):
-        pool = jax.block_until_ready(ops.pool_fill(pool, rows, [chunk], [0, n], rows))
-    in_window = 3 * n * nbytes / (time.perf_counter() - t)
+
+    def fill():
+        pool[0] = jax.block_until_ready(ops.pool_fill(pool[0], rows, [chunk], [0, n], rows))
+    in_window = _bytes_per_s(fill, n * nbytes)
     rates = {"h2d_bytes_per_s_pinned_one_buffer": one_pinned_rate, "h2d_bytes_per_s_pinned_expert_buffers": per_pinned,
              "h2d_bytes_per_s_expert_buffers": per_blob, "h2d_bytes_per_s_one_buffer": one,
              "h2d_bytes_per_s_compiled_chunk_copies": in_window}
@@ -132,15 +122,21 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False)
     pos = np.full(n_rows, 32, np.int32)
     plan = replace(base, decode_active=np.ones(n_rows, bool))
     cache = engine.experts.cache
+
+    def window():
+        nonlocal nxt, pos
+        r = runner.run(replace(plan, decode_tokens=nxt, decode_pos=pos))
+        nxt, pos = r.decode_next.astype(np.int32), pos + 1
+        return r
+
     call_s = 0.0
     for i in range(warm + tokens):
         if i == warm:
             st0 = dict(cache.stats.as_dict())
             t0 = time.perf_counter()
             call_s, between0 = 0.0, runner.between_s
-        r = runner.run(replace(plan, decode_tokens=nxt, decode_pos=pos))
+        r = window()
         call_s += r.decode_s + r.part_s  # no prompt part here
-        nxt, pos = r.decode_next.astype(np.int32), pos + 1
     # the cache's host work between windows (refill, swaps): with window fetch it overlaps the next window's device
     # work, so it is part of runner.run's time but not necessarily of the window's
     between_s = runner.between_s - between0
@@ -148,11 +144,6 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False)
     st = cache.stats.as_dict()
     extra = {}
     if trace:                         # after the timed windows, so the profiler costs them nothing
-
-        def window():
-            nonlocal nxt, pos
-            r = runner.run(replace(plan, decode_tokens=nxt, decode_pos=pos))
-            nxt, pos = r.decode_next.astype(np.int32), pos + 1
         extra["trace"] = trace_summary(window)
         print_summary(extra["trace"])
     hits, misses = st["hits"] - st0["hits"], st["misses"] - st0["misses"]

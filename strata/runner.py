@@ -84,8 +84,8 @@ class WindowRunner:
         t0 = time.perf_counter()
         decode_next = np.zeros(self.n_slots, np.int32)
         decode_finite = np.ones(self.n_slots, bool)
-        overlap = bool(plan.n_decode) and not e.fused and e.experts is not None and e.experts.window_fetch
-        if not overlap:
+        fetching = bool(plan.n_decode) and not e.fused and e.experts.window_fetch    # the decode copies its misses
+        if not fetching:
             self._between_windows()
         if plan.n_decode:
             pos = np.where(plan.decode_active, plan.decode_pos, self.scratch_pos).astype(np.int32)
@@ -93,7 +93,7 @@ class WindowRunner:
             if e.fused:
                 nxt, fin, self.states = self._decode(e.params, e.expert_args(), self.states, plan.decode_tokens, pos,
                                                      active, *sp, plan.seeds, plan.steps)
-            elif e.experts.window_fetch:
+            elif fetching:
                 args, table = e.experts.fetch_args()
                 nxt, fin, self.states, counts, copied = self._decode_fetch(
                     e.params, args, self.states, plan.decode_tokens, pos, active, *sp, plan.seeds, plan.steps)

@@ -136,7 +136,7 @@ class HostMirror:
     def blobs(self, p: int, experts) -> np.ndarray:
         """Experts `experts` of MoE layer p -> uint8 [m, nbytes] on the host; pinned chunks are read with one
         device call per chunk rather than one per expert."""
-        where = np.array([self.where_is[p, int(e)] for e in experts], np.int64).reshape(-1, 2)
+        where = self.where_is[p, np.asarray(experts, np.int64)].reshape(-1, 2)          # [m, (chunk, row)]
         out = np.empty((len(where), self.layout.nbytes), np.uint8)
         pinned = where[:, 0] >= 0 if self.device is not None else np.zeros(len(where), bool)
         for c in np.unique(where[pinned, 0]):
