@@ -62,14 +62,17 @@ def test_disconnect_frees_the_slot_and_spares_the_others(engine):
         def steady():
             other["result"] = _ask(srv.url, prompt, 40)
         # ignore_eos: the random demo model would otherwise end on an end-of-sequence token at a random moment.
-        # max_tokens near the context: on a loaded machine 5000 tokens could all be generated (into the socket's
-        # buffers) before this thread looked at /slots; this many cannot, as the unread socket fills and throttles it
+        # max_tokens near the context: the engine does not wait for the client (its event buffer is unbounded), so on a
+        # fast machine 5000 tokens could all be generated before this thread looked at /slots; 60000 cannot
         body = {"model": "demo", "stream": True, "max_tokens": 60000, "temperature": 0.7, "seed": 1,
                 "ignore_eos": True, "messages": [{"role": "user", "content": "go on forever"}]}
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             with c.stream("POST", "/v1/chat/completions", json=body) as resp:
                 got, request_id = 0, None
-                for line in resp.iter_lines():
+                # hold the line iterator: a `for` over a bare iter_lines() closes it at `break`, and closing it closes
+                # the connection, so the server could free the slot before the /slots check below
+                lines = resp.iter_lines()
+                for line in lines:
                     if line.startswith("data:") and "content" in line:
                         request_id = json.loads(line[5:])["id"]
                         got += 1
