@@ -154,7 +154,7 @@ BATCHES = (4, 16)     # decode batches measured beside batch 1
 
 
 def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, repeat: int,
-                overrides: dict | None = None) -> dict:
+                overrides: dict | None = None, experts: str = "bf16") -> dict:
     import ml_dtypes
 
     from strata.engine import Engine, EngineOptions
@@ -174,8 +174,8 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
                                                             sequences=max(BATCHES)))
         from synthetic_experts import SyntheticStore         # bench/, beside this script
         n_moe = sum(cfg.is_sparse_layer(i) for i in range(n))
-        store = SyntheticStore("bf16", cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
-        engine.attach_experts(store, say=lambda line: None)          # every expert resident, bf16
+        store = SyntheticStore(experts, cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
+        engine.attach_experts(store, say=lambda line: None)          # every expert resident
         r = measure(engine, prompt_len, decode_tokens, repeat)
         for b in BATCHES:
             r[f"decode_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens)
@@ -216,6 +216,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512 demo, 4096 real shapes)")
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--experts", default="bf16", choices=("bf16", "int8", "int4", "nvfp4"),
+                    help="real shapes: the format of the (all resident) experts; dense weights stay bf16")
     ap.add_argument("--smoke", action="store_true",
                     help="real shapes but 16 experts and a 4K vocabulary: checks the script on a CPU in seconds")
     ap.add_argument("--out", default=None, help="JSON file to write (default bench/results/<name>.json)")
@@ -224,10 +226,11 @@ def main() -> int:
     if args.real_shapes:
         prompt = args.prompt or 4096
         result = {"bench": "engine_speed_real_shapes", **stamp, "path": "XLA-only (no Pallas kernels)",
-                  "dtype": "bfloat16", **real_shapes([int(x) for x in args.layers.split(",")], prompt,
-                                                      args.decode, args.repeat,
-                                                      {"num_experts": 16, "vocab_size": 4096} if args.smoke else None)}
-        name = "engine_speed_real_shapes" + ("_smoke" if args.smoke else "")
+                  "dtype": "bfloat16", "experts": args.experts,
+                  **real_shapes([int(x) for x in args.layers.split(",")], prompt, args.decode, args.repeat,
+                                {"num_experts": 16, "vocab_size": 4096} if args.smoke else None, args.experts)}
+        name = "engine_speed_real_shapes" + ("" if args.experts == "bf16" else f"_{args.experts}") + \
+            ("_smoke" if args.smoke else "")
         print(f"\n| figure | value |\n|---|---|\n"
               f"| HBM read+write | {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s |\n"
               f"| prompt {prompt} tok, 48 layers (scaled) | {result['prompt_tok_s_48_layers']:.0f} tok/s |\n"

@@ -27,7 +27,8 @@ def stamp() -> dict:
     import jax
     d = jax.devices()[0]
     return {"machine": f"{d.platform}:{getattr(d, 'device_kind', '')} ({platform.node()}, jax {jax.__version__})",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit()}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}     # compiler flags change timings: a result names them
 
 
 def write(result: dict, out: str | None, default_name: str) -> Path:
