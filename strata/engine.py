@@ -128,10 +128,11 @@ class Engine:
     def read_part(self, state, tokens, start: int, n_valid: int, all_logits: bool):
         """One part of one sequence -> (logits, new state), fused or layer by layer."""
         if self.fused:
-            f = self._fused("read", forward, donate_argnums=(2,), static_argnames=("all_logits",))
+            f = self._fused("read", forward, donate_argnums=(2,), static_argnames=("all_logits", "with_counts"))
+            record = self.record_routing and self.experts is not None
             logits, state, counts = f(self.params, self.expert_args(), state, tokens, np.int32(start),
-                                      np.int32(n_valid), all_logits=all_logits)
-            if self.record_routing and self.experts is not None:
+                                      np.int32(n_valid), all_logits=all_logits, with_counts=record)
+            if record:
                 self.experts.cache.observe_all(np.asarray(self.backend.to_host(counts)))
             return logits, state
         if self.experts.window_fetch and len(tokens) == 1 and not all_logits:

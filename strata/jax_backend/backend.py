@@ -14,6 +14,7 @@ from jax import lax
 
 from strata.jax_backend.kernels.experts import copy_rows_loop, experts_fetching, experts_from_pool
 from strata.jax_backend.kernels.host_rows import copy_host_rows
+from strata.model.blocks import ComposedOps
 
 GDN_CHUNK = 64
 KV_BLOCK = 512      # keys per step of the attention's online softmax
@@ -21,7 +22,7 @@ ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cach
 FILL_BATCH = 64          # experts per pool_fill call (100 MB at Qwen3-Next-80B int4: the copies dwarf the call)
 
 
-class JaxBackend:
+class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses them in the jitted window
     name = "jax"
     xp = jnp
 

@@ -24,6 +24,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
+from strata.model.blocks import ComposedOps
 from strata.sycl_backend import runtime
 
 runtime.prepare_environment()          # before dpctl is first imported
@@ -146,7 +147,7 @@ class _Namespace:
         return dpnp.where(ops._dev(cond) if _is_host(cond) else cond, x, y)
 
 
-class SyclBackend:
+class SyclBackend(ComposedOps):
     name = "sycl"
 
     def __init__(self, device=None):
@@ -393,6 +394,115 @@ class SyclBackend:
             return x
         dst[...] = self._dev(row)
         return x
+
+    # --- fused ops (strata/model/blocks.py defines them; here each is one or a few launches, because every launch
+    # costs on this eager backend: tests/sycl/test_fused_ops.py holds each to the composition)
+    def _fmt(self, ws) -> str | None:
+        """The one stored format of the weights ("bf16" | "f32"), or None when they differ."""
+        fmts = {"bf16" if isinstance(w, Bf16) else "f32" for w in ws}
+        return fmts.pop() if len(fmts) == 1 else None
+
+    def _wbits(self, w):
+        return w.bits if isinstance(w, Bf16) else self._f32(w)
+
+    def _linears(self, x, ws, norm=None, residual=None):
+        """-> (h, ys) through one linears_ launch, or None when it does not apply (many rows: oneMKL's matmul)."""
+        x = self._f32(x)
+        n = x.shape[-1]
+        lead = x.shape[:-1]
+        rows = x.size // n if n else 0
+        fmt = self._fmt(ws)
+        if rows > LINEAR_KERNEL_ROWS or rows == 0 or len(ws) > k_linear.MAX_WEIGHTS or fmt is None:
+            return None
+        if norm is not None:
+            norm = (self._f32(norm[0]), norm[1])
+        if residual is not None:
+            residual = self._f32(residual).reshape(rows, ws[0].shape[0])
+        h, ys = k_linear.linears(self.kernels, x.reshape(rows, n), [self._wbits(w) for w in ws], fmt, norm, residual)
+        return (None if h is None else h.reshape(x.shape)), [y.reshape(lead + (w.shape[0],)) for y, w in zip(ys, ws)]
+
+    def norm_linears(self, x, scale, eps, ws):
+        self._op()
+        out = self._linears(x, ws, norm=(scale, eps))
+        return out if out is not None else super().norm_linears(x, scale, eps, ws)
+
+    def linears(self, x, ws):
+        self._op()
+        out = self._linears(x, ws)
+        return out[1] if out is not None else super().linears(x, ws)
+
+    def linear_add(self, x, w, residual):
+        self._op()
+        out = self._linears(x, [w], residual=residual)
+        return out[1][0] if out is not None else super().linear_add(x, w, residual)
+
+    def swiglu_out(self, g, u, w_down, residual, add=None, gate=None):
+        self._op()
+        g, u = self._f32(g), self._f32(u)
+        n = g.shape[-1]
+        rows = g.size // n if n else 0
+        if rows > LINEAR_KERNEL_ROWS or rows == 0:
+            return super().swiglu_out(g, u, w_down, residual, add, gate)
+        o = w_down.shape[0]
+        r2 = (rows, o)
+        y = k_linear.swiglu_down(self.kernels, g.reshape(rows, n), u.reshape(rows, n), self._wbits(w_down),
+                                 self._fmt([w_down]), self._f32(residual).reshape(r2),
+                                 None if add is None else self._f32(add).reshape(r2),
+                                 None if gate is None else self._f32(gate).reshape(rows))
+        return y.reshape(g.shape[:-1] + (o,))
+
+    def route(self, logits, k, renormalize):
+        self._op()
+        logits = self._f32(logits)
+        e = logits.shape[-1]
+        w, idx = k_topk.route(self.kernels, logits.reshape(-1, e), int(k), bool(renormalize))
+        return w.reshape(logits.shape[:-1] + (k,)), idx.reshape(logits.shape[:-1] + (k,))
+
+    def expert_slots(self, table_row, idx, n_valid):
+        self._op()
+        if not _is_host(n_valid):
+            return super().expert_slots(table_row, idx, n_valid)
+        idx = self._dev(idx, np.dtype(np.int32))
+        table_row = self._dev(table_row, np.dtype(np.int32))
+        return k_topk.expert_slots(self.kernels,
+                                   table_row if table_row.flags.c_contiguous else dpnp.ascontiguousarray(table_row),
+                                   idx if idx.flags.c_contiguous else dpnp.ascontiguousarray(idx), int(n_valid))
+
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, k_cache, v_cache, start, n_valid, rotary_dim,
+                        theta):
+        self._op()
+        if not (_is_host(start) and _is_host(n_valid)):
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, k_cache, v_cache, start, n_valid,
+                                           rotary_dim, theta)
+        t = q.shape[0]
+        cap, _, hd = k_cache.shape
+        k_cache, v_cache = self._state(k_cache), self._state(v_cache)
+        s0 = min(max(int(start), 0), cap - t)                  # as kv_write clamps
+        freqs = self._const(("rope", rotary_dim, float(theta)), lambda: k_rope.inv_freq(rotary_dim, theta))
+        qr = k_attention.attention_inputs(self.kernels, self._f32(q), self._f32(k), self._f32(v), self._f32(q_norm),
+                                          self._f32(k_norm), freqs, k_cache, v_cache, rotary_dim, eps, int(start), s0)
+        o = k_attention.attention_gated(self.kernels, qr, k_cache, v_cache, None if gate is None else self._f32(gate),
+                                        int(start), int(n_valid), hd ** -0.5)
+        return o.reshape(t, -1), k_cache, v_cache
+
+    def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
+                    n_k_heads):
+        self._op()
+        if not (_is_host(start) and _is_host(n_valid)):
+            return super().delta_block(qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start,
+                                       n_valid, n_k_heads)
+        t = qkv.shape[0]
+        conv_state, ssm = self._state(conv_state), self._state(ssm)
+        if not int(start) > 0:                       # a sequence starting at 0 starts from empty states
+            conv_state.fill(0)
+            ssm.fill(0)
+        hv, dk, dv = ssm.shape
+        kern = self.kernels
+        u, conv_state = k_conv.causal_conv(kern, self._f32(qkv), conv_state, self._weight(conv_w), int(n_valid))
+        o, ssm = k_gdn.gated_delta_raw(kern, u, self._f32(b), self._f32(a), self._f32(a_log), self._f32(dt_bias), ssm,
+                                       n_k_heads, dk, dv, int(n_valid))
+        o = k_norms.gated_rms_norm(kern, o, self._f32(z).reshape(t, hv, dv), self._f32(gnorm), eps)
+        return o.reshape(t, hv * dv), conv_state, ssm
 
     # --- mixture of experts
     def topk(self, x, k):

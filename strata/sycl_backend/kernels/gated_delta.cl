@@ -27,3 +27,45 @@ __kernel void gated_delta(__global const float* q, __global const float* k, __gl
     }
     for (int d = 0; d < dk; ++d) Sh[d * dv + e] = s[d];
 }
+
+
+// The gated delta rule straight from the conv output (the forward pass's delta_block): each work-item forms its own
+// inputs at every row, as the composition does: q and k of key head h / (hv / hk) l2-normed (q then times qscale,
+// dk^-0.5 rounded on the host as the composition rounds it), v[e] of head h, beta = sigmoid(b) and
+// g = -exp(A_log) * softplus(a + dt_bias), both 0 for rows at or past n_valid (the state is then unchanged).
+// u [T, 2*hk*dk + hv*dv]; b, a [T, hv]; a_log, dt_bias [hv]; S [hv, dk, dv] fp32 in place; o [T, hv, dv].
+__kernel void gated_delta_raw(__global const float* u, __global const float* b, __global const float* a,
+                              __global const float* a_log, __global const float* dt_bias, __global float* S,
+                              __global float* o, const int T, const int hk, const int hv, const int dk,
+                              const int dv, const float qscale, const int n_valid) {
+    const int h = (int)(get_global_id(0) / dv);
+    const int e = (int)(get_global_id(0) % dv);
+    if (h >= hv) return;
+    const int j = h / (hv / hk);
+    const size_t C = (size_t)2 * hk * dk + (size_t)hv * dv;
+    float s[GDN_DK_MAX];
+    __global float* Sh = S + (size_t)h * dk * dv;
+    for (int d = 0; d < dk; ++d) s[d] = Sh[d * dv + e];
+    const float neg_a = -exp(a_log[h]);
+    for (int t = 0; t < T; ++t) {
+        __global const float* ut = u + t * C;
+        __global const float* qs = ut + j * dk;
+        __global const float* ks = ut + hk * dk + j * dk;
+        float sq = 0.0f, sk = 0.0f;
+        for (int d = 0; d < dk; ++d) { sq += qs[d] * qs[d]; sk += ks[d] * ks[d]; }
+        const float nq = sqrt(sq + 1e-6f), nk = sqrt(sk + 1e-6f);
+        const size_t th = (size_t)t * hv + h;
+        const int ok = t < n_valid;
+        const float x = a[th] + dt_bias[h];
+        const float g = ok ? neg_a * (fmax(x, 0.0f) + log1p(exp(-fabs(x)))) : 0.0f;
+        const float beta = ok ? 1.0f / (1.0f + exp(-b[th])) : 0.0f;
+        const float decay = exp(g);
+        float kv = 0.0f;
+        for (int d = 0; d < dk; ++d) { s[d] *= decay; kv += s[d] * (ks[d] / nk); }
+        const float delta = (ut[2 * hk * dk + h * dv + e] - kv) * beta;
+        float acc = 0.0f;
+        for (int d = 0; d < dk; ++d) { s[d] += (ks[d] / nk) * delta; acc += s[d] * (qs[d] / nq * qscale); }
+        o[th * dv + e] = acc;
+    }
+    for (int d = 0; d < dk; ++d) Sh[d * dv + e] = s[d];
+}

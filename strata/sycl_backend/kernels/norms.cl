@@ -56,3 +56,21 @@ __kernel void softmax_rows(__global const float* x, __global float* y, const int
     s = wg_sum(part, s);
     for (int i = lid; i < n; i += NORM_WG) y[row * n + i] = exp(xr[i] - m) / s;
 }
+
+// The Gated DeltaNet's gated RMSNorm per head: y[r, :] = rms_norm(x[r, :]) * scale * silu(z[r, :]), in the order
+// of rms_norm then silu then the product (as the composition). x, z, y [rows, d]; scale [d].
+__kernel void gated_rms_norm(__global const float* x, __global const float* z, __global const float* scale,
+                             __global float* y, const int d, const float eps) {
+    __local float part[NORM_WG];
+    const size_t row = get_group_id(0);
+    const int lid = get_local_id(0);
+    __global const float* xr = x + row * d;
+    __global const float* zr = z + row * d;
+    float s = 0.0f;
+    for (int i = lid; i < d; i += NORM_WG) { const float v = xr[i]; s += v * v; }
+    const float r = rsqrt(wg_sum(part, s) / (float)d + eps);
+    for (int i = lid; i < d; i += NORM_WG) {
+        const float zv = zr[i];
+        y[row * d + i] = ((xr[i] * r) * scale[i]) * (zv * (1.0f / (1.0f + exp(-zv))));
+    }
+}

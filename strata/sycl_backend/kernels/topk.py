@@ -1,4 +1,5 @@
-"""topk.cl: top-k over the last axis, ties to the lower index (lax.top_k's order)."""
+"""topk.cl: top-k over the last axis, ties to the lower index (lax.top_k's order); the router (softmax + top-k) and
+the routes' slots."""
 from __future__ import annotations
 
 import dpnp
@@ -7,6 +8,7 @@ import numpy as np
 from strata.sycl_backend.kernels import Kernels, i32, u32
 
 K_MAX = 64
+WG = 64          # route's work-group (NORM_WG in norms.cl)
 
 
 def topk(k: Kernels, x, kk: int, out_vals=None, out_idx=None):
@@ -24,3 +26,36 @@ def topk_reference(x, kk):
     x = np.asarray(x)
     idx = np.argsort(-x, axis=-1, kind="stable")[..., :kk]
     return np.take_along_axis(x, idx, axis=-1), idx.astype(np.int32)
+
+
+def route(k: Kernels, logits, kk: int, renormalize: bool):
+    """Router logits [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k] int32): softmax, top k (ties to the
+    lower id), renormalised to sum to 1 when asked."""
+    t, n = logits.shape
+    assert 1 <= kk <= min(K_MAX, n)
+    w = dpnp.empty((t, kk), dtype=dpnp.float32, sycl_queue=k.queue)
+    idx = dpnp.empty((t, kk), dtype=dpnp.int32, sycl_queue=k.queue)
+    k.launch("route", [logits, w, idx, i32(n), i32(kk), i32(renormalize)], [t * WG], [WG])
+    return w, idx
+
+
+def route_reference(logits, kk, renormalize):
+    x = np.asarray(logits, np.float64)
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    w, idx = topk_reference(p, kk)
+    return (w / w.sum(axis=-1, keepdims=True) if renormalize else w), idx
+
+
+def expert_slots(k: Kernels, table_row, idx, n_valid: int):
+    """idx [T, k] int32 expert ids -> their slots table_row[idx] [T, k] int32, -1 for rows at or past n_valid."""
+    t, kk = idx.shape
+    out = dpnp.empty((t, kk), dtype=dpnp.int32, sycl_queue=k.queue)
+    k.launch("expert_slots", [idx, table_row, out, i32(kk), i32(n_valid), u32(idx.size)], [idx.size])
+    return out
+
+
+def expert_slots_reference(table_row, idx, n_valid):
+    slots = np.asarray(table_row)[np.asarray(idx)].astype(np.int32)
+    slots[n_valid:] = -1
+    return slots

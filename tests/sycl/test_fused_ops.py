@@ -1,0 +1,189 @@
+"""The SYCL backend's fused ops (strata/model/blocks.py defines them) against their definition, the composition of
+basic ops run on the same device, and their new kernels against numpy references; on fresh random inputs, with
+weights stored in fp32 and in bfloat16. Also: how many launches each fused op takes at decode (one row)."""
+from __future__ import annotations
+
+import dpnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from strata.model.blocks import ComposedOps
+from strata.sycl_backend.kernels import gated_delta as k_gdn
+from strata.sycl_backend.kernels import linear as k_linear
+from strata.sycl_backend.kernels import norms as k_norms
+from strata.sycl_backend.kernels import topk as k_topk
+
+REL = 2e-6      # fp32 sums of up to a few hundred terms, as the kernels' own tests
+
+
+def close(got, want, what, rel=REL):
+    got = np.asarray(dpnp.asnumpy(got) if isinstance(got, dpnp.ndarray) else got, np.float64)
+    want = np.asarray(dpnp.asnumpy(want) if isinstance(want, dpnp.ndarray) else want, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite output"
+    err = np.abs(got - want).max()
+    scale = max(np.abs(want).max(), 1e-30)
+    assert err <= rel * scale, f"{what}: max |diff| {err:.3e} > {rel} x {scale:.3e}"
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2 ** 32)
+
+
+def weight(ops, rng, shape, fmt):
+    """(device weight as the backend stores it, its fp32 value on the host)."""
+    w = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    if fmt == "bf16":
+        wb = w.astype(ml_dtypes.bfloat16)
+        return ops.to_device(wb), wb.astype(np.float32)
+    return ops.to_device(w), w
+
+
+def launches(ops, fn) -> int:
+    with ops.count_launches() as c:
+        fn()
+    return c.device_launches
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_norm_linears_linears_and_linear_add(ops, rng, fmt, t):
+    n = 96
+    x = rng.standard_normal((t, n)).astype(np.float32) * 2
+    scale = (rng.random(n) + 0.5).astype(np.float32)
+    ws = [weight(ops, rng, (o, n), fmt) for o in (40, 7, 1, 65)]
+    dx, dscale, dws = ops.to_device(x), ops.to_device(scale), [w for w, _ in ws]
+    h, ys = ops.norm_linears(dx, dscale, 1e-6, dws)
+    h0, ys0 = ComposedOps.norm_linears(ops, dx, dscale, 1e-6, dws)
+    close(h, h0, "norm_linears h")
+    want_h = k_norms.rms_norm_reference(x, scale, 1e-6)
+    for i, ((_, w), y, y0) in enumerate(zip(ws, ys, ys0)):
+        close(y, y0, f"norm_linears y{i} vs the composition")
+        close(y, want_h @ w.T.astype(np.float64), f"norm_linears y{i} vs numpy", rel=1e-5)
+    for i, (y, y0) in enumerate(zip(ops.linears(dx, dws[:3]), ComposedOps.linears(ops, dx, dws[:3]))):
+        close(y, y0, f"linears y{i}")
+    res = ops.to_device(rng.standard_normal((t, 40)).astype(np.float32))
+    close(ops.linear_add(dx, dws[0], res), ComposedOps.linear_add(ops, dx, dws[0], res), "linear_add")
+    if t == 1:
+        assert launches(ops, lambda: ops.norm_linears(dx, dscale, 1e-6, dws)) == 1
+        assert launches(ops, lambda: ops.linear_add(dx, dws[0], res)) == 1
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("terms", ["plain", "gate_and_add"])
+def test_swiglu_out(ops, rng, fmt, t, terms):
+    n, o = 72, 48
+    g, u = (rng.standard_normal((t, n)).astype(np.float32) * 2 for _ in range(2))
+    w, wf = weight(ops, rng, (o, n), fmt)
+    res = rng.standard_normal((t, o)).astype(np.float32)
+    add = rng.standard_normal((t, o)).astype(np.float32) if terms != "plain" else None
+    gate = rng.standard_normal((t, 1)).astype(np.float32) * 3 if terms != "plain" else None
+    dev = [None if a is None else ops.to_device(a) for a in (g, u, res, add, gate)]
+    got = ops.swiglu_out(dev[0], dev[1], w, dev[2], add=dev[3], gate=dev[4])
+    close(got, ComposedOps.swiglu_out(ops, dev[0], dev[1], w, dev[2], add=dev[3], gate=dev[4]), "swiglu_out")
+    close(got, k_linear.swiglu_down_reference(g, u, wf, res, add, gate), "swiglu_out vs numpy", rel=1e-5)
+    if t == 1:
+        assert launches(ops, lambda: ops.swiglu_out(dev[0], dev[1], w, dev[2], add=dev[3], gate=dev[4])) == 1
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 64, 8), (3, 200, 10), (2, 16, 16)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_route(ops, rng, t, e, k, renorm):
+    logits = rng.standard_normal((t, e)).astype(np.float32) * 3
+    d = ops.to_device(logits)
+    w, idx = ops.route(d, k, renorm)
+    w0, idx0 = ComposedOps.route(ops, d, k, renorm)
+    assert (dpnp.asnumpy(idx) == dpnp.asnumpy(idx0)).all()
+    close(w, w0, "route weights vs the composition")
+    wr, ir = k_topk.route_reference(logits, k, renorm)
+    assert (dpnp.asnumpy(idx) == ir).all()
+    close(w, wr, "route weights vs numpy")
+    if t == 1:
+        assert launches(ops, lambda: ops.route(d, k, renorm)) == 1
+
+
+@pytest.mark.parametrize("t,n_valid", [(1, 1), (5, 3), (4, 0)])
+def test_expert_slots(ops, rng, t, n_valid):
+    e, k = 32, 6
+    table = rng.permutation(100)[:e].astype(np.int32)
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    dt, di = ops.to_device(table), ops.to_device(idx)
+    got = dpnp.asnumpy(ops.expert_slots(dt, di, np.int32(n_valid)))
+    assert (got == k_topk.expert_slots_reference(table, idx, n_valid)).all()
+    assert (got == dpnp.asnumpy(ComposedOps.expert_slots(ops, dt, di, np.int32(n_valid)))).all()
+
+
+@pytest.mark.parametrize("t,start,n_valid", [(1, 9, 1), (4, 0, 4), (5, 3, 2)])
+@pytest.mark.parametrize("gated", [True, False])
+def test_attention_block(ops, rng, t, start, n_valid, gated):
+    hq, hkv, hd, rot, cap = 4, 2, 32, 8, 24
+    q = rng.standard_normal((t, hq * hd)).astype(np.float32)
+    k = rng.standard_normal((t, hkv * hd)).astype(np.float32)
+    v = rng.standard_normal((t, hkv * hd)).astype(np.float32)
+    gate = rng.standard_normal((t, hq * hd)).astype(np.float32) if gated else None
+    qn, kn = ((rng.random(hd) + 0.5).astype(np.float32) for _ in range(2))
+    kc, vc = (rng.standard_normal((cap, hkv, hd)).astype(np.float32) for _ in range(2))
+    args = [ops.to_device(a) if a is not None else None for a in (q, k, v, gate, qn, kn)]
+    o, kc1, vc1 = ops.attention_block(*args, 1e-6, ops.to_device(kc), ops.to_device(vc), np.int32(start),
+                                      np.int32(n_valid), rot, 10000.0)
+    o0, kc0, vc0 = ComposedOps.attention_block(ops, *args, 1e-6, ops.to_device(kc), ops.to_device(vc),
+                                               np.int32(start), np.int32(n_valid), rot, 10000.0)
+    close(kc1, kc0, "attention_block k cache")
+    close(vc1, vc0, "attention_block v cache")
+    o, o0 = dpnp.asnumpy(o), dpnp.asnumpy(o0)
+    close(o[:n_valid], o0[:n_valid], "attention_block output (real rows)")
+    if t == 1:
+        assert launches(ops, lambda: ops.attention_block(*args, 1e-6, ops.to_device(kc), ops.to_device(vc),
+                                                         np.int32(start), np.int32(n_valid), rot, 10000.0)) == 2
+
+
+@pytest.mark.parametrize("t,start,n_valid", [(1, 5, 1), (6, 0, 6), (7, 2, 4)])
+def test_delta_block(ops, rng, t, start, n_valid):
+    hk, hv, dk, dv, kw = 2, 4, 16, 8, 4
+    c = 2 * hk * dk + hv * dv
+    qkv = rng.standard_normal((t, c)).astype(np.float32)
+    z = rng.standard_normal((t, hv * dv)).astype(np.float32)
+    b, a = (rng.standard_normal((t, hv)).astype(np.float32) for _ in range(2))
+    conv_w = (rng.standard_normal((c, kw)) * 0.5).astype(np.float32)
+    a_log = np.log(rng.uniform(1, 16, hv)).astype(np.float32)
+    dt_bias = rng.standard_normal(hv).astype(np.float32)
+    gnorm = (rng.random(dv) + 0.5).astype(np.float32)
+    conv = rng.standard_normal((kw - 1, c)).astype(np.float32)
+    ssm = (rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32)
+    args = [ops.to_device(x) for x in (qkv, z, b, a)]
+    params = [ops.to_device(x) for x in (conv_w,)], [ops.to_device(x) for x in (a_log, dt_bias, gnorm)]
+
+    def run(fn, *lead):
+        return fn(*lead, *args, ops.to_device(conv), params[0][0], ops.to_device(ssm), *params[1], 1e-6,
+                  np.int32(start), np.int32(n_valid), hk)
+    o, conv1, ssm1 = run(ops.delta_block)
+    o0, conv0, ssm0 = run(ComposedOps.delta_block, ops)
+    close(conv1, conv0, "delta_block conv state")
+    close(ssm1, ssm0, "delta_block recurrent state")
+    close(dpnp.asnumpy(o)[:n_valid], dpnp.asnumpy(o0)[:n_valid], "delta_block output (real rows)")
+    if t == 1:
+        assert launches(ops, lambda: run(ops.delta_block)) == 3
+
+
+@pytest.mark.parametrize("t,n_valid", [(1, 1), (5, 3)])
+def test_gated_delta_raw_and_gated_rms_norm_kernels(ops, rng, t, n_valid):
+    hk, hv, dk, dv = 2, 6, 16, 8
+    u = rng.standard_normal((t, 2 * hk * dk + hv * dv)).astype(np.float32)
+    b, a = (rng.standard_normal((t, hv)).astype(np.float32) * 4 for _ in range(2))
+    a_log = np.log(rng.uniform(1, 16, hv)).astype(np.float32)
+    dt_bias = rng.standard_normal(hv).astype(np.float32)
+    state = (rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32)
+    inputs = k_gdn.delta_inputs_reference(u, b, a, a_log, dt_bias, hk, dk, dv, n_valid)
+    want_o, want_state = k_gdn.gated_delta_reference(*inputs, state)
+    dstate = ops.to_device(state)
+    o, dstate = k_gdn.gated_delta_raw(ops.kernels, *(ops.to_device(x) for x in (u, b, a, a_log, dt_bias)), dstate,
+                                      hk, dk, dv, n_valid)
+    close(o, want_o, "gated_delta_raw output", rel=1e-5)
+    close(dstate, want_state, "gated_delta_raw state", rel=1e-5)
+    x, z = (rng.standard_normal((t, hv, dv)).astype(np.float32) * 2 for _ in range(2))
+    scale = (rng.random(dv) + 0.5).astype(np.float32)
+    close(k_norms.gated_rms_norm(ops.kernels, ops.to_device(x), ops.to_device(z), ops.to_device(scale), 1e-6),
+          k_norms.gated_rms_norm_reference(x, z, scale, 1e-6), "gated_rms_norm")
