@@ -9,7 +9,9 @@ backend (SyclBackend.count_launches: every task submitted to the queue, dpnp's a
 the host uploads it makes). It is split into the part outside the layers (embedding, final norm, lm_head, sampling:
 a forward pass with no layers) and the part per layer (per layer kind: a forward pass with only that layer), and
 broken down by op; the goal is fewer than 15 launches per layer per window. A window of S slots runs the decode
-rows as S single-row passes (vmap is a loop on this backend), so per window it is S times the per-row count.
+rows together (strata/model/blocks.py's rows mode): projections, routing and experts over the S rows at once, and
+the state ops (attention, the gated delta rule) as one kernel over all S rows each, so a window costs about what one
+row costs. The window figures are counted on the WindowRunner, less the one-row count outside the layers.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 
 from strata.engine import PART_BUCKETS, Engine, bucket_for
-from strata.model.forward import forward, init_state
+from strata.model.forward import forward, forward_rows, init_state
 from strata.model.stepped import rows_fetching
 from strata.sched.plan import PromptPart, WindowPlan, WindowResult
 
@@ -146,12 +146,7 @@ def idle_plan(n_slots: int) -> WindowPlan:
 def _decode_rows(ops, cfg, layout, params, experts, states, tokens, pos, active, temperature, top_k, top_p, min_p,
                  seeds, steps):
     """[S] rows of one token each -> (next tokens [S], finite [S], states)."""
-    def row(state, token, p, n_valid):
-        logits, state, _ = forward(ops, cfg, layout, params, experts, state, token[None], p, n_valid,
-                                   all_logits=False)
-        return logits[0], state
-
-    logits, states = ops.vmap(row)(states, tokens, pos, active)                    # [S, V]
+    logits, states = forward_rows(ops, cfg, layout, params, experts, states, tokens, pos, active)     # [S, V]
     nxt, fin = _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps)
     return nxt, fin, states
 

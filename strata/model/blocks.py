@@ -9,8 +9,19 @@ each op is at least one launch (SYCL: tests/sycl/test_fused_ops.py holds every o
 same device, with fresh inputs).
 
 Shapes: T rows, H hidden; projections are flat ([T, heads * head_dim]); states as in forward.py.
+
+Two modes, told apart by `start`: a scalar start means the T rows are consecutive tokens of ONE sequence (n_valid a
+scalar: the first n_valid rows are real); a vector start [S] means the rows are S sequences with one token each (a
+decode window: row s at position start[s], real when n_valid[s] > 0, its state at index s of a bank [S, ...]).
 """
 from __future__ import annotations
+
+import numpy as np
+
+
+def is_rows(start) -> bool:
+    """True when start is per row ([S]): one token of each of S sequences (a decode window)."""
+    return np.ndim(start) == 1
 
 
 class ComposedOps:
@@ -48,8 +59,8 @@ class ComposedOps:
         return w, idx
 
     def expert_slots(self, table_row, idx, n_valid):
-        """Expert ids [T, k] -> their slots in the pool (table_row [E] int32); rows at or past n_valid -> -1."""
-        valid = self.valid_mask(idx.shape[0], n_valid)
+        """Expert ids [T, k] -> their slots in the pool (table_row [E] int32); padded rows -> -1."""
+        valid = n_valid > 0 if is_rows(n_valid) else self.valid_mask(idx.shape[0], n_valid)
         return self.xp.where(valid[:, None], table_row[idx], -1)
 
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, k_cache, v_cache, start, n_valid, rotary_dim,
@@ -58,6 +69,12 @@ class ComposedOps:
         NeoX RoPE at positions start.., the new keys and values written at rows start.., causal GQA attention, the
         output times sigmoid(gate) (gate None: ungated).
         q [T, Hq * hd], k, v [T, Hkv * hd]; caches [Cap, Hkv, hd] -> (o [T, Hq * hd], k_cache, v_cache)."""
+        if is_rows(start):
+            def one(q, k, v, g, kc, vc, s, n):
+                o, kc, vc = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
+                                                 k_norm, eps, kc, vc, s, n, rotary_dim, theta)
+                return o[0], kc, vc
+            return self.vmap(one)(q, k, v, q if gate is None else gate, k_cache, v_cache, start, n_valid)
         xp = self.xp
         t = q.shape[0]
         _, hkv, hd = k_cache.shape
@@ -82,6 +99,12 @@ class ComposedOps:
         delta rule, then a gated RMSNorm per head with z. A sequence at start 0 starts from empty states.
         qkv [T, C]; z [T, Hv * dv]; b, a [T, Hv]; conv_state [K-1, C]; ssm [Hv, dk, dv] fp32
         -> (o [T, Hv * dv], conv_state, ssm)."""
+        if is_rows(start):
+            def one(qkv, z, b, a, conv_state, ssm, s, n):
+                o, conv_state, ssm = self.delta_block(qkv[None], z[None], b[None], a[None], conv_state, conv_w, ssm,
+                                                      a_log, dt_bias, gnorm, eps, s, n, n_k_heads)
+                return o[0], conv_state, ssm
+            return self.vmap(one)(qkv, z, b, a, conv_state, ssm, start, n_valid)
         xp = self.xp
         t = qkv.shape[0]
         f32 = xp.float32

@@ -58,12 +58,36 @@ def forward(ops, cfg: ModelConfig, layout, params: dict, experts: dict, state: l
     return head(ops, cfg, params, x, n_valid, all_logits), new_state, counts if with_counts else None
 
 
+def forward_rows(ops, cfg: ModelConfig, layout, params: dict, experts: dict, bank: list, tokens, pos, active):
+    """A decode window: one token of each of S sequences -> (logits [S, V] fp32, new bank).
+
+    tokens, pos, active [S] int32 (a row with active 0 is padding: its key goes to the position given, beyond every
+    real one, and its recurrent state is unchanged); bank: per layer the states of the S sequences, {name: [S, ...]}.
+    The same layers as forward(), in their rows mode (strata/model/blocks.py): projections, routing and experts run
+    over the S rows together, the state ops per row."""
+    x = embed(params, tokens)                                                     # [S, H]
+    new_bank = []
+    p = 0
+    for lp, st, kind in zip(params["layers"], bank, cfg.layer_types):
+        x, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x, pos, active)
+        if h is not None:
+            slots = ops.expert_slots(experts["table"][p], idx, active)            # [S, k]; padding rows: -1
+            w = w if w.dtype == h.dtype else w.astype(h.dtype)
+            y = ops.experts_pool(h, slots, w, experts["pool"], layout, cfg.num_experts)
+            x = layer_back(ops, cfg, lp, x, h, y)
+            p += 1
+        new_bank.append(st)
+    return head(ops, cfg, params, x, tokens.shape[0], all_logits=True), new_bank
+
+
 def embed(params: dict, tokens):
     return params["embed"][tokens]
 
 
 def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, n_valid):
-    """One layer up to its routed experts: the mixer and, for a dense layer, its MLP.
+    """One layer up to its routed experts: the mixer and, for a dense layer, its MLP. x [T, H]: T tokens of one
+    sequence (start, n_valid scalars; st its state) or one token of each of T sequences (start, n_valid [T]; st their
+    bank).
     -> (x, h, w, idx, st): for a sparse layer h [T, H] is the experts' input and (w, idx) [T, k] the routes, and the
     layer ends with layer_back(.., y) once the experts' output y is known; for a dense layer h = w = idx = None."""
     eps = cfg.rms_norm_eps

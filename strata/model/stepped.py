@@ -4,7 +4,7 @@ The same building blocks as forward.py (layer_front, layer_back, head), each com
 shape; between a sparse layer's router and the rest of the layer the routes come to the host and the MoeRunner
 (strata/experts/moe.py) resolves them to slots, brings in what is missing and runs the expert op. Three shapes of
 call: one sequence's state (Engine sequences), one slot of the runner's bank (a prompt part), and all slots of the
-bank at once (decode rows, one token each, vmapped).
+bank at once (decode rows, one token each: the layers' rows mode, strata/model/blocks.py).
 
 When every expert is mirrored in pinned host memory, decode rows need no round trip at all: rows_fetching is the same
 loop as rows() inside one compiled function, the device copying each layer's misses itself.
@@ -31,7 +31,6 @@ class SteppedForward:
         self._front_rows = compiled("st_front_rows", lambda: c(partial(_front_rows, ops, cfg), donate_argnums=(1,),
                                                                static_argnames=("kind",)))
         self._back = compiled("st_back", lambda: c(partial(layer_back, ops, cfg)))
-        self._back_rows = compiled("st_back_rows", lambda: c(partial(_back_rows, ops, cfg)))
         self._head = compiled("st_head", lambda: c(partial(head, ops, cfg), static_argnames=("all_logits",)))
 
     def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool):
@@ -65,16 +64,16 @@ class SteppedForward:
         """One token for each slot of the bank (tokens, pos, active [S]) -> (logits [S, V], new bank)."""
         s = len(tokens)
         valid = np.asarray(active) > 0
-        x = self._embed(params, np.asarray(tokens)[:, None])                           # [S, 1, H]
+        x = self._embed(params, np.asarray(tokens))                                    # [S, H]
         bank = list(bank)
         p = 0
         for i, (kind, lp) in enumerate(zip(self.cfg.layer_types, params["layers"])):
             x, h, w, idx, bank[i] = self._front_rows(lp, bank[i], x, pos, active, kind=kind)   # h [S, H]; w, idx [S, k]
             if h is not None:
                 y = self.moe.compute(p, h, w, idx, valid, part=False)
-                x = self._back_rows(lp, x, h, y)
+                x = self._back(lp, x, h, y)
                 p += 1
-        return self._head(params, x[:, 0], np.int32(s), all_logits=True), bank
+        return self._head(params, x, np.int32(s), all_logits=True), bank
 
 
 def rows_fetching(ops, cfg: ModelConfig, layout, starts: tuple, params, experts: dict, bank: list, tokens, pos,
@@ -85,7 +84,7 @@ def rows_fetching(ops, cfg: ModelConfig, layout, starts: tuple, params, experts:
     the chunks' first experts (static). -> (logits [S, V], new bank, routing counts [Lp, E], copied [Lp])."""
     s = tokens.shape[0]
     valid = active > 0
-    x = embed(params, tokens[:, None])                                                   # [S, 1, H]
+    x = embed(params, tokens)                                                            # [S, H]
     bank = list(bank)
     counts, copied = [], []
     p = 0
@@ -94,11 +93,11 @@ def rows_fetching(ops, cfg: ModelConfig, layout, starts: tuple, params, experts:
         if h is not None:
             y, n = ops.experts_fetch(h, idx, w, valid, experts["pool"], experts["table"][p], experts["chunks"][p],
                                      starts[p], layout)
-            x = _back_rows(ops, cfg, lp, x, h, y)
+            x = layer_back(ops, cfg, lp, x, h, y)
             counts.append(ops.route_counts(idx, valid, cfg.num_experts))
             copied.append(n)
             p += 1
-    logits = head(ops, cfg, params, x[:, 0], s, all_logits=True)
+    logits = head(ops, cfg, params, x, s, all_logits=True)
     return logits, bank, ops.xp.stack(counts), ops.xp.stack(copied)
 
 
@@ -113,17 +112,6 @@ def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, kind):
 
 
 def _front_rows(ops, cfg, lp, bank, x, pos, active, kind):
-    def row(st, x1, p, n):
-        x1, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x1, p, n)
-        return (x1, h, w, idx), st
+    """layer_front over the bank's S sequences, one token each (x [S, H]; pos, active [S])."""
+    return layer_front(ops, cfg, kind, lp, bank, x, pos, active)
 
-    (x, h, w, idx), bank = ops.vmap(row)(bank, x, pos, active)
-    if h is None:
-        return x, None, None, None, bank
-    s = x.shape[0]
-    return x, h.reshape(s, -1), w.reshape(s, -1), idx.reshape(s, -1), bank       # rows of one token each
-
-
-def _back_rows(ops, cfg, lp, x, h, y):
-    """layer_back for [S, 1, H] rows, with h, y [S, H]."""
-    return layer_back(ops, cfg, lp, x, h[:, None], y[:, None])

@@ -24,7 +24,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from strata.model.blocks import ComposedOps
+from strata.model.blocks import ComposedOps, is_rows
 from strata.sycl_backend import runtime
 
 runtime.prepare_environment()          # before dpctl is first imported
@@ -159,6 +159,7 @@ class SyclBackend(ComposedOps):
         self._counter: Counter | None = None
         self._consts: dict = {}
         self._consts_lock = threading.Lock()
+        self._rows_last: tuple | None = None         # (host [2, S], device copy): see _rows
 
     def __repr__(self):
         return f"SyclBackend({runtime.describe(self.sycl_device)})"
@@ -462,11 +463,33 @@ class SyclBackend(ComposedOps):
         self._op()
         if not _is_host(n_valid):
             return super().expert_slots(table_row, idx, n_valid)
-        idx = self._dev(idx, np.dtype(np.int32))
-        table_row = self._dev(table_row, np.dtype(np.int32))
-        return k_topk.expert_slots(self.kernels,
-                                   table_row if table_row.flags.c_contiguous else dpnp.ascontiguousarray(table_row),
-                                   idx if idx.flags.c_contiguous else dpnp.ascontiguousarray(idx), int(n_valid))
+        idx = self._contiguous(self._dev(idx, np.dtype(np.int32)))
+        table_row = self._contiguous(self._dev(table_row, np.dtype(np.int32)))
+        if is_rows(n_valid):
+            return k_topk.expert_slots_rows(self.kernels, table_row, idx, self._rows(None, n_valid))
+        return k_topk.expert_slots(self.kernels, table_row, idx, int(n_valid))
+
+    @staticmethod
+    def _contiguous(a):
+        return a if a.flags.c_contiguous else dpnp.ascontiguousarray(a)
+
+    def _rows(self, pos, active):
+        """A decode window's rows (strata/model/blocks.py's rows mode) as the device int32 [2, S] (positions,
+        active) its kernels read. Every layer of a window passes the same host arrays, so the last upload is kept
+        and reused while the values match: one upload per window, not one per layer. pos None: only `active` is
+        read (expert_slots), and the positions of the last upload are taken when its `active` matches."""
+        active = np.asarray(active, np.int32)
+        last = self._rows_last
+        if pos is None:
+            if last is not None and np.array_equal(last[0][1], active):
+                return last[1]
+            pos = np.zeros_like(active)
+        host = np.stack([np.asarray(pos, np.int32), active])
+        if last is not None and last[0].shape == host.shape and np.array_equal(last[0], host):
+            return last[1]
+        dev = self._dev(host)
+        self._rows_last = (host, dev)
+        return dev
 
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, k_cache, v_cache, start, n_valid, rotary_dim,
                         theta):
@@ -475,14 +498,22 @@ class SyclBackend(ComposedOps):
             return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, k_cache, v_cache, start, n_valid,
                                            rotary_dim, theta)
         t = q.shape[0]
-        cap, _, hd = k_cache.shape
+        hd = k_cache.shape[-1]
         k_cache, v_cache = self._state(k_cache), self._state(v_cache)
-        s0 = min(max(int(start), 0), cap - t)                  # as kv_write clamps
         freqs = self._const(("rope", rotary_dim, float(theta)), lambda: k_rope.inv_freq(rotary_dim, theta))
+        gate = None if gate is None else self._f32(gate)
+        if is_rows(start):                     # a decode window: row s on its own caches [S, cap, hkv, hd]
+            rows = self._rows(start, n_valid)
+            qr = k_attention.attention_inputs_rows(self.kernels, self._f32(q), self._f32(k), self._f32(v),
+                                                   self._f32(q_norm), self._f32(k_norm), freqs, k_cache, v_cache,
+                                                   rows, rotary_dim, eps)
+            o = k_attention.attention_gated_rows(self.kernels, qr, k_cache, v_cache, gate, rows, hd ** -0.5)
+            return o.reshape(t, -1), k_cache, v_cache
+        s0 = min(max(int(start), 0), k_cache.shape[0] - t)                  # as kv_write clamps
         qr = k_attention.attention_inputs(self.kernels, self._f32(q), self._f32(k), self._f32(v), self._f32(q_norm),
                                           self._f32(k_norm), freqs, k_cache, v_cache, rotary_dim, eps, int(start), s0)
-        o = k_attention.attention_gated(self.kernels, qr, k_cache, v_cache, None if gate is None else self._f32(gate),
-                                        int(start), int(n_valid), hd ** -0.5)
+        o = k_attention.attention_gated(self.kernels, qr, k_cache, v_cache, gate, int(start), int(n_valid),
+                                        hd ** -0.5)
         return o.reshape(t, -1), k_cache, v_cache
 
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
@@ -493,14 +524,19 @@ class SyclBackend(ComposedOps):
                                        n_valid, n_k_heads)
         t = qkv.shape[0]
         conv_state, ssm = self._state(conv_state), self._state(ssm)
-        if not int(start) > 0:                       # a sequence starting at 0 starts from empty states
-            conv_state.fill(0)
-            ssm.fill(0)
-        hv, dk, dv = ssm.shape
+        hv, dk, dv = ssm.shape[-3:]
         kern = self.kernels
-        u, conv_state = k_conv.causal_conv(kern, self._f32(qkv), conv_state, self._weight(conv_w), int(n_valid))
-        o, ssm = k_gdn.gated_delta_raw(kern, u, self._f32(b), self._f32(a), self._f32(a_log), self._f32(dt_bias), ssm,
-                                       n_k_heads, dk, dv, int(n_valid))
+        qkv, conv_w, b, a = self._f32(qkv), self._weight(conv_w), self._f32(b), self._f32(a)
+        a_log, dt_bias = self._f32(a_log), self._f32(dt_bias)
+        if is_rows(start):                     # a decode window: row s on its own states [S, ...]
+            rows = self._rows(start, n_valid)
+            u, conv_state = k_conv.causal_conv_rows(kern, qkv, conv_state, conv_w, rows)
+            o, ssm = k_gdn.gated_delta_raw_rows(kern, u, b, a, a_log, dt_bias, ssm, rows, n_k_heads, dk, dv)
+        else:                                  # a sequence starting at 0 starts from empty states
+            reset = not int(start) > 0
+            u, conv_state = k_conv.causal_conv(kern, qkv, conv_state, conv_w, int(n_valid), reset=reset)
+            o, ssm = k_gdn.gated_delta_raw(kern, u, b, a, a_log, dt_bias, ssm, n_k_heads, dk, dv, int(n_valid),
+                                           reset=reset)
         o = k_norms.gated_rms_norm(kern, o, self._f32(z).reshape(t, hv, dv), self._f32(gnorm), eps)
         return o.reshape(t, hv * dv), conv_state, ssm
 

@@ -187,3 +187,91 @@ def test_gated_delta_raw_and_gated_rms_norm_kernels(ops, rng, t, n_valid):
     scale = (rng.random(dv) + 0.5).astype(np.float32)
     close(k_norms.gated_rms_norm(ops.kernels, ops.to_device(x), ops.to_device(z), ops.to_device(scale), 1e-6),
           k_norms.gated_rms_norm_reference(x, z, scale, 1e-6), "gated_rms_norm")
+
+
+# --- rows mode (a decode window: one token of each of S sequences, each on its own state)
+
+def rows_of(rng, s, cap):
+    """Positions and active flags of a window of s rows: one row at position 0 (a fresh sequence), one inactive row
+    (at the scratch position cap - 1), the rest anywhere."""
+    pos = rng.integers(1, cap - 1, s).astype(np.int32)
+    active = np.ones(s, np.int32)
+    pos[0] = 0
+    if s > 1:
+        pos[-1], active[-1] = cap - 1, 0
+    return pos, active
+
+
+@pytest.mark.parametrize("s", [1, 3])
+@pytest.mark.parametrize("gated", [True, False])
+def test_attention_block_rows(ops, rng, s, gated):
+    hq, hkv, hd, rot, cap = 4, 2, 32, 8, 24
+    q = rng.standard_normal((s, hq * hd)).astype(np.float32)
+    k = rng.standard_normal((s, hkv * hd)).astype(np.float32)
+    v = rng.standard_normal((s, hkv * hd)).astype(np.float32)
+    gate = rng.standard_normal((s, hq * hd)).astype(np.float32) if gated else None
+    qn, kn = ((rng.random(hd) + 0.5).astype(np.float32) for _ in range(2))
+    kc, vc = (rng.standard_normal((s, cap, hkv, hd)).astype(np.float32) for _ in range(2))
+    pos, active = rows_of(rng, s, cap)
+    args = [ops.to_device(a) if a is not None else None for a in (q, k, v, gate, qn, kn)]
+
+    def run(fn, *lead):
+        return fn(*lead, *args, 1e-6, ops.to_device(kc), ops.to_device(vc), pos, active, rot, 10000.0)
+    o, kc1, vc1 = run(ops.attention_block)
+    o0, kc0, vc0 = run(ComposedOps.attention_block, ops)         # row by row, through the one-sequence kernels
+    close(kc1, kc0, "attention_block rows: k caches")
+    close(vc1, vc0, "attention_block rows: v caches")
+    real = active > 0
+    close(dpnp.asnumpy(o)[real], dpnp.asnumpy(o0)[real], "attention_block rows: output (active rows)")
+    assert launches(ops, lambda: run(ops.attention_block)) == 2      # the rows were uploaded by the first call
+
+
+@pytest.mark.parametrize("s", [1, 4])
+def test_delta_block_rows(ops, rng, s):
+    hk, hv, dk, dv, kw, cap = 2, 4, 16, 8, 4, 32
+    c = 2 * hk * dk + hv * dv
+    qkv = rng.standard_normal((s, c)).astype(np.float32)
+    z = rng.standard_normal((s, hv * dv)).astype(np.float32)
+    b, a = (rng.standard_normal((s, hv)).astype(np.float32) for _ in range(2))
+    conv_w = (rng.standard_normal((c, kw)) * 0.5).astype(np.float32)
+    a_log = np.log(rng.uniform(1, 16, hv)).astype(np.float32)
+    dt_bias = rng.standard_normal(hv).astype(np.float32)
+    gnorm = (rng.random(dv) + 0.5).astype(np.float32)
+    conv = rng.standard_normal((s, kw - 1, c)).astype(np.float32)
+    ssm = (rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32)
+    pos, active = rows_of(rng, s, cap)
+    args = [ops.to_device(x) for x in (qkv, z, b, a)]
+    cw, rest = ops.to_device(conv_w), [ops.to_device(x) for x in (a_log, dt_bias, gnorm)]
+
+    def run(fn, *lead):
+        return fn(*lead, *args, ops.to_device(conv), cw, ops.to_device(ssm), *rest, 1e-6, pos, active, hk)
+    o, conv1, ssm1 = run(ops.delta_block)
+    o0, conv0, ssm0 = run(ComposedOps.delta_block, ops)
+    close(conv1, conv0, "delta_block rows: conv states")
+    close(ssm1, ssm0, "delta_block rows: recurrent states")
+    real = active > 0
+    close(dpnp.asnumpy(o)[real], dpnp.asnumpy(o0)[real], "delta_block rows: output (active rows)")
+    if s > 1:   # the inactive row's states are untouched
+        assert (dpnp.asnumpy(ssm1)[-1] == ssm[-1]).all() and (dpnp.asnumpy(conv1)[-1] == conv[-1]).all()
+    assert launches(ops, lambda: run(ops.delta_block)) == 3          # the rows were uploaded by the first call
+
+
+def test_expert_slots_rows_and_one_upload_per_window(ops, rng):
+    e, k, s = 32, 6, 4
+    table = rng.permutation(100)[:e].astype(np.int32)
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(s)]).astype(np.int32)
+    active = np.array([1, 0, 1, 1], np.int32)
+    dt, di = ops.to_device(table), ops.to_device(idx)
+    got = dpnp.asnumpy(ops.expert_slots(dt, di, active))
+    want = np.where(active[:, None] > 0, table[idx], -1)
+    assert (got == want).all()
+    assert (got == dpnp.asnumpy(ComposedOps.expert_slots(ops, dt, di, active))).all()
+    # a window's layers pass the same rows: the rows go to the device once, and new values are uploaded again
+    pos = np.array([5, 9, 2, 7], np.int32)
+    with ops.count_launches() as c:
+        r1 = ops._rows(pos, active)
+        r2 = ops._rows(pos.copy(), active.copy())
+        ops.expert_slots(dt, di, active)
+    assert r1 is r2 and c.uploads == 1
+    r3 = ops._rows(pos + 1, active)
+    assert r3 is not r1 and (dpnp.asnumpy(r3) == np.stack([pos + 1, active])).all()

@@ -60,3 +60,31 @@ def attention_gated(k: Kernels, q, k_cache, v_cache, gate, start: int, n_valid: 
                                  i32(hd), i32(cap), f32(scale), i32(start), i32(n_valid), i32(gate is not None),
                                  u32(t * hq)], [t * hq])
     return out
+
+
+def attention_inputs_rows(k: Kernels, q, kk, v, q_norm, k_norm, freqs, k_cache, v_cache, rows, rotary_dim: int,
+                          eps: float):
+    """A decode window: attention_inputs for one token of each of S sequences, at positions rows[0] (int32 [2, S]:
+    positions, active), each written into its own caches [S, cap, hkv, hd] IN PLACE at its position clamped to the
+    capacity. q [S, hq*hd], kk, v [S, hkv*hd] -> q [S, hq, hd] normed and rotated."""
+    _, cap, hkv, hd = k_cache.shape
+    s = q.shape[0]
+    hq = q.shape[1] // hd
+    assert hd <= HD_MAX and hq % hkv == 0
+    out = dpnp.empty((s, hq, hd), dtype=dpnp.float32, sycl_queue=k.queue)
+    k.launch("attention_inputs_rows", [q, kk, v, q_norm, k_norm, freqs, out, k_cache, v_cache, rows, i32(hq),
+                                       i32(hkv), i32(hd), i32(rotary_dim), f32(eps), i32(cap)],
+             [s * (hq + 2 * hkv) * WG], [WG])
+    return out
+
+
+def attention_gated_rows(k: Kernels, q, k_cache, v_cache, gate, rows, scale: float):
+    """A decode window: row s of q [S, hq, hd] attends to keys 0..rows[0, s] of its own caches [S, cap, hkv, hd]
+    (an inactive row, rows[1, s] == 0, to key 0 only), times sigmoid(gate) [S, hq * hd] when given -> [S, hq, hd]."""
+    s, hq, hd = q.shape
+    _, cap, hkv, _ = k_cache.shape
+    out = dpnp.empty(q.shape, dtype=dpnp.float32, sycl_queue=k.queue)
+    k.launch("attention_gated_rows", [q, k_cache, v_cache, gate if gate is not None else q, out, rows, i32(s),
+                                      i32(hq), i32(hkv), i32(hd), i32(cap), f32(scale), i32(gate is not None),
+                                      u32(s * hq)], [s * hq])
+    return out

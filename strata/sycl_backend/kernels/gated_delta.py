@@ -21,15 +21,28 @@ def gated_delta(k: Kernels, q, kk, v, g, beta, state, out=None):
     return out, state
 
 
-
-def gated_delta_raw(k: Kernels, u, b, a, a_log, dt_bias, state, hk: int, dk: int, dv: int, n_valid: int):
+def gated_delta_raw(k: Kernels, u, b, a, a_log, dt_bias, state, hk: int, dk: int, dv: int, n_valid: int,
+                    reset: bool = False):
     """The rule from the conv output u [T, 2*hk*dk + hv*dv] with b, a [T, hv] (its inputs formed in the kernel, as
-    delta_inputs_reference forms them) -> (o [T, hv, dv], state); `state` [hv, dk, dv] fp32 is updated IN PLACE."""
+    delta_inputs_reference forms them) -> (o [T, hv, dv], state); `state` [hv, dk, dv] fp32 is updated IN PLACE
+    (with reset, from zeros: a sequence starting at 0)."""
     t, hv = b.shape
     assert dk <= DK_MAX
     out = dpnp.empty((t, hv, dv), dtype=dpnp.float32, sycl_queue=k.queue)
     k.launch("gated_delta_raw", [u, b, a, a_log, dt_bias, state, out, i32(t), i32(hk), i32(hv), i32(dk), i32(dv),
-                                 f32(np.float32(dk ** -0.5)), i32(n_valid)], [hv * dv])
+                                 f32(np.float32(dk ** -0.5)), i32(n_valid), i32(reset)], [hv * dv])
+    return out, state
+
+
+def gated_delta_raw_rows(k: Kernels, u, b, a, a_log, dt_bias, state, rows, hk: int, dk: int, dv: int):
+    """A decode window: gated_delta_raw for one token of each of S sequences, u [S, C], b, a [S, hv], state
+    [S, hv, dk, dv] updated IN PLACE, rows int32 [2, S] (positions, active: a row at position 0 starts from zeros,
+    an inactive one keeps its state) -> (o [S, hv, dv], state)."""
+    s, hv = b.shape
+    assert dk <= DK_MAX
+    out = dpnp.empty((s, hv, dv), dtype=dpnp.float32, sycl_queue=k.queue)
+    k.launch("gated_delta_raw_rows", [u, b, a, a_log, dt_bias, state, out, rows, i32(s), i32(hk), i32(hv), i32(dk),
+                                      i32(dv), f32(np.float32(dk ** -0.5))], [s * hv * dv])
     return out, state
 
 

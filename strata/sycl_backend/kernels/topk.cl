@@ -60,3 +60,10 @@ __kernel void expert_slots(__global const int* idx, __global const int* table, _
     const size_t i = get_global_id(0);
     if (i < n) slots[i] = (int)(i / k) < n_valid ? table[idx[i]] : -1;
 }
+
+// expert_slots for a decode window: -1 for the routes of inactive rows (rows int [2, S] = (positions, active)).
+__kernel void expert_slots_rows(__global const int* idx, __global const int* table, __global int* slots,
+                                __global const int* rows, const int n_rows, const int k, const uint n) {
+    const size_t i = get_global_id(0);
+    if (i < n) slots[i] = rows[n_rows + (int)(i / k)] != 0 ? table[idx[i]] : -1;
+}

@@ -55,6 +55,15 @@ def expert_slots(k: Kernels, table_row, idx, n_valid: int):
     return out
 
 
+def expert_slots_rows(k: Kernels, table_row, idx, rows):
+    """A decode window: idx [S, k] -> table_row[idx] [S, k] int32, -1 for the inactive rows (rows int32 [2, S]:
+    positions, active)."""
+    s, kk = idx.shape
+    out = dpnp.empty((s, kk), dtype=dpnp.int32, sycl_queue=k.queue)
+    k.launch("expert_slots_rows", [idx, table_row, out, rows, i32(s), i32(kk), u32(idx.size)], [idx.size])
+    return out
+
+
 def expert_slots_reference(table_row, idx, n_valid):
     slots = np.asarray(table_row)[np.asarray(idx)].astype(np.int32)
     slots[n_valid:] = -1
