@@ -58,7 +58,7 @@ def decode_fn(engine, cfg, params, n_tokens=1):
     ops = engine.backend
     sp = _sampling_arrays(0.0, 0, 1.0, 0.0)
     seed = np.zeros(2, np.uint32)
-    state = ops.to_device(init_state(cfg, engine.capacity, engine.dtype))
+    state = ops.to_device(init_state(cfg, engine.capacity, engine.dtype, engine.kv_dtype))
     prompt = np.arange(3, 11, dtype=np.int32)
     experts = engine.expert_args()
     _, state, _ = forward(ops, cfg, engine.layout, params, experts, state, prompt, np.int32(0), np.int32(8),

@@ -23,6 +23,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = {"max_context": args.max_context}
     if args.dtype:
         options["dtype"] = args.dtype
+    if args.kv:
+        options["kv"] = args.kv
     if args.device:
         options["device"] = args.device
     engine = Engine.load(args.model, backend=args.backend, **options)
@@ -78,6 +80,8 @@ SERVE_FLAGS = {
     "api_key": (str, "require 'Authorization: Bearer KEY' on every route but /health (or set STRATA_API_KEY)"),
     "backend": (str, "jax (default) | sycl | auto"),
     "dtype": (str, "auto (default) | float32 | bfloat16"),
+    "kv": (str, "the attention layers' KV cache: auto (default: the weights' dtype) | int8 (a float32 scale per "
+                "token and head; a quarter of float32's bytes) | bfloat16 | float32"),
     "device": (str, "the backend's device: gpu, cpu (jax); level_zero:gpu:0, opencl:cpu (sycl)"),
     "expert_cache": ("cache", "device expert slots: auto (default: as many as fit) or a number of experts"),
     "resident_budget_gib": (float, "host RAM for the expert mirror in GiB (default: every expert)"),
@@ -218,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="a seeded request is reproducible")
     g.add_argument("--max-context", type=int, default=4096)
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
+    g.add_argument("--kv", choices=["auto", "int8", "bfloat16", "float32"], default=None,
+                   help="the KV cache's format (default auto: the weights' dtype)")
     g.add_argument("--backend", default="jax", help="jax (default) | sycl | auto")
     g.add_argument("--device", default=None, help="the backend's device: gpu, cpu (jax); level_zero:gpu:0, opencl:cpu "
                                                   "(sycl)")

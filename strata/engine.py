@@ -28,6 +28,10 @@ from strata.model.params import build_params
 
 log = logging.getLogger("strata")
 
+# The KV cache's formats (EngineOptions.kv): auto is the weights' dtype; int8 keeps a float32 scale per token and
+# KV head beside the values (strata/model/blocks.py quantize_kv).
+KV_DTYPES = {"auto": None, "int8": np.int8, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
 # Prompt parts are padded up to one of these token counts, so compilations are bounded (one per bucket used).
 PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -35,6 +39,7 @@ PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 @dataclass(frozen=True)
 class EngineOptions:
     dtype: str = "auto"          # float32 | bfloat16 | auto (bfloat16 on a GPU, float32 on a CPU)
+    kv: str = "auto"             # the attention layers' KV cache: auto (the weights' dtype) | int8 | bfloat16 | float32
     max_context: int = 4096      # tokens of one sequence (prompt + generated)
     prefill: int = 1024          # prompt part size: a prompt is read in parts of at most this many tokens
     device: str | None = None    # backend device kind ("cpu", "gpu"); None: the backend's default
@@ -64,6 +69,8 @@ class EngineOptions:
         opts = EngineOptions(**kw)
         if opts.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"dtype {opts.dtype!r} is not allowed; allowed: auto, float32, bfloat16")
+        if opts.kv not in KV_DTYPES:
+            raise ConfigError(f"kv {opts.kv!r} is not allowed; allowed: {', '.join(KV_DTYPES)}")
         for name in ("max_context", "prefill"):
             v = getattr(opts, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -102,6 +109,7 @@ class Engine:
         self.cfg, self.params, self.backend, self.options = cfg, params, backend, options
         self.tokenizer = tokenizer
         self.dtype = params["embed"].dtype
+        self.kv_dtype = np.dtype(KV_DTYPES[options.kv] or self.dtype)
         # KV rows beyond max_context absorb the padding of the last part, so a write never runs off the cache
         self.capacity = options.max_context + bucket_for(min(options.prefill, options.max_context))
         ops = backend
@@ -208,8 +216,12 @@ class Engine:
 
     def state_bytes(self) -> int:
         """Device bytes of the sequence state of `options.sequences` sequences (plus one for Engine sequences)."""
-        one = init_state(self.cfg, self.capacity, self.dtype)
+        one = self.init_state()
         return (self.options.sequences + 1) * sum(a.nbytes for layer in one for a in layer.values())
+
+    def init_state(self) -> list[dict]:
+        """A fresh sequence state on the host, with this engine's capacity, dtype and KV format."""
+        return init_state(self.cfg, self.capacity, self.dtype, self.kv_dtype)
 
     def work_bytes(self) -> int:
         """Activations of the largest prompt part, estimated: per token the residual stream and its temporaries
@@ -273,7 +285,7 @@ class Sequence:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.pos = 0
-        self.state = engine.backend.to_device(init_state(engine.cfg, engine.capacity, engine.dtype))
+        self.state = engine.backend.to_device(engine.init_state())
 
     def read(self, token_ids, part_size: int | None = None, all_logits: bool = False, as_numpy: bool = True):
         """Read prompt tokens in parts; -> logits of every token read [n, V], or of the last one [1, V]."""

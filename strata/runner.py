@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 
 from strata.engine import PART_BUCKETS, Engine, bucket_for
-from strata.model.forward import forward, forward_rows, init_state
+from strata.model.forward import forward, forward_rows
 from strata.model.stepped import rows_fetching
 from strata.sched.plan import PromptPart, WindowPlan, WindowResult
 
@@ -33,7 +33,7 @@ class WindowRunner:
             raise ValueError(f"part size {part_size} exceeds the engine's prefill {engine.options.prefill}")
         self.engine, self.n_slots, self.part_size = engine, n_slots, part_size
         ops, cfg = engine.backend, engine.cfg
-        one = init_state(cfg, engine.capacity, engine.dtype)
+        one = engine.init_state()
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
         self.states = ops.to_device(bank)                     # per layer {name: [S, ...]}
         self.scratch_pos = engine.capacity - 1

@@ -88,12 +88,14 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     # --- sequence state
     @staticmethod
     def kv_write(cache, new, start):
-        # cache [Cap, Hkv, hd]; the engine sizes Cap so that start + T never runs past it (no silent clamping)
-        return lax.dynamic_update_slice(cache, new.astype(cache.dtype), (start, 0, 0))
+        # cache [Cap, ...] (keys, values [Cap, Hkv, hd] or int8 scales [Cap, Hkv]); the engine sizes Cap so that
+        # start + T never runs past it (no silent clamping)
+        return lax.dynamic_update_slice(cache, new.astype(cache.dtype), (start,) + (0,) * (cache.ndim - 1))
 
     @staticmethod
-    def attention(q, k_cache, v_cache, q_pos, scale):
-        """q [T, Hq, hd]; caches [Cap, Hkv, hd]; a query at position p sees keys 0..p (GQA: r = Hq / Hkv).
+    def attention(q, k_cache, v_cache, q_pos, scale, k_scale=None, v_scale=None):
+        """q [T, Hq, hd]; caches [Cap, Hkv, hd]; a query at position p sees keys 0..p (GQA: r = Hq / Hkv). int8
+        caches come with their scales [Cap, Hkv] (the stored row is q * scale).
 
         Up to ATTN_ONE_PASS_ROWS query rows (decode) attend over the whole cache in one pass: a few fused kernels,
         where a loop over key blocks would be bound by launches. More rows (prompt parts) visit keys in blocks of
@@ -102,7 +104,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         t, hq, hd = q.shape
         cap, hkv, _ = k_cache.shape
         if t <= ATTN_ONE_PASS_ROWS:
-            return JaxBackend._attention_one_pass(q, k_cache, v_cache, q_pos, scale)
+            return JaxBackend._attention_one_pass(q, k_cache, v_cache, q_pos, scale, k_scale, v_scale)
         blk = min(KV_BLOCK, cap)
         hi = lax.Precision.HIGHEST
         qg = q.reshape(t, hkv, hq // hkv, hd).astype(jnp.float32) * scale
@@ -111,8 +113,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         def body(i, carry):
             m, l, acc = carry                                                            # [T,g,r], [T,g,r], [T,g,r,hd]
             start = jnp.minimum(i * blk, cap - blk)                                      # last block may overlap
-            kb = lax.dynamic_slice_in_dim(k_cache, start, blk).astype(jnp.float32)       # [B, Hkv, hd]
-            vb = lax.dynamic_slice_in_dim(v_cache, start, blk).astype(jnp.float32)
+            kb = _dequantized(lax.dynamic_slice_in_dim(k_cache, start, blk), k_scale, start, blk)  # [B, Hkv, hd]
+            vb = _dequantized(lax.dynamic_slice_in_dim(v_cache, start, blk), v_scale, start, blk)
             key_pos = start + jnp.arange(blk)
             fresh = key_pos >= i * blk                                                   # not seen by an earlier block
             s = jnp.einsum("tgrd,cgd->tgrc", qg, kb, precision=hi)
@@ -132,15 +134,15 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         return (acc / l[..., None]).reshape(t, hq, hd).astype(q.dtype)
 
     @staticmethod
-    def _attention_one_pass(q, k_cache, v_cache, q_pos, scale):
+    def _attention_one_pass(q, k_cache, v_cache, q_pos, scale, k_scale, v_scale):
         t, hq, hd = q.shape
         cap, hkv, _ = k_cache.shape
         hi = lax.Precision.HIGHEST
         qg = q.reshape(t, hkv, hq // hkv, hd).astype(jnp.float32) * scale
-        s = jnp.einsum("tgrd,cgd->tgrc", qg, k_cache.astype(jnp.float32), precision=hi)
+        s = jnp.einsum("tgrd,cgd->tgrc", qg, _dequantized(k_cache, k_scale, 0, cap), precision=hi)
         visible = jnp.arange(cap)[None, :] <= q_pos[:, None]                          # [T, Cap]
         p = jax.nn.softmax(jnp.where(visible[:, None, None, :], s, -jnp.inf), axis=-1)
-        o = jnp.einsum("tgrc,cgd->tgrd", p, v_cache.astype(jnp.float32), precision=hi)
+        o = jnp.einsum("tgrc,cgd->tgrd", p, _dequantized(v_cache, v_scale, 0, cap), precision=hi)
         return o.reshape(t, hq, hd).astype(q.dtype)
 
     @staticmethod
@@ -342,6 +344,14 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         seeds: uint32 [B, 2] (low, high words of 63-bit seeds); steps: int32 [B]."""
         key = lambda s, t: jax.random.fold_in(jax.random.fold_in(jax.random.key(s[0]), s[1]), t)  # noqa: E731
         return jax.vmap(key)(seeds, steps)
+
+
+def _dequantized(rows, scales, start, n):
+    """Cache rows [n, Hkv, hd] as float32: int8 rows times their scales (rows start.. of scales [Cap, Hkv])."""
+    rows = rows.astype(jnp.float32)
+    if scales is None:
+        return rows
+    return rows * lax.dynamic_slice_in_dim(scales, start, n)[..., None]
 
 
 @partial(jax.jit, donate_argnums=(0,))

@@ -63,33 +63,45 @@ class ComposedOps:
         valid = n_valid > 0 if is_rows(n_valid) else self.valid_mask(idx.shape[0], n_valid)
         return self.xp.where(valid[:, None], table_row[idx], -1)
 
-    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, k_cache, v_cache, start, n_valid, rotary_dim,
-                        theta):
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta):
         """Gated attention from its projections to the gated output (before o_proj): q/k RMSNorm per head, partial
-        NeoX RoPE at positions start.., the new keys and values written at rows start.., causal GQA attention, the
-        output times sigmoid(gate) (gate None: ungated).
-        q [T, Hq * hd], k, v [T, Hkv * hd]; caches [Cap, Hkv, hd] -> (o [T, Hq * hd], k_cache, v_cache)."""
+        NeoX RoPE at positions start.., the new keys and values written at rows start.. of the layer's cache,
+        causal GQA attention, the output times sigmoid(gate) (gate None: ungated).
+        q [T, Hq * hd], k, v [T, Hkv * hd]; kv the layer's cache: {"k", "v": [Cap, Hkv, hd]}, plus
+        {"k_scale", "v_scale": [Cap, Hkv] fp32} when it is int8 (quantize_kv) -> (o [T, Hq * hd], kv)."""
         if is_rows(start):
-            def one(q, k, v, g, kc, vc, s, n):
-                o, kc, vc = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
-                                                 k_norm, eps, kc, vc, s, n, rotary_dim, theta)
-                return o[0], kc, vc
-            return self.vmap(one)(q, k, v, q if gate is None else gate, k_cache, v_cache, start, n_valid)
+            def one(q, k, v, g, kv, s, n):
+                o, kv = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
+                                             k_norm, eps, kv, s, n, rotary_dim, theta)
+                return o[0], kv
+            return self.vmap(one)(q, k, v, q if gate is None else gate, kv, start, n_valid)
         xp = self.xp
         t = q.shape[0]
-        _, hkv, hd = k_cache.shape
+        _, hkv, hd = kv["k"].shape
         hq = q.shape[1] // hd
         positions = start + xp.arange(t)
         valid = self.valid_mask(t, n_valid)
         q = self.rope(self.rms_norm(q.reshape(t, hq, hd), q_norm, eps), positions, rotary_dim, theta)
         k = self.rope(self.rms_norm(k.reshape(t, hkv, hd), k_norm, eps), positions, rotary_dim, theta)
-        k_cache = self.kv_write(k_cache, k, start)
-        v_cache = self.kv_write(v_cache, v.reshape(t, hkv, hd), start)
+        kv = self.kv_store(kv, k, v.reshape(t, hkv, hd), start)
         # padded rows look at key 0 only (their output is discarded), so the keys visited follow the real rows
-        o = self.attention(q, k_cache, v_cache, xp.where(valid, positions, 0), hd ** -0.5).reshape(t, hq * hd)
+        o = self.attention(q, kv["k"], kv["v"], xp.where(valid, positions, 0), hd ** -0.5, kv.get("k_scale"),
+                           kv.get("v_scale")).reshape(t, hq * hd)
         if gate is not None:
             o = o * self.sigmoid(gate)
-        return o, k_cache, v_cache
+        return o, kv
+
+    def kv_store(self, kv, k, v, start):
+        """The layer's cache with keys and values [T, Hkv, hd] written at rows start.. (int8: quantised, their
+        scales beside them)."""
+        if "k_scale" not in kv:
+            return {"k": self.kv_write(kv["k"], k, start), "v": self.kv_write(kv["v"], v, start)}
+        out = {}
+        for name, x in (("k", k), ("v", v)):
+            q8, scale = quantize_kv(self.xp, x)
+            out[name] = self.kv_write(kv[name], q8, start)
+            out[name + "_scale"] = self.kv_write(kv[name + "_scale"], scale, start)
+        return out
 
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
                     n_k_heads):
@@ -131,6 +143,15 @@ class ComposedOps:
         o = self.rms_norm(o.astype(z.dtype), gnorm, eps)
         o = (o.astype(f32) * self.silu(z.reshape(t, hv, dv).astype(f32))).astype(z.dtype).reshape(t, hv * dv)
         return o, conv_state, ssm
+
+
+def quantize_kv(xp, x):
+    """x [..., hd] -> (int8 [..., hd], float32 scale [...]): strata/model/reference.py quantize_kv, in xp. A row with
+    a NaN gets a NaN scale, so whatever reads it is non-finite (the numerics guard sees it)."""
+    x = x.astype(xp.float32)
+    scale = xp.max(xp.abs(x), axis=-1) / 127.0
+    div = xp.where(scale > 0, scale, 1.0)[..., None]
+    return xp.clip(xp.round(x / div), -127, 127).astype(xp.int8), scale
 
 
 def _l2norm(xp, x):

@@ -6,7 +6,8 @@ start..start+T-1, and returns the logits and the sequence state after the part. 
 construction: their keys land beyond the real ones (overwritten before any real query can see them), their delta-rule
 gates are zeroed (g = beta = 0 leaves the recurrent state unchanged), and the conv state is taken at n_valid.
 
-State per layer: FULL {"k", "v": [Cap, Hkv, hd]}; LINEAR {"conv": [K-1, C], "ssm": [Hv, dk, dv] fp32}.
+State per layer: FULL {"k", "v": [Cap, Hkv, hd]} (int8 KV: plus {"k_scale", "v_scale": [Cap, Hkv] fp32});
+LINEAR {"conv": [K-1, C], "ssm": [Hv, dk, dv] fp32}.
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import numpy as np
 from strata.model.config import LINEAR, ModelConfig
 
 
-def init_state(cfg: ModelConfig, capacity: int, dtype) -> list[dict]:
-    """Fresh (empty) sequence state, on the host; the engine moves it to the device."""
+def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None) -> list[dict]:
+    """Fresh (empty) sequence state, on the host; the engine moves it to the device. kv_dtype: the attention
+    layers' cache (None: dtype; int8: with a float32 scale per token and KV head, see blocks.quantize_kv)."""
+    kv_dtype = np.dtype(dtype if kv_dtype is None else kv_dtype)
     state = []
     for kind in cfg.layer_types:
         if kind == LINEAR:
@@ -27,7 +30,10 @@ def init_state(cfg: ModelConfig, capacity: int, dtype) -> list[dict]:
             })
         else:
             shape = (capacity, cfg.num_kv_heads, cfg.head_dim)
-            state.append({"k": np.zeros(shape, dtype), "v": np.zeros(shape, dtype)})
+            layer = {"k": np.zeros(shape, kv_dtype), "v": np.zeros(shape, kv_dtype)}
+            if kv_dtype == np.int8:
+                layer.update(k_scale=np.zeros(shape[:2], np.float32), v_scale=np.zeros(shape[:2], np.float32))
+            state.append(layer)
     return state
 
 
@@ -100,10 +106,9 @@ def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, 
         # Qwen3-Next adds a sigmoid output gate per head (gated_attention)
         ws = [lp["q"], lp["k"], lp["v"]] + ([lp["gate"]] if cfg.gated_attention else [])
         _, ys = ops.norm_linears(x, lp["in_norm"], eps, ws)
-        o, kc, vc = ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
-                                        lp["k_norm"], eps, st["k"], st["v"], start, n_valid, cfg.rotary_dim,
-                                        cfg.rope_theta)
-        x, st = ops.linear_add(o, lp["o"], x), {"k": kc, "v": vc}
+        o, st = ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
+                                    lp["k_norm"], eps, st, start, n_valid, cfg.rotary_dim, cfg.rope_theta)
+        x = ops.linear_add(o, lp["o"], x)
     if "router" not in lp:
         _, (g, u) = ops.norm_linears(x, lp["post_norm"], eps, [lp["mlp_gate"], lp["mlp_up"]])
         return ops.swiglu_out(g, u, lp["mlp_down"], x), None, None, None, st

@@ -28,3 +28,19 @@ def gated_delta(q, k, v, g, beta, state):
         S += k[t][:, :, None] * ((v[t] - kv) * beta[t][:, None])[:, None, :]
         out[t] = np.einsum("hde,hd->he", S, q[t])
     return out, S
+
+
+def quantize_kv(x):
+    """The int8 KV format: each row of the last axis (one token's key or value of one KV head, [..., hd]) stored as
+    q int8 [..., hd] with one float32 scale [...] = amax / 127 of the row; q = round-half-even(x / scale), clipped
+    to +-127 (a zero row: scale 0, q 0). Computed in float32, as every backend computes it."""
+    x = np.asarray(x, np.float32)
+    scale = (np.abs(x).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    div = np.where(scale > 0, scale, np.float32(1.0))[..., None]
+    q = np.clip(np.rint(x / div), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def dequantize_kv(q, scale):
+    """int8 KV rows back to float32: q * scale (per row)."""
+    return np.asarray(q, np.float32) * np.asarray(scale, np.float32)[..., None]

@@ -334,17 +334,28 @@ class SyclBackend(ComposedOps):
         return int(v)                       # a device scalar syncs here; the engine and runner pass host scalars
 
     def kv_write(self, cache, new, start):
-        """cache [Cap, Hkv, hd] <- new [T, Hkv, hd] at rows start.., in place (the cache is donated)."""
+        """cache [Cap, ...] <- new [T, ...] at rows start.., in place (the cache is donated)."""
         self._op()
         t, cap = new.shape[0], cache.shape[0]
         s = min(max(self._host_int(start), 0), cap - t)      # as lax.dynamic_update_slice clamps
         cache[s:s + t] = new if new.dtype == cache.dtype else new.astype(cache.dtype)
         return cache
 
-    def attention(self, q, k_cache, v_cache, q_pos, scale):
+    def attention(self, q, k_cache, v_cache, q_pos, scale, k_scale=None, v_scale=None):
         self._op()
-        return k_attention.attention(self.kernels, self._f32(q), self._f32(k_cache), self._f32(v_cache),
+        return k_attention.attention(self.kernels, self._f32(q), self._kv(k_cache, v_cache, k_scale, v_scale),
                                      self._positions(q_pos), scale)
+
+    def _kv(self, k, v, k_scale=None, v_scale=None, update=False):
+        """A layer's cache as the attention kernels take it: fp32 caches, or int8 caches with their fp32 scales;
+        C-contiguous on this queue. update: the kernel writes into it, so the caller's own arrays are kept where
+        they already fit (they are donated), as _state keeps a state."""
+        cast = self._state if update else self._f32
+        if k_scale is None:
+            return {"k": cast(k), "v": cast(v)}
+        i8 = np.dtype(np.int8)
+        return {"k": self._contiguous(self._dev(k, i8)), "v": self._contiguous(self._dev(v, i8)),
+                "k_scale": cast(k_scale), "v_scale": cast(v_scale)}
 
     def causal_conv(self, u, conv_state, w, n_valid):
         """-> (silu(conv) [T, C], the conv state after row n_valid - 1), the state updated in place (donated)."""
@@ -491,30 +502,28 @@ class SyclBackend(ComposedOps):
         self._rows_last = (host, dev)
         return dev
 
-    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, k_cache, v_cache, start, n_valid, rotary_dim,
-                        theta):
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta):
         self._op()
         if not (_is_host(start) and _is_host(n_valid)):
-            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, k_cache, v_cache, start, n_valid,
-                                           rotary_dim, theta)
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim,
+                                           theta)
         t = q.shape[0]
-        hd = k_cache.shape[-1]
-        k_cache, v_cache = self._state(k_cache), self._state(v_cache)
+        hd = kv["k"].shape[-1]
+        kv = self._kv(kv["k"], kv["v"], kv.get("k_scale"), kv.get("v_scale"), update=True)
         freqs = self._const(("rope", rotary_dim, float(theta)), lambda: k_rope.inv_freq(rotary_dim, theta))
         gate = None if gate is None else self._f32(gate)
         if is_rows(start):                     # a decode window: row s on its own caches [S, cap, hkv, hd]
             rows = self._rows(start, n_valid)
             qr = k_attention.attention_inputs_rows(self.kernels, self._f32(q), self._f32(k), self._f32(v),
-                                                   self._f32(q_norm), self._f32(k_norm), freqs, k_cache, v_cache,
-                                                   rows, rotary_dim, eps)
-            o = k_attention.attention_gated_rows(self.kernels, qr, k_cache, v_cache, gate, rows, hd ** -0.5)
-            return o.reshape(t, -1), k_cache, v_cache
-        s0 = min(max(int(start), 0), k_cache.shape[0] - t)                  # as kv_write clamps
+                                                   self._f32(q_norm), self._f32(k_norm), freqs, kv, rows,
+                                                   rotary_dim, eps)
+            o = k_attention.attention_gated_rows(self.kernels, qr, kv, gate, rows, hd ** -0.5)
+            return o.reshape(t, -1), kv
+        s0 = min(max(int(start), 0), kv["k"].shape[0] - t)                  # as kv_write clamps
         qr = k_attention.attention_inputs(self.kernels, self._f32(q), self._f32(k), self._f32(v), self._f32(q_norm),
-                                          self._f32(k_norm), freqs, k_cache, v_cache, rotary_dim, eps, int(start), s0)
-        o = k_attention.attention_gated(self.kernels, qr, k_cache, v_cache, gate, int(start), int(n_valid),
-                                        hd ** -0.5)
-        return o.reshape(t, -1), k_cache, v_cache
+                                          self._f32(k_norm), freqs, kv, rotary_dim, eps, int(start), s0)
+        o = k_attention.attention_gated(self.kernels, qr, kv, gate, int(start), int(n_valid), hd ** -0.5)
+        return o.reshape(t, -1), kv
 
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
                     n_k_heads):

@@ -53,6 +53,26 @@ def test_concurrent_requests_equal_sequential(engine, parallel, prefill):
     assert any(n > 0 for _, _, n in alone)
 
 
+def test_int8_kv_concurrent_requests_equal_sequential():
+    """The int8 KV cache through the runner's bank (decode rows and prompt parts on slots): concurrency changes
+    nothing, as with the float cache."""
+    engine = Engine.load("demo", max_context=4096, prefill=64, kv="int8")
+    prompts = _prompts()
+    with running_server(engine, parallel=3, prefill=16, max_context=4096) as srv:
+        alone = [_ask(srv.url, p, 24) for p in prompts]
+        together: list = [None] * len(prompts)
+
+        def worker(i):
+            together[i] = _ask(srv.url, prompts[i], 24)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert together == alone
+    assert any(n > 0 for _, _, n in alone)
+
+
 def test_disconnect_frees_the_slot_and_spares_the_others(engine):
     prompt = _prompts()[1]
     with running_server(engine, parallel=2, prefill=64, max_context=65536) as srv:

@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 
 from oracle import build_hf_model  # noqa: E402
 from strata import Engine  # noqa: E402
+from strata.jax_backend.backend import JaxBackend  # noqa: E402
+from strata.model.blocks import quantize_kv  # noqa: E402
 
 TOL = 1e-4           # of the logit range, float32
 NEAR_TIE = 1e-4      # router probability margin, and greedy logit margin relative to the range
@@ -81,14 +83,14 @@ def case(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     engine = Engine.load(path, max_context=256)
-    return dict(engine=engine, prompt=prompt, gen=gen, full=full, logits=logits, name=request.param)
+    return dict(engine=engine, path=path, prompt=prompt, gen=gen, full=full, logits=logits, name=request.param)
 
 
-def _assert_close(ours, ref, what):
+def _assert_close(ours, ref, what, tol=TOL):
     span = float(ref.max() - ref.min())
     err = float(np.abs(ours - ref).max())
     assert np.isfinite(ours).all(), f"{what}: non-finite logits"
-    assert err <= TOL * span, f"{what}: max |diff| {err:.3e} > {TOL} x logit range {span:.3f}"
+    assert err <= tol * span, f"{what}: max |diff| {err:.3e} > {tol} x logit range {span:.3f}"
 
 
 def test_logits_match_transformers(case):
@@ -112,3 +114,28 @@ def test_parts_plus_decode_equal_one_pass(case, part):
 def test_greedy_generation_identical(case):
     ours = case["engine"].generate(case["prompt"], GEN, temperature=0.0)
     assert ours == case["gen"]
+
+
+
+def test_int8_kv_equals_a_float32_cache_holding_the_dequantised_rows(case, monkeypatch):
+    """The int8 cache's plumbing (codes and scales written and read at the right rows, in parts and in decode) is
+    exact: it gives the logits of a float32 cache into which the same rows were written quantised and dequantised.
+    (Against transformers directly, the quantisation noise, ~amax / 254 per value, is above these tiny random
+    models' router margins, so their routing, and the logits after it, legitimately differ.)"""
+    full, n = case["full"], len(case["prompt"])
+
+    def read(engine):      # both read alike, so both quantise the same keys (a flip at a rounding boundary is a step)
+        seq = engine.sequence()
+        return np.concatenate([seq.read(full[:n], part_size=7, all_logits=True)] +
+                              [seq.read([tok], all_logits=True) for tok in full[n:]])
+    ours = read(Engine.load(case["path"], max_context=256, kv="int8"))
+
+    def store_dequantised(self, kv, k, v, start):
+        out = {}
+        for name, x in (("k", k), ("v", v)):
+            q8, scale = quantize_kv(self.xp, x)
+            out[name] = self.kv_write(kv[name], q8.astype(self.xp.float32) * scale[..., None], start)
+        return out
+    monkeypatch.setattr(JaxBackend, "kv_store", store_dequantised)
+    ref = read(Engine.load(case["path"], max_context=256))
+    _assert_close(ours, ref, f"{case['name']} int8 KV (parts of 7 + decode) vs float32 KV of the dequantised rows")

@@ -216,10 +216,12 @@ def strata_serve(*args, timeout=120):
     ("parallel = 100\n", ["parallel = 100 is not allowed", "parallel must be an integer in [1, 64]"]),
     ('port = "8080"\n', ['port = "8080" (a string) is not allowed', "an integer in [0, 65535]"]),
     ('dtype = "fp8"\n', ["dtype", "one of auto, float32, bfloat16"]),
+    ('kv = "int4"\n', ['kv = "int4" (a string) is not allowed', "one of auto, int8, bfloat16, float32"]),
     ("prefill = 1.5\n", ["prefill = 1.5 (a float)", "[1, 16384]"]),
     ("parallel = \n", ["not valid TOML"]),
     ("host_chunk_mib = 4096\n", ["host_chunk_mib = 4096 is not allowed", "an integer in [1, 2047]"]),
-], ids=["unknown_key", "dashed_key", "out_of_range", "wrong_type", "bad_choice", "float", "syntax", "chunk_over_2gib"])
+], ids=["unknown_key", "dashed_key", "out_of_range", "wrong_type", "bad_choice", "bad_kv", "float", "syntax",
+        "chunk_over_2gib"])
 def test_bad_config_file_exits_2_naming_the_key(tmp_path, content, texts):
     cfg = tmp_path / "bad.toml"
     cfg.write_text('model = "demo"\n' + content)

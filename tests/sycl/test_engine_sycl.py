@@ -37,6 +37,18 @@ def test_jax_and_sycl_greedy_tokens_identical(sycl_engine, jax_engine, greedy):
     assert np.abs(ours - ref).max() <= 1e-4 * (ref.max() - ref.min())
 
 
+def test_int8_kv_jax_and_sycl_greedy_tokens_identical(sycl_device):
+    """The int8 KV cache (codes + a float32 scale per token and head) on both backends: the same tokens, and logits
+    as close as the float32 caches' (the same quantiser; a code can differ by one step at a rounding boundary)."""
+    sycl = Engine.load("demo", backend="sycl", device=sycl_device, max_context=128, kv="int8")
+    jax_ = Engine.load("demo", backend="jax", max_context=128, kv="int8")
+    assert sycl.kv_dtype == jax_.kv_dtype == np.int8
+    prompt = list(range(3, 90))
+    assert sycl.generate(prompt, 12, stop_token_ids=[]) == jax_.generate(prompt, 12, stop_token_ids=[])
+    ours, ref = sycl.logits(prompt), jax_.logits(prompt)
+    assert np.abs(ours - ref).max() <= 1e-4 * (ref.max() - ref.min())
+
+
 def test_bf16_weights_stored_as_uint16_compute_as_their_fp32_values(sycl_device, sycl_engine, monkeypatch):
     """dtype=bfloat16: weights live as uint16 bits (half the memory) and every op widens them, so the logits are
     those of the fp32 model whose weights are the bfloat16-rounded ones."""

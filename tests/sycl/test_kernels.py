@@ -6,6 +6,8 @@ import dpnp
 import numpy as np
 import pytest
 
+from strata.model.reference import quantize_kv
+
 from strata.sycl_backend.kernels import attention as k_attention
 from strata.sycl_backend.kernels import conv as k_conv
 from strata.sycl_backend.kernels import experts as k_experts
@@ -87,8 +89,15 @@ def test_attention(ops, rng, t, hq, hkv, hd, cap):
     vc = rng.standard_normal((cap, hkv, hd)).astype(np.float32)
     pos = np.sort(rng.integers(0, cap + 3, t)).astype(np.int64)          # past the cache end: clamped
     out = poisoned(ops, q.shape)
-    k_attention.attention(ops.kernels, *(ops.to_device(a) for a in (q, kc, vc, pos)), hd ** -0.5, out=out)
+    kv = {"k": ops.to_device(kc), "v": ops.to_device(vc)}
+    k_attention.attention(ops.kernels, ops.to_device(q), kv, ops.to_device(pos), hd ** -0.5, out=out)
     close(out, k_attention.attention_reference(q, kc, vc, pos, hd ** -0.5), rel=1e-5, what="attention")
+    # the int8 cache: codes and a scale per token and head (strata/model/reference.py quantize_kv)
+    (kq, ks), (vq, vs) = quantize_kv(kc * 4), quantize_kv(vc)
+    kv8 = {"k": ops.to_device(kq), "v": ops.to_device(vq), "k_scale": ops.to_device(ks), "v_scale": ops.to_device(vs)}
+    out = poisoned(ops, q.shape)
+    k_attention.attention(ops.kernels, ops.to_device(q), kv8, ops.to_device(pos), hd ** -0.5, out=out)
+    close(out, k_attention.attention_reference(q, kq, vq, pos, hd ** -0.5, ks, vs), rel=1e-5, what="attention int8")
 
 
 @pytest.mark.parametrize("t,c,kw,n_valid", [(1, 10, 4, 1), (1, 10, 4, 0), (7, 6, 4, 5), (2, 5, 4, 2), (9, 3, 2, 9),

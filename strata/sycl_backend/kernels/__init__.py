@@ -31,10 +31,13 @@ from dpctl.utils import SequentialOrderManager
 from strata.errors import ConfigError
 
 HERE = Path(__file__).parent
-FAMILIES = ("norms", "pointwise", "rope", "attention", "conv", "gated_delta", "topk", "sample", "blob_decode")
+FAMILIES = ("norms", "pointwise", "rope", "conv", "gated_delta", "topk", "sample", "blob_decode")
 # families that read weights are compiled once per stored weight format: (C type, widening to fp32)
 PER_FORMAT = ("linear", "experts")
 WEIGHT_FORMATS = {"f32": ("float", "((p)[i])"), "bf16": ("ushort", "as_float(((uint)(p)[i]) << 16)")}
+# families that read the KV cache are compiled once per KV format: (C type, whether rows carry a scale)
+PER_KV = ("attention",)
+KV_FORMATS = {"f32": ("float", 0), "i8": ("char", 1)}
 
 
 def source() -> str:
@@ -44,6 +47,11 @@ def source() -> str:
         for suffix, (wt, load) in WEIGHT_FORMATS.items():
             parts.append(f"#define SUFFIX {suffix}\n#define WT {wt}\n#define LOAD(p, i) {load}\n{text}\n"
                          "#undef SUFFIX\n#undef WT\n#undef LOAD\n")
+    for family in PER_KV:
+        text = (HERE / f"{family}.cl").read_text()
+        for suffix, (kvt, q8) in KV_FORMATS.items():
+            parts.append(f"#define KV_SUFFIX {suffix}\n#define KVT {kvt}\n#define KV_Q8 {q8}\n{text}\n"
+                         "#undef KV_SUFFIX\n#undef KVT\n#undef KV_Q8\n")
     return "\n".join(parts)
 
 
