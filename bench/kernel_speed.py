@@ -1,17 +1,30 @@
 """Per-kernel speed against its floor (issue 4): time, bytes moved, FLOPs, and the fraction of the H200's measured
-HBM rate (3.6 TB/s read+write, ../shared/notes/pallas-gpu.md) each kernel reaches, beside the XLA op it replaces.
-Each kernel's output is checked against that XLA op on the same inputs before it is timed.
+HBM rate (3.6 TB/s read+write, ../shared/notes/pallas-gpu.md) or bf16 matmul rate each kernel reaches, beside the XLA
+op it replaces. Each kernel's output is checked against that XLA op (and the XLA op against the float64 reference
+where one is cheap) on the same inputs before it is timed.
 
-    python bench/kernel_speed.py            # GPU: Qwen3-Next-80B-A3B expert shapes (H 2048, I 512), int4 blobs
-    python bench/kernel_speed.py --smoke    # the same on a CPU in Pallas interpret mode, tiny shapes
+    python bench/kernel_speed.py            # GPU: Qwen3-Next-80B-A3B shapes
+    python bench/kernel_speed.py --smoke    # the same code on a CPU in Pallas interpret mode, tiny shapes
 
-Kernels: the decode expert op (kernels/expert_decode.py, int4 dequantized in the kernel) at 1, 4 and 16 tokens of
-10 routes each, against experts.experts_from_pool's gather form.
+Kernels (strata/jax_backend/kernels/):
+- expert_decode: the decode expert op (int4 dequantized in the kernel) at 1, 4 and 16 tokens of 10 routes, against
+  experts.experts_from_pool's gather form;
+- expert_grouped: the prompt-part expert op (a grouped GEMM over routes sorted by expert, weights dequantized in the
+  kernel) at 512 and 4096 tokens, int4 and bf16 blobs, against experts_from_pool's grouped form;
+- decode_attention: attention of 1 (decode) or 4 (verify) query positions per row over int8 and bf16 KV caches at
+  4K and 32K context, batch 1, 4 and 16, against decode_attention_xla;
+- gated_delta: the recurrent decode step (batch 1, 4, 16), the verify form (4 positions) and the chunked prompt form
+  (4096 tokens), against the XLA forms in JaxBackend.
+
+Times are device time per call: the call runs `LOOP` times inside one jitted loop (each iteration's input depends on
+the last output, so nothing is hoisted), so dispatch does not hide a kernel of a few microseconds.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +32,59 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402
-from engine_speed import timed  # noqa: E402
 from synthetic_experts import SyntheticStore  # noqa: E402
 
 HBM_BYTES_PER_S = 3.6e12      # measured on the H200 this project uses (read + write)
+BF16_FLOPS = 790e12           # the H200's dense bf16 rate (the device README)
+LOOP = 20
 
 
-def expert_decode(hidden: int, inter: int, n_slots: int, tokens: list[int], k: int, repeat: int, interpret: bool):
+def device_seconds(fn, args: tuple, dep: int, repeat: int) -> float:
+    """Seconds per call of fn(*args), from LOOP calls inside one jitted fori_loop; args[dep] (a float array) gets
+    0 * (the last output's first element) added each iteration, so the calls are chained, not hoisted."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def looped(*a):
+        def body(_, carry):
+            a_dep, acc = carry
+            out = fn(*a[:dep], a_dep, *a[dep + 1:])
+            first = jax.tree_util.tree_leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
+            return a_dep + (first * 0).astype(a_dep.dtype), acc + first
+        return lax.fori_loop(0, LOOP, body, (a[dep], jnp.float32(0)))[1]
+
+    run = jax.jit(looped)
+    run(*args).block_until_ready()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        run(*args).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) / LOOP
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def row(name: str, t_ker: float, t_xla: float, nbytes: float, flops: float, err: float, **extra) -> dict:
+    r = {"case": name, **extra, "kernel_us": 1e6 * t_ker, "xla_us": 1e6 * t_xla, "bytes": nbytes, "flops": flops,
+         "floor_us": 1e6 * max(nbytes / HBM_BYTES_PER_S, flops / BF16_FLOPS),
+         "kernel_fraction_of_hbm": nbytes / t_ker / HBM_BYTES_PER_S, "kernel_tflops": flops / t_ker / 1e12,
+         "kernel_fraction_of_bf16": flops / t_ker / BF16_FLOPS, "speedup_vs_xla": t_xla / t_ker,
+         "kernel_vs_xla_rel_err": err}
+    bound = "HBM" if nbytes / HBM_BYTES_PER_S >= flops / BF16_FLOPS else "bf16 rate"
+    frac = r["kernel_fraction_of_hbm"] if bound == "HBM" else r["kernel_fraction_of_bf16"]
+    r["bound"], r["fraction_of_bound"] = bound, frac
+    print(f"{name}: kernel {r['kernel_us']:.1f} us, XLA {r['xla_us']:.1f} us ({r['speedup_vs_xla']:.1f}x), floor "
+          f"{r['floor_us']:.1f} us ({nbytes / 1e6:.1f} MB, {flops / 1e9:.2f} GFLOP): {100 * frac:.0f}% of the "
+          f"{bound} bound; kernel vs XLA relative error {err:.1e}", flush=True)
+    return r
+
+
+def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret):
     import jax
     import jax.numpy as jnp
 
@@ -34,53 +93,186 @@ def expert_decode(hidden: int, inter: int, n_slots: int, tokens: list[int], k: i
     store = SyntheticStore("int4", hidden, inter, 1, n_slots, distinct=min(64, n_slots))
     lay = store.layout
     pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n_slots)]))
-    xla = jax.jit(experts_from_pool, static_argnames=("layout", "max_distinct"))
-    rows = []
-    rng = np.random.default_rng(0)
+    rows, rng = [], np.random.default_rng(0)
     for t in tokens:
         slots = jnp.asarray(np.stack([rng.choice(n_slots, k, replace=False) for _ in range(t)]).astype(np.int32))
         weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
         x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
-        ref = xla(lay, pool, x.astype(jnp.float32), slots, weight, max_distinct=n_slots)
-        got = experts_decode_int4(lay, pool, x.astype(jnp.float32), slots, weight, interpret=interpret)
-        err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-        run_xla = lambda: xla(lay, pool, x, slots, weight, max_distinct=n_slots).block_until_ready()  # noqa: E731
-        run_ker = lambda: experts_decode_int4(lay, pool, x, slots, weight,  # noqa: E731
-                                              interpret=interpret).block_until_ready()
-        run_xla(), run_ker()                                 # compile before timing
-        t_xla, t_ker = timed(run_xla, repeat), timed(run_ker, repeat)
+        ker = partial(experts_decode_int4, lay, interpret=interpret)
+        xla = partial(experts_from_pool, lay, max_distinct=n_slots)
+        err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), xla(pool, x, slots, weight).astype(jnp.float32))
+        t_ker = device_seconds(lambda x, p: ker(p, x, slots, weight), (x, pool), 0, repeat)
+        t_xla = device_seconds(lambda x, p: xla(p, x, slots, weight), (x, pool), 0, repeat)
         distinct = len(np.unique(np.asarray(slots)))
-        nbytes = distinct * lay.nbytes                       # each distinct blob read once at best
-        flops = 2 * 3 * t * k * hidden * inter
-        rows.append({"tokens": t, "routes": t * k, "distinct_experts": distinct, "bytes_floor": nbytes,
-                     "flops": flops, "xla_us": 1e6 * t_xla, "kernel_us": 1e6 * t_ker,
-                     "floor_us": 1e6 * nbytes / HBM_BYTES_PER_S,
-                     "kernel_fraction_of_hbm": nbytes / t_ker / HBM_BYTES_PER_S,
-                     "xla_fraction_of_hbm": nbytes / t_xla / HBM_BYTES_PER_S,
-                     "kernel_tflops": flops / t_ker / 1e12, "kernel_vs_xla_rel_err": err})
-        r = rows[-1]
-        print(f"expert decode int4, {t} token(s) x {k} routes: kernel {r['kernel_us']:.1f} us, XLA {r['xla_us']:.1f} us,"
-              f" floor {r['floor_us']:.1f} us ({nbytes / 1e6:.1f} MB); kernel at "
-              f"{100 * r['kernel_fraction_of_hbm']:.0f}% of HBM, XLA {100 * r['xla_fraction_of_hbm']:.0f}%; "
-              f"kernel vs XLA relative error {err:.1e}", flush=True)
+        rows.append(row(f"expert decode int4, {t} token(s) x {k} routes", t_ker, t_xla, distinct * lay.nbytes,
+                        2 * 3 * t * k * hidden * inter, err, tokens=t, routes=t * k, distinct_experts=distinct))
+    return rows
+
+
+def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret, formats=("int4", "bf16")):
+    import jax
+    import jax.numpy as jnp
+
+    from strata.jax_backend.kernels.expert_grouped import experts_grouped
+    from strata.jax_backend.kernels.experts import experts_from_pool
+    rows, rng = [], np.random.default_rng(1)
+    for fmt in formats:
+        store = SyntheticStore(fmt, hidden, inter, 1, n_experts, distinct=min(64, n_experts))
+        lay = store.layout
+        pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n_experts)]))
+        for t in tokens:
+            slots = jnp.asarray(np.stack([rng.choice(n_experts, k, replace=False) for _ in range(t)]).astype(np.int32))
+            weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
+            x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
+            ker = partial(experts_grouped, lay, interpret=interpret, max_distinct=n_experts)
+            xla = partial(experts_from_pool, lay, max_distinct=n_experts)
+            err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32),
+                          xla(pool, x, slots, weight).astype(jnp.float32))
+            t_ker = device_seconds(lambda x, p: ker(p, x, slots, weight), (x, pool), 0, repeat)
+            t_xla = device_seconds(lambda x, p: xla(p, x, slots, weight), (x, pool), 0, repeat)
+            distinct = len(np.unique(np.asarray(slots)))
+            nbytes = distinct * lay.nbytes + 2 * t * hidden * 2            # active blobs + x in and y out (bf16)
+            rows.append(row(f"expert grouped {fmt}, {t} tokens x {k} routes", t_ker, t_xla, nbytes,
+                            2 * 3 * t * k * hidden * inter, err, fmt=fmt, tokens=t, distinct_experts=distinct))
+    return rows
+
+
+def decode_attention(hq, hkv, hd, contexts, batches, queries, repeat, interpret):
+    import jax.numpy as jnp
+
+    from strata.jax_backend.kernels.decode_attention import decode_attention as ker, decode_attention_xla as xla
+    from strata.model.reference import quantize_kv
+    rows, rng = [], np.random.default_rng(2)
+    for kv in ("int8", "bf16"):
+        for ctx in contexts:
+            for s in batches:
+                for nq in queries:
+                    cap = ctx + 64
+                    k = rng.standard_normal((s, cap, hkv, hd)).astype(np.float32)
+                    v = rng.standard_normal((s, cap, hkv, hd)).astype(np.float32)
+                    if kv == "int8":
+                        (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
+                        kc, vc, ks, vs = (jnp.asarray(a) for a in (kc, vc, ks, vs))
+                        per_token = 2 * hkv * (hd + 4)
+                    else:
+                        kc, vc = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+                        ks = vs = None
+                        per_token = 2 * hkv * hd * 2
+                    del k, v
+                    q = jnp.asarray(rng.standard_normal((s, nq, hq, hd)).astype(np.float32), jnp.bfloat16)
+                    pos = jnp.asarray(np.full(s, ctx - nq, np.int32))
+                    f_ker = partial(ker, scale=hd ** -0.5, interpret=interpret)
+                    f_xla = partial(xla, scale=hd ** -0.5)
+                    err = rel_err(f_ker(q, kc, vc, ks, vs, pos).astype(jnp.float32),
+                                  f_xla(q, kc, vc, ks, vs, pos).astype(jnp.float32))
+                    t_ker = device_seconds(lambda q: f_ker(q, kc, vc, ks, vs, pos), (q,), 0, repeat)
+                    t_xla = device_seconds(lambda q: f_xla(q, kc, vc, ks, vs, pos), (q,), 0, repeat)
+                    nbytes = s * ctx * per_token + 2 * q.size * 2
+                    flops = 4 * s * nq * hq * hd * ctx
+                    rows.append(row(f"decode attention {kv} KV, {ctx} context, batch {s}, {nq} quer"
+                                    f"{'y' if nq == 1 else 'ies'}", t_ker, t_xla, nbytes, flops, err, kv=kv,
+                                    context=ctx, batch=s, queries=nq))
+    return rows
+
+
+def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
+    import jax
+    import jax.numpy as jnp
+
+    from strata.jax_backend.backend import JaxBackend
+    from strata.jax_backend.kernels import gated_delta as K
+    rng = np.random.default_rng(3)
+
+    def inputs(lead):
+        n = lambda *s: rng.standard_normal(lead + s).astype(np.float32)  # noqa: E731
+        q, k = n(hv, dk), n(hv, dk)
+        q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        g = -np.exp(np.log(rng.uniform(1, 16, hv))) * np.log1p(np.exp(n(hv)))
+        beta = 1 / (1 + np.exp(-n(hv)))
+        return [jnp.asarray(a) for a in (q, k, n(hv, dv), g.astype(np.float32), beta.astype(np.float32))]
+
+    rows = []
+    state_bytes = hv * dk * dv * 4
+    step_xla = jax.vmap(JaxBackend.gated_delta_step)
+    for s in batches:
+        q, k, v, g, beta = (a[:, None] for a in inputs((s,)))                           # [S, 1, ...] for the step
+        st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
+        ker = partial(K.gated_delta_decode, interpret=interpret)
+        o_k, _ = ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st)
+        o_x, _ = step_xla(q, k, v, g, beta, st)
+        err = rel_err(o_k, o_x[:, 0])
+        t_ker = device_seconds(lambda st: ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st)[1], (st,), 0,
+                               repeat)
+        t_xla = device_seconds(lambda st: step_xla(q, k, v, g, beta, st)[1], (st,), 0, repeat)
+        rows.append(row(f"gated delta decode, batch {s}", t_ker, t_xla, 2 * s * state_bytes,
+                        s * hv * dk * dv * 6, err, form="decode", batch=s))
+    s, nq = batches[1] if len(batches) > 1 else batches[0], verify_q
+    q, k, v, g, beta = inputs((s, nq))
+    st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
+    ker = partial(K.gated_delta_verify, interpret=interpret)
+
+    def xla_verify(q, k, v, g, beta, st):          # the XLA baseline keeps every state too: one step at a time
+        def one(st, xs):
+            o, st = step_xla(*(a[:, None] for a in xs), st)
+            return st, (o[:, 0], st)
+        _, (o, sts) = jax.lax.scan(one, st, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
+        return jnp.moveaxis(o, 0, 1), jnp.moveaxis(sts, 0, 1)
+    err = rel_err(ker(q, k, v, g, beta, st)[1], xla_verify(q, k, v, g, beta, st)[1])
+    t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st)[1], (st,), 0, repeat)
+    t_xla = device_seconds(lambda st: xla_verify(q, k, v, g, beta, st)[1], (st,), 0, repeat)
+    rows.append(row(f"gated delta verify, batch {s} x {nq} positions", t_ker, t_xla, (1 + nq) * s * state_bytes,
+                    s * nq * hv * dk * dv * 6, err, form="verify", batch=s, positions=nq))
+    q, k, v, g, beta = inputs((prompt,))
+    st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
+    ker = partial(K.gated_delta_chunked, interpret=interpret)
+    err = rel_err(ker(q, k, v, g, beta, st)[1], JaxBackend.gated_delta_chunked(q, k, v, g, beta, st)[1])
+    t_ker = device_seconds(lambda q: ker(q, k, v, g, beta, st)[0], (q,), 0, repeat)
+    t_xla = device_seconds(lambda q: JaxBackend.gated_delta_chunked(q, k, v, g, beta, st)[0], (q,), 0, repeat)
+    c = 64
+    flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
+    nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * state_bytes
+    rows.append(row(f"gated delta chunked, {prompt} tokens", t_ker, t_xla, nbytes, flops, err, form="chunked",
+                    tokens=prompt))
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU, kernels interpreted")
-    ap.add_argument("--repeat", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--only", default="expert_decode,expert_grouped,decode_attention,gated_delta")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import jax
     interpret = jax.devices()[0].platform != "gpu"
     if args.smoke:
-        shapes = dict(hidden=256, inter=128, n_slots=16, tokens=[1, 2], k=4, repeat=2)
+        shapes = {
+            "expert_decode": dict(hidden=256, inter=128, n_slots=16, tokens=[1, 2], k=4),
+            "expert_grouped": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4),
+            "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
+            "gated_delta": dict(hv=2, dk=16, dv=16, batches=[1, 2], verify_q=3, prompt=70),
+        }
+        repeat = 1
     else:
-        shapes = dict(hidden=2048, inter=512, n_slots=512, tokens=[1, 4, 16], k=10, repeat=args.repeat)
+        shapes = {
+            "expert_decode": dict(hidden=2048, inter=512, n_slots=512, tokens=[1, 4, 16], k=10),
+            "expert_grouped": dict(hidden=2048, inter=512, n_experts=512, tokens=[512, 4096], k=10),
+            "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 4, 16],
+                                     queries=[1, 4]),
+            "gated_delta": dict(hv=32, dk=128, dv=128, batches=[1, 4, 16], verify_q=4, prompt=4096),
+        }
+        repeat = args.repeat
+    fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
+           "gated_delta": gated_delta}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
-              "hbm_bytes_per_s": HBM_BYTES_PER_S, "shapes": {k: v for k, v in shapes.items() if k != "repeat"},
-              "expert_decode_int4": expert_decode(**shapes, interpret=interpret)}
+              "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}
+    for name in args.only.split(","):
+        try:
+            result[name] = fns[name](**shapes[name], repeat=repeat, interpret=interpret)
+        except Exception as e:  # noqa: BLE001 - one kernel failing to compile must not lose the others' figures
+            print(f"{name}: FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:4000]}"}
     name = "kernel_speed_smoke" if args.smoke else f"kernel_speed_{jax.devices()[0].platform}"
     results_file.write(result, args.out, name)
     return 0

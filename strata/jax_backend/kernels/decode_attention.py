@@ -1,0 +1,281 @@
+"""Decode attention over a ragged batch of sequences as a Pallas split-K (flash-decoding) kernel: GQA, a KV cache in
+int8 with per-token-per-head float32 scales or in bfloat16/float32, and the verify form (Q query positions per row,
+speculative decoding's k+1).
+
+Why: decode attention is a pure read of the cache, so its floor is the bytes of the keys a row can see. The XLA form
+(decode_attention_xla below, like the backend's one-pass attention) reads and dequantizes the whole capacity; the
+deprecated jax paged_attention Triton kernel reached ~350 GB/s of KV at these dims (notes/pallas-gpu.md). This kernel
+reads each row's visible key blocks once, in int8 when the cache is int8, folds the scales into the logits (k) and
+the probabilities (v), and skips every block past the row's last position: cost follows each row's length, not Cap.
+
+Floor at Qwen3-Next-80B shapes (Hq = 16, Hkv = 2, hd = 256), per row and full-attention layer (12 of the 48 layers),
+H200 HBM at 3.6 TB/s; a token's K + V is 2 x Hkv x hd elements (+ 2 x Hkv float32 scales for int8):
+- int8: 1024 + 16 = 1040 B/token: 4K context 4.26 MB = 1.18 us, 32K context 34.1 MB = 9.5 us;
+- bf16: 2048 B/token: 4K context 8.39 MB = 2.33 us, 32K context 67.1 MB = 18.6 us.
+FLOPs are 4 x Hq x hd = 16 Ki per token (QK and PV), 16 FLOP per int8 byte (63 as the MMAs run: 16 padded query
+rows per kv head, P.V in three terms, see below): far under the H200's ~275 FLOP/B ridge, so memory-bound. The
+split partials add S x Hkv x n_splits x R x (hd + 2) x 4 B, written once and read once by the epilogue (R the padded
+query rows): at S = 1 (32 splits, R = 16) 1.06 MB, so 2.1 MB of traffic, half the 4K int8 cache's bytes and 6% of
+32K's; with more rows there are fewer splits per row. Not yet measured on the GPU: what is verified is the
+arithmetic, in Pallas interpret mode, against the float64 reference (tests/kernels/test_decode_attention.py).
+Blocks, splits, warps and stages are first choices, to be set by measurement.
+
+Backend: Pallas' Triton backend (`triton_params`), interpretable on the CPU in every JAX version CI runs (Mosaic GPU's
+interpret mode needs newer JAX than CI has), verified on the H200 for the copy kernel beside this one.
+
+Design: grid (S, Hkv, n_splits). Program (s, g, j) takes all Hq/Hkv query heads x Q positions of kv head g as R rows
+(padded with zeros to a power of two >= 16, the Triton dot's minimum), row r = position r // (Hq/Hkv). Row s's keys
+0 .. n-1, n = min(pos[s] + Q, Cap), are cut into blocks of block_k and the blocks into n_splits equal ranges; program
+j walks its range (a dynamically bounded loop: scf.for) with an online softmax and writes its partial (m, l, acc); an
+XLA epilogue combines the splits. Because the ranges divide the row's length, not Cap, every split of a long row has
+work and a short row's blocks past its end are never read. Garbage past a row's last position never reaches the
+result: logits are masked with where(-inf) per query row before the softmax (also after the k scale, so a NaN scale is
+dropped), and V rows and v scales past the row's length are selected to 0 before the P.V product.
+
+Arithmetic (float32 throughout, out in q.dtype): with q bfloat16 and a bfloat16 or int8 cache (int8 -> bf16 is exact),
+the dots run in bf16 on the tensor cores with float32 accumulation: q.k products are exact, and the probabilities
+(times the v scales) are split into three bfloat16 terms for P.V (three MMAs of R x block_k x hd, cheap against the
+block's bytes), so the result is float32-accurate (~1e-7 relative in the tests) before its final rounding to
+bfloat16. Two terms measured ~2e-6, one (a plain bf16 P) errors the size of the output's rounding. Otherwise (q
+float32, or a float32 cache) both dots are float32 at precision HIGHEST (IEEE, not TF32: CUDA cores, slower than the
+tensor cores; the engine's q is bfloat16).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from strata.jax_backend.kernels import triton_params
+
+BLOCK_K = 64             # keys per loop step (a power of two >= 16; the largest one dividing Cap up to this is used)
+TILE_BYTES = 32 << 10    # ... and a K (or V) tile at most this: K + V x 2 stages <= 128 KB of the ~227 KB of shared
+MIN_ROWS = 16            # query rows per program: the Triton dot needs M >= 16
+TARGET_PROGRAMS = 128    # S x Hkv x n_splits aimed at (the H200 has 132 SMs)
+MAX_SPLITS = 32         # bounds the partials' bytes (see the docstring)
+NUM_WARPS, NUM_STAGES = 4, 2
+_F32_MIN = float(jnp.finfo(jnp.float32).min)  # m of a row that has seen no key (exp(m - m') is then 0, not NaN)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _split_blocks(n, j, block_k: int, n_splits: int):
+    """Key blocks [lo, hi) of split j for a row with n visible keys: cdiv(n, block_k) blocks cut into n_splits equal
+    ranges (the last ones may be short or empty). Works on Python/numpy ints and on traced int32 scalars."""
+    nblk = (n + block_k - 1) // block_k
+    per = (nblk + n_splits - 1) // n_splits
+    lo = jnp.minimum(j * per, nblk)
+    return lo, jnp.minimum(lo + per, nblk)
+
+
+def _kernel(pos_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, n_splits: int, n_q: int, group: int,
+            quantized: bool, bf16: bool):
+    """Program (s, g, j): q_ref [R, hd]; k_ref, v_ref [Cap, hd] (row s, kv head g); with int8, ks_ref, vs_ref [Cap].
+    Writes acc [R, hd], m [R], l [R] of its split: m the running max of the scaled logits, l = sum exp(logit - m),
+    acc = sum exp(logit - m) v."""
+    if quantized:
+        ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest
+    else:
+        acc_ref, m_ref, l_ref = rest
+    s, j = pl.program_id(0), pl.program_id(2)
+    cap = k_ref.shape[0]
+    rows = q_ref.shape[0]
+    cdt = jnp.bfloat16 if bf16 else jnp.float32
+    prec = None if bf16 else lax.Precision.HIGHEST
+    dims_t = (((1,), (1,)), ((), ()))                   # a [M, d] . b [N, d]^T
+    dims = (((1,), (0,)), ((), ()))                     # a [M, c] . b [c, N]
+
+    first = pos_ref[s]                                  # position of the row's query 0
+    n = jnp.minimum(first + n_q, cap)                      # keys the row's last query sees
+    lo, hi = _split_blocks(n, j, block_k, n_splits)
+    q = q_ref[...].astype(cdt)                          # [R, hd]
+    r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    last = first + jnp.minimum(r // group, n_q - 1)       # [R]: the last key each row sees (padding rows: as the last)
+    kidx = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+    def body(b, carry):
+        acc, m, l = carry
+        start = pl.multiple_of(b * block_k, block_k)
+        t = start + kidx                                                           # [BK] key positions
+        live = t < n                                                               # real keys of the row
+        k = k_ref[pl.ds(start, block_k), :].astype(cdt)                            # [BK, hd]
+        logit = lax.dot_general(q, k, dims_t, precision=prec, preferred_element_type=jnp.float32) * scale
+        if quantized:
+            logit = logit * ks_ref[pl.ds(start, block_k)][None, :]
+        logit = jnp.where(t[None, :] <= last[:, None], logit, -jnp.inf)           # [R, BK]
+        m_new = jnp.maximum(m, jnp.max(logit, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(logit - m_new[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        v = jnp.where(live[:, None], v_ref[pl.ds(start, block_k), :], 0).astype(cdt)
+        if quantized:
+            p = p * jnp.where(live, vs_ref[pl.ds(start, block_k)], 0.0)[None, :]
+        if bf16:                                        # p = pa + pb + pc in bfloat16 terms (float32-accurate)
+            pa = p.astype(jnp.bfloat16)
+            res = p - pa.astype(jnp.float32)
+            pb = res.astype(jnp.bfloat16)
+            pc = (res - pb.astype(jnp.float32)).astype(jnp.bfloat16)
+            pv = (lax.dot_general(pc, v, dims, preferred_element_type=jnp.float32)
+                  + lax.dot_general(pb, v, dims, preferred_element_type=jnp.float32)
+                  + lax.dot_general(pa, v, dims, preferred_element_type=jnp.float32))
+        else:
+            pv = lax.dot_general(p, v, dims, precision=prec, preferred_element_type=jnp.float32)
+        return alpha[:, None] * acc + pv, m_new, l
+
+    init = (jnp.zeros(acc_ref.shape, jnp.float32), jnp.full((rows,), _F32_MIN, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits):
+    """Shapes and dtypes the kernel handles; -> (block_k, n_splits) to use. Raises ValueError naming the constraint."""
+    if q.ndim != 4 or k_cache.ndim != 4:
+        raise ValueError(f"q must be [S, Q, Hq, hd] and the caches [S, Cap, Hkv, hd], got {q.shape}, {k_cache.shape}")
+    s, nq, hq, hd = q.shape
+    _, cap, hkv, _ = k_cache.shape
+    if k_cache.shape[0] != s or k_cache.shape[3] != hd or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must both be [S, Cap, Hkv, hd] for q {q.shape}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k and v caches must have one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if pos.shape != (s,):
+        raise ValueError(f"pos must be [S] = [{s}], got {pos.shape}")
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    if not _pow2(hd) or hd < 16:
+        raise ValueError(f"head dim hd={hd} must be a power of two >= 16 (Triton block shapes and dots)")
+    if q.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"q must be bfloat16 or float32, not {q.dtype}")
+    if k_cache.dtype == jnp.int8:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is None or sc.shape != (s, cap, hkv) or sc.dtype != jnp.float32:
+                raise ValueError(f"an int8 cache needs {name} float32 [S, Cap, Hkv] = [{s}, {cap}, {hkv}], got "
+                                 f"{None if sc is None else (sc.shape, sc.dtype)}")
+    elif k_cache.dtype in (jnp.bfloat16, jnp.float32):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"a {k_cache.dtype} cache takes no scales (k_scale = v_scale = None)")
+    else:
+        raise ValueError(f"the cache must be int8, bfloat16 or float32, not {k_cache.dtype}")
+    if block_k is None:                                 # a K or V tile of at most TILE_BYTES (f32 at hd 256: 32 keys)
+        most = max(16, min(BLOCK_K, TILE_BYTES // (hd * k_cache.dtype.itemsize)))
+        block_k = next((b for b in (64, 32, 16) if b <= most and cap % b == 0), None)
+        if block_k is None:
+            raise ValueError(f"Cap={cap} must be a multiple of 16 (key blocks are powers of two >= 16)")
+    if not _pow2(block_k) or block_k < 16 or cap % block_k:
+        raise ValueError(f"block_k={block_k} must be a power of two >= 16 dividing Cap={cap}")
+    if n_splits is None:
+        n_splits = max(1, min(cap // block_k, MAX_SPLITS, -(-TARGET_PROGRAMS // (s * hkv))))
+    if n_splits < 1:
+        raise ValueError(f"n_splits={n_splits} must be >= 1")
+    return block_k, n_splits
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_k", "n_splits"))
+def decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, *, scale: float, interpret: bool = False,
+                     block_k: int | None = None, n_splits: int | None = None):
+    """softmax(scale q.k) v for each row's queries over its visible keys, by the split-K kernel.
+
+    q [S, Q, Hq, hd] bfloat16/float32 (Q = 1 decode, k+1 verify); k_cache, v_cache [S, Cap, Hkv, hd]: int8 with
+    k_scale, v_scale float32 [S, Cap, Hkv] (the stored key is k_cache * k_scale[..., None]), or bfloat16/float32 with
+    k_scale = v_scale = None; pos int32 [S] (>= 0): query j of row s sits at pos[s] + j and sees keys
+    0 .. min(pos[s] + j, Cap - 1); keys past pos[s] + Q - 1 may hold anything. Query head h reads kv head
+    h // (Hq // Hkv). -> [S, Q, Hq, hd] in q.dtype, computed in float32. block_k (keys per step) and n_splits (splits
+    per row) default to the module's choices."""
+    block_k, n_splits = _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits)
+    s, nq, hq, hd = q.shape
+    _, cap, hkv, _ = k_cache.shape
+    group = hq // hkv
+    real = nq * group
+    rows = max(MIN_ROWS, 1 << (real - 1).bit_length())
+    quantized = k_cache.dtype == jnp.int8
+    bf16 = q.dtype == jnp.bfloat16 and k_cache.dtype != jnp.float32
+
+    # [S, Q, Hkv, G, hd] -> [S, Hkv, Q*G (row = position * G + head), hd], zero-padded to `rows`
+    qg = q.reshape(s, nq, hkv, group, hd).transpose(0, 2, 1, 3, 4).reshape(s, hkv, real, hd)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - real), (0, 0)))
+    cache_spec = pl.BlockSpec((None, cap, None, hd), lambda i, g, j: (i, 0, g, 0))
+    scale_spec = pl.BlockSpec((None, cap, None), lambda i, g, j: (i, 0, g))
+    args = [pos.astype(jnp.int32), qg, k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
+    in_specs = ([pl.no_block_spec, pl.BlockSpec((None, None, rows, hd), lambda i, g, j: (i, g, 0, 0)),
+                 cache_spec, cache_spec] + ([scale_spec, scale_spec] if quantized else []))
+    kernel = functools.partial(_kernel, scale=float(scale), block_k=block_k, n_splits=n_splits, n_q=nq,
+                               group=group, quantized=quantized, bf16=bf16)
+    part = jax.ShapeDtypeStruct((s, hkv, n_splits, rows), jnp.float32)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((s, hkv, n_splits, rows, hd), jnp.float32), part, part),
+        grid=(s, hkv, n_splits),
+        in_specs=in_specs,
+        out_specs=(pl.BlockSpec((None, None, None, rows, hd), lambda i, g, j: (i, g, j, 0, 0)),
+                   pl.BlockSpec((None, None, None, rows), lambda i, g, j: (i, g, j, 0)),
+                   pl.BlockSpec((None, None, None, rows), lambda i, g, j: (i, g, j, 0))),
+        interpret=interpret, **triton_params(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+    )(*args)
+    # combine the splits: a split that saw no key has m = float32 min, l = 0, acc = 0 and weight exp(m - M) = 0;
+    # split 0 of every row holds key 0, so l_total > 0 for every real row
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)                                                         # [S, Hkv, n_splits, R]
+    l_all = jnp.sum(w * l, axis=2)                                                 # [S, Hkv, R]
+    out = jnp.sum(w[..., None] * acc, axis=2)[:, :, :real] / l_all[:, :, :real, None]
+    out = out.reshape(s, hkv, nq, group, hd).transpose(0, 2, 1, 3, 4).reshape(s, nq, hq, hd)
+    return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def decode_attention_xla(q, k_cache, v_cache, k_scale, v_scale, pos, *, scale: float, interpret: bool = False):
+    """decode_attention's contract in plain XLA (the baseline and fallback; `interpret` is accepted and unused). It
+    reads the whole capacity (cost follows Cap), but only visible keys reach the result: logits are masked with -inf
+    per query and K, V rows (and their scales) past a row's length are selected to 0 before any product."""
+    del interpret
+    s, nq, hq, hd = q.shape
+    _, cap, hkv, _ = k_cache.shape
+    f32, hi = jnp.float32, lax.Precision.HIGHEST
+    t = jnp.arange(cap, dtype=jnp.int32)
+    qpos = pos.astype(jnp.int32)[:, None] + jnp.arange(nq, dtype=jnp.int32)[None, :]   # [S, Q]
+    sees = t[None, None, :] <= qpos[:, :, None]                                         # [S, Q, Cap]
+    live = (t[None, :] < (pos.astype(jnp.int32) + nq)[:, None])[:, :, None, None]      # [S, Cap, 1, 1]
+
+    def visible(cache, sc):
+        x = cache.astype(f32)
+        if sc is not None:
+            x = x * sc[..., None]
+        return jnp.where(live, x, 0.0)
+
+    k, v = visible(k_cache, k_scale), visible(v_cache, v_scale)
+    qg = q.astype(f32).reshape(s, nq, hkv, hq // hkv, hd)
+    logit = jnp.einsum("sqgrd,scgd->sqgrc", qg, k, precision=hi) * scale
+    p = jax.nn.softmax(jnp.where(sees[:, :, None, None, :], logit, -jnp.inf), axis=-1)
+    out = jnp.einsum("sqgrc,scgd->sqgrd", p, v, precision=hi)
+    return out.reshape(s, nq, hq, hd).astype(q.dtype)
+
+
+def _reference(q, k_cache, v_cache, k_scale, v_scale, pos, scale):
+    """numpy (float64 arithmetic) over each query's visible keys only: float64 [S, Q, Hq, hd]."""
+    q = np.asarray(jnp.asarray(q).astype(jnp.float32), np.float64)
+    kc = np.asarray(jnp.asarray(k_cache).astype(jnp.float32), np.float64)
+    vc = np.asarray(jnp.asarray(v_cache).astype(jnp.float32), np.float64)
+    pos = np.asarray(pos)
+    s, nq, hq, hd = q.shape
+    cap, hkv = kc.shape[1], kc.shape[2]
+    group = hq // hkv
+    out = np.zeros((s, nq, hq, hd))
+    for i in range(s):
+        for j in range(nq):
+            n = min(int(pos[i]) + j, cap - 1) + 1
+            k, v = kc[i, :n], vc[i, :n]                                            # [n, Hkv, hd]
+            if k_scale is not None:
+                k = k * np.asarray(k_scale, np.float64)[i, :n, :, None]
+                v = v * np.asarray(v_scale, np.float64)[i, :n, :, None]
+            for h in range(hq):
+                logit = scale * (k[:, h // group] @ q[i, j, h])
+                p = np.exp(logit - logit.max())
+                out[i, j, h] = (p / p.sum()) @ v[:, h // group]
+    return out

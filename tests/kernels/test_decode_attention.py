@@ -1,0 +1,148 @@
+"""kernels/decode_attention: the split-K decode attention kernel and its plain-XLA form against the float64 numpy
+reference, over ragged rows (positions 0 .. Cap - Q) whose unused cache rows are poisoned (NaN, inf, huge values,
+NaN/inf scales), GQA groups of 2 and 8, decode (Q = 1) and verify (Q = 3) queries, int8/bfloat16/float32 caches and
+bfloat16/float32 queries; on the CPU in Pallas interpret mode, on the GPU compiled (STRATA_TEST_DEVICE=gpu)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata.jax_backend.kernels import decode_attention as K
+
+# Relative error (2-norm over the whole output) against the reference, by q's (= the output's) dtype. float32: a row
+# goes through ~hd + Cap float32 roundings (2^-24 each) in its dot products, exp and sums: at most ~1e-5 here.
+# bfloat16: the result is float32-accurate before one rounding to bfloat16 (8 significant bits: |round(x) - x| <=
+# 2^-8 |x| per element); and so it is the reference rounded to bfloat16 in all but the rare elements whose float32
+# error straddles a rounding midpoint (none in these tests; probabilities in two bfloat16 terms left up to 1.6% off,
+# in one, as a plain bf16 P.V dot has them, ~30%).
+# For int8 caches the reference reads the same int8 values and scales, so these bound the arithmetic, not the
+# quantisation.
+F32_LIMIT = 1e-5
+LIMIT = {"float32": F32_LIMIT, "bfloat16": 2.0 ** -8 * (1 + F32_LIMIT) + F32_LIMIT}
+BF16_OFF_MAX = 0.01      # fraction of bfloat16 outputs allowed to differ from the rounded reference
+
+# (S, Q, Hq, Hkv, hd, Cap, block_k, n_splits, pos): several key blocks per row and several splits each (3 splits
+# of 4 blocks leave the last split short, 4 of 8 even); rows at 0 (one block: the other splits empty), at Cap - Q
+# (every key visible, no garbage) and in between off block boundaries.
+SHAPES = [
+    (1, 1, 4, 2, 32, 64, 16, 3, [63]),
+    (3, 3, 8, 1, 64, 128, 16, 4, [0, 125, 77]),
+    (3, 1, 4, 2, 64, 64, 16, 2, [37, 0, 63]),
+    (1, 3, 8, 1, 32, 128, 32, 3, [50]),
+]
+
+
+def rel_err(got, want):
+    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
+
+
+def make_inputs(rng, s, nq, hq, hkv, hd, cap, pos, kv_dtype, q_dtype):
+    """q and a cache whose keys past each row's last query position (pos + Q - 1) are garbage: for float caches a
+    cycle of NaN, inf, -inf and 1e38 in K and V; for int8 caches extreme codes with NaN, inf and 1e38 scales."""
+    q = jnp.asarray(rng.standard_normal((s, nq, hq, hd)), q_dtype)
+    shape = (s, cap, hkv, hd)
+    if kv_dtype == "int8":
+        kc = rng.integers(-127, 128, shape).astype(np.int8)
+        vc = rng.integers(-127, 128, shape).astype(np.int8)
+        ks = (0.01 + 0.02 * rng.random(shape[:3])).astype(np.float32)    # dequantized keys ~ N(0, ~1.5)
+        vs = (0.01 + 0.02 * rng.random(shape[:3])).astype(np.float32)
+    else:
+        kc = rng.standard_normal(shape).astype(np.float32)
+        vc = rng.standard_normal(shape).astype(np.float32)
+        ks = vs = None
+    junk = np.array([np.nan, np.inf, -np.inf, 1e38], np.float32)
+    for i in range(s):
+        n = pos[i] + nq
+        if n >= cap:
+            continue
+        cyc = np.resize(junk, (cap - n) * hkv * hd).reshape(cap - n, hkv, hd)
+        if kv_dtype == "int8":
+            kc[i, n:] = np.where(cyc > 0, 127, -128)
+            vc[i, n:] = np.where(cyc > 0, -128, 127)
+            ks[i, n:] = cyc[..., 0]
+            vs[i, n:] = cyc[..., 1 % hd]
+        else:
+            kc[i, n:] = cyc
+            vc[i, n:] = np.roll(cyc, 1)
+    kc, vc = (jnp.asarray(x, kv_dtype) for x in (kc, vc))
+    if ks is not None:
+        ks, vs = jnp.asarray(ks), jnp.asarray(vs)
+    return q, kc, vc, ks, vs, jnp.asarray(pos, jnp.int32)
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda sh: "S{}Q{}H{}-{}d{}C{}bk{}x{}".format(*sh[:8]))
+def test_kernel_and_xla_match_the_reference(shape, kv_dtype, q_dtype, interpret):
+    s, nq, hq, hkv, hd, cap, block_k, n_splits, pos = shape
+    rng = np.random.default_rng(list(shape[:8]) + [len(kv_dtype), len(q_dtype)])
+    args = make_inputs(rng, s, nq, hq, hkv, hd, cap, pos, kv_dtype, q_dtype)
+    scale = hd ** -0.5
+    want = K._reference(*args, scale)
+    assert np.isfinite(want).all()
+    got = K.decode_attention(*args, scale=scale, interpret=interpret, block_k=block_k, n_splits=n_splits)
+    xla = K.decode_attention_xla(*args, scale=scale)
+    for name, out in (("kernel", got), ("xla", xla)):
+        assert out.shape == (s, nq, hq, hd) and out.dtype == jnp.dtype(q_dtype)
+        out = np.asarray(out.astype(jnp.float32))
+        assert np.isfinite(out).all(), f"{name}: garbage keys reached the result"
+        err = rel_err(out, want)
+        assert err <= LIMIT[q_dtype], f"{name} {kv_dtype} cache, q {q_dtype}: relative error {err:.2e}"
+        if q_dtype == "bfloat16":
+            assert_rounded_from_float32(out, want, name)
+
+
+def assert_rounded_from_float32(got, want, name):
+    """got (bfloat16 values) is want rounded to bfloat16 but for a few elements near a rounding midpoint: what
+    bfloat16 arithmetic inside (probabilities rounded to bfloat16) would not give."""
+    rounded = np.asarray(jnp.asarray(want, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    off = float(np.mean(got != rounded))
+    assert off <= BF16_OFF_MAX, f"{name}: {off:.2%} of outputs are not the float32 result rounded to bfloat16"
+
+
+def test_default_blocks_and_splits(interpret):
+    """The public call with the module's block and split choices (2 blocks of 64 keys, 2 splits here)."""
+    rng = np.random.default_rng(7)
+    s, nq, hq, hkv, hd, cap, pos = 3, 1, 4, 2, 32, 128, [100, 0, 127]
+    args = make_inputs(rng, s, nq, hq, hkv, hd, cap, pos, "int8", "bfloat16")
+    assert K._check(*args, None, None) == (64, 2)
+    # real shapes: 64 keys per block (32 for a float32 cache, whose tiles are twice bf16's), 32 splits at S = 1
+    q, pos1 = jnp.zeros((1, 1, 16, 256), jnp.bfloat16), jnp.zeros((1,), jnp.int32)
+    for dt, scales, bk in (("int8", jnp.zeros((1, 4096, 2)), 64), ("bfloat16", None, 64), ("float32", None, 32)):
+        kv = jnp.zeros((1, 4096, 2, 256), dt)
+        assert K._check(q, kv, kv, scales, scales, pos1, None, None) == (bk, 32)
+    got = np.asarray(K.decode_attention(*args, scale=0.2, interpret=interpret).astype(jnp.float32))
+    want = K._reference(*args, 0.2)
+    assert rel_err(got, want) <= LIMIT["bfloat16"]
+    assert_rounded_from_float32(got, want, "kernel")
+
+
+@pytest.mark.parametrize("block_k", [16, 64])
+@pytest.mark.parametrize("n_splits", [1, 2, 3, 5, 64])
+def test_splits_read_each_visible_block_once_and_none_past_the_row(block_k, n_splits):
+    cap = 4096
+    for n in range(1, cap + 1, 37):
+        ranges = [tuple(int(x) for x in K._split_blocks(n, j, block_k, n_splits)) for j in range(n_splits)]
+        read = [b for lo, hi in ranges for b in range(lo, hi)]
+        assert read == list(range(-(-n // block_k))), (n, ranges)    # in order, each once, the last holds key n-1
+
+
+def test_shapes_it_cannot_handle_are_refused():
+    q = jnp.zeros((1, 1, 4, 32), jnp.bfloat16)
+    kv = jnp.zeros((1, 64, 2, 32), jnp.bfloat16)
+    pos = jnp.zeros((1,), jnp.int32)
+    call = lambda q, k, ks=None, vs=None, **kw: K.decode_attention(  # noqa: E731
+        q, k, k, ks, vs, pos, scale=1.0, interpret=True, **kw)
+    with pytest.raises(ValueError, match="power of two"):
+        call(jnp.zeros((1, 1, 4, 48), jnp.bfloat16), jnp.zeros((1, 64, 2, 48), jnp.bfloat16))
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        call(jnp.zeros((1, 1, 6, 32), jnp.bfloat16), jnp.zeros((1, 64, 4, 32), jnp.bfloat16))
+    with pytest.raises(ValueError, match="Cap=40 must be a multiple of 16"):
+        call(q, jnp.zeros((1, 40, 2, 32), jnp.bfloat16))
+    with pytest.raises(ValueError, match="block_k=24 must be a power of two"):
+        call(q, kv, block_k=24)
+    with pytest.raises(ValueError, match="k_scale"):
+        call(q, kv.astype(jnp.int8))
+    with pytest.raises(ValueError, match="no scales"):
+        call(q, kv, jnp.ones((1, 64, 2)), jnp.ones((1, 64, 2)))
