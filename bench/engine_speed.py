@@ -117,9 +117,10 @@ class RandomDeviceReader:
         return 1.0 + w if zero_centred else w
 
 
-def decode_bytes_per_token(cfg, params, context: int, expert_bytes: int) -> dict:
+def decode_bytes_per_token(cfg, params, context: int, expert_bytes: int, kv_dtype) -> dict:
     """HBM bytes one decoded token must move: weights it reads (k experts of expert_bytes each per sparse layer) +
-    state it reads and writes."""
+    state it reads and writes (the KV cache in kv_dtype: int8 with a float32 scale per token and head)."""
+    kv_row = cfg.head_dim * np.dtype(kv_dtype).itemsize + (4 if np.dtype(kv_dtype) == np.int8 else 0)
     per_kind = {}
     for lp, kind in zip(params["layers"], cfg.layer_types):
         b = cfg.num_experts_per_tok * expert_bytes if "router" in lp else 0
@@ -128,7 +129,7 @@ def decode_bytes_per_token(cfg, params, context: int, expert_bytes: int) -> dict
         if kind == "linear_attention":
             b += 2 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
         else:
-            b += 2 * context * cfg.num_kv_heads * cfg.head_dim * lp["k"].dtype.itemsize  # read K and V
+            b += 2 * context * cfg.num_kv_heads * kv_row                                 # read K and V
         per_kind.setdefault(kind, b)
     row = params["embed"].shape[1] * params["embed"].dtype.itemsize
     head = params["lm_head"].size * params["lm_head"].dtype.itemsize + row
@@ -154,15 +155,16 @@ BATCHES = (4, 16)     # decode batches measured beside batch 1
 
 
 def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, repeat: int,
-                overrides: dict | None = None, experts: str = "bf16") -> dict:
+                overrides: dict | None = None, experts: str = "bf16", kernels: str = "auto", kv: str = "auto") -> dict:
     import ml_dtypes
 
     from strata.engine import Engine, EngineOptions
     from strata.backend import get_backend
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
-    backend = get_backend("jax")
-    out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth()}
+    backend = get_backend("jax", kernels=kernels)
+    out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth(), "kernels": kernels,
+           "pallas_ops": sorted(backend.pallas_ops), "kv": kv}
     for n in layer_counts:
         cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=n, **(overrides or {})),
                                   source=f"qwen3-next-80b shapes x{n}")
@@ -171,7 +173,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         build_s = time.perf_counter() - t
         engine = Engine(cfg, params, backend, EngineOptions(dtype="bfloat16", max_context=prompt_len + 2 * decode_tokens
                                                             + 8, prefill=min(prompt_len, 4096),
-                                                            sequences=max(BATCHES)))
+                                                            sequences=max(BATCHES), kernels=kernels, kv=kv))
         from synthetic_experts import SyntheticStore         # bench/, beside this script
         n_moe = sum(cfg.is_sparse_layer(i) for i in range(n))
         store = SyntheticStore(experts, cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
@@ -180,7 +182,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         for b in BATCHES:
             r[f"decode_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens)
         r["build_s"] = build_s
-        r.update(decode_bytes_per_token(cfg, params, prompt_len, store.layout.nbytes))
+        r.update(decode_bytes_per_token(cfg, params, prompt_len, store.layout.nbytes, engine.kv_dtype))
         out["layers"][n] = r
         print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode {r['decode_tok_s_b1']:.2f} tok/s, "
               + ", ".join(f"b{b} {1000 * r[f'decode_s_per_window_b{b}']:.1f} ms/window" for b in BATCHES),
@@ -218,6 +220,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--experts", default="bf16", choices=("bf16", "int8", "int4", "nvfp4"),
                     help="real shapes: the format of the (all resident) experts; dense weights stay bf16")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "xla", "pallas"),
+                    help="real shapes: the JAX backend's kernels (auto: the Pallas kernels that measured faster)")
+    ap.add_argument("--kv", default="auto", choices=("auto", "int8", "bfloat16"), help="real shapes: the KV cache")
     ap.add_argument("--smoke", action="store_true",
                     help="real shapes but 16 experts and a 4K vocabulary: checks the script on a CPU in seconds")
     ap.add_argument("--out", default=None, help="JSON file to write (default bench/results/<name>.json)")
@@ -225,12 +230,15 @@ def main() -> int:
     stamp = results_file.stamp()
     if args.real_shapes:
         prompt = args.prompt or 4096
-        result = {"bench": "engine_speed_real_shapes", **stamp, "path": "XLA-only (no Pallas kernels)",
+        path = {"xla": "XLA-only (no Pallas kernels)", "auto": "the Pallas kernels that measured faster (PALLAS_AUTO)",
+                "pallas": "every Pallas kernel"}[args.kernels]
+        result = {"bench": "engine_speed_real_shapes", **stamp, "path": path,
                   "dtype": "bfloat16", "experts": args.experts,
                   **real_shapes([int(x) for x in args.layers.split(",")], prompt, args.decode, args.repeat,
-                                {"num_experts": 16, "vocab_size": 4096} if args.smoke else None, args.experts)}
+                                {"num_experts": 16, "vocab_size": 4096} if args.smoke else None, args.experts,
+                                args.kernels, args.kv)}
         name = "engine_speed_real_shapes" + ("" if args.experts == "bf16" else f"_{args.experts}") + \
-            ("_smoke" if args.smoke else "")
+            f"_{args.kernels}" + ("" if args.kv == "auto" else f"_kv{args.kv}") + ("_smoke" if args.smoke else "")
         print(f"\n| figure | value |\n|---|---|\n"
               f"| HBM read+write | {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s |\n"
               f"| prompt {prompt} tok, 48 layers (scaled) | {result['prompt_tok_s_48_layers']:.0f} tok/s |\n"

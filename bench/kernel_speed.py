@@ -226,9 +226,9 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
     q, k, v, g, beta = inputs((prompt,))
     st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
     ker = partial(K.gated_delta_chunked, interpret=interpret)
-    err = rel_err(ker(q, k, v, g, beta, st)[1], JaxBackend.gated_delta_chunked(q, k, v, g, beta, st)[1])
+    err = rel_err(ker(q, k, v, g, beta, st)[1], JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, st)[1])
     t_ker = device_seconds(lambda q: ker(q, k, v, g, beta, st)[0], (q,), 0, repeat)
-    t_xla = device_seconds(lambda q: JaxBackend.gated_delta_chunked(q, k, v, g, beta, st)[0], (q,), 0, repeat)
+    t_xla = device_seconds(lambda q: JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, st)[0], (q,), 0, repeat)
     c = 64
     flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
     nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * state_bytes

@@ -83,6 +83,8 @@ SERVE_FLAGS = {
     "kv": (str, "the attention layers' KV cache: auto (default: the weights' dtype) | int8 (a float32 scale per "
                 "token and head; a quarter of float32's bytes) | bfloat16 | float32"),
     "device": (str, "the backend's device: gpu, cpu (jax); level_zero:gpu:0, opencl:cpu (sycl)"),
+    "kernels": (str, "jax backend: auto (default: the Pallas kernels that measured faster, on a GPU) | xla | pallas "
+                     "(every Pallas kernel; interpreted on a CPU)"),
     "expert_cache": ("cache", "device expert slots: auto (default: as many as fit) or a number of experts"),
     "resident_budget_gib": (float, "host RAM for the expert mirror in GiB (default: every expert)"),
     "stream_experts": (bool, "no host mirror: misses are read from the pack on SSD"),

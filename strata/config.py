@@ -21,6 +21,7 @@ MAX_CONTEXT_LIMIT = 1 << 22
 BACKENDS = ("auto", "jax", "sycl")
 DTYPES = ("auto", "float32", "bfloat16")
 KV_FORMATS = ("auto", "int8", "bfloat16", "float32")
+KERNELS = ("auto", "xla", "pallas")
 MISS_POLICIES = ("fetch", "cpu")
 
 # Environment variables the serve config reads (the STRATA_* registry of this group).
@@ -42,6 +43,7 @@ class ServeConfig:
     dtype: str = "auto"                  # auto | float32 | bfloat16
     kv: str = "auto"                     # the KV cache: auto (the weights' dtype) | int8 (+ a scale per token, head)
     device: str | None = None            # the backend's device: e.g. "gpu", "cpu" (jax); "level_zero:gpu:0" (sycl)
+    kernels: str = "auto"                # jax: auto (Pallas where it measured faster, on a GPU) | xla | pallas
     # experts (see strata/experts/): device slots, host mirror, misses, prompt-part staging, adaptive placement
     expert_cache: int | str = "auto"     # device slots: "auto" (as many as fit) or a number of experts
     resident_budget_gib: float | None = None  # host RAM for the expert mirror (None: all experts)
@@ -59,7 +61,7 @@ class ServeConfig:
 
     def engine_options(self) -> dict:
         """The Engine.load options this config sets."""
-        keys = ("max_context", "prefill", "dtype", "kv", "expert_cache", "resident_budget_gib", "stream_experts",
+        keys = ("max_context", "prefill", "dtype", "kv", "kernels", "expert_cache", "resident_budget_gib", "stream_experts",
                 "vram_reserve_mib", "miss_policy", "prefill_borrow", "window_fetch", "adapt_every", "adapt_swaps", "adapt_decay",
                 "profile", "host_chunk_mib", "debug_slots")
         out = {k: getattr(self, k) for k in keys}
@@ -121,6 +123,7 @@ _RULES: dict[str, tuple[str, Any, str]] = {
     "backend": _choice(BACKENDS),
     "dtype": _choice(DTYPES),
     "kv": _choice(KV_FORMATS),
+    "kernels": _choice(KERNELS),
     "device": ("a string", lambda v: v is None or (isinstance(v, str) and v.strip() != "" and "\n" not in v),
                "a device string such as gpu, cpu (jax) or level_zero:gpu:0, opencl:cpu (sycl)"),
     "expert_cache": ("an integer or \"auto\"", lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool)

@@ -43,6 +43,7 @@ class EngineOptions:
     max_context: int = 4096      # tokens of one sequence (prompt + generated)
     prefill: int = 1024          # prompt part size: a prompt is read in parts of at most this many tokens
     device: str | None = None    # backend device kind ("cpu", "gpu"); None: the backend's default
+    kernels: str = "auto"        # jax: auto (Pallas where it measured faster, on a GPU) | xla | pallas
     sequences: int = 1           # sequence states the memory plan makes room for (the server's parallel slots)
     # --- experts (strata/experts/): where they live and how misses are served
     expert_cache: int | str = "auto"     # device slots: "auto" (as many as fit) or a number of experts
@@ -172,7 +173,8 @@ class Engine:
         """say(line): where the load's log lines go (default: the "strata" logger at info)."""
         opts = EngineOptions.from_kwargs(options)
         say = say or (lambda line: log.info(line))
-        ops = get_backend(backend, **({"device": opts.device} if opts.device else {}))
+        ops = get_backend(backend, **({"device": opts.device} if opts.device else {}),
+                          **({"kernels": opts.kernels} if opts.kernels != "auto" else {}))
         pack = None
         if _is_pack(path_or_name):
             from strata.experts.pack import PackReader

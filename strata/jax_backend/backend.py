@@ -1,7 +1,13 @@
-"""The Backend on JAX: plain XLA ops (the correctness baseline; Pallas kernels come in kernels/).
+"""The Backend on JAX: XLA ops, and Pallas kernels (kernels/) where they measured faster on the GPU.
 
 Every op is a pure function of its arguments, so the forward pass that calls them can be jitted whole, with the
 sequence state threaded through as values (donated by the caller).
+
+Kernels (`kernels` option): "xla" runs plain XLA everywhere (the correctness baseline); "pallas" runs every Pallas
+kernel this backend has, compiled on a GPU and in interpret mode elsewhere (tests); "auto" is "pallas" for the ops in
+PALLAS_AUTO on a GPU, as measured on the H200 (bench/kernel_speed.py), and "xla" on a CPU. A kernel that does not
+take a call's shapes (its ValueError at trace time: e.g. a head size that is not a power of two) leaves that call to
+XLA, so a model of any shape runs.
 """
 from __future__ import annotations
 
@@ -12,23 +18,43 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from strata.jax_backend.kernels.experts import copy_rows_loop, experts_fetching, experts_from_pool
+from strata.errors import ConfigError
+from strata.jax_backend.kernels import decode_attention as k_attention
+from strata.jax_backend.kernels import expert_decode as k_expert_decode
+from strata.jax_backend.kernels import expert_grouped as k_expert_grouped
+from strata.jax_backend.kernels import gated_delta as k_gated_delta
+from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop, experts_fetching, experts_from_pool
 from strata.jax_backend.kernels.host_rows import copy_host_rows
-from strata.model.blocks import ComposedOps
+from strata.model.blocks import ComposedOps, is_rows
 
 GDN_CHUNK = 64
 KV_BLOCK = 512      # keys per step of the attention's online softmax
 ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
 FILL_BATCH = 64          # experts per pool_fill call (100 MB at Qwen3-Next-80B int4: the copies dwarf the call)
+KERNELS = ("auto", "xla", "pallas")
+# The Pallas kernels "auto" uses on a GPU, by measurement on the H200 at Qwen3-Next-80B shapes (bench/kernel_speed.py,
+# bench/results/kernel_speed_h200_*): decode attention 1.3-4.2x faster than XLA's (which reads the whole capacity);
+# the grouped expert op for prompt parts 1.3-2.2x; the int4 decode expert op 6.9x at 16 tokens but level with XLA at
+# 1-4 (so from DECODE_EXPERTS_MIN_TOKENS tokens); the gated delta rule's decode and chunked kernels were slower than
+# XLA's (0.5-0.7x and 0.08x), so they are not in it.
+PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode"})
+DECODE_EXPERTS_MIN_TOKENS = 8
 
 
 class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses them in the jitted window
     name = "jax"
     xp = jnp
 
-    def __init__(self, device: str | None = None):
+    def __init__(self, device: str | None = None, kernels: str = "auto"):
         devices = jax.devices(device) if device else jax.devices()
         self.device = devices[0]
+        if kernels not in KERNELS:
+            raise ConfigError(f"kernels {kernels!r} is not allowed; allowed: {', '.join(KERNELS)}")
+        on_gpu = self.device.platform == "gpu"
+        self.kernels = kernels
+        self.pallas_ops = (PALLAS_AUTO if on_gpu else frozenset()) if kernels == "auto" else \
+            (frozenset() if kernels == "xla" else PALLAS_AUTO | {"gdn_chunked"})
+        self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
         self.copy_rows = copy_host_rows if self.device.platform == "gpu" else copy_rows_loop
@@ -145,6 +171,34 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         o = jnp.einsum("tgrc,cgd->tgrd", p, _dequantized(v_cache, v_scale, 0, cap), precision=hi)
         return o.reshape(t, hq, hd).astype(q.dtype)
 
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta):
+        """The composition (strata/model/blocks.py), but a decode window's attention (rows mode: one query per
+        sequence over its own cache in the bank) is one Pallas kernel over every row (kernels/decode_attention.py),
+        whose cost follows each row's length rather than the cache's capacity."""
+        if "attention" not in self.pallas_ops or not is_rows(start):
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta)
+        s = q.shape[0]
+        _, _, hkv, hd = kv["k"].shape
+        hq = q.shape[1] // hd
+        scales = (kv.get("k_scale"), kv.get("v_scale"))
+        qr = self.rope(self.rms_norm(q.reshape(s, hq, hd), q_norm, eps), start, rotary_dim, theta)     # [S, Hq, hd]
+        try:
+            k_attention._check(qr[:, None], kv["k"], kv["v"], *scales, start, None, None)
+        except ValueError:                   # shapes the kernel does not take: the composition
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta)
+        kr = self.rope(self.rms_norm(k.reshape(s, hkv, hd), k_norm, eps), start, rotary_dim, theta)
+        kv = jax.vmap(lambda c, k1, v1, p: self.kv_store(c, k1[None], v1[None], p))(
+            kv, kr, v.reshape(s, hkv, hd), start)
+        kv_rows = {n: kv[n] for n in ("k", "v", "k_scale", "v_scale") if n in kv}
+        # an inactive row attends to key 0 only (as the composition's): its output is discarded
+        pos = jnp.where(n_valid > 0, start, 0).astype(jnp.int32)
+        o = k_attention.decode_attention(qr[:, None], kv_rows["k"], kv_rows["v"], kv_rows.get("k_scale"),
+                                         kv_rows.get("v_scale"), pos, scale=hd ** -0.5,
+                                         interpret=self.interpret)[:, 0].reshape(s, hq * hd)
+        if gate is not None:
+            o = o * self.sigmoid(gate)
+        return o, kv
+
     @staticmethod
     def causal_conv(u, conv_state, w, n_valid):
         # u [T, C]; conv_state [K-1, C] = the last K-1 inputs before this part; w [C, K]
@@ -155,8 +209,17 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         new_state = lax.dynamic_slice_in_dim(ext, n_valid, k - 1, axis=0)
         return jax.nn.silu(y), new_state.astype(conv_state.dtype)
 
+    def gated_delta_chunked(self, q, k, v, g, beta, state):
+        """Prompt parts' gated delta rule: the Pallas kernel (kernels/gated_delta.py) when chosen, else XLA's."""
+        if "gdn_chunked" in self.pallas_ops:
+            try:
+                return k_gated_delta.gated_delta_chunked(q, k, v, g, beta, state, interpret=self.interpret)
+            except ValueError:               # shapes the kernel does not take
+                pass
+        return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state)
+
     @staticmethod
-    def gated_delta_chunked(q, k, v, g, beta, state):
+    def gated_delta_chunked_xla(q, k, v, g, beta, state):
         """Chunked gated delta rule (chunk 64). q, k [T, Hv, dk] (l2-normed, q scaled), v [T, Hv, dv], g, beta [T, Hv]
         fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state unchanged (that is how padding works)."""
         t, hv, dk = k.shape
@@ -230,10 +293,22 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     def topk(x, k):
         return lax.top_k(x, k)
 
-    @staticmethod
-    def experts_pool(x, slots, weight, pool, layout, max_distinct):
-        """The expert op over the slot pool (strata/jax_backend/kernels/experts.py): x [T, H]; slots, weight [T, k]
-        (slot -1: not computed here); pool uint8 [N, layout.nbytes]."""
+    def experts_pool(self, x, slots, weight, pool, layout, max_distinct):
+        """The expert op over the slot pool: x [T, H]; slots, weight [T, k] (slot -1: not computed here); pool uint8
+        [N, layout.nbytes]. Prompt parts (more than GATHER_ROUTES_MAX routes) through the grouped Pallas kernel,
+        decode rows of DECODE_EXPERTS_MIN_TOKENS tokens or more over int4 through the decode kernel, when chosen;
+        otherwise (and for shapes a kernel does not take) strata/jax_backend/kernels/experts.py in XLA."""
+        t, kk = slots.shape
+        single = not isinstance(pool, (tuple, list))
+        try:
+            if single and t * kk > GATHER_ROUTES_MAX and "experts_grouped" in self.pallas_ops:
+                return k_expert_grouped.experts_grouped(layout, pool, x, slots, weight, interpret=self.interpret,
+                                                        max_distinct=max_distinct)
+            if (single and layout.fmt == "int4" and t >= DECODE_EXPERTS_MIN_TOKENS and t * kk <= GATHER_ROUTES_MAX
+                    and "experts_decode" in self.pallas_ops):
+                return k_expert_decode.experts_decode_int4(layout, pool, x, slots, weight, interpret=self.interpret)
+        except ValueError:                   # shapes or a format the kernel does not take
+            pass
         return experts_from_pool(layout, pool, x, slots, weight, max_distinct)
 
     def experts_fetch(self, x, ids, weight, valid, pool, table_row, chunks, starts, layout):

@@ -24,6 +24,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
+from strata.errors import ConfigError
 from strata.model.blocks import ComposedOps, is_rows
 from strata.sycl_backend import runtime
 
@@ -150,7 +151,10 @@ class _Namespace:
 class SyclBackend(ComposedOps):
     name = "sycl"
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, kernels: str = "auto"):
+        if kernels != "auto":
+            raise ConfigError(f"kernels {kernels!r} applies to the jax backend; the sycl backend runs its own OpenCL "
+                              f"kernels (allowed here: auto)")
         self.sycl_device = runtime.select_device(device)
         self.queue = runtime.queue_for(self.sycl_device)
         self.device = DeviceInfo(self.sycl_device)
