@@ -39,27 +39,33 @@ BF16_FLOPS = 790e12           # the H200's dense bf16 rate (the device README)
 LOOP = 20
 
 
-def device_seconds(fn, args: tuple, dep: int, repeat: int) -> float:
-    """Seconds per call of fn(*args), from LOOP calls inside one jitted fori_loop; args[dep] (a float array) gets
-    0 * (the last output's first element) added each iteration, so the calls are chained, not hoisted."""
+def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None) -> float:
+    """Seconds per call of fn(*args), from LOOP chained calls inside one jitted function, written out (a while loop
+    would read its predicate back to the host every iteration). Call i + 1 takes carry(output of call i) as
+    args[dep]; by default args[dep] + 0 * (the output's first element), for a float args[dep]. A kernel that updates
+    its input in place (the gated delta rule's state) passes carry = its new state, so no copy is forced."""
     import jax
     import jax.numpy as jnp
-    from jax import lax
+
+    def chain(out, a_dep):
+        first = jax.tree_util.tree_leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
+        return a_dep + (first * 0).astype(a_dep.dtype)
+
+    step = carry or chain
 
     def looped(*a):
-        def body(_, carry):
-            a_dep, acc = carry
+        a_dep = a[dep]
+        for _ in range(LOOP):
             out = fn(*a[:dep], a_dep, *a[dep + 1:])
-            first = jax.tree_util.tree_leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
-            return a_dep + (first * 0).astype(a_dep.dtype), acc + first
-        return lax.fori_loop(0, LOOP, body, (a[dep], jnp.float32(0)))[1]
+            a_dep = step(out, a_dep) if carry is None else carry(out)
+        return a_dep
 
     run = jax.jit(looped)
-    run(*args).block_until_ready()
+    jax.block_until_ready(run(*args))
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
-        run(*args).block_until_ready()
+        jax.block_until_ready(run(*args))
         times.append(time.perf_counter() - t)
     return float(np.median(times)) / LOOP
 
@@ -109,14 +115,15 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret):
     return rows
 
 
-def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret, formats=("int4", "bf16")):
+def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret,
+                   cases=(("int4", "v1"), ("int4", "v2"), ("bf16", "v1"))):
     import jax
     import jax.numpy as jnp
 
-    from strata.jax_backend.kernels.expert_grouped import experts_grouped
+    from strata.jax_backend.kernels import expert_grouped as K
     from strata.jax_backend.kernels.experts import experts_from_pool
     rows, rng = [], np.random.default_rng(1)
-    for fmt in formats:
+    for fmt, variant in cases:
         store = SyntheticStore(fmt, hidden, inter, 1, n_experts, distinct=min(64, n_experts))
         lay = store.layout
         pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n_experts)]))
@@ -124,7 +131,7 @@ def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret, forma
             slots = jnp.asarray(np.stack([rng.choice(n_experts, k, replace=False) for _ in range(t)]).astype(np.int32))
             weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
             x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
-            ker = partial(experts_grouped, lay, interpret=interpret, max_distinct=n_experts)
+            ker = partial(K.experts_grouped, lay, interpret=interpret, max_distinct=n_experts, variant=variant)
             xla = partial(experts_from_pool, lay, max_distinct=n_experts)
             err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32),
                           xla(pool, x, slots, weight).astype(jnp.float32))
@@ -132,30 +139,71 @@ def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret, forma
             t_xla = device_seconds(lambda x, p: xla(p, x, slots, weight), (x, pool), 0, repeat)
             distinct = len(np.unique(np.asarray(slots)))
             nbytes = distinct * lay.nbytes + 2 * t * hidden * 2            # active blobs + x in and y out (bf16)
-            rows.append(row(f"expert grouped {fmt}, {t} tokens x {k} routes", t_ker, t_xla, nbytes,
-                            2 * 3 * t * k * hidden * inter, err, fmt=fmt, tokens=t, distinct_experts=distinct))
+            compacted = pool.size >= K.MAX_KERNEL_POOL_BYTES
+            rows.append(row(f"expert grouped {fmt} {variant}, {t} tokens x {k} routes"
+                            + (" (pool over 2 GiB: compacted)" if compacted else ""), t_ker, t_xla, nbytes,
+                            2 * 3 * t * k * hidden * inter, err, fmt=fmt, variant=variant, tokens=t,
+                            distinct_experts=distinct, pool_bytes=int(pool.size), compacted=compacted))
+        del pool
     return rows
 
 
+def pool_over_4gib(hidden, inter, n_experts, tokens, k, repeat, interpret):
+    """Whether the kernels read a pool over 4 GiB directly (no compaction): JAX's Triton lowering computes a ref's
+    offsets in 64 bits above 2^32 bytes, in int32 below (so 2^31 .. 2^32 is the range that needs compaction)."""
+    import jax
+    import jax.numpy as jnp
+
+    from strata.jax_backend.kernels import expert_grouped as K
+    from strata.jax_backend.kernels.expert_decode import experts_decode_int4
+    from strata.jax_backend.kernels.experts import experts_from_pool
+    store = SyntheticStore("int4", hidden, inter, 1, 64)
+    lay = store.layout
+    n = (4 << 30) // lay.nbytes + 64                                           # just over 4 GiB of int4 blobs
+    pool = jax.device_put(np.concatenate([np.stack([store.blob(0, e) for e in range(64)])] * (-(-n // 64)))[:n])
+    rng = np.random.default_rng(5)
+    saved = K.MAX_KERNEL_POOL_BYTES
+    K.MAX_KERNEL_POOL_BYTES = 1 << 62                                          # read the pool directly
+    out = {"pool_bytes": int(pool.size)}
+    try:
+        for t in tokens:
+            # slots near the end of the pool: offsets past 2^32 bytes
+            slots = jnp.asarray(np.stack([rng.choice(np.arange(n - 512, n), k, replace=False)
+                                          for _ in range(t)]).astype(np.int32))
+            weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
+            x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
+            ref = experts_from_pool(lay, pool, x, slots, weight, 512).astype(jnp.float32)
+            fn = (partial(experts_decode_int4, lay, interpret=interpret) if t * k <= 64 else
+                  partial(K.experts_grouped, lay, interpret=interpret, max_distinct=512))
+            err = rel_err(fn(pool, x, slots, weight).astype(jnp.float32), ref)
+            out[f"{t}_tokens_rel_err"] = err
+            print(f"pool of {pool.size / 2 ** 30:.2f} GiB read directly, {t} tokens: kernel vs XLA relative error "
+                  f"{err:.1e}", flush=True)
+    finally:
+        K.MAX_KERNEL_POOL_BYTES = saved
+    return out
+
+
 def decode_attention(hq, hkv, hd, contexts, batches, queries, repeat, interpret):
+    import jax
     import jax.numpy as jnp
 
     from strata.jax_backend.kernels.decode_attention import decode_attention as ker, decode_attention_xla as xla
-    from strata.model.reference import quantize_kv
+    from strata.model.blocks import quantize_kv
     rows, rng = [], np.random.default_rng(2)
     for kv in ("int8", "bf16"):
         for ctx in contexts:
             for s in batches:
                 for nq in queries:
                     cap = ctx + 64
-                    k = rng.standard_normal((s, cap, hkv, hd)).astype(np.float32)
-                    v = rng.standard_normal((s, cap, hkv, hd)).astype(np.float32)
+                    key = jax.random.key(ctx + 7 * s + nq)            # on the device: GBs of random keys fast
+                    k = jax.random.normal(key, (s, cap, hkv, hd), jnp.float32)
+                    v = jax.random.normal(jax.random.fold_in(key, 1), (s, cap, hkv, hd), jnp.float32)
                     if kv == "int8":
-                        (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
-                        kc, vc, ks, vs = (jnp.asarray(a) for a in (kc, vc, ks, vs))
+                        (kc, ks), (vc, vs) = quantize_kv(jnp, k), quantize_kv(jnp, v)
                         per_token = 2 * hkv * (hd + 4)
                     else:
-                        kc, vc = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+                        kc, vc = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
                         ks = vs = None
                         per_token = 2 * hkv * hd * 2
                     del k, v
@@ -195,18 +243,20 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
     rows = []
     state_bytes = hv * dk * dv * 4
     step_xla = jax.vmap(JaxBackend.gated_delta_step)
-    for s in batches:
-        q, k, v, g, beta = (a[:, None] for a in inputs((s,)))                           # [S, 1, ...] for the step
-        st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
-        ker = partial(K.gated_delta_decode, interpret=interpret)
-        o_k, _ = ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st)
-        o_x, _ = step_xla(q, k, v, g, beta, st)
-        err = rel_err(o_k, o_x[:, 0])
-        t_ker = device_seconds(lambda st: ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st)[1], (st,), 0,
-                               repeat)
-        t_xla = device_seconds(lambda st: step_xla(q, k, v, g, beta, st)[1], (st,), 0, repeat)
-        rows.append(row(f"gated delta decode, batch {s}", t_ker, t_xla, 2 * s * state_bytes,
-                        s * hv * dk * dv * 6, err, form="decode", batch=s))
+    for variant in ("v1", "v2"):
+        for s in batches:
+            q, k, v, g, beta = (a[:, None] for a in inputs((s,)))                       # [S, 1, ...] for the step
+            st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
+            ker = partial(K.gated_delta_decode, interpret=interpret, variant=variant)
+            o_k, _ = ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st)
+            o_x, _ = step_xla(q, k, v, g, beta, st)
+            err = rel_err(o_k, o_x[:, 0])
+            t_ker = device_seconds(lambda st: ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st), (st,), 0,
+                                   repeat, carry=lambda out: out[1])              # the new state feeds the next
+            t_xla = device_seconds(lambda st: step_xla(q, k, v, g, beta, st), (st,), 0, repeat,
+                                   carry=lambda out: out[1])
+            rows.append(row(f"gated delta decode {variant}, batch {s}", t_ker, t_xla, 2 * s * state_bytes,
+                            s * hv * dk * dv * 6, err, form="decode", variant=variant, batch=s))
     s, nq = batches[1] if len(batches) > 1 else batches[0], verify_q
     q, k, v, g, beta = inputs((s, nq))
     st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
@@ -219,21 +269,24 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
         _, (o, sts) = jax.lax.scan(one, st, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
         return jnp.moveaxis(o, 0, 1), jnp.moveaxis(sts, 0, 1)
     err = rel_err(ker(q, k, v, g, beta, st)[1], xla_verify(q, k, v, g, beta, st)[1])
-    t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st)[1], (st,), 0, repeat)
-    t_xla = device_seconds(lambda st: xla_verify(q, k, v, g, beta, st)[1], (st,), 0, repeat)
+    t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1][:, -1])
+    t_xla = device_seconds(lambda st: xla_verify(q, k, v, g, beta, st), (st,), 0, repeat,
+                           carry=lambda out: out[1][:, -1])
     rows.append(row(f"gated delta verify, batch {s} x {nq} positions", t_ker, t_xla, (1 + nq) * s * state_bytes,
                     s * nq * hv * dk * dv * 6, err, form="verify", batch=s, positions=nq))
     q, k, v, g, beta = inputs((prompt,))
     st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
-    ker = partial(K.gated_delta_chunked, interpret=interpret)
-    err = rel_err(ker(q, k, v, g, beta, st)[1], JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, st)[1])
-    t_ker = device_seconds(lambda q: ker(q, k, v, g, beta, st)[0], (q,), 0, repeat)
-    t_xla = device_seconds(lambda q: JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, st)[0], (q,), 0, repeat)
+    xla_chunked = JaxBackend.gated_delta_chunked_xla
+    t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1])
     c = 64
     flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
     nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * state_bytes
-    rows.append(row(f"gated delta chunked, {prompt} tokens", t_ker, t_xla, nbytes, flops, err, form="chunked",
-                    tokens=prompt))
+    for variant in ("v1", "v2"):
+        ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant)
+        err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
+        t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1])
+        rows.append(row(f"gated delta chunked {variant}, {prompt} tokens", t_ker, t_xla, nbytes, flops, err,
+                        form="chunked", variant=variant, tokens=prompt))
     return rows
 
 
@@ -250,6 +303,7 @@ def main() -> int:
         shapes = {
             "expert_decode": dict(hidden=256, inter=128, n_slots=16, tokens=[1, 2], k=4),
             "expert_grouped": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4),
+            "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
             "gated_delta": dict(hv=2, dk=16, dv=16, batches=[1, 2], verify_q=3, prompt=70),
         }
@@ -258,16 +312,19 @@ def main() -> int:
         shapes = {
             "expert_decode": dict(hidden=2048, inter=512, n_slots=512, tokens=[1, 4, 16], k=10),
             "expert_grouped": dict(hidden=2048, inter=512, n_experts=512, tokens=[512, 4096], k=10),
-            "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 4, 16],
+            "pool_over_4gib": dict(hidden=2048, inter=512, n_experts=512, tokens=[1, 512], k=10),
+            "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 16],
                                      queries=[1, 4]),
             "gated_delta": dict(hv=32, dk=128, dv=128, batches=[1, 4, 16], verify_q=4, prompt=4096),
         }
         repeat = args.repeat
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
-           "gated_delta": gated_delta}
+           "gated_delta": gated_delta, "pool_over_4gib": pool_over_4gib}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}
     for name in args.only.split(","):
+        if shapes.get(name) is None:
+            continue                                       # not in this mode (the 4 GiB pool: the GPU only)
         try:
             result[name] = fns[name](**shapes[name], repeat=repeat, interpret=interpret)
         except Exception as e:  # noqa: BLE001 - one kernel failing to compile must not lose the others' figures

@@ -19,7 +19,7 @@ TOL = 1e-4           # of the logit range, as the parity suite's float32 toleran
 
 @pytest.fixture(scope="module", params=["auto", "int8"])
 def engines(request):
-    kw = dict(max_context=240, prefill=64, kv=request.param)
+    kw = dict(max_context=240, prefill=64, kv=request.param, dtype="float32")   # float32 on a GPU too
     return Engine.load("demo", kernels="xla", **kw), Engine.load("demo", kernels="pallas", **kw)
 
 

@@ -1,12 +1,15 @@
 """kernels/expert_decode.experts_decode_int4 (the decode form of the expert op, dequantizing int4 in the kernel)
 against the numpy reference on the same blobs: a poisoned pool (garbage and NaN bytes in unused slots), skipped
-routes with NaN weights, one token with every route skipped; on the CPU in Pallas interpret mode, on the GPU
-compiled (STRATA_TEST_DEVICE=gpu)."""
+routes with NaN weights, one token with every route skipped, pools read through compacted sub-pools of 1, 2 and 3
+chunks (the kernels' pool limit monkeypatched small); on the CPU in Pallas interpret mode, on the GPU compiled
+(STRATA_TEST_DEVICE=gpu)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
 from test_expert_op import LIMIT, poisoned_pool, rel_err, routes
 
 from strata.jax_backend.kernels import expert_decode as K
@@ -44,3 +47,65 @@ def test_formats_and_shapes_it_cannot_read_are_refused():
     with pytest.raises(ValueError, match="power of two"):
         K.experts_decode_int4(odd, jnp.zeros((2, odd.nbytes), jnp.uint8), jnp.zeros((1, 96)),
                               jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True)
+
+
+@pytest.fixture
+def fresh_jit():
+    """The pool limit is read when experts_decode_int4 is traced: drop its compiled versions before and after a test
+    that monkeypatches the limit, so that neither sees the other's."""
+    K.experts_decode_int4.clear_cache()
+    yield
+    K.experts_decode_int4.clear_cache()
+
+
+def _walk(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for s in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(s, (ClosedJaxpr, Jaxpr)):
+                    yield from _walk(getattr(s, "jaxpr", s))
+
+
+def _pool_operands(fn, *args):
+    """The pool operand (the last input) of every pallas_call in fn's jaxpr."""
+    return [eqn.invars[-1].aval for eqn in _walk(jax.make_jaxpr(fn)(*args).jaxpr)
+            if eqn.primitive.name == "pallas_call"]
+
+
+@pytest.mark.parametrize("chunks,dtype", [(1, "float32"), (2, "bfloat16"), (3, "float32")])
+def test_pool_at_the_limit_is_read_through_compacted_chunks(chunks, dtype, interpret, monkeypatch, fresh_jit):
+    """The limit monkeypatched so that the 14-slot pool is over it and the blobs of the 12 routes (3 tokens x 4: at
+    most 12 distinct, the compaction's static size) take 1, 2 or 3 chunks of 12, 6 and 4 blobs: the result equals
+    the reference on the whole pool, and every kernel reads a compact pool under the limit."""
+    rng = np.random.default_rng()
+    lay = Q.layout("int4", H, I)
+    pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
+    slots, weight = routes(rng, 3, 4, slot_of)
+    per = {1: 12, 2: 6, 3: 4}[chunks]
+    limit = per * lay.nbytes + 1
+    assert pool.size >= limit
+    monkeypatch.setattr(K, "MAX_KERNEL_POOL_BYTES", limit)
+    x = jnp.asarray(rng.standard_normal((3, H)).astype(np.float32), dtype)
+    args = (jnp.asarray(pool), x, jnp.asarray(slots), jnp.asarray(weight))
+
+    def fn(*a):
+        return K.experts_decode_int4(lay, *a, interpret=interpret)
+
+    pools = _pool_operands(fn, *args)
+    assert len(pools) == 2 * chunks and all(p.shape == (per, lay.nbytes) and p.size < limit for p in pools)
+    got = np.asarray(fn(*args)).astype(np.float32)
+    want = K._reference(lay, pool, np.asarray(x.astype(jnp.float32)), slots, weight)
+    assert np.isfinite(got).all() and np.all(got[1] == 0)    # token 1: every route skipped
+    err = rel_err(got, want)
+    assert err <= LIMIT[dtype]["int4"], f"{chunks} chunks: relative error {err:.2e}"
+
+
+def test_an_engine_sized_pool_reaches_the_kernels_as_the_routes_blobs():
+    """Traced at Qwen3-Next-80B shapes over a 26 GB int4 pool (16,384 slots): the kernels read a compact pool of the
+    160 routes' blobs (16 tokens x 10), under 2^31 bytes."""
+    lay = Q.layout("int4", 2048, 512)
+    spec = jax.ShapeDtypeStruct
+    pools = _pool_operands(lambda *a: K.experts_decode_int4(lay, *a), spec((16384, lay.nbytes), jnp.uint8),
+                           spec((16, 2048), jnp.bfloat16), spec((16, 10), jnp.int32), spec((16, 10), jnp.float32))
+    assert len(pools) == 2 and all(p.shape == (160, lay.nbytes) and p.size < 2**31 for p in pools)

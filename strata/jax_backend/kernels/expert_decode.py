@@ -1,5 +1,5 @@
 """The decode form of the expert op as Pallas kernels that dequantize int4 blobs in the kernel (issue 4; int4 first,
-the format the benchmarks run).
+the format the benchmarks run), for pools of any size.
 
 Why: the XLA op (experts.py, experts_from_pool) gathers each route's whole blob, decodes it into float weights in
 HBM and multiplies: at Qwen3-Next-80B shapes and batch 1 that is ~3x the blob's bytes written and read again, in a
@@ -7,14 +7,23 @@ chain of small launches. These kernels read each route's packed bytes once and k
 
 Floor (H200, batch 1, one MoE layer, 10 routes of 1.57 MiB): 16.5 MB read / 3.6 TB/s = 4.6 us, against ~40 us the
 XLA gather form spends per layer in the all-resident decode (8.2 ms / 48 layers, of which the experts are a part).
-Not yet measured on the GPU: what is verified is the arithmetic, in Pallas interpret mode, against the numpy
-reference (tests/kernels/test_expert_decode.py).
 
-Two kernels per call, both on Pallas' Triton backend (verified on the H200 for the copy kernel beside this one,
-interpretable on the CPU in every JAX version we run):
+MEASURED on the H200 (bench/kernel_speed.py at commit 9546310, JAX 0.11.2, Qwen3-Next-80B shapes H=2048, I=512,
+512 slots, k=10; bench/results/kernel_speed_h200_9546310.log): 39.1 us at 1 token x 10 routes (XLA 33.7 us, floor
+4.6 us: 12% of the HBM bound), 84.2 us at 4 tokens (XLA 86.4 us), 245.8 us at 16 tokens (XLA 1700 us; floor
+64.5 us). Its pool there is 0.84 GB; the grouped kernels' bf16 run showed that a pool past 2^31 bytes gives wrong
+results (Pallas' Triton lowering computes a ref's offsets in int32 up to 2^32 bytes), and an engine pool is 12-40
+GB: so a pool of MAX_KERNEL_POOL_BYTES or more is read through compacted copies of the blobs the routes use (at most
+T*k of them: expert_grouped.pool_chunks; at 16 tokens 160 blobs, 263 MB gathered). Not yet measured on the GPU: the
+compaction (its gather is part of the decode time of a large pool: time it at 1 and 16 tokens over a > 2 GiB pool).
+Verified here: the arithmetic in Pallas interpret mode against the numpy reference, the compaction of 1, 2 and 3
+chunks with the limit monkeypatched small (tests/kernels/test_expert_decode.py).
+
+Two kernels per call, both on Pallas' Triton backend (interpretable on the CPU in every JAX version we run):
 - gate/up: program (route r, block of BI rows of I) -> h[r, rows] = silu(gate[rows] . x) * (up[rows] . x);
 - down: program (route r, block of BH rows of H) -> y[r, rows] = weight[r] * (down[rows] . h[r]).
-The routes' sum per token is one XLA reduction. A route with slot -1 contributes exactly 0.
+The routes' sum per token is one XLA reduction (and, over a compacted pool, the chunks' sum). A route with slot -1
+contributes exactly 0.
 Within a group of G = 128 columns an int4 row is (q - z) * s: the kernel sums (q - z) * x over the group's even and
 odd columns (low and high nibbles) and multiplies by s once per group.
 """
@@ -29,10 +38,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from strata.jax_backend.kernels import triton_params
+from strata.jax_backend.kernels.expert_grouped import pool_chunks
 from strata.weights import quant
 from strata.weights.quant import BlobLayout
 
 BLOCK_ROWS = 32          # rows of a weight matrix per program (a power of two: Triton block shapes must be)
+MAX_KERNEL_POOL_BYTES = 2**31 - 1   # a pool at least this large is read through compacted sub-pools (the Triton
+                                    # lowering computes a ref's byte offsets in int32 up to 2^32 bytes)
 
 
 def _group_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, kk, ve, vo):
@@ -109,10 +121,14 @@ def _down_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayo
 def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False):
     """The expert op (experts.experts_from_pool's contract) for few routes over int4 blobs, by the two kernels.
 
-    pool uint8 [N, nbytes]; x [T, H]; slots int32 [T, k] in [-1, N) (-1: skipped, contributes 0); weight [T, k].
-    -> [T, H] in x.dtype (computed in float32)."""
+    pool uint8 [N, >= nbytes], any size; x [T, H]; slots int32 [T, k] in [-1, N) (-1: skipped, contributes 0);
+    weight [T, k]. -> [T, H] in x.dtype (computed in float32). A pool of MAX_KERNEL_POOL_BYTES or more is read
+    through compacted copies of the routes' blobs (at most T*k of them; expert_grouped.pool_chunks), one run of the
+    kernels per chunk, the chunks' outputs summed."""
     if layout.fmt != "int4":
         raise ValueError(f"experts_decode_int4 reads int4 blobs, not {layout.fmt!r}")
+    if pool.dtype != jnp.uint8 or pool.ndim != 2 or pool.shape[1] < layout.nbytes:
+        raise ValueError(f"pool must be uint8 [N, >= {layout.nbytes}], got {pool.dtype} {pool.shape}")
     t, k = slots.shape
     inter, hidden = layout.shape_of("gate")
     for m in quant.MATRICES:
@@ -122,6 +138,20 @@ def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret
     bi, bh = min(BLOCK_ROWS, inter), min(BLOCK_ROWS, hidden)
     if inter % bi or hidden % bh or bi & (bi - 1) or bh & (bh - 1):
         raise ValueError(f"I={inter} and H={hidden} must be multiples of a power-of-two block (<= {BLOCK_ROWS})")
+    run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret)
+    if pool.size < MAX_KERNEL_POOL_BYTES:
+        return run(pool, slots=slots).astype(x.dtype)
+    y = None
+    for sub_pool, sub_slots in pool_chunks(pool, slots, t * k, layout.nbytes, MAX_KERNEL_POOL_BYTES):
+        part = run(sub_pool, slots=sub_slots)
+        y = part if y is None else y + part
+    return y.astype(x.dtype)
+
+
+def _decode(layout: BlobLayout, pool, x, slots, weight, *, bi: int, bh: int, interpret: bool):
+    """The two kernels on a pool they may index directly (< 2^31 bytes): float32 [T, H]."""
+    t, k = slots.shape
+    inter, hidden = layout.shape_of("gate")
     routes = t * k
     flat_slots = slots.reshape(routes).astype(jnp.int32)
     toks = jnp.arange(routes, dtype=jnp.int32) // k
@@ -129,7 +159,7 @@ def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret
                    flat_slots, toks, x, pool)                                      # [R, I] f32
     y = _per_route(functools.partial(_down_kernel, lay=layout, block=bh), routes, hidden, bh, interpret,
                    flat_slots, weight.reshape(routes).astype(jnp.float32), h, pool)  # [R, H] f32
-    return y.reshape(t, k, hidden).sum(axis=1).astype(x.dtype)
+    return y.reshape(t, k, hidden).sum(axis=1)
 
 
 def _per_route(kernel, routes: int, cols: int, block: int, interpret: bool, *args):

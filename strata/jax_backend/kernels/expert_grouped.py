@@ -1,5 +1,5 @@
 """The prompt form of the expert op as two Pallas grouped-GEMM kernels that dequantise the packed expert blobs in the
-kernel (every format of strata/weights/quant.py: int4 and bf16 first, int8, nvfp4, f32).
+kernel (every format of strata/weights/quant.py: int4 and bf16 first, int8, nvfp4, f32), for pools of any size.
 
 Why: a prompt part routes thousands of (token, expert) pairs; the XLA op's grouped form (experts.py,
 experts_from_pool) decodes one whole blob per block of rows into float weights in HBM ([blocks, I, H] three times,
@@ -8,8 +8,8 @@ experts. `jax.lax.ragged_dot`, the other XLA route, lowers on the H200 to a dens
 notes/pallas-gpu.md measured it at 12.5 ms against 0.97 ms for a Pallas Triton grouped matmul (grid over row blocks
 and groups, each program reading one expert's weights, so only active experts are read) at M=4096, G=512, K=2048,
 N=1024 in bf16 (11.7 TFLOP/s for ragged_dot in one test). These kernels are that Triton grouped matmul with the
-weights read packed and decoded in registers. Pallas' Triton backend: verified on the H200 for the copy kernel
-beside this one, interpretable on the CPU in every JAX version we run.
+weights read packed and decoded in registers. Pallas' Triton backend: verified on the H200, interpretable on the CPU
+in every JAX version we run.
 
 Floor (Qwen3-Next-80B, one MoE layer, a prompt part of 4096 tokens: H=2048, I=512, k=10, 40,960 routes, ~80 per
 expert, all 512 experts active): FLOPs = 2 * routes * 3 * H * I = 257.7 GFLOP = 326 us at ~790 TFLOP/s bf16;
@@ -19,22 +19,70 @@ So int4 and nvfp4 are compute-bound (326 us), bf16 and int8 memory-bound. This d
 each expert's group to whole blocks (~80 routes -> 128 rows at BLOCK_M 64 or 128: ~1.6x the FLOPs), each block
 reading its expert's blob once (twice per expert at BLOCK_M 64 unless the neighbouring block's read hits L2), and
 the intermediates in HBM: h [rows, I] (~67 MB each way) and the per-route rows y [rows, H] (~268 MB each way in
-bf16), which a fused combine would save. Not yet measured on the GPU: what is verified is the arithmetic, in Pallas
-interpret mode, against the numpy reference (tests/kernels/test_expert_grouped.py), and the Triton limits of the
-kernels' traced shapes (powers of two, dot dtypes and sizes, shared memory of the dot tiles).
+bf16), which a fused combine would save.
+
+MEASURED on the H200 (bench/kernel_speed.py at commit 9546310, JAX 0.11.2; bench/results/kernel_speed_h200_9546310
+.log), the first design (now variant "v1"):
+- int4, 4096 tokens (40,960 routes): 8.36 ms; XLA's grouped form 13.07 ms; floor 0.33 ms: 4% of the bf16 rate.
+  512 tokens: 4.38 ms (XLA 5.90 ms; floor 0.24 ms, the 847 MB of blobs).
+- bf16: WRONG RESULTS at real shapes (relative error NaN at 512 tokens, 2.5 at 4096) although the small-shape GPU
+  tests passed: its pool of 512 experts is 3.2 GB, and Pallas' Triton lowering computes a ref's element offsets
+  (slot * row bytes + column) in int32 when the array is at most 2^32 bytes (64-bit above: jax/_src/pallas/triton/
+  lowering.py, _compute_offsets_from_indices), so offsets past 2^31 wrap. The int4 pool (0.84 GB) is below it. In
+  the engine a pool can be 12-40 GB. Fixed by the compaction below (MAX_KERNEL_POOL_BYTES), for every format.
+Not yet measured on the GPU: v2 and the compaction. What is verified here is the arithmetic in Pallas interpret mode
+against the numpy reference (tests/kernels/test_expert_grouped.py), the Triton limits of the kernels traced at real
+shapes (powers of two, dot dtypes and sizes, a shared-memory estimate), the Pallas-to-Triton lowering for CUDA
+(jax.export on the CPU), and, outside the test suite, the kernels' Triton IR at real shapes compiled for sm_90a by
+the standalone Triton 3.9 compiler and ptxas on the CPU (not XLA's own Triton, so indicative):
+- v1 gate/up (int4, bf16 x, 8 warps): the packed tiles become per-byte global loads (192 LDG per thread per K step,
+  not pipelined), 128 int-to-float conversions per step, 255 registers and 528 B of spills (141 local loads/stores
+  in the K loop), 64 KB shared memory, one program per SM; v1 down: 236 registers.
+- v2 gate/up (block_m 64, 128 columns, 4 warps, 3 stages): x halves and packed bytes copied asynchronously
+  (cp.async, 16-byte vectors) into 3-stage shared buffers, the decoded planes stored once to shared memory and fed
+  to chained wgmma (64x128x16), zero points and scales loaded once per (row, group) one element per thread; 112 KB
+  shared memory, 255 registers, 76 B of spills (two programs per SM). v2 down (128 columns): 96 KB, 191 registers,
+  no spills. block_m 128 (8 warps): 128 / 144 KB, 255 registers, <= 20 B of spills.
+To time on the H200 (bench/kernel_speed.py expert_grouped with variant="v1" and "v2"): both variants at 512 and
+4096 tokens in int4, bf16 with its now-compacted 3.2 GB pool (2 chunks; the gather of the used blobs is part of its
+time), and block_m 64 against 128.
 
 Design (`experts_grouped`):
+- Pool size: the kernels index the pool with int32 byte offsets, so a pool of MAX_KERNEL_POOL_BYTES (2^31 - 1) or
+  more is never handed to them: XLA finds the distinct slots the call uses (jnp.unique with the static size
+  max_distinct; the smallest ones, as the direct path keeps), splits them into equal static chunks of fewer than
+  2^31 bytes of blobs (chunks and sizes from max_distinct and layout.nbytes), gathers each chunk's blobs into a
+  compact pool [c, nbytes], remaps the chunk's routes to compact indices and every other route to -1, runs the
+  kernels per chunk and sums the chunks' float32 outputs (a route of slot -1 contributes exactly 0, so the sum is
+  the op). Below the limit the kernels read the pool directly. Cost: the gather reads and writes the used blobs
+  once (bf16, 512 experts: 3.2 GB each way). Above 2^32 bytes the lowering's offsets are 64-bit, so only a GPU run
+  of a > 4 GiB pool read directly can tell whether compaction could be skipped there.
 - XLA sorts the routes by slot (skipped routes, slot -1, last and dropped) and lays each slot's group out padded to
   whole blocks of BLOCK_M rows: per padded row its token (pad rows: token 0, never read back) and its route weight
   (pad rows 0); per block its slot (-1 for the blocks past the last group: a static bound, they do nothing).
-- kernel 1, grid (block, block of BLOCK_I columns of I): loads the block's x rows by token (a gather in the kernel,
-  no sorted copy of x in HBM), decodes the slot's gate and up rows K columns at a time and accumulates
-  x W^T in float32; h = silu(g) * u, stored in x's dtype.
-- kernel 2, grid (block, block of BLOCK_H columns of H): y_rows = (h W_down^T) * the row's route weight.
+- kernel 1: loads the block's x rows by token (a gather in the kernel, no sorted copy of x in HBM), decodes the
+  slot's gate and up rows a K step at a time and accumulates x W^T in float32 (gate and up in one program, two
+  accumulators, so x is read once); h = silu(g) * u, stored in x's dtype.
+- kernel 2: y_rows = (h W_down^T) * the row's route weight.
 - XLA gathers each route's row back into (token, choice) order (a permutation: no scatter-add) and sums over k in
   float32. A skipped route contributes exactly 0, whatever its weight.
-Decoding in the kernel, one K tile [rows, BK] of a matrix (bytes read from the uint8 pool with computed offsets,
-multi-byte fields assembled little-endian and bitcast):
+Variants (static keyword `variant`; `kernel_variant` says which kernels a call runs):
+- "v2" (default), int4 with power-of-two groups of >= 32 columns (Qwen3-Next's 128): no nibble interleave. XLA
+  permutes x's columns once so that within every group of G columns the G/2 even columns come first, then the G/2
+  odd ones (`_even_odd_columns`, one pass over x). Per K step of one group the kernel loads x's even half [BM, G/2]
+  and odd half [BM, G/2] contiguously and the packed bytes [BN, G/2] once; lo = (b & 15) - z and hi = (b >> 4) - z
+  are built in bfloat16 from bits (0x4300 | q is 128 + q; exact, no int-to-float conversion); two dots,
+  x_even . lo^T + x_odd . hi^T (Triton chains the second onto the first), give the group's float32 partial, times
+  the float16 group scale [BN] broadcast over rows, accumulated. Zero points and scales ([BN] vectors, the float16
+  from two bytes) are loaded one group ahead, carried through the loop. Kernel 1's program j computes the gate/up
+  rows that land at h positions j*BN.. in down's even/odd order (`_even_odd_source`), so h is written already
+  permuted per group of down's group size and kernel 2 reads it the same way at no cost. Grid (column block, row
+  block): a row block's programs run together and share its x (or h) rows in L2. BM = block_m (64), BN = 128
+  (64 for float32 x), 4 warps per 64 rows, 3 stages (2 for float32 x).
+- "v1" (every other format and layout, or asked for): grid (row block, column block); the K tile's weights decoded
+  into [BN, BK] tiles (below); 8 warps, 2 stages; the design measured above.
+Decoding in v1, one K tile [rows, BK] of a matrix (bytes read from the uint8 pool with computed offsets, multi-byte
+fields assembled little-endian and bitcast):
 - f32 / bf16: 4 / 2 bytes -> lax.bitcast_convert_type -> x's dtype.
 - int8: q (exact in bfloat16) into the dot; the row scale (float32) multiplies the finished accumulator.
 - int4: low / high nibbles (even / odd columns), minus the zero point, interleaved (join + reshape: Triton's
@@ -45,7 +93,7 @@ multi-byte fields assembled little-endian and bitcast):
   bfloat16); the matrix's float32 global scale multiplies the finished accumulator.
 Dots take operands in x's dtype (float32 at HIGHEST precision: Triton would run TF32 otherwise) and accumulate in
 float32, like the XLA op's arithmetic; in bfloat16 the decoded weights of f32 blobs are rounded once to bfloat16
-(as the XLA op does), those of the other formats are exact, and h and y_rows are rounded once each.
+(as the XLA op does), those of the other formats are exact, and h and y_rows are rounded once each (both variants).
 """
 from __future__ import annotations
 
@@ -75,6 +123,15 @@ K_BLOCK = {"bfloat16": 128, "float32": 64}   # columns of a K step (f32 tiles ar
 NUM_WARPS, NUM_STAGES = 8, 2
 SMEM_BYTES = 227 * 1024  # shared memory per block on the H200 (notes/pallas-gpu.md)
 MIN_DOT = 16             # Triton dots need every dimension >= 16
+MAX_KERNEL_POOL_BYTES = 2**31 - 1   # a pool at least this large is read through compacted sub-pools (pool_chunks):
+                                    # the Triton lowering computes a ref's byte offsets in int32 up to 2^32 bytes
+VARIANTS = ("v1", "v2")  # v2: the int4 kernels below (even/odd columns, two dots per group); v1: the first design
+# v2 (int4): columns of h / y per program (the accumulators: two [bm, bn1] in kernel 1, one [bm, bn2] in kernel 2;
+# capped by ACC_ELEMS like v1's), pipeline stages per x dtype, and one warpgroup (4 warps) per 64 rows of a block
+# (Hopper's wgmma is 64 rows per warpgroup). Chosen by compiling the kernels for sm_90 with the standalone Triton
+# compiler on the CPU (module docstring); to be tuned by timing on the H200.
+V2_BLOCK_N = {"bfloat16": (128, 128), "float32": (64, 64)}
+V2_STAGES = {"bfloat16": 3, "float32": 2}
 
 
 @dataclass(frozen=True)
@@ -297,55 +354,291 @@ def _sort_routes(flat, weight, n_slots: int, kk: int, bm: int, n_groups: int):
     return row_tok, row_weight, block_slot, pos
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "interpret", "max_distinct", "block_m"))
-def experts_grouped(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False,
-                    max_distinct: int | None = None, block_m: int = BLOCK_M):
-    """The expert op (experts.experts_from_pool's contract) for many routes, by the two grouped kernels.
+# --- v2: int4 as a GEMM over even and odd columns (no nibble interleave)
+#
+# Within each int4 group of g columns (power of two), XLA permutes the activations' columns once so that the g/2
+# even columns come first, then the g/2 odd ones (`_even_odd_columns`). A packed byte holds column 2i (low nibble)
+# and 2i + 1 (high nibble) of the group, so the group's contribution is x_even . lo^T + x_odd . hi^T: two dots over
+# contiguous loads, with lo / hi decoded elementwise where the bytes were loaded (no join, no reshape into an
+# interleaved tile), times the group's float16 scale per output column. Kernel 1 writes h with its columns already
+# in down's even/odd order (program j computes the rows of gate / up that land at its h positions), so kernel 2
+# reads h the same way at no cost.
 
-    pool uint8 [N, >= layout.nbytes]; x [T, H] float32 or bfloat16; slots int32 [T, k] in [-1, N) (-1: skipped,
-    contributes exactly 0 whatever its weight); weight [T, k] float32. -> [T, H] in x.dtype.
-    max_distinct (static, optional): a bound on the distinct slots one call uses (default min(N, T*k)); it sizes the
-    static grid (blocks = (T*k + max_distinct * (block_m - 1)) // block_m); routes of slots past the first
-    max_distinct distinct ones contribute 0, as in experts_from_pool."""
-    p = plan(layout, x.dtype, block_m)
-    if pool.dtype != jnp.uint8 or pool.ndim != 2 or pool.shape[1] < layout.nbytes:
-        raise ValueError(f"pool must be uint8 [N, >= {layout.nbytes}], got {pool.dtype} {pool.shape}")
+@dataclass(frozen=True)
+class PlanV2:
+    """Static blocks of the v2 int4 kernels: bm rows, bn1 / bn2 output columns of kernel 1 / 2, g1 / g2 the int4
+    groups of gate-up / down (one K step each), and each kernel's (num_warps, num_stages)."""
+    bm: int
+    bn1: int
+    bn2: int
+    g1: int
+    g2: int
+    launch1: tuple[int, int]
+    launch2: tuple[int, int]
+
+
+def plan_v2(layout: BlobLayout, dtype, block_m: int = BLOCK_M) -> PlanV2 | None:
+    """The v2 blocks for this layout and x dtype, or None where v2 does not apply (not int4, or an int4 group that
+    is not a power of two of at least 2 * MIN_DOT columns: the demo model's 96): those run v1."""
+    plan(layout, dtype, block_m)                              # the same refusals as v1
+    if layout.fmt != "int4":
+        return None
+    dt = jnp.dtype(dtype).name
+    inter, hidden = layout.shape_of("gate")
+    g1, g2 = layout.group_of("gate"), layout.group_of("down")
+    if any(g & (g - 1) or g < 2 * MIN_DOT for g in (g1, g2)):
+        return None
+    n1, n2 = V2_BLOCK_N[dt]
+    bn1 = _pow2_divisor(inter, min(n1, ACC_ELEMS // block_m))
+    bn2 = _pow2_divisor(hidden, min(n2, 2 * ACC_ELEMS // block_m))
+    if min(bn1, bn2) < MIN_DOT:
+        return None
+    launch = (max(4, 4 * block_m // 64), V2_STAGES[dt])
+    return PlanV2(block_m, bn1, bn2, g1, g2, launch, launch)
+
+
+def kernel_variant(layout: BlobLayout, dtype, variant: str = "v2", block_m: int = BLOCK_M) -> str:
+    """Which kernels experts_grouped runs: "v2" for int4 layouts v2 reads when variant is "v2", else "v1"."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    return "v2" if variant == "v2" and plan_v2(layout, dtype, block_m) is not None else "v1"
+
+
+def _even_odd_columns(a, g: int):
+    """[R, C] -> [R, C] with, inside every group of g columns, the g/2 even columns first, then the g/2 odd ones."""
+    r, c = a.shape
+    return a.reshape(r, c // g, g // 2, 2).swapaxes(-1, -2).reshape(r, c)
+
+
+def _even_odd_source(pos, g: int):
+    """The column `_even_odd_columns` puts at position pos (int32 array): its gather index,
+    _even_odd_columns(a, g)[:, p] == a[:, _even_odd_source(p, g)]."""
+    half = g // 2                                            # g a power of two: masks and shifts
+    within = pos & (g - 1)
+    return pos - within + ((within & (half - 1)) << 1) + (within >> (half.bit_length() - 1))
+
+
+def _nibble_planes(packed, z, dt):
+    """uint8 [B, n] packed bytes and int32 zero points [B, 1] -> (lo - z, hi - z) [B, n] in dt, exact (values in
+    -15..15). Built from bits: bfloat16 0x4300 | q is 128 + q (float32: 0x4B000000 | q is 2^23 + q), so one OR and one
+    subtraction of (magic | z) per element, no integer-to-float conversion."""
+    if dt == jnp.bfloat16:
+        utype, magic = jnp.uint16, 0x4300
+    else:
+        utype, magic = jnp.uint32, 0x4B000000
+    zf = lax.bitcast_convert_type(z.astype(utype) | magic, dt)
+    lo = lax.bitcast_convert_type((packed & 0xF).astype(utype) | magic, dt) - zf
+    hi = lax.bitcast_convert_type((packed >> 4).astype(utype) | magic, dt) - zf
+    return lo, hi
+
+
+class _Int4Rows:
+    """Where rows `rows` [B] of int4 matrix m sit in the blob, and what one K step (one group kk) reads of them: the
+    packed bytes [B, g/2], the zero points [B] and the float16 scales [B] (two bytes each, little-endian)."""
+
+    def __init__(self, lay: BlobLayout, m: str, rows):
+        _, cols = lay.shape_of(m)
+        self.g = lay.group_of(m)
+        self.n_groups = cols // self.g
+        self.q = lay.field(f"{m}.q").offset + rows[:, None] * (cols // 2)                   # [B, 1]
+        self.s = lay.field(f"{m}.s").offset + rows * (2 * self.n_groups)                    # [B]
+        self.z = lay.field(f"{m}.z").offset + rows * self.n_groups                          # [B]
+
+    def params(self, pool_ref, slot, kk):
+        """Group kk's (zero points int32 [B], scales float32 [B]). Byte loads that cannot be pipelined the way the
+        packed tiles are: the kernels load them one group ahead (loop-carried) so that their latency overlaps a
+        step's dots."""
+        kk = jnp.minimum(kk, self.n_groups - 1)
+        z = pool_ref[slot, self.z + kk].astype(jnp.int32)
+        s = lax.bitcast_convert_type(_u16_at(pool_ref, slot, self.s + 2 * kk), jnp.float16).astype(jnp.float32)
+        return z, s
+
+    def product(self, a_even, a_odd, pool_ref, slot, kk, zs, dt, prec):
+        """Group kk's contribution (a_even . lo^T + a_odd . hi^T) * s -> float32 [M, B], zs = params(kk)."""
+        half = self.g // 2
+        packed = pool_ref[slot, self.q + kk * half + _cols(0, half)]                        # uint8 [B, g/2]
+        z, s = zs
+        lo, hi = _nibble_planes(packed, z[:, None], dt)
+        part = _dot_t(a_even, lo, prec) + _dot_t(a_odd, hi, prec)   # Triton chains the second dot onto the first
+        return part * s[None, :]
+
+
+def _gate_up_int4_kernel(bslot_ref, tok_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayout, p: PlanV2, dt, prec):
+    """Program (j, b): block b of rows, block j of h's columns. x_ref: x flat with its columns in gate's even/odd
+    order; h_ref block [bm, bn1] of h with its columns in down's even/odd order."""
+    j, b = pl.program_id(0), pl.program_id(1)      # j fastest: a block's programs run together and share its x rows
+    slot = bslot_ref[b]
+    _, hidden = lay.shape_of("gate")
+    rows = _even_odd_source(j * p.bn1 + lax.broadcasted_iota(jnp.int32, (p.bn1,), 0), p.g2)  # gate/up rows
+    half = p.g1 // 2
+
+    @pl.when(slot < 0)
+    def _():
+        h_ref[...] = jnp.zeros((p.bm, p.bn1), h_ref.dtype)
+
+    @pl.when(slot >= 0)
+    def _():
+        xrow = tok_ref[...][:, None] * hidden + _cols(0, half)                              # [bm, g/2]
+        mats = (_Int4Rows(lay, "gate", rows), _Int4Rows(lay, "up", rows))
+
+        def step(kk, carry):
+            acc, zs = carry
+            zs_next = tuple(w.params(pool_ref, slot, kk + 1) for w in mats)
+            xe = x_ref[xrow + kk * p.g1]                                                    # even columns
+            xo = x_ref[xrow + kk * p.g1 + half]                                             # odd columns
+            acc = tuple(a + w.product(xe, xo, pool_ref, slot, kk, c, dt, prec) for a, w, c in zip(acc, mats, zs))
+            return acc, zs_next
+
+        zero = jnp.zeros((p.bm, p.bn1), jnp.float32)
+        zs0 = tuple(w.params(pool_ref, slot, 0) for w in mats)
+        (g, u), _ = lax.fori_loop(0, hidden // p.g1, step, ((zero, zero), zs0))
+        h_ref[...] = (g * jax.nn.sigmoid(g) * u).astype(h_ref.dtype)
+
+
+def _down_int4_kernel(bslot_ref, w_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayout, p: PlanV2, dt, prec):
+    """Program (j, b): block b of rows, block j of y's columns. h_ref: h flat [rows * I] with its columns in down's
+    even/odd order."""
+    j, b = pl.program_id(0), pl.program_id(1)      # j fastest: a block's programs share its h rows in L2
+    slot = bslot_ref[b]
+    _, inter = lay.shape_of("down")
+    rows = j * p.bn2 + lax.broadcasted_iota(jnp.int32, (p.bn2,), 0)
+    half = p.g2 // 2
+    hrow = (b * p.bm + lax.broadcasted_iota(jnp.int32, (p.bm, 1), 0)) * inter + _cols(0, half)   # [bm, g/2]
+
+    @pl.when(slot < 0)
+    def _():
+        y_ref[...] = jnp.zeros((p.bm, p.bn2), y_ref.dtype)
+
+    @pl.when(slot >= 0)
+    def _():
+        down = _Int4Rows(lay, "down", rows)
+
+        def step(kk, carry):
+            acc, zs = carry
+            zs_next = down.params(pool_ref, slot, kk + 1)
+            he = h_ref[hrow + kk * p.g2]
+            ho = h_ref[hrow + kk * p.g2 + half]
+            return acc + down.product(he, ho, pool_ref, slot, kk, zs, dt, prec), zs_next
+
+        zero = jnp.zeros((p.bm, p.bn2), jnp.float32)
+        y, _ = lax.fori_loop(0, inter // p.g2, step, (zero, down.params(pool_ref, slot, 0)))
+        y_ref[...] = (y * w_ref[...][:, None]).astype(y_ref.dtype)
+
+
+# --- pools of any size: the kernels index a pool with int32 byte offsets, so one of MAX_KERNEL_POOL_BYTES or more
+# is read through compacted copies of the blobs a call uses
+
+def pool_chunks(pool, slots, n_distinct: int, nbytes: int, limit: int):
+    """Split the distinct slots `slots` uses (the n_distinct smallest; -1 and out-of-range slots skipped) into
+    chunks of fewer than `limit` bytes of blobs. -> list of (sub_pool uint8 [c, nbytes], sub_slots like slots): the
+    chunk's blobs gathered in slot order, and slots remapped to them (-1 for a route of another chunk, a skipped
+    route, or a slot past the first n_distinct). Every chunk has the same static shape; the sum over the chunks of
+    the op on (sub_pool, sub_slots) is the op on (pool, slots)."""
+    n = pool.shape[0]
+    per = (limit - 1) // nbytes                          # blobs per chunk: per * nbytes < limit
+    if per < 1:
+        raise ValueError(f"one expert blob ({nbytes} bytes) does not fit the kernels' pool limit ({limit} bytes)")
+    n_distinct = max(1, min(n_distinct, n))
+    n_chunks = -(-n_distinct // per)
+    size = -(-n_distinct // n_chunks)                    # balanced: the last chunk is padded by < n_chunks
+    key = jnp.where((slots >= 0) & (slots < n), slots, n).astype(jnp.int32)
+    uniq = jnp.unique(key.reshape(-1), size=n_distinct, fill_value=n)      # sorted; n past the distinct slots
+    uniq = jnp.concatenate([uniq, jnp.full((n_chunks * size - n_distinct,), n, jnp.int32)])
+    rank = jnp.searchsorted(uniq, key).astype(jnp.int32)
+    found = (key < n) & (uniq[jnp.minimum(rank, n_chunks * size - 1)] == key)
+    chunks = []
+    for c in range(n_chunks):
+        ids = jnp.minimum(uniq[c * size:(c + 1) * size], n - 1)             # padding entries: any blob, never read
+        sub_pool = pool[ids, :nbytes]                                       # one gather of whole rows
+        sub_slots = jnp.where(found & (rank // size == c), rank - c * size, -1).astype(jnp.int32)
+        chunks.append((sub_pool, sub_slots))
+    return chunks
+
+
+def _grouped(layout: BlobLayout, pool, x, slots, weight, *, n_groups: int, block_m: int, variant: str,
+             interpret: bool):
+    """The op on a pool the kernels may index directly (< 2^31 bytes): float32 [T, H]."""
     t, kk = slots.shape
     inter, hidden = layout.shape_of("gate")
-    if x.shape != (t, hidden) or weight.shape != (t, kk):
-        raise ValueError(f"x {x.shape} must be [T, {hidden}] and weight {weight.shape} [T, k] for slots {slots.shape}")
     n_slots = pool.shape[0]
     r = t * kk
-    n_groups = max(1, min(int(max_distinct) if max_distinct is not None else n_slots, n_slots, r))
     dt = x.dtype
     prec = lax.Precision.HIGHEST if dt == jnp.float32 else lax.Precision.DEFAULT
     row_tok, row_weight, block_slot, pos = _sort_routes(slots.reshape(r).astype(jnp.int32),
                                                         weight.reshape(r).astype(jnp.float32),
-                                                        n_slots, kk, p.bm, n_groups)
+                                                        n_slots, kk, block_m, n_groups)
     n_rows = row_tok.shape[0]
-    n_blocks = n_rows // p.bm
-    params = dict(interpret=interpret, **triton_params(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES))
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    rows_spec = pl.BlockSpec((p.bm,), lambda b, j: (b,))
-    h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, lay=layout, p=p, dt=dt, prec=prec),
-        out_shape=jax.ShapeDtypeStruct((n_rows, inter), dt),
-        grid=(n_blocks, inter // p.bi),
-        in_specs=[pl.no_block_spec, rows_spec, pl.no_block_spec, any_spec],
-        out_specs=pl.BlockSpec((p.bm, p.bi), lambda b, j: (b, j)),
-        **params,
-    )(block_slot, row_tok, x.reshape(-1), pool)
-    y_rows = pl.pallas_call(
-        functools.partial(_down_kernel, lay=layout, p=p, dt=dt, prec=prec),
-        out_shape=jax.ShapeDtypeStruct((n_rows, hidden), dt),
-        grid=(n_blocks, hidden // p.bh),
-        in_specs=[pl.no_block_spec, rows_spec, pl.no_block_spec, any_spec],
-        out_specs=pl.BlockSpec((p.bm, p.bh), lambda b, j: (b, j)),
-        **params,
-    )(block_slot, row_weight, h.reshape(-1), pool)
+    n_blocks = n_rows // block_m
+    if kernel_variant(layout, dt, variant, block_m) == "v2":
+        p2 = plan_v2(layout, dt, block_m)
+        k1 = functools.partial(_gate_up_int4_kernel, lay=layout, p=p2, dt=dt, prec=prec)
+        k2 = functools.partial(_down_int4_kernel, lay=layout, p=p2, dt=dt, prec=prec)
+        xin = _even_odd_columns(x, p2.g1).reshape(-1)                      # one pass over x in XLA
+        calls = ((k1, p2.bn1, inter, p2.launch1, xin), (k2, p2.bn2, hidden, p2.launch2, None))
+        cols_first = True                 # grid (column block, row block): a row block's programs run together
+    else:
+        p1 = plan(layout, dt, block_m)
+        k1 = functools.partial(_gate_up_kernel, lay=layout, p=p1, dt=dt, prec=prec)
+        k2 = functools.partial(_down_kernel, lay=layout, p=p1, dt=dt, prec=prec)
+        calls = ((k1, p1.bi, inter, (NUM_WARPS, NUM_STAGES), x.reshape(-1)),
+                 (k2, p1.bh, hidden, (NUM_WARPS, NUM_STAGES), None))
+        cols_first = False                # grid (row block, column block), as the first design ran on the H200
+
+    def call(kernel, bn, n_cols, launch, rows_arg, flat_in):
+        if cols_first:
+            grid, rows_spec = (n_cols // bn, n_blocks), pl.BlockSpec((block_m,), lambda j, b: (b,))
+            out_spec = pl.BlockSpec((block_m, bn), lambda j, b: (b, j))
+        else:
+            grid, rows_spec = (n_blocks, n_cols // bn), pl.BlockSpec((block_m,), lambda b, j: (b,))
+            out_spec = pl.BlockSpec((block_m, bn), lambda b, j: (b, j))
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((n_rows, n_cols), dt),
+            grid=grid,
+            in_specs=[pl.no_block_spec, rows_spec, pl.no_block_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=out_spec,
+            interpret=interpret, **triton_params(interpret, num_warps=launch[0], num_stages=launch[1]),
+        )(block_slot, rows_arg, flat_in, pool)
+
+    (k1, bn1, n1, l1, xin), (k2, bn2, n2, l2, _) = calls
+    h = call(k1, bn1, n1, l1, row_tok, xin)
+    y_rows = call(k2, bn2, n2, l2, row_weight, h.reshape(-1))
     ok = (pos < n_rows)[:, None]                            # skipped (or dropped) routes: exactly 0
     y = jnp.where(ok, jnp.take(y_rows, jnp.minimum(pos, n_rows - 1), axis=0), 0)
-    return y.reshape(t, kk, hidden).astype(jnp.float32).sum(axis=1).astype(dt)
+    return y.reshape(t, kk, hidden).astype(jnp.float32).sum(axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "interpret", "max_distinct", "block_m", "variant"))
+def experts_grouped(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False,
+                    max_distinct: int | None = None, block_m: int = BLOCK_M, variant: str = "v2"):
+    """The expert op (experts.experts_from_pool's contract) for many routes, by the two grouped kernels.
+
+    pool uint8 [N, >= layout.nbytes], any size; x [T, H] float32 or bfloat16; slots int32 [T, k] in [-1, N) (-1:
+    skipped, contributes exactly 0 whatever its weight); weight [T, k] float32. -> [T, H] in x.dtype.
+    max_distinct (static, optional): a bound on the distinct slots one call uses (default min(N, T*k)); it sizes the
+    static grid (blocks = (T*k + max_distinct * (block_m - 1)) // block_m); routes of slots past the first
+    max_distinct distinct ones (in slot order) contribute 0, as in experts_from_pool.
+    variant (static): "v2" (default) runs the even/odd int4 kernels where they apply (kernel_variant), "v1" the
+    first design's kernels for every format. A pool of MAX_KERNEL_POOL_BYTES or more is read through compacted
+    sub-pools of the used blobs (pool_chunks), each chunk one run of the kernels, the chunks' outputs summed."""
+    kernel_variant(layout, x.dtype, variant, block_m)        # refuses what no variant reads
+    if pool.dtype != jnp.uint8 or pool.ndim != 2 or pool.shape[1] < layout.nbytes:
+        raise ValueError(f"pool must be uint8 [N, >= {layout.nbytes}], got {pool.dtype} {pool.shape}")
+    t, kk = slots.shape
+    _, hidden = layout.shape_of("gate")
+    if x.shape != (t, hidden) or weight.shape != (t, kk):
+        raise ValueError(f"x {x.shape} must be [T, {hidden}] and weight {weight.shape} [T, k] for slots {slots.shape}")
+    n_slots = pool.shape[0]
+    n_groups = max(1, min(int(max_distinct) if max_distinct is not None else n_slots, n_slots, t * kk))
+    run = functools.partial(_grouped, layout, x=x, weight=weight, block_m=block_m, variant=variant,
+                            interpret=interpret)
+    if pool.size < MAX_KERNEL_POOL_BYTES:
+        return run(pool, slots=slots, n_groups=n_groups).astype(x.dtype)
+    y = None
+    for sub_pool, sub_slots in pool_chunks(pool, slots, n_groups, layout.nbytes, MAX_KERNEL_POOL_BYTES):
+        part = run(sub_pool, slots=sub_slots, n_groups=min(n_groups, sub_pool.shape[0]))
+        y = part if y is None else y + part
+    return y.astype(x.dtype)
 
 
 def _reference(layout: BlobLayout, pool, x, slots, weight):
