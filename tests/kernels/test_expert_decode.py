@@ -101,11 +101,14 @@ def test_pool_at_the_limit_is_read_through_compacted_chunks(chunks, dtype, inter
     assert err <= LIMIT[dtype]["int4"], f"{chunks} chunks: relative error {err:.2e}"
 
 
-def test_an_engine_sized_pool_reaches_the_kernels_as_the_routes_blobs():
-    """Traced at Qwen3-Next-80B shapes over a 26 GB int4 pool (16,384 slots): the kernels read a compact pool of the
-    160 routes' blobs (16 tokens x 10), under 2^31 bytes."""
+def test_engine_sized_pools_reach_the_kernels_directly_or_as_the_routes_blobs():
+    """Traced at Qwen3-Next-80B shapes: a 26 GB int4 pool (16,384 slots, where the Triton lowering offsets in 64 bits)
+    reaches the kernels as it is; a 3 GiB one (2,000 slots: int32 offsets would overflow) as a compact pool of the 160
+    routes' blobs (16 tokens x 10), under 2^31 bytes."""
     lay = Q.layout("int4", 2048, 512)
     spec = jax.ShapeDtypeStruct
-    pools = _pool_operands(lambda *a: K.experts_decode_int4(lay, *a), spec((16384, lay.nbytes), jnp.uint8),
-                           spec((16, 2048), jnp.bfloat16), spec((16, 10), jnp.int32), spec((16, 10), jnp.float32))
+    args = (spec((16, 2048), jnp.bfloat16), spec((16, 10), jnp.int32), spec((16, 10), jnp.float32))
+    pools = _pool_operands(lambda *a: K.experts_decode_int4(lay, *a), spec((16384, lay.nbytes), jnp.uint8), *args)
+    assert len(pools) == 2 and all(p.shape == (16384, lay.nbytes) for p in pools)
+    pools = _pool_operands(lambda *a: K.experts_decode_int4(lay, *a), spec((2000, lay.nbytes), jnp.uint8), *args)
     assert len(pools) == 2 and all(p.shape == (160, lay.nbytes) and p.size < 2**31 for p in pools)

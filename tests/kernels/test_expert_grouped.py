@@ -222,10 +222,11 @@ def test_compaction_drops_the_slots_past_max_distinct_like_the_direct_path(inter
         assert rel_err(got, want) <= LIMIT["float32"]["int4"]
 
 
-@pytest.mark.parametrize("fmt,chunks", [("bf16", 2), ("f32", 4), ("int4", 0)])
+@pytest.mark.parametrize("fmt,chunks", [("bf16", 2), ("f32", 0), ("int4", 0)])
 def test_real_pools_over_2_gib_reach_the_kernels_in_chunks_under_it(fmt, chunks):
-    """Traced at real shapes (512 experts: bf16 3.2 GB, f32 6.4 GB, int4 0.84 GB): the big pools reach the kernels
-    as compact pools of fewer than 2^31 bytes (2 and 4 chunks), the int4 pool directly."""
+    """Traced at real shapes (512 experts: bf16 3.2 GB, f32 6.4 GB, int4 0.84 GB): a pool of 2^31 .. 2^32 bytes (bf16)
+    reaches the kernels as compact pools of fewer than 2^31 bytes (2 chunks); below it (int4) and above it (f32, where
+    the Triton lowering offsets in 64 bits) the pool goes directly."""
     lay = Q.layout(fmt, REAL["hidden"], REAL["inter"])
     spec = jax.ShapeDtypeStruct
     n, t, k = REAL["n_slots"], REAL["tokens"], REAL["k"]
@@ -233,7 +234,7 @@ def test_real_pools_over_2_gib_reach_the_kernels_in_chunks_under_it(fmt, chunks)
                            spec((n, lay.nbytes), jnp.uint8), spec((t, REAL["hidden"]), jnp.bfloat16),
                            spec((t, k), jnp.int32), spec((t, k), jnp.float32))
     assert len(pools) == 2 * max(chunks, 1)
-    assert all(p.size < 2**31 for p in pools)
+    assert all(p.size < 2**31 or p.size > 2**32 for p in pools)
     if chunks == 0:
         assert pools[0].shape == (n, lay.nbytes)
     else:

@@ -45,6 +45,7 @@ from strata.weights.quant import BlobLayout
 BLOCK_ROWS = 32          # rows of a weight matrix per program (a power of two: Triton block shapes must be)
 MAX_KERNEL_POOL_BYTES = 2**31 - 1   # a pool at least this large is read through compacted sub-pools (the Triton
                                     # lowering computes a ref's byte offsets in int32 up to 2^32 bytes)
+INT32_OFFSETS_MAX_BYTES = 2**32     # above it JAX's Triton lowering offsets in 64 bits (expert_grouped.py)
 
 
 def _group_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, kk, ve, vo):
@@ -139,7 +140,7 @@ def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret
     if inter % bi or hidden % bh or bi & (bi - 1) or bh & (bh - 1):
         raise ValueError(f"I={inter} and H={hidden} must be multiples of a power-of-two block (<= {BLOCK_ROWS})")
     run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret)
-    if pool.size < MAX_KERNEL_POOL_BYTES:
+    if not (MAX_KERNEL_POOL_BYTES <= pool.size <= INT32_OFFSETS_MAX_BYTES):    # int32 offsets overflow only here
         return run(pool, slots=slots).astype(x.dtype)
     y = None
     for sub_pool, sub_slots in pool_chunks(pool, slots, t * k, layout.nbytes, MAX_KERNEL_POOL_BYTES):

@@ -123,8 +123,15 @@ K_BLOCK = {"bfloat16": 128, "float32": 64}   # columns of a K step (f32 tiles ar
 NUM_WARPS, NUM_STAGES = 8, 2
 SMEM_BYTES = 227 * 1024  # shared memory per block on the H200 (notes/pallas-gpu.md)
 MIN_DOT = 16             # Triton dots need every dimension >= 16
-MAX_KERNEL_POOL_BYTES = 2**31 - 1   # a pool at least this large is read through compacted sub-pools (pool_chunks):
-                                    # the Triton lowering computes a ref's byte offsets in int32 up to 2^32 bytes
+MAX_KERNEL_POOL_BYTES = 2**31 - 1   # a pool at least this large, and at most INT32_OFFSETS_MAX_BYTES, is read
+                                    # through compacted sub-pools (pool_chunks): JAX's Triton lowering computes a
+                                    # ref's byte offsets in (signed) int32 up to 2^32 bytes, in 64 bits above
+INT32_OFFSETS_MAX_BYTES = 2**32     # (jax/_src/pallas/triton/lowering.py, _compute_offsets_from_indices)
+
+
+def needs_compaction(pool_bytes: int) -> bool:
+    """Whether a pool of this many bytes must reach the kernels as compacted sub-pools (int32 offsets overflow)."""
+    return MAX_KERNEL_POOL_BYTES <= pool_bytes <= INT32_OFFSETS_MAX_BYTES
 VARIANTS = ("v1", "v2")  # v2: the int4 kernels below (even/odd columns, two dots per group); v1: the first design
 # v2 (int4): columns of h / y per program (the accumulators: two [bm, bn1] in kernel 1, one [bm, bn2] in kernel 2;
 # capped by ACC_ELEMS like v1's), pipeline stages per x dtype, and one warpgroup (4 warps) per 64 rows of a block
@@ -619,7 +626,7 @@ def experts_grouped(layout: BlobLayout, pool, x, slots, weight, *, interpret: bo
     static grid (blocks = (T*k + max_distinct * (block_m - 1)) // block_m); routes of slots past the first
     max_distinct distinct ones (in slot order) contribute 0, as in experts_from_pool.
     variant (static): "v2" (default) runs the even/odd int4 kernels where they apply (kernel_variant), "v1" the
-    first design's kernels for every format. A pool of MAX_KERNEL_POOL_BYTES or more is read through compacted
+    first design's kernels for every format. A pool of 2^31 .. 2^32 bytes (needs_compaction) is read through compacted
     sub-pools of the used blobs (pool_chunks), each chunk one run of the kernels, the chunks' outputs summed."""
     kernel_variant(layout, x.dtype, variant, block_m)        # refuses what no variant reads
     if pool.dtype != jnp.uint8 or pool.ndim != 2 or pool.shape[1] < layout.nbytes:
@@ -632,7 +639,7 @@ def experts_grouped(layout: BlobLayout, pool, x, slots, weight, *, interpret: bo
     n_groups = max(1, min(int(max_distinct) if max_distinct is not None else n_slots, n_slots, t * kk))
     run = functools.partial(_grouped, layout, x=x, weight=weight, block_m=block_m, variant=variant,
                             interpret=interpret)
-    if pool.size < MAX_KERNEL_POOL_BYTES:
+    if not needs_compaction(pool.size):
         return run(pool, slots=slots, n_groups=n_groups).astype(x.dtype)
     y = None
     for sub_pool, sub_slots in pool_chunks(pool, slots, n_groups, layout.nbytes, MAX_KERNEL_POOL_BYTES):
