@@ -242,7 +242,7 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
 
     rows = []
     state_bytes = hv * dk * dv * 4
-    step_xla = jax.vmap(JaxBackend.gated_delta_step)
+    step_xla = jax.vmap(JaxBackend.gated_delta_step_xla)
     for variant in ("v1", "v2"):
         for s in batches:
             q, k, v, g, beta = (a[:, None] for a in inputs((s,)))                       # [S, 1, ...] for the step

@@ -35,8 +35,9 @@ KERNELS = ("auto", "xla", "pallas")
 # The Pallas kernels "auto" uses on a GPU, by measurement on the H200 at Qwen3-Next-80B shapes (bench/kernel_speed.py,
 # bench/results/kernel_speed_h200_*): decode attention 1.3-4.2x faster than XLA's (which reads the whole capacity);
 # the grouped expert op for prompt parts 1.3-2.2x; the int4 decode expert op 6.9x at 16 tokens but level with XLA at
-# 1-4 (so from DECODE_EXPERTS_MIN_TOKENS tokens); the gated delta rule's decode and chunked kernels were slower than
-# XLA's (0.5-0.7x and 0.08x), so they are not in it.
+# 1-4 (so from DECODE_EXPERTS_MIN_TOKENS tokens); the gated delta rule's decode and chunked kernels (v1) were slower
+# than XLA's (0.5-0.7x, a figure the benchmark's copy of the donated state may have lowered, and 0.08x), so they are
+# not in it ("pallas" runs them: their v2 forms are to be timed on the next GPU run).
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode"})
 DECODE_EXPERTS_MIN_TOKENS = 8
 
@@ -53,7 +54,10 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         on_gpu = self.device.platform == "gpu"
         self.kernels = kernels
         self.pallas_ops = (PALLAS_AUTO if on_gpu else frozenset()) if kernels == "auto" else \
-            (frozenset() if kernels == "xla" else PALLAS_AUTO | {"gdn_chunked"})
+            (frozenset() if kernels == "xla" else PALLAS_AUTO | {"gdn_chunked", "gdn_decode"})
+        # the kernels' variants: auto keeps the ones measured on the H200 (v1: the v2 kernels were written after the
+        # last GPU run and have not been compiled or timed there); pallas takes each kernel's default (v2)
+        self.grouped_variant = "v1" if kernels == "auto" else "v2"
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
@@ -263,8 +267,19 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         out = out.transpose(0, 2, 1, 3).reshape(n * c, hv, dv)[:t]
         return out, state
 
+    def gated_delta_step(self, q, k, v, g, beta, state):
+        """Decode's gated delta rule: the Pallas kernel (kernels/gated_delta.py) when chosen, else XLA's. Under a
+        decode window's vmap over the bank's rows the kernel is batched into one call over every row."""
+        if "gdn_decode" in self.pallas_ops:
+            try:
+                o, new = k_gated_delta.gated_delta_decode(q, k, v, g, beta, state[None], interpret=self.interpret)
+                return o, new[0]
+            except ValueError:               # shapes the kernel does not take
+                pass
+        return JaxBackend.gated_delta_step_xla(q, k, v, g, beta, state)
+
     @staticmethod
-    def gated_delta_step(q, k, v, g, beta, state):
+    def gated_delta_step_xla(q, k, v, g, beta, state):
         """Recurrent form for one token: q, k [1, Hv, dk], v [1, Hv, dv], g, beta [1, Hv]; state [Hv, dk, dv]."""
         hi = lax.Precision.HIGHEST
         q, k, v, g, beta = (x[0].astype(jnp.float32) for x in (q, k, v, g, beta))
@@ -303,7 +318,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         try:
             if single and t * kk > GATHER_ROUTES_MAX and "experts_grouped" in self.pallas_ops:
                 return k_expert_grouped.experts_grouped(layout, pool, x, slots, weight, interpret=self.interpret,
-                                                        max_distinct=max_distinct)
+                                                        max_distinct=max_distinct, variant=self.grouped_variant)
             if (single and layout.fmt == "int4" and t >= DECODE_EXPERTS_MIN_TOKENS and t * kk <= GATHER_ROUTES_MAX
                     and "experts_decode" in self.pallas_ops):
                 return k_expert_decode.experts_decode_int4(layout, pool, x, slots, weight, interpret=self.interpret)

@@ -1,7 +1,8 @@
 """The engine with the JAX backend's Pallas kernels (kernels="pallas": interpreted on the CPU, compiled on a GPU with
 STRATA_TEST_DEVICE=gpu) against plain XLA (kernels="xla"): the same greedy tokens and logits within float32's
 rounding, through Engine sequences (prompt parts: the grouped expert op) and through the WindowRunner's decode rows
-(the decode attention kernel over the bank), for float and int8 KV caches."""
+(the decode attention kernel over the bank, the gated delta rule's decode kernel batched over the rows), for float
+and int8 KV caches."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -53,6 +54,7 @@ def test_prompt_parts_and_decode_match_xla(engines, monkeypatch):
 def test_runner_decode_rows_match_xla(engines, monkeypatch):
     """Decode windows of 3 slots at different lengths (one inactive) through the decode attention kernel."""
     calls = counting(monkeypatch, jb.k_attention, "decode_attention")
+    gdn = counting(monkeypatch, jb.k_gated_delta, "gated_delta_decode")
     out = []
     for engine in engines:
         runner = WindowRunner(engine, 3, 16)
@@ -71,4 +73,4 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
             pos = pos + active
         out.append(np.stack(seen))
     assert (out[0] == out[1]).all()
-    assert calls, "the pallas engine's decode rows did not go through the decode attention kernel"
+    assert calls and gdn, "the pallas engine's decode rows did not go through the decode kernels"
