@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One lent H200 call per part (each ends well inside a 10-minute call), writing JSON and logs under $OUT (or ./out):
+#   bash bench/h200_session.sh kernels   # GPU kernel tests compiled, then bench/kernel_speed.py (v1 and v2 variants)
+#   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts: kernels xla vs auto vs pallas
+# Copy what comes back into bench/results/ and run python bench/summary.py.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export STRATA_COMMIT=${STRATA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+case "${1:-}" in
+  kernels)
+    STRATA_TEST_DEVICE=gpu timeout 170 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \
+      2>&1 | tee "$OUT/gpu_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -40
+    timeout 380 python3 bench/kernel_speed.py --out "$OUT/kernel_speed_h200.json" 2>&1 \
+      | grep -E "^(expert|gated|decode|pool|wrote)|FAILED" | tee "$OUT/kernel_speed.log"
+    ;;
+  engine)
+    for k in xla auto pallas; do
+      timeout 180 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 4,8 --prompt 4096 --repeat 2 \
+        --kernels "$k" --out "$OUT/engine_speed_real_shapes_int4_$k.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
+    done
+    ;;
+  *)
+    echo "usage: bash bench/h200_session.sh kernels|engine" >&2
+    exit 2
+    ;;
+esac
