@@ -34,11 +34,10 @@ def _ask(url, prompt, max_tokens):
     return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
 
 
-@pytest.mark.parametrize("parallel", [1, 2, 3, 4])
-@pytest.mark.parametrize("prefill", [16, 64])
-def test_concurrent_requests_equal_sequential(engine, parallel, prefill):
+def _concurrent_equals_sequential(engine, parallel, prefill, max_context):
+    """Each prompt asked alone, then all at once: every client gets what it got alone."""
     prompts = _prompts()
-    with running_server(engine, parallel=parallel, prefill=prefill, max_context=65536) as srv:
+    with running_server(engine, parallel=parallel, prefill=prefill, max_context=max_context) as srv:
         alone = [_ask(srv.url, p, 24) for p in prompts]
         together: list = [None] * len(prompts)
 
@@ -51,26 +50,18 @@ def test_concurrent_requests_equal_sequential(engine, parallel, prefill):
             t.join(120)
     assert together == alone
     assert any(n > 0 for _, _, n in alone)
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 3, 4])
+@pytest.mark.parametrize("prefill", [16, 64])
+def test_concurrent_requests_equal_sequential(engine, parallel, prefill):
+    _concurrent_equals_sequential(engine, parallel, prefill, 65536)
 
 
 def test_int8_kv_concurrent_requests_equal_sequential():
     """The int8 KV cache through the runner's bank (decode rows and prompt parts on slots): concurrency changes
     nothing, as with the float cache."""
-    engine = Engine.load("demo", max_context=4096, prefill=64, kv="int8")
-    prompts = _prompts()
-    with running_server(engine, parallel=3, prefill=16, max_context=4096) as srv:
-        alone = [_ask(srv.url, p, 24) for p in prompts]
-        together: list = [None] * len(prompts)
-
-        def worker(i):
-            together[i] = _ask(srv.url, prompts[i], 24)
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    assert together == alone
-    assert any(n > 0 for _, _, n in alone)
+    _concurrent_equals_sequential(Engine.load("demo", max_context=4096, prefill=64, kv="int8"), 3, 16, 4096)
 
 
 def test_disconnect_frees_the_slot_and_spares_the_others(engine):

@@ -170,25 +170,34 @@ def test_attention_block(ops, rng, t, start, n_valid, gated, kv):
         assert launches(ops, lambda: run(ops.attention_block)) == 2
 
 
-@pytest.mark.parametrize("t,start,n_valid", [(1, 5, 1), (6, 0, 6), (7, 2, 4)])
-def test_delta_block(ops, rng, t, start, n_valid):
-    hk, hv, dk, dv, kw = 2, 4, 16, 8, 4
+DELTA = dict(hk=2, hv=4, dk=16, dv=8, kw=4)
+
+
+def delta_inputs(ops, rng, rows: int, states: tuple):
+    """delta_block's inputs for `rows` rows: (device args qkv, z, b, a; device conv_w; device a_log, dt_bias, gnorm;
+    host conv and ssm states with leading dims `states`)."""
+    hk, hv, dk, dv, kw = (DELTA[n] for n in ("hk", "hv", "dk", "dv", "kw"))
     c = 2 * hk * dk + hv * dv
-    qkv = rng.standard_normal((t, c)).astype(np.float32)
-    z = rng.standard_normal((t, hv * dv)).astype(np.float32)
-    b, a = (rng.standard_normal((t, hv)).astype(np.float32) for _ in range(2))
+    qkv = rng.standard_normal((rows, c)).astype(np.float32)
+    z = rng.standard_normal((rows, hv * dv)).astype(np.float32)
+    b, a = (rng.standard_normal((rows, hv)).astype(np.float32) for _ in range(2))
     conv_w = (rng.standard_normal((c, kw)) * 0.5).astype(np.float32)
     a_log = np.log(rng.uniform(1, 16, hv)).astype(np.float32)
     dt_bias = rng.standard_normal(hv).astype(np.float32)
     gnorm = (rng.random(dv) + 0.5).astype(np.float32)
-    conv = rng.standard_normal((kw - 1, c)).astype(np.float32)
-    ssm = (rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32)
-    args = [ops.to_device(x) for x in (qkv, z, b, a)]
-    params = [ops.to_device(x) for x in (conv_w,)], [ops.to_device(x) for x in (a_log, dt_bias, gnorm)]
+    conv = rng.standard_normal(states + (kw - 1, c)).astype(np.float32)
+    ssm = (rng.standard_normal(states + (hv, dk, dv)) * 0.1).astype(np.float32)
+    return ([ops.to_device(x) for x in (qkv, z, b, a)], ops.to_device(conv_w),
+            [ops.to_device(x) for x in (a_log, dt_bias, gnorm)], conv, ssm)
+
+
+@pytest.mark.parametrize("t,start,n_valid", [(1, 5, 1), (6, 0, 6), (7, 2, 4)])
+def test_delta_block(ops, rng, t, start, n_valid):
+    args, cw, rest, conv, ssm = delta_inputs(ops, rng, t, ())
 
     def run(fn, *lead):
-        return fn(*lead, *args, ops.to_device(conv), params[0][0], ops.to_device(ssm), *params[1], 1e-6,
-                  np.int32(start), np.int32(n_valid), hk)
+        return fn(*lead, *args, ops.to_device(conv), cw, ops.to_device(ssm), *rest, 1e-6, np.int32(start),
+                  np.int32(n_valid), DELTA["hk"])
     o, conv1, ssm1 = run(ops.delta_block)
     o0, conv0, ssm0 = run(ComposedOps.delta_block, ops)
     close(conv1, conv0, "delta_block conv state")
@@ -258,23 +267,11 @@ def test_attention_block_rows(ops, rng, s, gated, kv):
 
 @pytest.mark.parametrize("s", [1, 4])
 def test_delta_block_rows(ops, rng, s):
-    hk, hv, dk, dv, kw, cap = 2, 4, 16, 8, 4, 32
-    c = 2 * hk * dk + hv * dv
-    qkv = rng.standard_normal((s, c)).astype(np.float32)
-    z = rng.standard_normal((s, hv * dv)).astype(np.float32)
-    b, a = (rng.standard_normal((s, hv)).astype(np.float32) for _ in range(2))
-    conv_w = (rng.standard_normal((c, kw)) * 0.5).astype(np.float32)
-    a_log = np.log(rng.uniform(1, 16, hv)).astype(np.float32)
-    dt_bias = rng.standard_normal(hv).astype(np.float32)
-    gnorm = (rng.random(dv) + 0.5).astype(np.float32)
-    conv = rng.standard_normal((s, kw - 1, c)).astype(np.float32)
-    ssm = (rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32)
-    pos, active = rows_of(rng, s, cap)
-    args = [ops.to_device(x) for x in (qkv, z, b, a)]
-    cw, rest = ops.to_device(conv_w), [ops.to_device(x) for x in (a_log, dt_bias, gnorm)]
+    args, cw, rest, conv, ssm = delta_inputs(ops, rng, s, (s,))
+    pos, active = rows_of(rng, s, 32)
 
     def run(fn, *lead):
-        return fn(*lead, *args, ops.to_device(conv), cw, ops.to_device(ssm), *rest, 1e-6, pos, active, hk)
+        return fn(*lead, *args, ops.to_device(conv), cw, ops.to_device(ssm), *rest, 1e-6, pos, active, DELTA["hk"])
     o, conv1, ssm1 = run(ops.delta_block)
     o0, conv0, ssm0 = run(ComposedOps.delta_block, ops)
     close(conv1, conv0, "delta_block rows: conv states")
