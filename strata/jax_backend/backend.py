@@ -186,18 +186,15 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         hq = q.shape[1] // hd
         scales = (kv.get("k_scale"), kv.get("v_scale"))
         qr = self.rope(self.rms_norm(q.reshape(s, hq, hd), q_norm, eps), start, rotary_dim, theta)     # [S, Hq, hd]
-        try:
-            k_attention._check(qr[:, None], kv["k"], kv["v"], *scales, start, None, None)
-        except ValueError:                   # shapes the kernel does not take: the composition
+        if not k_attention.supported(qr[:, None], kv["k"], kv["v"], *scales, start):     # e.g. hd not a power of 2
             return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta)
         kr = self.rope(self.rms_norm(k.reshape(s, hkv, hd), k_norm, eps), start, rotary_dim, theta)
         kv = jax.vmap(lambda c, k1, v1, p: self.kv_store(c, k1[None], v1[None], p))(
             kv, kr, v.reshape(s, hkv, hd), start)
-        kv_rows = {n: kv[n] for n in ("k", "v", "k_scale", "v_scale") if n in kv}
         # an inactive row attends to key 0 only (as the composition's): its output is discarded
         pos = jnp.where(n_valid > 0, start, 0).astype(jnp.int32)
-        o = k_attention.decode_attention(qr[:, None], kv_rows["k"], kv_rows["v"], kv_rows.get("k_scale"),
-                                         kv_rows.get("v_scale"), pos, scale=hd ** -0.5,
+        o = k_attention.decode_attention(qr[:, None], kv["k"], kv["v"], kv.get("k_scale"), kv.get("v_scale"), pos,
+                                         scale=hd ** -0.5,
                                          interpret=self.interpret)[:, 0].reshape(s, hq * hd)
         if gate is not None:
             o = o * self.sigmoid(gate)

@@ -34,6 +34,11 @@ def test_bad_device_strings_name_what_was_looked_for(sycl_device, spec, says):
         assert "'opencl:cpu'" in msg and "level_zero" in msg                     # and what is allowed
 
 
+def test_jax_kernel_choices_are_refused_on_sycl(sycl_device):
+    with pytest.raises(ConfigError, match="kernels 'pallas' applies to the jax backend"):
+        Engine.load("demo", backend="sycl", device=sycl_device, kernels="pallas")
+
+
 def test_device_strings_parse():
     assert runtime.parse_device("opencl:cpu") == ("opencl", "cpu", None)
     assert runtime.parse_device("Level_Zero:GPU:1") == ("level_zero", "gpu", 1)

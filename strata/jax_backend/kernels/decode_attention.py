@@ -136,6 +136,15 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, n_s
     l_ref[...] = l
 
 
+def supported(q, k_cache, v_cache, k_scale, v_scale, pos) -> bool:
+    """Whether decode_attention takes these shapes and dtypes (with its default blocks and splits)."""
+    try:
+        _check(q, k_cache, v_cache, k_scale, v_scale, pos, None, None)
+    except ValueError:
+        return False
+    return True
+
+
 def _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits):
     """Shapes and dtypes the kernel handles; -> (block_k, n_splits) to use. Raises ValueError naming the constraint."""
     if q.ndim != 4 or k_cache.ndim != 4:
