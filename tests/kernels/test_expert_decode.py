@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jaxprs import pool_operands
 from test_expert_op import LIMIT, poisoned_pool, rel_err, routes
 
 from strata.jax_backend.kernels import expert_decode as K
@@ -58,21 +58,6 @@ def fresh_jit():
     K.experts_decode_int4.clear_cache()
 
 
-def _walk(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for s in (v if isinstance(v, (tuple, list)) else (v,)):
-                if isinstance(s, (ClosedJaxpr, Jaxpr)):
-                    yield from _walk(getattr(s, "jaxpr", s))
-
-
-def _pool_operands(fn, *args):
-    """The pool operand (the last input) of every pallas_call in fn's jaxpr."""
-    return [eqn.invars[-1].aval for eqn in _walk(jax.make_jaxpr(fn)(*args).jaxpr)
-            if eqn.primitive.name == "pallas_call"]
-
-
 @pytest.mark.parametrize("chunks,dtype", [(1, "float32"), (2, "bfloat16"), (3, "float32")])
 def test_pool_at_the_limit_is_read_through_compacted_chunks(chunks, dtype, interpret, monkeypatch, fresh_jit):
     """The limit monkeypatched so that the 14-slot pool is over it and the blobs of the 12 routes (3 tokens x 4: at
@@ -92,7 +77,7 @@ def test_pool_at_the_limit_is_read_through_compacted_chunks(chunks, dtype, inter
     def fn(*a):
         return K.experts_decode_int4(lay, *a, interpret=interpret)
 
-    pools = _pool_operands(fn, *args)
+    pools = pool_operands(fn, *args)
     assert len(pools) == 2 * chunks and all(p.shape == (per, lay.nbytes) and p.size < limit for p in pools)
     got = np.asarray(fn(*args)).astype(np.float32)
     want = K._reference(lay, pool, np.asarray(x.astype(jnp.float32)), slots, weight)
@@ -108,7 +93,7 @@ def test_engine_sized_pools_reach_the_kernels_directly_or_as_the_routes_blobs():
     lay = Q.layout("int4", 2048, 512)
     spec = jax.ShapeDtypeStruct
     args = (spec((16, 2048), jnp.bfloat16), spec((16, 10), jnp.int32), spec((16, 10), jnp.float32))
-    pools = _pool_operands(lambda *a: K.experts_decode_int4(lay, *a), spec((16384, lay.nbytes), jnp.uint8), *args)
+    pools = pool_operands(lambda *a: K.experts_decode_int4(lay, *a), spec((16384, lay.nbytes), jnp.uint8), *args)
     assert len(pools) == 2 and all(p.shape == (16384, lay.nbytes) for p in pools)
-    pools = _pool_operands(lambda *a: K.experts_decode_int4(lay, *a), spec((2000, lay.nbytes), jnp.uint8), *args)
+    pools = pool_operands(lambda *a: K.experts_decode_int4(lay, *a), spec((2000, lay.nbytes), jnp.uint8), *args)
     assert len(pools) == 2 and all(p.shape == (160, lay.nbytes) and p.size < 2**31 for p in pools)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jaxprs import pool_operands, walk
 from test_expert_op import LIMIT, poisoned_pool, rel_err, routes
 
 from strata.jax_backend.kernels import expert_grouped as K
@@ -165,12 +165,6 @@ def fresh_jit():
     K.experts_grouped.clear_cache()
 
 
-def _pool_operands(fn, *args):
-    """The pool operand (uint8, the last input) of every pallas_call in fn's jaxpr."""
-    closed = jax.make_jaxpr(fn)(*args)
-    return [eqn.invars[-1].aval for eqn in _walk(closed.jaxpr) if eqn.primitive.name == "pallas_call"]
-
-
 @pytest.mark.parametrize("fmt,variant,chunks,wide", [("int4", "v2", 1, True), ("int4", "v2", 2, False),
                                                      ("int4", "v2", 3, False), ("int4", "v1", 2, False),
                                                      ("bf16", "v2", 1, False), ("bf16", "v2", 3, True)])
@@ -195,7 +189,7 @@ def test_pool_at_the_limit_is_read_through_compacted_chunks(fmt, variant, chunks
     def fn(*a):
         return K.experts_grouped(lay, *a, interpret=interpret, max_distinct=8, variant=variant)
 
-    pools = _pool_operands(fn, *args)
+    pools = pool_operands(fn, *args)
     assert len(pools) == 2 * chunks and all(p.shape == (per, lay.nbytes) and p.size < limit for p in pools)
     got = np.asarray(fn(*args).astype(jnp.float32))
     want = K._reference(lay, pool, np.asarray(x.astype(jnp.float32)), slots, weight)
@@ -230,7 +224,7 @@ def test_real_pools_over_2_gib_reach_the_kernels_in_chunks_under_it(fmt, chunks)
     lay = Q.layout(fmt, REAL["hidden"], REAL["inter"])
     spec = jax.ShapeDtypeStruct
     n, t, k = REAL["n_slots"], REAL["tokens"], REAL["k"]
-    pools = _pool_operands(lambda *a: K.experts_grouped(lay, *a, max_distinct=n),
+    pools = pool_operands(lambda *a: K.experts_grouped(lay, *a, max_distinct=n),
                            spec((n, lay.nbytes), jnp.uint8), spec((t, REAL["hidden"]), jnp.bfloat16),
                            spec((t, k), jnp.int32), spec((t, k), jnp.float32))
     assert len(pools) == 2 * max(chunks, 1)
@@ -245,23 +239,7 @@ def test_real_pools_over_2_gib_reach_the_kernels_in_chunks_under_it(fmt, chunks)
 
 def _kernel_eqns(jaxpr):
     """Every pallas_call eqn in `jaxpr` (recursively)."""
-    return [eqn for eqn in _walk(jaxpr) if eqn.primitive.name == "pallas_call"]
-
-
-def _subjaxprs(eqn):
-    for v in eqn.params.values():
-        for s in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(s, ClosedJaxpr):
-                yield s.jaxpr
-            elif isinstance(s, Jaxpr):
-                yield s
-
-
-def _walk(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _subjaxprs(eqn):
-            yield from _walk(sub)
+    return [eqn for eqn in walk(jaxpr) if eqn.primitive.name == "pallas_call"]
 
 
 def _pow2(n):
@@ -284,14 +262,14 @@ def _smem_estimate(kern, stages: int, v2: bool) -> int:
     (checked with the Triton compiler on the CPU; see the module docstring): the tiles loaded inside the K loop
     (x / h halves, packed bytes) times the stages, plus one buffer of each decoded weight operand (computed in
     registers, stored to shared memory for the dot)."""
-    dots = [eqn for eqn in _walk(kern) if eqn.primitive.name == "dot_general"]
+    dots = [eqn for eqn in walk(kern) if eqn.primitive.name == "dot_general"]
     operands = {id(v): v.aval for eqn in dots for v in eqn.invars}
     if not v2:
         return sum(_nbytes(a) for a in operands.values()) * stages
     loaded = {}
-    for eqn in _walk(kern):
+    for eqn in walk(kern):
         if eqn.primitive.name == "scan":
-            for inner in _walk(eqn.params["jaxpr"].jaxpr):
+            for inner in walk(eqn.params["jaxpr"].jaxpr):
                 if inner.primitive.name == "get" and len(inner.outvars[0].aval.shape) >= 2:
                     loaded[id(inner.outvars[0])] = inner.outvars[0].aval
     decoded = {k: a for k, a in operands.items() if k not in loaded}
@@ -323,7 +301,7 @@ def test_kernels_at_real_shapes_keep_the_triton_limits(fmt, variant, dtype, bloc
     assert names == ({"_gate_up_int4_kernel", "_down_int4_kernel"} if v2 else {"_gate_up_kernel", "_down_kernel"})
     for eqn in eqns:
         kern = eqn.params["jaxpr"]
-        for e in _walk(kern):
+        for e in walk(kern):
             assert e.primitive in triton_lowering_rules, f"{fmt} {dtype}: no Triton lowering of {e.primitive}"
             for v in e.outvars:
                 shape = getattr(v.aval, "shape", None)

@@ -146,18 +146,28 @@ def same_cache(got, want, what):
             close(g, w, f"{what} {n}")
 
 
+ATT = dict(hq=4, hkv=2, hd=32, rot=8, cap=24)
+
+
+def attention_inputs(ops, rng, rows: int, gated: bool):
+    """attention_block's projections and norms for `rows` rows, as device arrays: q, k, v, gate (None ungated),
+    q_norm, k_norm."""
+    hq, hkv, hd = ATT["hq"], ATT["hkv"], ATT["hd"]
+    q = rng.standard_normal((rows, hq * hd)).astype(np.float32)
+    k = rng.standard_normal((rows, hkv * hd)).astype(np.float32)
+    v = rng.standard_normal((rows, hkv * hd)).astype(np.float32)
+    gate = rng.standard_normal((rows, hq * hd)).astype(np.float32) if gated else None
+    qn, kn = ((rng.random(hd) + 0.5).astype(np.float32) for _ in range(2))
+    return [ops.to_device(a) if a is not None else None for a in (q, k, v, gate, qn, kn)]
+
+
 @pytest.mark.parametrize("t,start,n_valid", [(1, 9, 1), (4, 0, 4), (5, 3, 2)])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("kv", ["f32", "int8"])
 def test_attention_block(ops, rng, t, start, n_valid, gated, kv):
-    hq, hkv, hd, rot, cap = 4, 2, 32, 8, 24
-    q = rng.standard_normal((t, hq * hd)).astype(np.float32)
-    k = rng.standard_normal((t, hkv * hd)).astype(np.float32)
-    v = rng.standard_normal((t, hkv * hd)).astype(np.float32)
-    gate = rng.standard_normal((t, hq * hd)).astype(np.float32) if gated else None
-    qn, kn = ((rng.random(hd) + 0.5).astype(np.float32) for _ in range(2))
-    cache = kv_cache(ops, rng, (cap, hkv, hd), kv)
-    args = [ops.to_device(a) if a is not None else None for a in (q, k, v, gate, qn, kn)]
+    args = attention_inputs(ops, rng, t, gated)
+    cache = kv_cache(ops, rng, (ATT["cap"], ATT["hkv"], ATT["hd"]), kv)
+    rot = ATT["rot"]
 
     def run(fn, *lead):
         return fn(*lead, *args, 1e-6, copy_of(ops, cache), np.int32(start), np.int32(n_valid), rot, 10000.0)
@@ -245,15 +255,10 @@ def rows_of(rng, s, cap):
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("kv", ["f32", "int8"])
 def test_attention_block_rows(ops, rng, s, gated, kv):
-    hq, hkv, hd, rot, cap = 4, 2, 32, 8, 24
-    q = rng.standard_normal((s, hq * hd)).astype(np.float32)
-    k = rng.standard_normal((s, hkv * hd)).astype(np.float32)
-    v = rng.standard_normal((s, hkv * hd)).astype(np.float32)
-    gate = rng.standard_normal((s, hq * hd)).astype(np.float32) if gated else None
-    qn, kn = ((rng.random(hd) + 0.5).astype(np.float32) for _ in range(2))
-    cache = kv_cache(ops, rng, (s, cap, hkv, hd), kv)
-    pos, active = rows_of(rng, s, cap)
-    args = [ops.to_device(a) if a is not None else None for a in (q, k, v, gate, qn, kn)]
+    args = attention_inputs(ops, rng, s, gated)
+    cache = kv_cache(ops, rng, (s, ATT["cap"], ATT["hkv"], ATT["hd"]), kv)
+    pos, active = rows_of(rng, s, ATT["cap"])
+    rot = ATT["rot"]
 
     def run(fn, *lead):
         return fn(*lead, *args, 1e-6, copy_of(ops, cache), pos, active, rot, 10000.0)
