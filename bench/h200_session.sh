@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One lent H200 call per part (each ends well inside a 10-minute call), writing JSON and logs under $OUT (or ./out):
 #   bash bench/h200_session.sh kernels   # GPU kernel tests compiled, then bench/kernel_speed.py (v1 and v2 variants)
-#   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts: kernels xla vs auto vs pallas
+#   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts: kernels auto vs xla;
+#                                        # bench/transformers_speed.py (the peer) at the same shapes
 # Copy what comes back into bench/results/ and run python bench/summary.py.
 set -u
 OUT=${OUT:-out}
@@ -16,10 +17,12 @@ case "${1:-}" in
       | grep -E "^(expert|gated|decode|pool|wrote)|FAILED" | tee "$OUT/kernel_speed.log"
     ;;
   engine)
-    for k in xla auto pallas; do
-      timeout 180 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 4,8 --prompt 4096 --repeat 2 \
+    for k in auto xla; do
+      timeout 220 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 4,8 --prompt 4096 --repeat 2 \
         --kernels "$k" --out "$OUT/engine_speed_real_shapes_int4_$k.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     done
+    timeout 120 python3 bench/transformers_speed.py --layers 4,8 --out "$OUT/transformers_speed_h200.json" 2>&1 \
+      | grep -E "layers|scaled|wrote|Error"
     ;;
   *)
     echo "usage: bash bench/h200_session.sh kernels|engine" >&2

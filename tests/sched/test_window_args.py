@@ -1,0 +1,52 @@
+"""Per-window arguments that rarely change stay on the device: WindowArgs sends a value again only when it changed,
+and a decode window's rows reach the runner's compiled function as one array (strata/runner.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from strata import Engine
+from strata.runner import WindowArgs, WindowRunner, idle_plan
+
+
+class CountingOps:
+    def __init__(self):
+        self.sent = []
+
+    def to_device(self, x):
+        self.sent.append(np.array(x))
+        return ("device", len(self.sent))
+
+
+def test_window_args_send_only_changed_values():
+    ops = CountingOps()
+    args = WindowArgs(ops)
+    t = np.array([0.0, 0.7], np.float32)
+    first = args.get("temperature", t)
+    assert args.get("temperature", t.copy()) is first and len(ops.sent) == 1      # equal value: the same copy
+    t[1] = 0.8                                    # the caller's array changed in place: sent again
+    second = args.get("temperature", t)
+    assert second != first and len(ops.sent) == 2 and ops.sent[-1][1] == np.float32(0.8)
+    args.get("temperature", t.astype(np.float64))                                  # another dtype: sent again
+    args.get("top_k", np.array([0, 0], np.int32))                                  # names are separate
+    assert len(ops.sent) == 4
+
+
+def test_runner_decode_sends_sampling_settings_once():
+    engine = Engine.load("demo", max_context=128, prefill=16)
+    runner = WindowRunner(engine, 2, 16)
+    sent = []
+    to_device = engine.backend.to_device
+    engine.backend.to_device = lambda x: sent.append(x) or to_device(x)
+    plan = replace(idle_plan(2), decode_active=np.ones(2, bool), decode_tokens=np.array([5, 6], np.int32),
+                   decode_pos=np.array([0, 0], np.int32))
+    first = runner.run(plan)
+    n_first = len(sent)
+    again = runner.run(replace(plan, decode_pos=np.array([1, 1], np.int32), steps=np.ones(2, np.int32)))
+    assert len(sent) == n_first, "unchanged sampling settings were sent again"
+    runner.run(replace(plan, decode_pos=np.array([2, 2], np.int32), temperature=np.array([0.5, 0.0], np.float32)))
+    assert len(sent) == n_first + 1
+    assert first.decode_next.dtype.kind == "i" and first.decode_finite.dtype == bool and again.decode_finite.all()
+    # a greedy row's token at position 0 is the argmax of the engine's logits for that one token
+    assert int(first.decode_next[0]) == int(np.argmax(engine.logits([5])[-1]))
