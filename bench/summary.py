@@ -26,6 +26,7 @@ class Source:
     path: tuple                      # keys leading to the figure inside the file
     prompt_tokens: int | None = None  # engine_speed results: the prompt length the run used
     require: tuple = ()              # (field, value) pairs the file must have
+    skip: tuple = ()                 # (field, value) pairs that rule a file out
 
 
 @dataclass(frozen=True)
@@ -36,17 +37,21 @@ class Key:
     sources: tuple[Source, ...]
 
 
+# the engine's headline figures are its default path (kernels = auto; files from before that option existed ran the
+# then-default XLA path), never the comparison runs of `--kernels xla` or `--kernels pallas`
+ENGINE = (("kernels", "xla"), ("kernels", "pallas"))
+
 KEYS = (
     Key("decode_tok_s_b1", "decode, batch 1, 4K context, every expert on the GPU", "tok/s",
-        (Source("engine_speed_real_shapes", ("decode_tok_s_b1_48_layers",), 4096),)),
+        (Source("engine_speed_real_shapes", ("decode_tok_s_b1_48_layers",), 4096, skip=ENGINE),)),
     Key("decode_tok_s_b4", "decode, batch 4, 4K context, every expert on the GPU", "tok/s",
-        (Source("engine_speed_real_shapes", ("decode_tok_s_b4_48_layers",), 4096),)),
+        (Source("engine_speed_real_shapes", ("decode_tok_s_b4_48_layers",), 4096, skip=ENGINE),)),
     Key("decode_tok_s_b16", "decode, batch 16, 4K context, every expert on the GPU", "tok/s",
-        (Source("engine_speed_real_shapes", ("decode_tok_s_b16_48_layers",), 4096),)),
+        (Source("engine_speed_real_shapes", ("decode_tok_s_b16_48_layers",), 4096, skip=ENGINE),)),
     Key("prompt_tok_s_4k", "prompt of 4K tokens", "tok/s",
-        (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 4096),)),
+        (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 4096, skip=ENGINE),)),
     Key("prompt_tok_s_32k", "prompt of 32K tokens (parts of 4K)", "tok/s",
-        (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 32768),)),
+        (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 32768, skip=ENGINE),)),
     Key("offload_decode_tok_s_b1", "decode, batch 1, 12 GiB expert cache (32%), the rest in host RAM", "tok/s",
         (Source("offload_speed", ("runs", "uniform", "decode", "b1", "tok_s"), require=(("window_fetch", True),)),)),
     Key("followup_ttft_ms_64k", "time to first token of a follow-up turn on a 64K conversation", "ms",
@@ -92,6 +97,8 @@ def collect(results_dir: Path = RESULTS) -> dict:
                 if src.prompt_tokens is not None and _prompt_tokens(result) != src.prompt_tokens:
                     continue
                 if any(result.get(field) != value for field, value in src.require):
+                    continue
+                if any(result.get(field) == value for field, value in src.skip):
                     continue
                 v = _dig(result, src.path)
                 if v is not None:
