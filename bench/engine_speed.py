@@ -156,7 +156,9 @@ BATCHES = (1, 4, 16)  # decode windows through the WindowRunner (batch 1 too: th
 
 
 def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, repeat: int,
-                overrides: dict | None = None, experts: str = "bf16", kernels: str = "auto", kv: str = "auto") -> dict:
+                overrides: dict | None = None, experts: str = "bf16", kernels: str = "auto", kv: str = "auto",
+                partial=None) -> dict:
+    """partial(out): called after each layer count with what is measured so far (a run cut short keeps it)."""
     import ml_dtypes
 
     from strata.engine import Engine, EngineOptions
@@ -185,6 +187,8 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         r["build_s"] = build_s
         r.update(decode_bytes_per_token(cfg, params, prompt_len, store.layout.nbytes, engine.kv_dtype))
         out["layers"][n] = r
+        if partial is not None:
+            partial(out)
         print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode (engine API) {r['decode_tok_s_b1']:.2f} tok/s, "
               + ", ".join(f"b{b} {1000 * r[f'decode_s_per_window_b{b}']:.1f} ms/window" for b in BATCHES),
               flush=True)
@@ -238,7 +242,9 @@ def main() -> int:
                   "dtype": "bfloat16", "experts": args.experts,
                   **real_shapes([int(x) for x in args.layers.split(",")], prompt, args.decode, args.repeat,
                                 {"num_experts": 16, "vocab_size": 4096} if args.smoke else None, args.experts,
-                                args.kernels, args.kv)}
+                                args.kernels, args.kv, partial=lambda out: results_file.write(
+                                    {"bench": "engine_speed_partial", **stamp, **out},
+                                    (args.out or "engine_speed") + ".partial", ""))}
         name = "engine_speed_real_shapes" + ("" if args.experts == "bf16" else f"_{args.experts}") + \
             f"_{args.kernels}" + ("" if args.kv == "auto" else f"_kv{args.kv}") + ("_smoke" if args.smoke else "")
         print(f"\n| figure | value |\n|---|---|\n"
