@@ -4,12 +4,14 @@
     python bench/launch_probe.py --smoke                 # the same on a CPU in a minute (tiny shapes)
 
 Per variant (a fresh process, since XLA reads its flags once): random weights at Qwen3-Next-80B-A3B shapes (int4
-experts, all resident), decode at batch 1 (ms per token, host clock with a sync per token, as engine_speed) and a
-window of 4 rows through the WindowRunner; how many of the compiled decode function's instructions sit inside
-command buffers; a profiler trace of one decode token (the compute stream's busy time against its span, the number
+experts, all resident), decode at batch 1 (ms per token through the engine API, host clock with a sync per token, as
+engine_speed; and one-row windows through the WindowRunner, the server's path, traced too) and a window of 4 rows;
+a profiler trace of one decode token (the compute stream's busy time against its span, the number
 of kernels, the host's time in Execute). The copy probe asks whether copies of pinned host rows inside a compiled
 function (device_put of a dynamic slice, static count) overlap compute that does not depend on them: the time of
 copies alone, compute alone and both in one function.
+(Whether XLA used command buffers shows in the timings, the no_command_buffers variant against the others: the
+optimized HLO text that `compiled.as_text()` returns does not show them.)
 """
 from __future__ import annotations
 
@@ -37,19 +39,6 @@ VARIANTS = {           # name -> (XLA_FLAGS added, kernels)
     "all_command_buffers_xla_kernels": (
         f"--xla_gpu_enable_command_buffer={ALL_COMMANDS} --xla_gpu_graph_min_graph_size=1", "xla"),
 }
-
-
-def command_buffer_share(hlo: str) -> dict:
-    """Instructions of the optimized HLO that sit in command-buffer computations, against all instructions."""
-    blocks = re.split(r"\n(?=\S)", hlo)
-    total = inside = 0
-    for b in blocks:
-        n = sum(1 for line in b.splitlines()[1:] if " = " in line)
-        total += n
-        if re.match(r"(%?command_buffer|.*command_buffer)", b.splitlines()[0] if b else ""):
-            inside += n
-    return {"instructions": total, "in_command_buffers": inside,
-            "command_buffer_calls": len(re.findall(r"calls=%?command_buffer", hlo))}
 
 
 def child(variant: str, layers: int, context: int, smoke: bool) -> dict:
@@ -88,22 +77,32 @@ def child(variant: str, layers: int, context: int, smoke: bool) -> dict:
         tok = seq.decode(tok, sp, seed, i + 10)
     ms_b1 = 1000 * (time.perf_counter() - t) / n
     seq.pos -= n + 4
-    # the compiled one-token function, for its HLO
-    fn = engine._compiled[("read", engine.layout)]
-    state = seq.state
-    lowered = fn.lower(engine.params, engine.expert_args(), state, np.array([tok], np.int32), np.int32(seq.pos),
-                       np.int32(1), all_logits=False, with_counts=False)
-    share = command_buffer_share(lowered.compile().as_text())
 
     def one():
         nonlocal tok
         tok = seq.decode(tok, sp, seed, 99)
         seq.pos -= 1
-    trace = trace_summary(one, top=6)
+    trace = trace_summary(one, top=40)
     ms_b4 = 1000 * measure_batched(engine, 4, context, 16)
+    # the server's path at batch 1: one decode window of one row through the WindowRunner, timed and traced
+    from dataclasses import replace
+
+    from strata.runner import WindowRunner, idle_plan
+    runner = WindowRunner(engine, 1, 16)
+    runner.warm_up()
+    plan = replace(idle_plan(1), decode_active=np.ones(1, bool), decode_pos=np.full(1, context, np.int32),
+                   decode_tokens=np.ones(1, np.int32))
+    window = lambda: runner.run(plan)            # noqa: E731 - the same position each time: timing only
+    window()
+    t = time.perf_counter()
+    for _ in range(n):
+        window()
+    ms_runner_b1 = 1000 * (time.perf_counter() - t) / n
+    runner_trace = trace_summary(window, top=40)
     return {"variant": variant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "kernels": kernels,
             "pallas_ops": sorted(backend.pallas_ops), "layers": layers, "context": context,
-            "decode_ms_per_token_b1": ms_b1, "decode_ms_per_window_b4": ms_b4, "hlo": share, "trace": trace,
+            "decode_ms_per_token_b1": ms_b1, "decode_ms_per_window_b4": ms_b4, "trace": trace,
+            "runner_ms_per_window_b1": ms_runner_b1, "runner_trace_b1": runner_trace,
             "device": str(jax.devices()[0])}
 
 
@@ -195,8 +194,9 @@ def main() -> int:
         busy = max(gpu.values(), key=lambda x: x.get("events", 0)) if gpu else {}
         host = r["trace"].get("/host:CPU / python", {})
         execute = next((ms for name, _, ms in host.get("top", []) if "Execute" in name), None)
-        print(f"{v}: b1 {r['decode_ms_per_token_b1']:.2f} ms/token, b4 {r['decode_ms_per_window_b4']:.2f} ms/window"
-              f"; HLO {r['hlo']}; compute stream busy {busy.get('busy_ms')} of span {busy.get('span_ms')} ms, "
+        print(f"{v}: b1 {r['decode_ms_per_token_b1']:.2f} ms/token (engine API), "
+              f"{r['runner_ms_per_window_b1']:.2f} ms/window (runner), b4 {r['decode_ms_per_window_b4']:.2f} ms/window"
+              f"; compute stream busy {busy.get('busy_ms')} of span {busy.get('span_ms')} ms, "
               f"{busy.get('events')} events; host Execute {execute} ms", flush=True)
     results_file.write(result, args.out, "launch_probe" + ("_smoke" if args.smoke else ""))
     return 0
