@@ -36,8 +36,7 @@ VARIANTS = {           # name -> (XLA_FLAGS added, kernels)
     "no_command_buffers": ("--xla_gpu_enable_command_buffer=", "auto"),
     "all_command_buffers": (f"--xla_gpu_enable_command_buffer={ALL_COMMANDS} --xla_gpu_graph_min_graph_size=1",
                             "auto"),
-    "all_command_buffers_xla_kernels": (
-        f"--xla_gpu_enable_command_buffer={ALL_COMMANDS} --xla_gpu_graph_min_graph_size=1", "xla"),
+    "default_xla_kernels": ("", "xla"),      # the kernels' share: auto against xla under the same flags
 }
 
 
