@@ -3,6 +3,8 @@
 #   bash bench/h200_session.sh kernels   # GPU kernel tests compiled, then bench/kernel_speed.py (v1 and v2 variants)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts: kernels auto vs xla;
 #                                        # bench/transformers_speed.py (the peer) at the same shapes
+#   bash bench/h200_session.sh probe     # bench/launch_probe.py: where a decode token's time goes (traces, XLA flags)
+#   bash bench/h200_session.sh offload   # bench/offload_speed.py, uniform routing, decode at batch 1 and 4
 # Copy what comes back into bench/results/ and run python bench/summary.py.
 set -u
 OUT=${OUT:-out}
@@ -24,8 +26,15 @@ case "${1:-}" in
     timeout 120 python3 bench/transformers_speed.py --layers 4,8 --out "$OUT/transformers_speed_h200.json" 2>&1 \
       | grep -E "layers|scaled|wrote|Error"
     ;;
+  probe)
+    timeout 480 python3 bench/launch_probe.py --out "$OUT/launch_probe_h200.json" 2>&1 | grep -vi warning
+    ;;
+  offload)
+    timeout 540 python3 bench/offload_speed.py --runs uniform --batches 1,4 --prompts "" \
+      --out "$OUT/offload_speed_h200_int4.json" 2>&1 | grep -vi warning | tail -20
+    ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|engine" >&2
+    echo "usage: bash bench/h200_session.sh kernels|engine|probe|offload" >&2
     exit 2
     ;;
 esac
