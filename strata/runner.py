@@ -14,7 +14,7 @@ adaptive swaps (at the start of the next run, or, with window fetch, right after
 host's work overlaps the device's).
 
 Host <-> device traffic per decode window: one int32 [3, S] array (tokens, positions, steps) goes in; the sampling
-settings and the active mask are sent only when they change (WindowArgs); one int32 [2, S] array (next tokens,
+settings and the active mask are sent only when they change (engine.DeviceArgs); one int32 [2, S] array (next tokens,
 finite) comes back. On the H200 each separate argument transfer cost ~0.1-0.25 ms of the host's time before the
 window could start (bench/launch_probe.py traces: 9 per token), against ~1 ms of device time for 8 layers.
 """
@@ -26,7 +26,7 @@ from functools import partial
 
 import numpy as np
 
-from strata.engine import PART_BUCKETS, Engine, bucket_for
+from strata.engine import PART_BUCKETS, DeviceArgs, Engine, bucket_for
 from strata.model.forward import forward, forward_rows
 from strata.model.stepped import rows_fetching
 from strata.sched.plan import PromptPart, WindowPlan, WindowResult
@@ -45,7 +45,7 @@ class WindowRunner:
         self.windows = 0
         self._pending_between = False
         self.between_s = 0.0              # host seconds spent on the cache's work between windows, in total
-        self._args = WindowArgs(ops)
+        self._args = DeviceArgs(ops)
         lay = engine.layout
         self._decode = engine.compiled(("decode_rows", lay), lambda: ops.compile(
             partial(_decode_rows, ops, cfg, lay), donate_argnums=(2,)))
@@ -149,22 +149,6 @@ class WindowRunner:
 
 
 SAMPLING = ("temperature", "top_k", "top_p", "min_p")
-
-
-class WindowArgs:
-    """Device copies of per-window arguments that rarely change (the active mask, the sampling settings, the seeds):
-    each is sent again only when its value differs from the last one sent."""
-
-    def __init__(self, ops):
-        self.ops = ops
-        self._sent: dict = {}
-
-    def get(self, name: str, value):
-        value = np.asarray(value)
-        last = self._sent.get(name)
-        if last is None or last[0].dtype != value.dtype or not np.array_equal(last[0], value):
-            last = self._sent[name] = (value.copy(), self.ops.to_device(value))
-        return last[1]
 
 
 def idle_plan(n_slots: int) -> WindowPlan:

@@ -1,4 +1,4 @@
-"""Per-window arguments that rarely change stay on the device: WindowArgs sends a value again only when it changed,
+"""Per-call arguments that rarely change stay on the device: DeviceArgs sends a value again only when it changed,
 and a decode window's rows reach the runner's compiled function as one array (strata/runner.py)."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import replace
 import numpy as np
 
 from strata import Engine
-from strata.runner import WindowArgs, WindowRunner, idle_plan
+from strata.engine import DeviceArgs
+from strata.runner import WindowRunner, idle_plan
 
 
 class CountingOps:
@@ -21,7 +22,7 @@ class CountingOps:
 
 def test_window_args_send_only_changed_values():
     ops = CountingOps()
-    args = WindowArgs(ops)
+    args = DeviceArgs(ops)
     t = np.array([0.0, 0.7], np.float32)
     first = args.get("temperature", t)
     assert args.get("temperature", t.copy()) is first and len(ops.sent) == 1      # equal value: the same copy
@@ -50,3 +51,31 @@ def test_runner_decode_sends_sampling_settings_once():
     assert first.decode_next.dtype.kind == "i" and first.decode_finite.dtype == bool and again.decode_finite.all()
     # a greedy row's token at position 0 is the argmax of the engine's logits for that one token
     assert int(first.decode_next[0]) == int(np.argmax(engine.logits([5])[-1]))
+
+
+def test_engine_decode_is_one_call_with_settings_sent_once():
+    """Sequence.decode on a fused engine: one compiled call per token; the sampling settings and seed go to the
+    device once, and the tokens equal the layer-by-layer composition's (read_part, then the sampler)."""
+    engine = Engine.load("demo", max_context=128, prefill=16)
+    sp = (np.array([0.0], np.float32), np.array([0], np.int32), np.array([1.0], np.float32),
+          np.array([0.0], np.float32))
+    seed = np.zeros(2, np.uint32)
+    seq = engine.sequence()
+    seq.read([3, 4, 5])
+    sent = []
+    to_device = engine.backend.to_device
+    engine.backend.to_device = lambda x: sent.append(x) or to_device(x)
+    got = [seq.decode(7, sp, seed, 1)]
+    for step in range(2, 6):
+        got.append(seq.decode(got[-1], sp, seed, step))
+    engine.backend.to_device = to_device
+    assert len(sent) == 5, f"{len(sent)} transfers of settings for 5 tokens (4 settings + the seed, once)"
+    ref = engine.sequence()
+    ref.read([3, 4, 5])
+    want, tok = [], 7
+    for step in range(1, 6):
+        logits, ref.state = engine.read_part(ref.state, np.array([tok], np.int32), ref.pos, 1, False)
+        tok = int(np.asarray(engine._sample(logits, *sp, seed, np.int32(step)))[0])
+        ref.pos += 1
+        want.append(tok)
+    assert got == want
