@@ -324,11 +324,12 @@ class Sequence:
         e = self.engine
         if self.pos + 1 > e.options.max_context:
             raise StrataError(f"{self.pos + 1} tokens exceed max_context {e.options.max_context}")
-        if e.fused:
-            # one compiled call per token, with one small transfer in (token, position, step) and one out
+        if e.fused and not e.record_routing:
+            # one compiled call per token, with one small transfer in (token, position, step) and one out (strata
+            # profile records routing counts through read_part instead)
             f = e._fused("decode_step", _decode_step, donate_argnums=(2,))
             a = self._args
-            stable = [a.get(name, v) for name, v in zip(("temperature", "top_k", "top_p", "min_p"), sp)]
+            stable = [a.get(name, v) for name, v in zip(SAMPLING, sp)]
             nxt, self.state = f(e.params, e.expert_args(), self.state, np.array([token, self.pos, step], np.int32),
                                 *stable, a.get("seed", seed_arr))
             self.pos += 1
@@ -345,6 +346,9 @@ def _read_one_fetching(ops, cfg, layout, starts, params, experts, state, tokens,
     logits, bank, counts, copied = rows_fetching(ops, cfg, layout, starts, params, experts, bank, tokens,
                                                  start[None], ops.xp.ones((1,), ops.xp.int32))
     return logits, [{k: v[0] for k, v in layer.items()} for layer in bank], counts, copied
+
+
+SAMPLING = ("temperature", "top_k", "top_p", "min_p")      # the per-row sampling settings, in the samplers' order
 
 
 class DeviceArgs:

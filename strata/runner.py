@@ -26,7 +26,7 @@ from functools import partial
 
 import numpy as np
 
-from strata.engine import PART_BUCKETS, DeviceArgs, Engine, bucket_for
+from strata.engine import PART_BUCKETS, SAMPLING, DeviceArgs, Engine, bucket_for
 from strata.model.forward import forward, forward_rows
 from strata.model.stepped import rows_fetching
 from strata.sched.plan import PromptPart, WindowPlan, WindowResult
@@ -146,9 +146,6 @@ class WindowRunner:
             self._pending_between = True
         t2 = time.perf_counter()
         return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - t0, t2 - t1)
-
-
-SAMPLING = ("temperature", "top_k", "top_p", "min_p")
 
 
 def idle_plan(n_slots: int) -> WindowPlan:
