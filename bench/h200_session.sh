@@ -13,9 +13,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export STRATA_COMMIT=${STRATA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 case "${1:-}" in
   kernels)
-    STRATA_TEST_DEVICE=gpu timeout 170 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \
+    STRATA_TEST_DEVICE=gpu timeout 220 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \
       2>&1 | tee "$OUT/gpu_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -40
-    timeout 380 python3 bench/kernel_speed.py --out "$OUT/kernel_speed_h200.json" 2>&1 \
+    timeout 330 python3 bench/kernel_speed.py --out "$OUT/kernel_speed_h200.json" 2>&1 \
       | grep -E "^(expert|gated|decode|pool|wrote)|FAILED" | tee "$OUT/kernel_speed.log"
     ;;
   engine)
