@@ -49,15 +49,6 @@ def test_formats_and_shapes_it_cannot_read_are_refused():
                               jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True)
 
 
-@pytest.fixture
-def fresh_jit():
-    """The pool limit is read when experts_decode_int4 is traced: drop its compiled versions before and after a test
-    that monkeypatches the limit, so that neither sees the other's."""
-    K.experts_decode_int4.clear_cache()
-    yield
-    K.experts_decode_int4.clear_cache()
-
-
 @pytest.mark.parametrize("chunks,dtype", [(1, "float32"), (2, "bfloat16"), (3, "float32")])
 def test_pool_at_the_limit_is_read_through_compacted_chunks(chunks, dtype, interpret, monkeypatch, fresh_jit):
     """The limit monkeypatched so that the 14-slot pool is over it and the blobs of the 12 routes (3 tokens x 4: at

@@ -156,15 +156,6 @@ def test_what_it_cannot_read_is_refused():
 
 # --- pools of any size: compacted sub-pools
 
-@pytest.fixture
-def fresh_jit():
-    """The pool limit is read when experts_grouped is traced: drop its compiled versions before and after a test
-    that monkeypatches the limit, so that neither sees the other's."""
-    K.experts_grouped.clear_cache()
-    yield
-    K.experts_grouped.clear_cache()
-
-
 @pytest.mark.parametrize("fmt,variant,chunks,wide", [("int4", "v2", 1, True), ("int4", "v2", 2, False),
                                                      ("int4", "v2", 3, False), ("int4", "v1", 2, False),
                                                      ("bf16", "v2", 1, False), ("bf16", "v2", 3, True)])
