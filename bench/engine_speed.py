@@ -79,10 +79,11 @@ def measure_batched(engine, batch: int, context: int, windows: int) -> float:
     plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool),
                    decode_pos=np.full(batch, context, np.int32))
     tokens = np.arange(batch, dtype=np.int32)
-    runner.run(replace(plan, decode_tokens=tokens))
+    tokens = runner.run(replace(plan, decode_tokens=tokens)).decode_next
     t = time.perf_counter()
-    for i in range(windows):
-        tokens = runner.run(replace(plan, decode_tokens=tokens, decode_pos=plan.decode_pos + i)).decode_next
+    for i in range(1, windows + 1):       # steady decoding as the scheduler plans it: token, position + 1, step + 1
+        tokens = runner.run(replace(plan, decode_tokens=tokens, decode_pos=plan.decode_pos + i,
+                                    steps=plan.steps + i)).decode_next
     return (time.perf_counter() - t) / windows
 
 

@@ -162,6 +162,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--no-copy-probe", action="store_true")
+    ap.add_argument("--dump", default=None, help="XLA's HLO dumps per variant under DUMP/<variant> (text)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -172,8 +174,10 @@ def main() -> int:
         return 0
     result = {"bench": "launch_probe", **results_file.stamp(), "runs": {}}
     base = os.environ.get("XLA_FLAGS", "")
-    for v in args.variants.split(",") + ["copy_probe"]:
+    for v in args.variants.split(",") + ([] if args.no_copy_probe else ["copy_probe"]):
         flags = "" if v == "copy_probe" else VARIANTS[v][0]
+        if args.dump and v != "copy_probe":
+            flags += f" --xla_dump_to={args.dump}/{v} --xla_dump_hlo_as_text"
         env = dict(os.environ, XLA_FLAGS=f"{base} {flags}".strip())
         cmd = [sys.executable, __file__, "--child", v, "--layers", str(args.layers), "--context", str(args.context)]
         p = subprocess.run(cmd + (["--smoke"] if args.smoke else []), env=env, capture_output=True, text=True)
@@ -197,6 +201,11 @@ def main() -> int:
               f"{r['runner_ms_per_window_b1']:.2f} ms/window (runner), b4 {r['decode_ms_per_window_b4']:.2f} ms/window"
               f"; compute stream busy {busy.get('busy_ms')} of span {busy.get('span_ms')} ms, "
               f"{busy.get('events')} events; host Execute {execute} ms", flush=True)
+        for name, t in r["runner_trace_b1"].items():     # the server's path: where a one-row window's time goes
+            if isinstance(t, dict) and t.get("span_ms", 0) >= 0.2:
+                print(f"  runner b1 {name}: span {t['span_ms']} busy {t['busy_ms']} ms, {t['events']} events")
+                for kname, count, ms in t["top"][:15]:
+                    print(f"      {ms:8.3f} ms {count:5d}x {kname}")
     results_file.write(result, args.out, "launch_probe" + ("_smoke" if args.smoke else ""))
     return 0
 

@@ -20,10 +20,12 @@ Array = Any
 class Backend(Protocol):
     name: str
     xp: Any
+    eager: bool          # ops run as called (no compile): host arguments (positions, tokens) are read on the host
 
     # --- placement and memory
     def to_device(self, tree: Any) -> Any: ...
     def to_host(self, x: Array) -> Any: ...
+    def start_to_host(self, x: Array) -> None: ...                                      # begin the copy to_host waits for
     def free_memory_bytes(self) -> int | None: ...
 
     # --- dense math

@@ -367,6 +367,17 @@ class DeviceArgs:
             last = self._sent[name] = (value.copy(), self.ops.to_device(value))
         return last[1]
 
+    def take(self, name: str, value):
+        """get() for an argument the call donates: the device copy is handed over and forgotten (a failed call
+        leaves nothing stale behind); known() records the call's successor."""
+        got = self.get(name, value)
+        del self._sent[name]
+        return got
+
+    def known(self, name: str, value, device_value) -> None:
+        """device_value (computed on the device) holds value: a later get(name, value) uses it, sending nothing."""
+        self._sent[name] = (np.array(value), device_value)
+
 
 def _decode_step(ops, cfg, layout, params, experts, state, ints, temperature, top_k, top_p, min_p, seed):
     """One decoded token of one sequence, fused: ints int32 [3] = (token, position, sampling step) -> (the sampled

@@ -13,10 +13,14 @@ on the host between them (strata/model/stepped.py); between windows the cache re
 adaptive swaps (at the start of the next run, or, with window fetch, right after its decode is dispatched, so the
 host's work overlaps the device's).
 
-Host <-> device traffic per decode window: one int32 [3, S] array (tokens, positions, steps) goes in; the sampling
-settings and the active mask are sent only when they change (engine.DeviceArgs); one int32 [2, S] array (next tokens,
-finite) comes back. On the H200 each separate argument transfer cost ~0.1-0.25 ms of the host's time before the
-window could start (bench/launch_probe.py traces: 9 per token), against ~1 ms of device time for 8 layers.
+Host <-> device traffic per decode window: one int32 [2, S] array (next tokens, finite) comes back, its copy queued
+when the window is dispatched. In: one int32 [3, S] array (tokens, positions, steps), which the window also computes
+for its successor (every active row continued: its token, position + 1, step + 1; inactive rows unchanged) into the
+same buffer (donated): when the next plan asks for exactly those rows, as steady decoding does, nothing is sent and
+the compiled window sees the same addresses. The sampling settings and the active mask are sent only when they
+change (engine.DeviceArgs). On the H200 (8 layers, batch 1) the window took ~2.2 ms of which the device was busy
+~0.93; sending the rows cost ~0.2-0.3 ms and reading the result ~0.5-0.8 (bench/dispatch_probe.py), while windows
+dispatched back to back without reads ran at ~1.0 ms each.
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ class WindowRunner:
         self._args = DeviceArgs(ops)
         lay = engine.layout
         self._decode = engine.compiled(("decode_rows", lay), lambda: ops.compile(
-            partial(_decode_rows, ops, cfg, lay), donate_argnums=(2,)))
+            partial(_decode_rows, ops, cfg, lay), donate_argnums=(2, 3)))
         self._part = engine.compiled(("prompt_part", lay), lambda: ops.compile(
             partial(_prompt_part, ops, cfg, lay), donate_argnums=(2,)))
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
@@ -56,7 +60,7 @@ class WindowRunner:
         if engine.experts is not None and engine.experts.window_fetch:
             starts = engine.experts.window_starts
             self._decode_fetch = engine.compiled(("decode_rows_fetching", lay, starts), lambda: ops.compile(
-                partial(_decode_rows_fetching, ops, cfg, lay, starts), donate_argnums=(2,)))
+                partial(_decode_rows_fetching, ops, cfg, lay, starts), donate_argnums=(2, 3)))
 
     def _between_windows(self) -> None:
         """The cache's work between windows (refill loaned slots, adaptive swaps) for the window that ended last.
@@ -102,12 +106,17 @@ class WindowRunner:
                 a = self._args
                 stable = (a.get("active", active), *(a.get(k, v) for k, v in zip(SAMPLING, sp)),
                           a.get("seeds", plan.seeds))
+                # an eager backend reads the rows on the host; a compiled window takes its predecessor's (donated)
+                rows_in = rows if e.backend.eager else a.take("rows", rows)
                 if e.fused:
-                    out, self.states = self._decode(e.params, e.expert_args(), self.states, rows, *stable)
+                    out, self.states, rows_next = self._decode(e.params, e.expert_args(), self.states, rows_in,
+                                                               *stable)
+                    e.backend.start_to_host(out)
                 else:
                     args, table = e.experts.fetch_args()
-                    out, self.states, counts, copied = self._decode_fetch(e.params, args, self.states, rows,
-                                                                          *stable)
+                    out, self.states, counts, copied, rows_next = self._decode_fetch(e.params, args, self.states,
+                                                                                     rows_in, *stable)
+                    e.backend.start_to_host(out)
                     # the last window's refills and swaps, on the host while the device runs this one (their
                     # copies queue behind it; this window holds the pool and table it was given, by value)
                     self._between_windows()
@@ -115,6 +124,8 @@ class WindowRunner:
                                             np.asarray(e.backend.to_host(copied)))
                 out = np.asarray(e.backend.to_host(out))                                     # [2, S]
                 decode_next, decode_finite = out[0], out[1].astype(bool)
+                if not e.backend.eager:
+                    a.known("rows", _rows_after(np, rows, decode_next, active), rows_next)
             else:
                 logits, self.states = e.stepped.rows(e.params, self.states, plan.decode_tokens, pos, active)
                 nxt, fin = self._sample(logits, *sp, plan.seeds, plan.steps)
@@ -158,18 +169,29 @@ def idle_plan(n_slots: int) -> WindowPlan:
 
 def _decode_rows(ops, cfg, layout, params, experts, states, rows, active, temperature, top_k, top_p, min_p, seeds):
     """rows int32 [3, S]: (tokens, positions, steps) of S rows of one token each -> (int32 [2, S]: next tokens and
-    finite, states)."""
+    finite, states, the successor's rows [3, S])."""
     logits, states = forward_rows(ops, cfg, layout, params, experts, states, rows[0], rows[1], active)   # [S, V]
-    return _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2]), states
+    out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2])
+    return out, states, None if ops.eager else _rows_after(ops.xp, rows, out[0], active)
 
 
 def _decode_rows_fetching(ops, cfg, layout, starts, params, experts, states, rows, active, temperature, top_k,
                           top_p, min_p, seeds):
     """_decode_rows over a partial cache, in one compiled function (strata/model/stepped.py, rows_fetching)
-    -> (int32 [2, S], states, routing counts [Lp, E], experts copied [Lp])."""
+    -> (int32 [2, S], states, routing counts [Lp, E], experts copied [Lp], the successor's rows [3, S])."""
     logits, states, counts, copied = rows_fetching(ops, cfg, layout, starts, params, experts, states, rows[0],
                                                    rows[1], active)
-    return _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2]), states, counts, copied
+    out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2])
+    return out, states, counts, copied, None if ops.eager else _rows_after(ops.xp, rows, out[0], active)
+
+
+def _rows_after(xp, rows, nxt, active):
+    """The rows [3, S] (tokens, positions, steps) of the window that continues every active row of this one: its
+    sampled token nxt [S], the next position and step; inactive rows as they were. The same function on the device
+    (the successor's rows, kept there) and on the host (what they hold), so the two agree by construction."""
+    on = active > 0
+    return xp.stack([xp.where(on, nxt, rows[0]), xp.where(on, rows[1] + 1, rows[1]),
+                     xp.where(on, rows[2] + 1, rows[2])]).astype(xp.int32)
 
 
 def _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, steps):

@@ -33,17 +33,19 @@ ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cach
 FILL_BATCH = 64          # experts per pool_fill call (100 MB at Qwen3-Next-80B int4: the copies dwarf the call)
 KERNELS = ("auto", "xla", "pallas")
 # The Pallas kernels "auto" uses on a GPU, by measurement on the H200 at Qwen3-Next-80B shapes (bench/kernel_speed.py,
-# bench/results/kernel_speed_h200_*): decode attention 1.3-4.2x faster than XLA's (which reads the whole capacity);
-# the grouped expert op for prompt parts 1.3-2.2x; the int4 decode expert op 6.9x at 16 tokens but level with XLA at
-# 1-4 (so from DECODE_EXPERTS_MIN_TOKENS tokens); the gated delta rule's decode and chunked kernels (v1) were slower
-# than XLA's (0.5-0.7x, a figure the benchmark's copy of the donated state may have lowered, and 0.08x), so they are
-# not in it ("pallas" runs them: their v2 forms are to be timed on the next GPU run).
+# bench/results/kernel_speed_h200_*): decode attention 1.2-1.8x faster than XLA's (which reads the whole capacity);
+# the grouped expert op for prompt parts in its v2 form, 1.4x XLA's grouped form at 512 tokens and 2.0x at 4096 (int4;
+# the v1 form had fallen to 0.4-0.5x once the XLA form was rewritten, kernel_speed_h200_6b277c5.log); the int4
+# decode expert op 1.8x at 16 tokens but level with XLA at 1-4 (so from DECODE_EXPERTS_MIN_TOKENS tokens); the gated
+# delta rule's decode and chunked kernels (v1) were slower than XLA's (0.5-0.7x, a figure the benchmark's copy of the
+# donated state may have lowered, and 0.08x), so they are not in it ("pallas" runs them; their v2 forms are untimed).
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode"})
 DECODE_EXPERTS_MIN_TOKENS = 8
 
 
 class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses them in the jitted window
     name = "jax"
+    eager = False
     xp = jnp
 
     def __init__(self, device: str | None = None, kernels: str = "auto"):
@@ -55,9 +57,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         self.kernels = kernels
         self.pallas_ops = (PALLAS_AUTO if on_gpu else frozenset()) if kernels == "auto" else \
             (frozenset() if kernels == "xla" else PALLAS_AUTO | {"gdn_chunked", "gdn_decode"})
-        # the kernels' variants: auto keeps the ones measured on the H200 (v1: the v2 kernels were written after the
-        # last GPU run and have not been compiled or timed there); pallas takes each kernel's default (v2)
-        self.grouped_variant = "v1" if kernels == "auto" else "v2"
+        # the grouped kernel's variant: v2, the faster on the H200 (above)
+        self.grouped_variant = "v2"
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
@@ -69,6 +70,12 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
 
     def to_host(self, x):
         return np.asarray(x)
+
+    @staticmethod
+    def start_to_host(x):
+        # the device-to-host copy is queued behind the computation now, not when the host asks for the value: on
+        # the H200 reading a window's [2, S] result cost ~0.5-0.8 ms of a 2.2 ms window (bench/dispatch_probe.py)
+        x.copy_to_host_async()
 
     def free_memory_bytes(self) -> int | None:
         stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None

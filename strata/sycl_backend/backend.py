@@ -150,6 +150,7 @@ class _Namespace:
 
 class SyclBackend(ComposedOps):
     name = "sycl"
+    eager = True
 
     def __init__(self, device=None, kernels: str = "auto"):
         if kernels != "auto":
@@ -213,6 +214,10 @@ class SyclBackend(ComposedOps):
     def _upload(self, a: np.ndarray):
         a = np.ascontiguousarray(a)
         return dpnp.asarray(a, dtype=a.dtype, sycl_queue=self.queue)
+
+    @staticmethod
+    def start_to_host(x):
+        """Nothing to start: to_host copies synchronously (dpnp.asnumpy)."""
 
     def to_host(self, x):
         if isinstance(x, dict):

@@ -34,23 +34,40 @@ def test_window_args_send_only_changed_values():
     assert len(ops.sent) == 4
 
 
-def test_runner_decode_sends_sampling_settings_once():
+def test_runner_decode_sends_sampling_settings_once_and_keeps_steady_rows_on_device():
+    """The sampling settings go to the device once; in steady decoding (each row's token, position + 1, step + 1,
+    as the scheduler plans it) the window's rows are the ones its predecessor computed on the device, so nothing is
+    sent; a plan that departs from them sends them, and the tokens are the same either way."""
     engine = Engine.load("demo", max_context=128, prefill=16)
     runner = WindowRunner(engine, 2, 16)
     sent = []
     to_device = engine.backend.to_device
     engine.backend.to_device = lambda x: sent.append(x) or to_device(x)
-    plan = replace(idle_plan(2), decode_active=np.ones(2, bool), decode_tokens=np.array([5, 6], np.int32),
+    plan = replace(idle_plan(2), decode_active=np.array([True, False]), decode_tokens=np.array([5, 0], np.int32),
                    decode_pos=np.array([0, 0], np.int32))
     first = runner.run(plan)
     n_first = len(sent)
-    again = runner.run(replace(plan, decode_pos=np.array([1, 1], np.int32), steps=np.ones(2, np.int32)))
-    assert len(sent) == n_first, "unchanged sampling settings were sent again"
-    runner.run(replace(plan, decode_pos=np.array([2, 2], np.int32), temperature=np.array([0.5, 0.0], np.float32)))
-    assert len(sent) == n_first + 1
-    assert first.decode_next.dtype.kind == "i" and first.decode_finite.dtype == bool and again.decode_finite.all()
-    # a greedy row's token at position 0 is the argmax of the engine's logits for that one token
-    assert int(first.decode_next[0]) == int(np.argmax(engine.logits([5])[-1]))
+    steady = [first]
+    for i in range(1, 4):
+        plan = replace(plan, decode_tokens=np.where(plan.decode_active, steady[-1].decode_next, 0).astype(np.int32),
+                       decode_pos=np.array([i, 0], np.int32), steps=np.array([i, 0], np.int32))
+        steady.append(runner.run(plan))
+    assert len(sent) == n_first, f"steady decoding sent {len(sent) - n_first} arrays"
+    runner.run(replace(plan, decode_pos=np.array([4, 0], np.int32), steps=np.array([4, 0], np.int32),
+                       decode_tokens=np.array([9, 0], np.int32), temperature=np.array([0.5, 0.0], np.float32)))
+    assert len(sent) == n_first + 2, "a changed setting and departing rows are sent, once each"
+    engine.backend.to_device = to_device
+    assert first.decode_next.dtype.kind == "i" and first.decode_finite.dtype == bool
+    assert all(r.decode_finite[0] for r in steady)
+    # greedy tokens: the same as the engine API's, which sends its token each call
+    seq = engine.sequence()
+    sp = (np.array([0.0], np.float32), np.array([0], np.int32), np.array([1.0], np.float32),
+          np.array([0.0], np.float32))
+    want, tok = [], 5
+    for step in range(4):
+        tok = seq.decode(tok, sp, np.zeros(2, np.uint32), step)
+        want.append(tok)
+    assert [int(r.decode_next[0]) for r in steady] == want
 
 
 def test_engine_decode_is_one_call_with_settings_sent_once():

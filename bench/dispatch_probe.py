@@ -1,0 +1,145 @@
+"""How much of a decode window is the host's, and what dispatching windows ahead of their results would give.
+
+    python bench/dispatch_probe.py --out OUT.json        # GPU: Qwen3-Next-80B-A3B shapes, int4 experts resident
+    python bench/dispatch_probe.py --smoke               # the same code on a CPU in a minute (tiny shapes)
+
+bench/launch_probe.py's traces (H200, 8 layers) found a one-row window taking ~2.15 ms while the compute stream was
+busy ~0.95 ms of it. Per batch (WindowRunner rows), this times the same compiled decode window called five ways:
+- runner: WindowRunner.run(plan), the server's path, the plan advanced as the scheduler advances steady decoding
+  (the rows stay on the device); runner_resend: the same plan each time (its rows are sent each window);
+- same_rows: the compiled window alone, its rows a device-side copy of one array, result read back each call;
+- fresh_rows: the same with the rows array sent from the host before each call;
+- chained: N calls dispatched back to back, each taking the rows its predecessor returned, one read at the end:
+  the window's rate when the host dispatches ahead of the device (the bound of an asynchronous scheduler);
+- device_put and to_host alone (one [3, S] int32 array each way).
+The window's device time comes from a profiler trace (the compute stream's busy time).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file  # noqa: E402
+
+
+def per_call_ms(fn, n: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return 1000 * (time.perf_counter() - t) / n
+
+
+def probe_batch(engine, batch: int, context: int, n: int) -> dict:
+    import jax
+
+    from strata.engine import SAMPLING
+    from strata.runner import WindowRunner, idle_plan
+    from trace_summary import trace_summary
+    runner = WindowRunner(engine, batch, 16)
+    t = time.perf_counter()
+    runner.warm_up()
+    warm_s = time.perf_counter() - t
+    plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool), decode_pos=np.full(batch, context, np.int32),
+                   decode_tokens=np.arange(batch, dtype=np.int32))
+    r = {"batch": batch, "warm_up_s": warm_s,
+         "runner_resend_ms": per_call_ms(lambda: runner.run(plan), n)}        # the same plan: rows sent each time
+    state = {"plan": plan}
+
+    def advance():          # as the scheduler plans steady decoding: each row's token, position + 1, step + 1
+        p = state["plan"]
+        res = runner.run(p)
+        state["plan"] = replace(p, decode_tokens=res.decode_next, decode_pos=p.decode_pos + 1, steps=p.steps + 1)
+    r["runner_ms"] = per_call_ms(advance, n)
+    e, ops = engine, engine.backend
+    rows_np = np.stack([plan.decode_tokens, plan.decode_pos, plan.steps]).astype(np.int32)        # [3, S]
+    a = runner._args
+    sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
+    stable = (a.get("active", plan.decode_active.astype(np.int32)), *(a.get(k, v) for k, v in zip(SAMPLING, sp)),
+              a.get("seeds", plan.seeds))
+    rows_dev = ops.to_device(rows_np)
+
+    def call(rows):             # rows are donated: each call gets its own copy
+        out, runner.states, _ = runner._decode(e.params, e.expert_args(), runner.states, rows + 0, *stable)
+        return out
+    r["same_rows_ms"] = per_call_ms(lambda: np.asarray(call(rows_dev)), n)
+    def fresh():
+        out, runner.states, _ = runner._decode(e.params, e.expert_args(), runner.states, ops.to_device(rows_np),
+                                               *stable)
+        return np.asarray(out)
+    r["fresh_rows_ms"] = per_call_ms(fresh, n)
+
+
+    def chained():              # the successor's rows as the window returns them (donated: the same buffer)
+        rows = rows_dev + 0
+        for _ in range(n):
+            out, runner.states, rows = runner._decode(e.params, e.expert_args(), runner.states, rows, *stable)
+        return np.asarray(out)
+    chained()
+    t = time.perf_counter()
+    chained()
+    r["chained_ms"] = 1000 * (time.perf_counter() - t) / n
+    r["device_put_ms"] = per_call_ms(lambda: jax.block_until_ready(ops.to_device(rows_np)), n)
+    out = call(rows_dev)
+    r["to_host_ms"] = per_call_ms(lambda: np.asarray(ops.to_host(out + 0)), n)
+    trace = trace_summary(lambda: np.asarray(call(rows_dev)), top=5)
+    gpu = [x for k, x in trace.items() if isinstance(x, dict) and "GPU" in k]
+    busy = max(gpu, key=lambda x: x.get("events", 0)) if gpu else {}
+    r["device_busy_ms"], r["device_events"] = busy.get("busy_ms"), busy.get("events")
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import jax
+    import ml_dtypes
+
+    from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader
+    from strata.backend import get_backend
+    from strata.engine import Engine, EngineOptions
+    from strata.model.config import ModelConfig
+    from strata.model.params import params_from_reader
+    from synthetic_experts import SyntheticStore
+    over = {"num_experts": 16, "vocab_size": 4096} if args.smoke else {}
+    cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=args.layers, **over), source="dispatch probe")
+    backend = get_backend("jax", kernels="auto")
+    params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
+    engine = Engine(cfg, params, backend, EngineOptions(dtype="bfloat16", max_context=args.context + 64, prefill=16,
+                                                        sequences=4, kernels="auto"))
+    n_moe = sum(cfg.is_sparse_layer(i) for i in range(args.layers))
+    engine.attach_experts(SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, n_moe,
+                                         cfg.num_experts), say=lambda line: None)
+    result = {"bench": "dispatch_probe", **results_file.stamp(), "layers": args.layers, "context": args.context,
+              "device": str(jax.devices()[0]), "batches": {}}
+    result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    print(f"XLA_FLAGS={result['xla_flags']!r}")
+    print("| batch | runner ms | runner resend ms | same rows ms | fresh rows ms | chained ms | device busy ms "
+          "| put ms | read ms |")
+    for b in [int(x) for x in args.batches.split(",")]:
+        r = probe_batch(engine, b, args.context, args.windows)
+        result["batches"][b] = r
+        print(f"| {b} | {r['runner_ms']:.3f} | {r['runner_resend_ms']:.3f} | {r['same_rows_ms']:.3f} | "
+              f"{r['fresh_rows_ms']:.3f} | {r['chained_ms']:.3f} | {r['device_busy_ms']} | "
+              f"{r['device_put_ms']:.3f} | {r['to_host_ms']:.3f} |",
+              flush=True)
+    results_file.write(result, args.out, "dispatch_probe" + ("_smoke" if args.smoke else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
