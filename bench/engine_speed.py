@@ -68,9 +68,11 @@ def measure(engine, prompt_len: int, decode_tokens: int, repeat: int) -> dict:
             "decode_s_per_token": t_decode, "decode_tok_s_b1": 1.0 / t_decode}
 
 
-def measure_batched(engine, batch: int, context: int, windows: int) -> float:
+def measure_batched(engine, batch: int, context: int, windows: int, ahead: bool = False) -> float:
     """Seconds per decode window of `batch` rows at position `context`, through the WindowRunner as the server runs
-    them (one compiled window for all rows). The rows' state is whatever warm-up left: timing does not depend on it."""
+    them (one compiled window for all rows), in steady decoding as the scheduler plans it (token, position + 1,
+    step + 1). ahead: each window is dispatched before the last one is read, as the scheduler's lookahead does.
+    The rows' state is whatever warm-up left: timing does not depend on it."""
     from dataclasses import replace
 
     from strata.runner import WindowRunner, idle_plan
@@ -78,12 +80,19 @@ def measure_batched(engine, batch: int, context: int, windows: int) -> float:
     runner.warm_up()
     plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool),
                    decode_pos=np.full(batch, context, np.int32))
-    tokens = np.arange(batch, dtype=np.int32)
-    tokens = runner.run(replace(plan, decode_tokens=tokens)).decode_next
+    tokens = runner.run(replace(plan, decode_tokens=np.arange(batch, dtype=np.int32))).decode_next
+    step = lambda i, tok: replace(plan, decode_tokens=tok, decode_pos=plan.decode_pos + i,  # noqa: E731
+                                  steps=plan.steps + i)
     t = time.perf_counter()
-    for i in range(1, windows + 1):       # steady decoding as the scheduler plans it: token, position + 1, step + 1
-        tokens = runner.run(replace(plan, decode_tokens=tokens, decode_pos=plan.decode_pos + i,
-                                    steps=plan.steps + i)).decode_next
+    if ahead:
+        w = runner.dispatch(step(1, tokens))
+        for i in range(2, windows + 2):
+            w_next = runner.dispatch(step(i, np.full(batch, -1, np.int32)), after=w) if i <= windows else None
+            runner.collect(w)
+            w = w_next
+    else:
+        for i in range(1, windows + 1):
+            tokens = runner.run(step(i, tokens)).decode_next
     return (time.perf_counter() - t) / windows
 
 
@@ -185,19 +194,22 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         r = measure(engine, prompt_len, decode_tokens, repeat)
         for b in BATCHES:
             r[f"decode_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens)
+            r[f"decode_ahead_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens, ahead=True)
         r["build_s"] = build_s
         r.update(decode_bytes_per_token(cfg, params, prompt_len, store.layout.nbytes, engine.kv_dtype))
         out["layers"][n] = r
         if partial is not None:
             partial(out)
         print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode (engine API) {r['decode_tok_s_b1']:.2f} tok/s, "
-              + ", ".join(f"b{b} {1000 * r[f'decode_s_per_window_b{b}']:.1f} ms/window" for b in BATCHES),
+              + ", ".join(f"b{b} {1000 * r[f'decode_s_per_window_b{b}']:.1f} "
+                          f"(ahead {1000 * r[f'decode_ahead_s_per_window_b{b}']:.1f}) ms/window" for b in BATCHES),
               flush=True)
         del engine, params
     # least squares over the layer counts: time = fixed + layers x per_layer (two points alone are at the mercy of noise)
     ns = np.array(sorted(out["layers"]), float)
     fits = [("prompt_s", "prompt"), ("decode_s_per_token", "decode_engine_api")]
     fits += [(f"decode_s_per_window_b{b}", f"decode_b{b}") for b in BATCHES]
+    fits += [(f"decode_ahead_s_per_window_b{b}", f"decode_ahead_b{b}") for b in BATCHES]
     for key, per in fits:
         ts = np.array([out["layers"][int(n)][key] for n in ns])
         # one layer count: the time scaled in proportion (exact when that count is 48)
@@ -211,6 +223,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
     out["decode_engine_api_tok_s_b1_48_layers"] = 1.0 / out["decode_engine_api_s_48_layers"]
     for batch in BATCHES:
         out[f"decode_tok_s_b{batch}_48_layers"] = batch / out[f"decode_b{batch}_s_48_layers"]
+        out[f"decode_ahead_tok_s_b{batch}_48_layers"] = batch / out[f"decode_ahead_b{batch}_s_48_layers"]
     bytes_tok = b["bytes_per_token_48_layers"]
     out["decode_roofline_tok_s"] = out["hbm_bytes_per_s"] / bytes_tok
     out["decode_fraction_of_roofline"] = out["decode_tok_s_b1_48_layers"] / out["decode_roofline_tok_s"]
@@ -252,7 +265,8 @@ def main() -> int:
               f"| HBM read+write | {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s |\n"
               f"| prompt {prompt} tok, 48 layers (scaled) | {result['prompt_tok_s_48_layers']:.0f} tok/s |\n"
               f"| decode b1, engine API, 48 layers (scaled) | {result['decode_engine_api_tok_s_b1_48_layers']:.2f} tok/s |\n"
-              + "".join(f"| decode b{b}, 48 layers (scaled) | {result[f'decode_tok_s_b{b}_48_layers']:.2f} tok/s |\n"
+              + "".join(f"| decode b{b}, 48 layers (scaled) | {result[f'decode_tok_s_b{b}_48_layers']:.2f} tok/s "
+                        f"(dispatched ahead {result[f'decode_ahead_tok_s_b{b}_48_layers']:.2f}) |\n"
                         for b in BATCHES) +
               f"| decode bytes/token, 48 layers | {result['layers'][max(result['layers'])]['bytes_per_token_48_layers'] / 1e9:.3f} GB |\n"
               f"| decode roofline | {result['decode_roofline_tok_s']:.0f} tok/s |\n"

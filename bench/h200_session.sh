@@ -5,6 +5,7 @@
 #                                        # bench/transformers_speed.py (the peer) at the same shapes
 #   bash bench/h200_session.sh probe     # bench/launch_probe.py: where a decode token's time goes (traces, XLA flags)
 #   bash bench/h200_session.sh offload   # bench/offload_speed.py, uniform routing, decode at batch 1 and 4
+#   bash bench/h200_session.sh dispatch  # bench/dispatch_probe.py: a window's host and device time, batch 1 and 4
 # Copy what comes back into bench/results/ and run python bench/summary.py.
 set -u
 OUT=${OUT:-out}
@@ -33,8 +34,12 @@ case "${1:-}" in
     timeout 540 python3 bench/offload_speed.py --runs uniform --batches 1,4 --prompts "" \
       --out "$OUT/offload_speed_h200_int4.json" 2>&1 | grep -vi warning | tail -20
     ;;
+  dispatch)
+    timeout 200 python3 bench/dispatch_probe.py --batches 1,4 --out "$OUT/dispatch_probe_h200.json" 2>&1 \
+      | grep -E "^\||wrote|Error"
+    ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|engine|probe|offload" >&2
+    echo "usage: bash bench/h200_session.sh kernels|engine|probe|offload|dispatch" >&2
     exit 2
     ;;
 esac

@@ -91,6 +91,8 @@ SERVE_FLAGS = {
     "vram_reserve_mib": (int, "device memory the memory plan leaves untouched (default 0)"),
     "miss_policy": (str, "decode misses: fetch (default: copy into a slot) | cpu (compute on the CPU)"),
     "prefill_borrow": (bool, "prompt parts stream experts through borrowed cache slots (default on)"),
+    "lookahead": (bool, "steady decoding dispatches the next window before the last one's tokens are read "
+                        "(default on; every expert resident, jax)"),
     "window_fetch": (bool, "decode windows copy their misses from pinned host memory themselves, in one compiled "
                            "function (default on; off: layer by layer)"),
     "adapt_every": (int, "windows between adaptive expert swaps (default 1; 0 = off)"),

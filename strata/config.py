@@ -37,6 +37,7 @@ class ServeConfig:
     prefill: int = 512                   # prompt part size: prompts are read in parts of at most this many tokens
     max_context: int = 32768             # tokens of one sequence: prompt + generated
     queue_limit: int = 16                # requests waiting for a slot; beyond it: 503 with Retry-After
+    lookahead: bool = True               # steady decoding dispatches the next window before reading this one
     max_body_bytes: int = 16 * 1024 * 1024  # request bodies larger than this get 413
     api_key: str | None = None           # when set, every route but /health needs `Authorization: Bearer KEY`
     backend: str = "jax"                 # jax | sycl | auto
@@ -136,6 +137,7 @@ _RULES: dict[str, tuple[str, Any, str]] = {
     "vram_reserve_mib": _int_range(0, 1 << 24),
     "miss_policy": _choice(MISS_POLICIES),
     "prefill_borrow": _bool(),
+    "lookahead": _bool(),
     "window_fetch": _bool(),
     "adapt_every": _int_range(0, 1 << 20),
     "adapt_swaps": _int_range(0, 1 << 20),

@@ -25,7 +25,7 @@ dispatched back to back without reads ran at ~1.0 ms each.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -88,57 +88,67 @@ class WindowRunner:
             st.hits = st.misses = st.cpu_routes = st.window_copies = 0
         return time.perf_counter() - t
 
+    @property
+    def chains(self) -> bool:
+        """Whether a decode window can be dispatched before its predecessor is read (dispatch(plan, after=...)):
+        every expert resident (one compiled window, nothing decided on the host between layers), compiled backend."""
+        return self.engine.fused and not self.engine.backend.eager
+
     def run(self, plan: WindowPlan) -> WindowResult:
+        return self.collect(self.dispatch(plan))
+
+    def dispatch(self, plan: WindowPlan, after: "Window | None" = None) -> "Window":
+        """Start a window; collect() reads its result. With `after` (a decode-only window dispatched last and not
+        yet continued), plan continues it (scheduler: plan_continuation): its rows are the ones `after` computes on
+        the device, so it is dispatched before `after`'s tokens reach the host. Windows are collected in order."""
         e = self.engine
         sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
-        t0 = time.perf_counter()
-        decode_next = np.zeros(self.n_slots, np.int32)
-        decode_finite = np.ones(self.n_slots, bool)
+        w = Window(plan, time.perf_counter())
         fetching = bool(plan.n_decode) and not e.fused and e.experts.window_fetch    # the decode copies its misses
+        if after is not None:
+            _check_continues(after, plan, self.chains)
         if not fetching:
             self._between_windows()
         if plan.n_decode:
             pos = np.where(plan.decode_active, plan.decode_pos, self.scratch_pos).astype(np.int32)
-            active = plan.decode_active.astype(np.int32)
+            w.active = active = plan.decode_active.astype(np.int32)
             if e.fused or fetching:
-                rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos,
-                                 np.asarray(plan.steps, np.int32)])                           # [3, S]
                 a = self._args
                 stable = (a.get("active", active), *(a.get(k, v) for k, v in zip(SAMPLING, sp)),
                           a.get("seeds", plan.seeds))
-                # an eager backend reads the rows on the host; a compiled window takes its predecessor's (donated)
-                rows_in = rows if e.backend.eager else a.take("rows", rows)
+                if after is not None:            # the predecessor's rows, still on the device (donated to this one)
+                    rows_in, after.rows_next, after.successor = after.rows_next, None, w
+                else:
+                    w.rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos,
+                                       np.asarray(plan.steps, np.int32)])                     # [3, S]
+                    # an eager backend reads the rows on the host; a compiled window takes the rows its
+                    # predecessor computed (donated) when they are these
+                    rows_in = w.rows if e.backend.eager else a.take("rows", w.rows)
                 if e.fused:
-                    out, self.states, rows_next = self._decode(e.params, e.expert_args(), self.states, rows_in,
-                                                               *stable)
-                    e.backend.start_to_host(out)
+                    w.out, self.states, w.rows_next = self._decode(e.params, e.expert_args(), self.states, rows_in,
+                                                                   *stable)
+                    e.backend.start_to_host(w.out)
                 else:
                     args, table = e.experts.fetch_args()
-                    out, self.states, counts, copied, rows_next = self._decode_fetch(e.params, args, self.states,
-                                                                                     rows_in, *stable)
-                    e.backend.start_to_host(out)
+                    w.out, self.states, counts, copied, w.rows_next = self._decode_fetch(
+                        e.params, args, self.states, rows_in, *stable)
+                    e.backend.start_to_host(w.out)
                     # the last window's refills and swaps, on the host while the device runs this one (their
                     # copies queue behind it; this window holds the pool and table it was given, by value)
                     self._between_windows()
                     e.experts.record_window(table, np.asarray(e.backend.to_host(counts)),
                                             np.asarray(e.backend.to_host(copied)))
-                out = np.asarray(e.backend.to_host(out))                                     # [2, S]
-                decode_next, decode_finite = out[0], out[1].astype(bool)
-                if not e.backend.eager:
-                    a.known("rows", _rows_after(np, rows, decode_next, active), rows_next)
             else:
                 logits, self.states = e.stepped.rows(e.params, self.states, plan.decode_tokens, pos, active)
                 nxt, fin = self._sample(logits, *sp, plan.seeds, plan.steps)
-                decode_next, decode_finite = e.backend.to_host(nxt), e.backend.to_host(fin)
-        t1 = time.perf_counter()
-        part_next = part_finite = None
+                w.decode_read = (np.asarray(e.backend.to_host(nxt)), np.asarray(e.backend.to_host(fin)))
         if plan.part is not None:
             p = plan.part
             n = len(p.tokens)
             padded = np.zeros(bucket_for(n), np.int32)
             padded[:n] = p.tokens
             i = p.slot
-            one = [a[i:i + 1] for a in sp]
+            one = [x[i:i + 1] for x in sp]
             if e.fused:
                 nxt, fin, self.states = self._part(e.params, e.expert_args(), self.states, np.int32(i), padded,
                                                    np.int32(p.start), np.int32(n), *one, plan.seeds[i],
@@ -146,17 +156,74 @@ class WindowRunner:
             else:
                 logits, self.states = e.stepped.slot_part(e.params, self.states, i, padded, p.start, n)
                 nxt, fin = self._sample(logits, *one, plan.seeds[i:i + 1], plan.steps[i:i + 1])
-            to_host = e.backend.to_host
-            part_next = int(np.asarray(to_host(nxt)).reshape(-1)[0])
-            part_finite = bool(np.asarray(to_host(fin)).reshape(-1)[0])
+            w.part_out = (nxt, fin)
         self.windows += 1
         if e.experts is not None:
             if e.fused:     # every expert resident: every route of the window's real rows was a hit
                 rows = plan.n_decode + (len(plan.part.tokens) if plan.part is not None else 0)
                 e.experts.cache.stats.hits += rows * e.cfg.num_experts_per_tok * e.experts.cache.n_layers
             self._pending_between = True
+        return w
+
+    def collect(self, w: "Window") -> WindowResult:
+        """Wait for a dispatched window and read its result (the decode rows' first, then the part's)."""
+        e, to_host = self.engine, self.engine.backend.to_host
+        decode_next = np.zeros(self.n_slots, np.int32)
+        decode_finite = np.ones(self.n_slots, bool)
+        if w.out is not None:
+            if w.rows is None:
+                raise RuntimeError("a continuing window was collected before the window it continues")
+            out = np.asarray(to_host(w.out))                                                 # [2, S]
+            decode_next, decode_finite = out[0], out[1].astype(bool)
+            if not e.backend.eager:
+                after = _rows_after(np, w.rows, decode_next, w.active)       # what w.rows_next holds
+                if w.rows_next is not None:
+                    self._args.known("rows", after, w.rows_next)
+                if w.successor is not None:
+                    w.successor.rows = after
+        elif w.decode_read is not None:
+            decode_next, decode_finite = w.decode_read
+        t1 = time.perf_counter()
+        part_next = part_finite = None
+        if w.part_out is not None:
+            nxt, fin = w.part_out
+            part_next = int(np.asarray(to_host(nxt)).reshape(-1)[0])
+            part_finite = bool(np.asarray(to_host(fin)).reshape(-1)[0])
         t2 = time.perf_counter()
-        return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - t0, t2 - t1)
+        # a window is timed from its dispatch: for a continuing one that includes its predecessor's device time
+        return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - w.t0, t2 - t1)
+
+
+@dataclass(eq=False)
+class Window:
+    """A dispatched window, not yet read back (WindowRunner.dispatch -> collect)."""
+    plan: WindowPlan
+    t0: float                            # when it was dispatched (perf_counter)
+    active: np.ndarray | None = None     # [S] int32
+    rows: np.ndarray | None = None       # [3, S] its rows on the host; a continuing window's, once its
+                                         # predecessor is collected
+    out: object = None                   # device int32 [2, S]: next tokens, finite (compiled decode rows)
+    rows_next: object = None             # device int32 [3, S]: the rows of a window continuing this one; None once
+                                         # a continuing window took them
+    successor: "Window | None" = None    # the window that continues this one
+    decode_read: tuple | None = None     # (next [S], finite [S]) already on the host (layer-by-layer decode)
+    part_out: tuple | None = None        # device (next, finite) of the prompt part
+
+
+def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
+    """plan may continue prev (its decode rows are the ones prev computes on the device): the same active rows, each
+    one position and one step on, no prompt part, prev decode-only and not continued yet."""
+    if not chains:
+        raise ValueError("this runner cannot continue a window before reading it (experts not all resident, or an "
+                         "eager backend)")
+    if prev.plan.part is not None or plan.part is not None or prev.out is None or prev.rows_next is None:
+        raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
+    on = prev.plan.decode_active
+    if not np.array_equal(on, plan.decode_active):
+        raise ValueError("a continuing plan must decode the same rows as the window it continues")
+    if not (np.array_equal(plan.decode_pos[on], prev.plan.decode_pos[on] + 1)
+            and np.array_equal(plan.steps[on], prev.plan.steps[on] + 1)):
+        raise ValueError("a continuing plan's rows must be one position and one step past the window it continues")
 
 
 def idle_plan(n_slots: int) -> WindowPlan:

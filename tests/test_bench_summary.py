@@ -16,9 +16,9 @@ sys.modules["bench_summary"] = summary            # dataclasses look their modul
 spec.loader.exec_module(summary)
 
 
-def _engine(date, commit, prompt, decode, tok_s):
+def _engine(date, commit, prompt, decode, tok_s, layers=("4", "8")):
     return {"bench": "engine_speed_real_shapes", "machine": "gpu:test", "date": date, "commit": commit,
-            "layers": {"4": {"prompt_tokens": prompt}}, "decode_tok_s_b1_48_layers": decode,
+            "layers": {n: {"prompt_tokens": prompt} for n in layers}, "decode_tok_s_b1_48_layers": decode,
             "prompt_tok_s_48_layers": tok_s}
 
 
@@ -31,6 +31,8 @@ def test_newest_measurement_wins_and_files_that_cannot_hold_a_key_are_ignored(tm
     _write(tmp_path, "new_4k.json", _engine("2026-11-02T00:00:00", "bbb", 4096, 120.0, 6000.0))
     _write(tmp_path, "k32.json", _engine("2026-11-03T00:00:00", "ccc", 32768, 90.0, 4000.0))
     _write(tmp_path, "x_smoke.json", _engine("2026-11-09T00:00:00", "ddd", 4096, 1.0, 1.0))
+    # one layer count short of 48, scaled in proportion: a spot check, never a headline
+    _write(tmp_path, "spot_8.json", _engine("2026-11-09T00:00:00", "fff", 4096, 2.0, 2.0, layers=("8",)))
     offload = {"bench": "offload_speed", "machine": "gpu:test", "commit": "eee",
                "runs": {"uniform": {"decode": {"b1": {"tok_s": 4.9}}}}}
     _write(tmp_path, "layer_by_layer.json", dict(offload, date="2026-11-05T00:00:00", window_fetch=False))

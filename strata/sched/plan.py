@@ -21,7 +21,8 @@ class PromptPart:
 @dataclass(frozen=True)
 class WindowPlan:
     decode_active: np.ndarray    # [S] bool
-    decode_tokens: np.ndarray    # [S] int32: the token each active row feeds
+    decode_tokens: np.ndarray    # [S] int32: the token each active row feeds (-1 in a plan that continues a window
+                                 # dispatched before it was read: the token that window samples, on the device)
     decode_pos: np.ndarray       # [S] int32: its position
     temperature: np.ndarray      # [S] float32
     top_k: np.ndarray            # [S] int32

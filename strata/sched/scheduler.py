@@ -3,7 +3,12 @@
 One engine task owns the device. Each window holds one decode row per generating slot and at most one prompt part
 (of up to `prefill` tokens) of the earliest-admitted slot still reading its prompt: a long prompt is read in parts
 while the other slots keep decoding. Device work runs in a worker thread, so the event loop (and /health, /slots)
-stays responsive. The next window is dispatched before the previous window's text is sent to its clients.
+stays responsive. The next window is dispatched before the previous window's text is sent to its clients, and in
+steady decoding (lookahead: nothing to read, nobody waiting, every expert resident) before the previous window's
+tokens are even read: the next window continues its rows on the device (WindowRunner.dispatch(plan, after=...)).
+A slot whose request ended on the previous window's token is then computed one token further and that result is
+dropped, so a slot's device state may run one token past its request's end: whatever snapshots a slot's state (the
+prompt cache's checkpoints, a later issue) must take it from a window applied to a live request.
 
 Slots are explicit states: FREE -> READING (prompt parts) -> GENERATING -> FREE. Every request ends with exactly one
 Finished or Failed event: a window that raises fails the requests in it (and only those), a non-finite row fails its
@@ -17,7 +22,7 @@ import math
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 import numpy as np
@@ -63,12 +68,15 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, engine, *, parallel: int, prefill: int, max_context: int, queue_limit: int):
+    def __init__(self, engine, *, parallel: int, prefill: int, max_context: int, queue_limit: int,
+                 lookahead: bool = True):
         if max_context > engine.options.max_context:
             raise ValueError(f"max_context {max_context} exceeds the engine's {engine.options.max_context}")
         self.engine, self.max_context, self.queue_limit = engine, max_context, queue_limit
         self.prefill = prefill
         self.runner = WindowRunner(engine, parallel, prefill)
+        # steady decoding dispatches the next window before reading this one (plan_continuation)
+        self.lookahead = lookahead and self.runner.chains
         self.slots_ = [Slot(i) for i in range(parallel)]
         self.queue: deque[tuple[Request, object]] = deque()
         self.cancelled: set[str] = set()
@@ -79,7 +87,7 @@ class Scheduler:
         # text) and handoff (to the worker thread and back) are measured apart; the rest is the event loop's other
         # work (HTTP) running before the scheduler resumes.
         self.stats = {"requests_finished": 0, "requests_failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "windows": 0, "window_seconds_sum": 0.0, "device_seconds_sum": 0.0,
+                      "windows": 0, "windows_ahead": 0, "window_seconds_sum": 0.0, "device_seconds_sum": 0.0,
                       "plan_seconds_sum": 0.0, "apply_seconds_sum": 0.0, "handoff_seconds_sum": 0.0}
         self._recent: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens generated, seconds) per window
         self._pending: list[tuple[object, list]] = []                 # ended requests' streams and last events
@@ -136,35 +144,74 @@ class Scheduler:
                 _send(send, Failed("the server is shutting down", 503))
 
     async def _loop(self):
+        ahead = None                              # (plan, window) dispatched ahead and not yet read
         while True:
             t0 = time.perf_counter()
-            self._drop_cancelled()
-            self._admit()
-            plan = self._plan()
-            if plan is None:
-                self._send_pending()
-                await self._wake.wait()
-                self._wake = anyio.Event()
-                continue
+            if ahead is None:
+                self._drop_cancelled()
+                self._admit()
+                plan, window = self._plan(), None
+                if plan is None:
+                    self._send_pending()
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
+                    continue
+            else:
+                plan, window = ahead
+            following = self._continuation(plan)
             box: dict = {}
             t1 = time.perf_counter()
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._run_window, plan, box)
+                tg.start_soon(self._run_window, plan, window, following, box)
                 self._send_pending()              # the previous window's text, while this one runs
             t2 = time.perf_counter()
             self._apply(plan, box)
+            ahead = (following, box["following"]) if box.get("following") is not None else None
             t3 = time.perf_counter()
             self.stats["window_seconds_sum"] += t3 - t0
             self.stats["plan_seconds_sum"] += t1 - t0
             self.stats["apply_seconds_sum"] += t3 - t2
 
-    async def _run_window(self, plan: WindowPlan, box: dict):
+    async def _run_window(self, plan: WindowPlan, window, following: WindowPlan | None, box: dict):
+        """Run plan (already dispatched when window is given) and, when following is given, dispatch it before
+        reading plan's result: box["following"] is its window, which the next turn of the loop reads."""
         t = time.perf_counter()
+
+        def work():
+            w = window if window is not None else self.runner.dispatch(plan)
+            if following is not None:
+                try:
+                    box["following"] = self.runner.dispatch(following, after=w)
+                    self.stats["windows_ahead"] += 1
+                except Exception as exc:           # noqa: BLE001 - planned afresh next turn instead
+                    log.warning(f"strata batch: a window could not be dispatched ahead ({type(exc).__name__}: "
+                                f"{exc}); the next one is planned after this one's tokens")
+            return self.runner.collect(w)
         try:
-            box["result"] = await anyio.to_thread.run_sync(self.runner.run, plan)
+            box["result"] = await anyio.to_thread.run_sync(work)
         except Exception as exc:                  # noqa: BLE001 - a failed window fails its requests, not the server
             box["error"] = exc
+            box.pop("following", None)            # it continued the failed window: its rows are the failed ones'
         box["seconds"] = time.perf_counter() - t
+
+    def _continuation(self, plan: WindowPlan) -> WindowPlan | None:
+        """The window after plan when nothing can change between them but the tokens, which stay on the device:
+        every generating slot is in plan, none can end by length after plan's token, no prompt part, no request
+        waiting or cancelled. A row that ends on plan's token (a stop token or string) is computed once more and
+        its result dropped (its slot is free by then; a new sequence clears the state). Otherwise None."""
+        if not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled:
+            return None
+        for s in self.slots_:
+            if s.state is SlotState.READING or (plan.decode_active[s.id] and s.state is not SlotState.GENERATING):
+                return None                       # a prompt to read, or a row whose request ended
+            if s.state is SlotState.GENERATING and (
+                    not plan.decode_active[s.id] or s.generated + 1 >= s.req.max_tokens
+                    or s.pos + 2 >= self.max_context):
+                return None
+        on = plan.decode_active
+        return replace(plan, decode_tokens=np.where(on, -1, 0).astype(np.int32),
+                       decode_pos=np.where(on, plan.decode_pos + 1, plan.decode_pos).astype(np.int32),
+                       steps=np.where(on, plan.steps + 1, plan.steps).astype(np.int32))
 
     # --- admission and cancellation
     def _admit(self):

@@ -74,6 +74,8 @@ class _SchedulerCollector:
             ("prompt_tokens", "strata_prompt_tokens", "Prompt tokens read"),
             ("generated_tokens", "strata_generated_tokens", "Tokens generated"),
             ("windows", "strata_windows", "Scheduler windows run"),
+            ("windows_ahead", "strata_windows_ahead",
+             "Decode windows dispatched before the previous window's tokens were read"),
             ("device_seconds_sum", "strata_window_device_seconds", "Device time inside the scheduler's windows"),
             ("plan_seconds_sum", "strata_window_plan_seconds", "Scheduler time planning windows"),
             ("apply_seconds_sum", "strata_window_apply_seconds", "Scheduler time applying window results and text"),

@@ -122,7 +122,8 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
                  (time.perf_counter() - t0) * 1000, engine.cfg.model_type, engine.cfg.num_layers,
                  engine.cfg.num_experts, engine.dtype)
         scheduler = Scheduler(engine, parallel=config.parallel, prefill=config.prefill,
-                              max_context=config.max_context, queue_limit=config.queue_limit)
+                              max_context=config.max_context, queue_limit=config.queue_limit,
+                              lookahead=config.lookahead)
         failed = []
 
         def on_scheduler_exit():

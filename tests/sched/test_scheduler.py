@@ -33,9 +33,10 @@ async def _collect(receive):
     return text, final
 
 
-def _run(engine, requests, parallel, prefill, concurrent=True):
+def _run(engine, requests, parallel, prefill, concurrent=True, lookahead=True):
     """Serve `requests` (all at once, or one after another) -> {id: (text, final event)}."""
-    sched = Scheduler(engine, parallel=parallel, prefill=prefill, max_context=2048, queue_limit=16)
+    sched = Scheduler(engine, parallel=parallel, prefill=prefill, max_context=2048, queue_limit=16,
+                      lookahead=lookahead)
     results = {}
 
     async def main():
