@@ -99,7 +99,7 @@ class WindowRunner:
 
     def dispatch(self, plan: WindowPlan, after: "Window | None" = None) -> "Window":
         """Start a window; collect() reads its result. With `after` (a decode-only window dispatched last and not
-        yet continued), plan continues it (scheduler: plan_continuation): its rows are the ones `after` computes on
+        yet continued), plan continues it (Scheduler._continuation): its rows are the ones `after` computes on
         the device, so it is dispatched before `after`'s tokens reach the host. Windows are collected in order."""
         e = self.engine
         sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
