@@ -322,6 +322,10 @@ def main() -> int:
            "gated_delta": gated_delta, "pool_over_4gib": pool_over_4gib}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}
+    unknown = [n for n in args.only.split(",") if n not in fns]
+    if unknown:
+        ap.error(f"--only: unknown kernel families {unknown}; allowed: {', '.join(fns)}")
+    out_name = "kernel_speed_smoke" if args.smoke else f"kernel_speed_{jax.devices()[0].platform}"
     for name in args.only.split(","):
         if shapes.get(name) is None:
             continue                                       # not in this mode (the 4 GiB pool: the GPU only)
@@ -330,8 +334,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - one kernel failing to compile must not lose the others' figures
             print(f"{name}: FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
             result[name] = {"error": f"{type(e).__name__}: {str(e)[:4000]}"}
-    name = "kernel_speed_smoke" if args.smoke else f"kernel_speed_{jax.devices()[0].platform}"
-    results_file.write(result, args.out, name)
+        results_file.write(result, args.out, out_name)     # after each family: a run cut short keeps its figures
     return 0
 
 
