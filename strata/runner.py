@@ -117,7 +117,7 @@ class WindowRunner:
                 stable = (a.get("active", active), *(a.get(k, v) for k, v in zip(SAMPLING, sp)),
                           a.get("seeds", plan.seeds))
                 if after is not None:            # the predecessor's rows, still on the device (donated to this one)
-                    rows_in, after.rows_next, after.successor = after.rows_next, None, w
+                    rows_in, after.rows_next, after.successor, w.continues = after.rows_next, None, w, True
                 else:
                     w.rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos,
                                        np.asarray(plan.steps, np.int32)])                     # [3, S]
@@ -167,6 +167,7 @@ class WindowRunner:
 
     def collect(self, w: "Window") -> WindowResult:
         """Wait for a dispatched window and read its result (the decode rows' first, then the part's)."""
+        t_collect = time.perf_counter()
         e, to_host = self.engine, self.engine.backend.to_host
         decode_next = np.zeros(self.n_slots, np.int32)
         decode_finite = np.ones(self.n_slots, bool)
@@ -190,8 +191,10 @@ class WindowRunner:
             part_next = int(np.asarray(to_host(nxt)).reshape(-1)[0])
             part_finite = bool(np.asarray(to_host(fin)).reshape(-1)[0])
         t2 = time.perf_counter()
-        # a window is timed from its dispatch: for a continuing one that includes its predecessor's device time
-        return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - w.t0, t2 - t1)
+        # a window is timed from its dispatch; one that continues another from this collect() on, since its
+        # dispatch came before its predecessor's result (and is the host's time of that window's turn)
+        start = t_collect if w.continues else w.t0
+        return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - start, t2 - t1)
 
 
 @dataclass(eq=False)
@@ -206,6 +209,7 @@ class Window:
     rows_next: object = None             # device int32 [3, S]: the rows of a window continuing this one; None once
                                          # a continuing window took them
     successor: "Window | None" = None    # the window that continues this one
+    continues: bool = False              # dispatched to continue another (dispatch(plan, after=...))
     decode_read: tuple | None = None     # (next [S], finite [S]) already on the host (layer-by-layer decode)
     part_out: tuple | None = None        # device (next, finite) of the prompt part
 
