@@ -77,9 +77,10 @@ def measure_batched(engine, batch: int, context: int, windows: int, ahead: bool 
 
     from strata.runner import WindowRunner, idle_plan
     runner = WindowRunner(engine, batch, 16)
-    runner.warm_up()
     plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool),
                    decode_pos=np.full(batch, context, np.int32))
+    # the first window compiles the decode (warm_up() would also compile the prompt-part buckets, unused here: at
+    # real shapes each compilation costs seconds per layer, which kept runs of 12 and more layers past their limit)
     tokens = runner.run(replace(plan, decode_tokens=np.arange(batch, dtype=np.int32))).decode_next
     step = lambda i, tok: replace(plan, decode_tokens=tok, decode_pos=plan.decode_pos + i,  # noqa: E731
                                   steps=plan.steps + i)
