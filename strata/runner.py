@@ -132,7 +132,7 @@ class WindowRunner:
                     args, table = e.experts.fetch_args()
                     w.out, self.states, counts, copied, w.rows_next = self._decode_fetch(
                         e.params, args, self.states, rows_in, *stable)
-                    e.backend.start_to_host(w.out)
+                    e.backend.start_to_host(w.out)      # before the host's cache work below
                     # the last window's refills and swaps, on the host while the device runs this one (their
                     # copies queue behind it; this window holds the pool and table it was given, by value)
                     self._between_windows()
@@ -222,11 +222,11 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
                          "eager backend)")
     if prev.plan.part is not None or plan.part is not None or prev.out is None or prev.rows_next is None:
         raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
-    on = prev.plan.decode_active
+    on, want = prev.plan.decode_active, prev.plan.continued()
     if not np.array_equal(on, plan.decode_active):
         raise ValueError("a continuing plan must decode the same rows as the window it continues")
-    if not (np.array_equal(plan.decode_pos[on], prev.plan.decode_pos[on] + 1)
-            and np.array_equal(plan.steps[on], prev.plan.steps[on] + 1)):
+    if not (np.array_equal(plan.decode_pos[on], want.decode_pos[on])
+            and np.array_equal(plan.steps[on], want.steps[on])):
         raise ValueError("a continuing plan's rows must be one position and one step past the window it continues")
 
 

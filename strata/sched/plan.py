@@ -5,7 +5,7 @@ and at most one prompt part. Every slot's sampling parameters ride along in [S] 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +39,15 @@ class WindowPlan:
     @property
     def tokens(self) -> int:
         return self.n_decode + (len(self.part.tokens) if self.part else 0)
+
+    def continued(self) -> "WindowPlan":
+        """The plan of the window that continues every active row of this one, dispatched before this one is read:
+        each row one position and one step on, its token -1 (the one this window samples, kept on the device); no
+        prompt part. (WindowRunner.dispatch(plan, after=...) checks a continuing plan against it.)"""
+        on = self.decode_active
+        return replace(self, decode_tokens=np.where(on, -1, 0).astype(np.int32),
+                       decode_pos=np.where(on, self.decode_pos + 1, self.decode_pos).astype(np.int32),
+                       steps=np.where(on, self.steps + 1, self.steps).astype(np.int32), part=None)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import math
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import anyio
 import numpy as np
@@ -75,7 +75,7 @@ class Scheduler:
         self.engine, self.max_context, self.queue_limit = engine, max_context, queue_limit
         self.prefill = prefill
         self.runner = WindowRunner(engine, parallel, prefill)
-        # steady decoding dispatches the next window before reading this one (plan_continuation)
+        # steady decoding dispatches the next window before reading this one (_continuation)
         self.lookahead = lookahead and self.runner.chains
         self.slots_ = [Slot(i) for i in range(parallel)]
         self.queue: deque[tuple[Request, object]] = deque()
@@ -208,10 +208,7 @@ class Scheduler:
                     not plan.decode_active[s.id] or s.generated + 1 >= s.req.max_tokens
                     or s.pos + 2 >= self.max_context):
                 return None
-        on = plan.decode_active
-        return replace(plan, decode_tokens=np.where(on, -1, 0).astype(np.int32),
-                       decode_pos=np.where(on, plan.decode_pos + 1, plan.decode_pos).astype(np.int32),
-                       steps=np.where(on, plan.steps + 1, plan.steps).astype(np.int32))
+        return plan.continued()
 
     # --- admission and cancellation
     def _admit(self):

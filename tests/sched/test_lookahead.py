@@ -20,12 +20,12 @@ def engine():
 
 
 def _steady(plan, res=None):
-    """The plan after `plan` in steady decoding: each active row's token (from res, or -1: on the device), its
-    position and step one on."""
-    on = plan.decode_active
-    tokens = np.where(on, res.decode_next if res is not None else -1, 0).astype(np.int32)
-    return replace(plan, decode_tokens=tokens, decode_pos=np.where(on, plan.decode_pos + 1, 0).astype(np.int32),
-                   steps=np.where(on, plan.steps + 1, 0).astype(np.int32))
+    """The plan after `plan` in steady decoding (WindowPlan.continued): each active row's token from res, or -1 (on
+    the device), its position and step one on."""
+    nxt = plan.continued()
+    if res is None:
+        return nxt
+    return replace(nxt, decode_tokens=np.where(plan.decode_active, res.decode_next, 0).astype(np.int32))
 
 
 def test_windows_dispatched_ahead_give_the_tokens_of_windows_run_one_by_one(engine):
