@@ -8,6 +8,8 @@
 #   bash bench/h200_session.sh probe     # bench/launch_probe.py: where a decode token's time goes (traces, XLA flags)
 #   bash bench/h200_session.sh offload   # bench/offload_speed.py, uniform routing, decode at batch 1 and 4
 #   bash bench/h200_session.sh dispatch  # bench/dispatch_probe.py: a window's host and device time, batch 1 and 4
+#   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
+#                                        # part of the layer, against each part's floor (4 layers)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
 set -u
 OUT=${OUT:-out}
@@ -46,8 +48,12 @@ case "${1:-}" in
     timeout 200 python3 bench/dispatch_probe.py --batches 1,4 --out "$OUT/dispatch_probe_h200.json" 2>&1 \
       | grep -E "^\||wrote|Error"
     ;;
+  scopes)
+    timeout 300 python3 bench/prompt_probe.py --layers 4 --out "$OUT/prompt_probe_h200.json" 2>&1 \
+      | grep -E "^\||^prompt|^decode|unmatched|wrote|Error"
+    ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|kernel-tests|engine|engine-xla|probe|offload|dispatch" >&2
+    echo "usage: bash bench/h200_session.sh kernels|kernel-tests|engine|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

@@ -26,9 +26,10 @@ def _busy_ms(intervals: list) -> float:
     return total / 1000
 
 
-def trace_summary(fn, top: int = 12) -> dict:
-    """fn is run once untimed, then once under the profiler. -> {thread: {span_ms, busy_ms, events, top}}, or
-    {"error": ...} when the profiler is not available here."""
+def traced_events(fn) -> list | dict:
+    """fn is run once untimed, then once under the profiler -> the trace's complete events, each
+    {"thread": "process / thread", "name", "ts", "dur" (us), "args"}, or {"error": ...} when the profiler is not
+    available here."""
     import jax
     try:
         fn()
@@ -47,13 +48,21 @@ def trace_summary(fn, top: int = 12) -> dict:
             proc[e.get("pid")] = e["args"]["name"]
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             thread[(e.get("pid"), e.get("tid"))] = e["args"]["name"]
+    return [{"thread": f"{proc.get(e.get('pid'), e.get('pid'))} / {thread.get((e.get('pid'), e.get('tid')), e.get('tid'))}",
+             "name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0)), "args": e.get("args", {})}
+            for e in events if e.get("ph") == "X"]
+
+
+def trace_summary(fn, top: int = 12) -> dict:
+    """fn is run once untimed, then once under the profiler. -> {thread: {span_ms, busy_ms, events, top}}, or
+    {"error": ...} when the profiler is not available here."""
+    events = traced_events(fn)
+    if isinstance(events, dict):
+        return events
     per: dict = {}
     for e in events:
-        if e.get("ph") != "X":
-            continue
-        key = f"{proc.get(e.get('pid'), e.get('pid'))} / {thread.get((e.get('pid'), e.get('tid')), e.get('tid'))}"
-        a, b = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
-        t = per.setdefault(key, {"intervals": [], "names": {}})
+        a, b = e["ts"], e["ts"] + e["dur"]
+        t = per.setdefault(e["thread"], {"intervals": [], "names": {}})
         t["intervals"].append((a, b))
         n = t["names"].setdefault(e["name"][:70], [0, 0.0])
         n[0] += 1

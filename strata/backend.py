@@ -48,6 +48,8 @@ class Backend(Protocol):
     def take_row(self, x: Array, i: Array) -> Array: ...                                 # x[i] at a traced index
     def set_row(self, x: Array, i: Array, row: Array) -> Array: ...                      # x with x[i] = row
 
+    def scope(self, name: str) -> Any: ...                 # a context naming the ops inside it (profiles), or nothing
+
     # --- fused ops (defined in strata/model/blocks.py as compositions of the ops above; a backend inherits
     # ComposedOps or overrides an op with device code that matches the composition)
     def norm_linears(self, x: Array, scale: Array, eps: float, ws: list) -> tuple[Array, list]: ...

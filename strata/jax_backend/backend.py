@@ -83,6 +83,10 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             return None
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
+    @staticmethod
+    def scope(name):
+        return jax.named_scope(name)         # in the HLO's op names, so a profile can group kernels by it
+
     # --- dense math
     @staticmethod
     def rms_norm(x, scale, eps):

@@ -16,6 +16,8 @@ decode window: row s at position start[s], real when n_valid[s] > 0, its state a
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 
@@ -26,6 +28,11 @@ def is_rows(start) -> bool:
 
 class ComposedOps:
     """Mixin: fused ops over the backend's basic ops (self.rms_norm, self.linear, ...)."""
+
+    def scope(self, name: str):
+        """A context naming the ops traced inside it (the JAX backend: jax.named_scope, so a profile of a compiled
+        window groups its kernels by the part of the layer they belong to: bench/prompt_probe.py); here nothing."""
+        return contextlib.nullcontext()
 
     def norm_linears(self, x, scale, eps, ws):
         """-> (h = rms_norm(x) [T, H], [h @ w.T for w in ws])."""

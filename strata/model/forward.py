@@ -51,9 +51,10 @@ def forward(ops, cfg: ModelConfig, layout, params: dict, experts: dict, state: l
     for lp, st, kind in zip(params["layers"], state, cfg.layer_types):
         x, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
         if h is not None:
-            slots = ops.expert_slots(experts["table"][p], idx, n_valid)           # [T, k]; padded rows: -1
-            w = w if w.dtype == h.dtype else w.astype(h.dtype)      # (an eager backend copies on a no-op astype)
-            y = ops.experts_pool(h, slots, w, experts["pool"], layout, cfg.num_experts)
+            with ops.scope("routed_experts"):
+                slots = ops.expert_slots(experts["table"][p], idx, n_valid)       # [T, k]; padded rows: -1
+                w = w if w.dtype == h.dtype else w.astype(h.dtype)  # (an eager backend copies on a no-op astype)
+                y = ops.experts_pool(h, slots, w, experts["pool"], layout, cfg.num_experts)
             x = layer_back(ops, cfg, lp, x, h, y)
             if with_counts:
                 counts.append(ops.route_counts(idx, ops.valid_mask(tokens.shape[0], n_valid), cfg.num_experts))
@@ -77,9 +78,10 @@ def forward_rows(ops, cfg: ModelConfig, layout, params: dict, experts: dict, ban
     for lp, st, kind in zip(params["layers"], bank, cfg.layer_types):
         x, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x, pos, active)
         if h is not None:
-            slots = ops.expert_slots(experts["table"][p], idx, active)            # [S, k]; padding rows: -1
-            w = w if w.dtype == h.dtype else w.astype(h.dtype)
-            y = ops.experts_pool(h, slots, w, experts["pool"], layout, cfg.num_experts)
+            with ops.scope("routed_experts"):
+                slots = ops.expert_slots(experts["table"][p], idx, active)        # [S, k]; padding rows: -1
+                w = w if w.dtype == h.dtype else w.astype(h.dtype)
+                y = ops.experts_pool(h, slots, w, experts["pool"], layout, cfg.num_experts)
             x = layer_back(ops, cfg, lp, x, h, y)
             p += 1
         new_bank.append(st)
@@ -98,38 +100,48 @@ def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, 
     layer ends with layer_back(.., y) once the experts' output y is known; for a dense layer h = w = idx = None."""
     eps = cfg.rms_norm_eps
     if kind == LINEAR:
-        _, (qkv, z, b, a) = ops.norm_linears(x, lp["in_norm"], eps, [lp["qkv"], lp["z"], lp["b"], lp["a"]])
-        o, conv, ssm = ops.delta_block(qkv, z, b, a, st["conv"], lp["conv"], st["ssm"], lp["A_log"], lp["dt_bias"],
-                                       lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads)
-        x, st = ops.linear_add(o, lp["out"], x), {"conv": conv, "ssm": ssm}
+        with ops.scope("delta_proj"):
+            _, (qkv, z, b, a) = ops.norm_linears(x, lp["in_norm"], eps, [lp["qkv"], lp["z"], lp["b"], lp["a"]])
+        with ops.scope("delta_rule"):
+            o, conv, ssm = ops.delta_block(qkv, z, b, a, st["conv"], lp["conv"], st["ssm"], lp["A_log"],
+                                           lp["dt_bias"], lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads)
+        with ops.scope("delta_out"):
+            x, st = ops.linear_add(o, lp["out"], x), {"conv": conv, "ssm": ssm}
     else:
         # Qwen3-Next adds a sigmoid output gate per head (gated_attention)
         ws = [lp["q"], lp["k"], lp["v"]] + ([lp["gate"]] if cfg.gated_attention else [])
-        _, ys = ops.norm_linears(x, lp["in_norm"], eps, ws)
-        o, st = ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
-                                    lp["k_norm"], eps, st, start, n_valid, cfg.rotary_dim, cfg.rope_theta)
-        x = ops.linear_add(o, lp["o"], x)
+        with ops.scope("attn_proj"):
+            _, ys = ops.norm_linears(x, lp["in_norm"], eps, ws)
+        with ops.scope("attn"):
+            o, st = ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
+                                        lp["k_norm"], eps, st, start, n_valid, cfg.rotary_dim, cfg.rope_theta)
+        with ops.scope("attn_out"):
+            x = ops.linear_add(o, lp["o"], x)
     if "router" not in lp:
-        _, (g, u) = ops.norm_linears(x, lp["post_norm"], eps, [lp["mlp_gate"], lp["mlp_up"]])
-        return ops.swiglu_out(g, u, lp["mlp_down"], x), None, None, None, st
-    h, (logits,) = ops.norm_linears(x, lp["post_norm"], eps, [lp["router"]])
-    w, idx = route(ops, cfg, lp, logits)
+        with ops.scope("mlp"):
+            _, (g, u) = ops.norm_linears(x, lp["post_norm"], eps, [lp["mlp_gate"], lp["mlp_up"]])
+            return ops.swiglu_out(g, u, lp["mlp_down"], x), None, None, None, st
+    with ops.scope("router"):
+        h, (logits,) = ops.norm_linears(x, lp["post_norm"], eps, [lp["router"]])
+        w, idx = route(ops, cfg, lp, logits)
     return x, h, w, idx, st
 
 
 def layer_back(ops, cfg: ModelConfig, lp: dict, x, h, y):
     """The rest of a sparse layer: y (the routed experts' weighted sum) plus the gated shared expert."""
-    if "sh_gate" in lp:
-        g, u, s = ops.linears(h, [lp["sh_gate"], lp["sh_up"], lp["sh_router"]])
-        return ops.swiglu_out(g, u, lp["sh_down"], x, add=y, gate=s)
-    return x + y
+    with ops.scope("shared_expert"):
+        if "sh_gate" in lp:
+            g, u, s = ops.linears(h, [lp["sh_gate"], lp["sh_up"], lp["sh_router"]])
+            return ops.swiglu_out(g, u, lp["sh_down"], x, add=y, gate=s)
+        return x + y
 
 
 def head(ops, cfg: ModelConfig, params: dict, x, n_valid, all_logits: bool):
-    if not all_logits:
-        x = ops.take_row(x, n_valid - 1)[None]
-    x = ops.rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    return ops.linear(x, params["lm_head"]).astype(ops.xp.float32)
+    with ops.scope("head"):
+        if not all_logits:
+            x = ops.take_row(x, n_valid - 1)[None]
+        x = ops.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        return ops.linear(x, params["lm_head"]).astype(ops.xp.float32)
 
 
 def route(ops, cfg: ModelConfig, lp: dict, logits):
