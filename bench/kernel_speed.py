@@ -37,10 +37,11 @@ from synthetic_experts import SyntheticStore  # noqa: E402
 HBM_BYTES_PER_S = 3.6e12      # measured on the H200 this project uses (read + write)
 BF16_FLOPS = 790e12           # the H200's dense bf16 rate (the device README)
 LOOP = 20
+CHUNKED_LOOP = 3
 
 
-def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None) -> float:
-    """Seconds per call of fn(*args), from LOOP chained calls inside one jitted function, written out (a while loop
+def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None, loop: int = LOOP) -> float:
+    """Seconds per call of fn(*args), from `loop` chained calls inside one jitted function, written out (a while loop
     would read its predicate back to the host every iteration). Call i + 1 takes carry(output of call i) as
     args[dep]; by default args[dep] + 0 * (the output's first element), for a float args[dep]. A kernel that updates
     its input in place (the gated delta rule's state) passes carry = its new state, so no copy is forced."""
@@ -55,7 +56,7 @@ def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None) -> float:
 
     def looped(*a):
         a_dep = a[dep]
-        for _ in range(LOOP):
+        for _ in range(loop):
             out = fn(*a[:dep], a_dep, *a[dep + 1:])
             a_dep = step(out, a_dep) if carry is None else carry(out)
         return a_dep
@@ -67,7 +68,7 @@ def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None) -> float:
         t = time.perf_counter()
         jax.block_until_ready(run(*args))
         times.append(time.perf_counter() - t)
-    return float(np.median(times)) / LOOP
+    return float(np.median(times)) / loop
 
 
 def rel_err(got, want) -> float:
@@ -277,14 +278,18 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
     q, k, v, g, beta = inputs((prompt,))
     st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
     xla_chunked = JaxBackend.gated_delta_chunked_xla
-    t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1])
+    # a chunked call takes milliseconds: CHUNKED_LOOP calls in a row hide dispatch, and LOOP written-out scans of
+    # 64 chunks each kept XLA compiling past a 200 s run
+    t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
+                           loop=CHUNKED_LOOP)
     c = 64
     flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
     nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * state_bytes
-    for variant in ("v1", "v2"):
+    for variant in ("v2", "v1"):
         ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant)
         err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
-        t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1])
+        t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
+                               loop=CHUNKED_LOOP)
         rows.append(row(f"gated delta chunked {variant}, {prompt} tokens", t_ker, t_xla, nbytes, flops, err,
                         form="chunked", variant=variant, tokens=prompt))
     return rows

@@ -38,7 +38,7 @@ def hlo_scopes(dump_dir: str) -> dict:
     """XLA's optimized HLO text under dump_dir -> {(module, instruction): scope} and {instruction: scope} (the
     latter for events that name no module; a name in several modules keeps the first scope seen). An instruction
     without an op_name (XLA drops it on some fusions) takes the commonest scope of the computation it calls."""
-    by_module, by_name = {}, {}
+    by_module, by_name, by_kernel = {}, {}, {}
     header = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
     inst = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
     op_name = re.compile(r"metadata=\{op_name=\"([^\"]*)\"")
@@ -75,7 +75,8 @@ def hlo_scopes(dump_dir: str) -> dict:
             scope = scope or "other"
             by_module[(module, name)] = scope
             by_name.setdefault(name, scope)
-    return {"by_module": by_module, "by_name": by_name}
+            by_kernel.setdefault(name.replace(".", "_"), scope)    # a fusion's kernel: its name, "." -> "_"
+    return {"by_module": by_module, "by_name": by_name, "by_kernel": by_kernel}
 
 
 def _module_name(name: str) -> str:
@@ -95,7 +96,8 @@ def charge(events: list, scopes: dict) -> dict:
         op = a.get("hlo_op") or a.get("long_name") or ""
         module = a.get("hlo_module", "")
         scope = scopes["by_module"].get((module, op)) or scopes["by_module"].get((_module_name(module), op)) \
-            or scopes["by_name"].get(op) or scopes["by_name"].get(e["name"])
+            or scopes["by_name"].get(op) or scopes["by_name"].get(e["name"]) \
+            or scopes["by_kernel"].get(e["name"])
         if scope is None:
             scope = "unmatched"
             unmatched[e["name"][:60]] = unmatched.get(e["name"][:60], 0) + e["dur"] / 1000
@@ -182,13 +184,18 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--kernels", default="auto", choices=("auto", "xla", "pallas"))
+    ap.add_argument("--command-buffers", action="store_true", help="keep XLA's command buffers (CUDA graphs) on")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dump = tempfile.mkdtemp(prefix="strata_hlo_")
-    # XLA reads its flags once, at the first compilation: set before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
-                               " --xla_dump_hlo_pass_re=^$").strip()
+    # XLA reads its flags once, at the first compilation: set before jax is imported. Inside a command buffer (a CUDA
+    # graph) a kernel's event names the buffer, not its instruction, so they are off unless asked for: a kernel's
+    # device time is the same either way, the wall time per call is not (see dispatch_probe for that)
+    flags = f" --xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+    if not args.command_buffers:
+        flags += " --xla_gpu_enable_command_buffer="
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + flags).strip()
     import jax
     import ml_dtypes
 
