@@ -13,6 +13,8 @@ Kernels (strata/jax_backend/kernels/):
   kernel) at 512 and 4096 tokens, int4 and bf16 blobs, against experts_from_pool's grouped form;
 - decode_attention: attention of 1 (decode) or 4 (verify) query positions per row over int8 and bf16 KV caches at
   4K and 32K context, batch 1, 4 and 16, against decode_attention_xla;
+- prompt_attention: the flash kernel for a prompt part of 4096 tokens over an int8 cache, in several block / warp /
+  P-term configurations, against the backend's XLA form;
 - gated_delta: the recurrent decode step (batch 1, 4, 16), the verify form (4 positions) and the chunked prompt form
   (4096 tokens), against the XLA forms in JaxBackend.
 
@@ -224,6 +226,41 @@ def decode_attention(hq, hkv, hd, contexts, batches, queries, repeat, interpret)
     return rows
 
 
+def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret):
+    """A prompt part of T tokens at position 0 (causal: query t sees keys 0..t) over an int8 cache, by the flash
+    kernel in each config (block_q, num_warps, p_terms) against the backend's XLA form. FLOPs are the causal
+    half of QK and PV (the kernel's masked diagonal blocks and extra P.V terms not counted)."""
+    import jax
+    import jax.numpy as jnp
+
+    from strata.jax_backend.backend import JaxBackend
+    from strata.jax_backend.kernels.decode_attention import prompt_attention as ker
+    from strata.model.blocks import quantize_kv
+    rows, rng = [], np.random.default_rng(4)
+    for t in tokens:
+        cap = t + 64
+        key = jax.random.key(t)
+        (kc, ks), (vc, vs) = (quantize_kv(jnp, jax.random.normal(jax.random.fold_in(key, i), (cap, hkv, hd)))
+                              for i in (0, 1))
+        q = jnp.asarray(rng.standard_normal((t, hq, hd)).astype(np.float32), jnp.bfloat16)
+        q_pos = jnp.arange(t, dtype=jnp.int32)
+        f_xla = jax.jit(lambda q: JaxBackend.attention_xla(q, kc, vc, q_pos, hd ** -0.5, ks, vs))
+        want = f_xla(q).astype(jnp.float32)
+        t_xla = device_seconds(f_xla, (q,), 0, repeat, loop=CHUNKED_LOOP)
+        flops = 2 * 2 * (t * (t + 1) / 2) * hq * hd
+        nbytes = 2 * q.size * 2 + 2 * t * hkv * (hd + 4)
+        for block_q, warps, terms in configs:
+            f_ker = jax.jit(partial(ker, scale=hd ** -0.5, interpret=interpret, block_q=block_q, num_warps=warps,
+                                    p_terms=terms))
+            call = lambda q: f_ker(q, kc, vc, ks, vs, q_pos)              # noqa: E731
+            err = rel_err(call(q).astype(jnp.float32), want)
+            t_ker = device_seconds(call, (q,), 0, repeat, loop=CHUNKED_LOOP)
+            rows.append(row(f"prompt attention int8 KV, {t} tokens, block_q {block_q}, {warps} warps, {terms} P "
+                            f"terms", t_ker, t_xla, nbytes, flops, err, tokens=t, block_q=block_q, num_warps=warps,
+                            p_terms=terms))
+    return rows
+
+
 def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
     import jax
     import jax.numpy as jnp
@@ -285,7 +322,7 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
     c = 64
     flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
     nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * state_bytes
-    for variant in ("v2", "v1"):
+    for variant in ("xla_intra", "v2"):          # v1: 31.3 ms at 733f897, kernel_speed_gated_delta_h200.json
         ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant)
         err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
         t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
@@ -311,6 +348,7 @@ def main() -> int:
             "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
             "gated_delta": dict(hv=2, dk=16, dv=16, batches=[1, 2], verify_q=3, prompt=70),
+            "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
         }
         repeat = 1
     else:
@@ -321,10 +359,12 @@ def main() -> int:
             "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 16],
                                      queries=[1, 4]),
             "gated_delta": dict(hv=32, dk=128, dv=128, batches=[1, 4, 16], verify_q=4, prompt=4096),
+            "prompt_attention": dict(hq=16, hkv=2, hd=256, tokens=[4096],
+                                     configs=[(8, 4, 3), (8, 8, 3), (16, 8, 3), (8, 4, 1), (16, 8, 1)]),
         }
         repeat = args.repeat
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
-           "gated_delta": gated_delta, "pool_over_4gib": pool_over_4gib}
+           "gated_delta": gated_delta, "pool_over_4gib": pool_over_4gib, "prompt_attention": prompt_attention}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}
     unknown = [n for n in args.only.split(",") if n not in fns]

@@ -39,7 +39,8 @@ KERNELS = ("auto", "xla", "pallas")
 # decode expert op 1.8x at 16 tokens but level with XLA at 1-4 (so from DECODE_EXPERTS_MIN_TOKENS tokens); the gated
 # delta rule's decode and chunked kernels (v1) were slower than XLA's (0.5-0.7x, a figure the benchmark's copy of the
 # donated state may have lowered, and 0.08x), so they are not in it ("pallas" runs them; their v2 forms are untimed).
-PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode"})
+# PROVISIONAL (to be measured): the chunked rule as the intra-chunk products in XLA + the v2 recurrence kernel.
+PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "gdn_chunked"})
 DECODE_EXPERTS_MIN_TOKENS = 8
 
 
@@ -57,8 +58,9 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         self.kernels = kernels
         self.pallas_ops = (PALLAS_AUTO if on_gpu else frozenset()) if kernels == "auto" else \
             (frozenset() if kernels == "xla" else PALLAS_AUTO | {"gdn_chunked", "gdn_decode"})
-        # the grouped kernel's variant: v2, the faster on the H200 (above)
+        # the grouped kernel's variant: v2, the faster on the H200 (above); the chunked rule's: xla_intra (above)
         self.grouped_variant = "v2"
+        self.gdn_variant = "xla_intra"
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
@@ -133,8 +135,17 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         # start + T never runs past it (no silent clamping)
         return lax.dynamic_update_slice(cache, new.astype(cache.dtype), (start,) + (0,) * (cache.ndim - 1))
 
+    def attention(self, q, k_cache, v_cache, q_pos, scale, k_scale=None, v_scale=None):
+        """A prompt part's attention (more than ATTN_ONE_PASS_ROWS rows) by the flash-attention kernel
+        (kernels/decode_attention.py, prompt_attention) when chosen and the shapes suit it, else attention_xla."""
+        if (q.shape[0] > ATTN_ONE_PASS_ROWS and "attention" in self.pallas_ops
+                and k_attention.prompt_supported(q, k_cache, v_cache, k_scale, v_scale, q_pos)):
+            return k_attention.prompt_attention(q, k_cache, v_cache, k_scale, v_scale, q_pos, scale=scale,
+                                                interpret=self.interpret)
+        return JaxBackend.attention_xla(q, k_cache, v_cache, q_pos, scale, k_scale, v_scale)
+
     @staticmethod
-    def attention(q, k_cache, v_cache, q_pos, scale, k_scale=None, v_scale=None):
+    def attention_xla(q, k_cache, v_cache, q_pos, scale, k_scale=None, v_scale=None):
         """q [T, Hq, hd]; caches [Cap, Hkv, hd]; a query at position p sees keys 0..p (GQA: r = Hq / Hkv). int8
         caches come with their scales [Cap, Hkv] (the stored row is q * scale).
 
@@ -225,7 +236,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         """Prompt parts' gated delta rule: the Pallas kernel (kernels/gated_delta.py) when chosen, else XLA's."""
         if "gdn_chunked" in self.pallas_ops:
             try:
-                return k_gated_delta.gated_delta_chunked(q, k, v, g, beta, state, interpret=self.interpret)
+                return k_gated_delta.gated_delta_chunked(q, k, v, g, beta, state, interpret=self.interpret,
+                                                         variant=self.gdn_variant)
             except ValueError:               # shapes the kernel does not take
                 pass
         return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state)
@@ -241,27 +253,16 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         f32 = jnp.float32
         q, k, v, g, beta = (jnp.pad(x.astype(f32), [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta))
         n = (t + pad) // c
-        # [n, Hv, c, ...]
-        q, k, v = (x.reshape(n, c, hv, -1).transpose(0, 2, 1, 3) for x in (q, k, v))
-        g, beta = (x.reshape(n, c, hv).transpose(0, 2, 1) for x in (g, beta))
         hi = lax.Precision.HIGHEST
-        G = jnp.cumsum(g, axis=-1)                                                    # [n, Hv, c]
-        lower = jnp.tril(jnp.ones((c, c), bool))
-        decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [n, Hv, c, c]
-        k_beta = k * beta[..., None]
-        v_beta = v * beta[..., None]
-        strict = jnp.tril(jnp.ones((c, c), bool), -1)
-        A = jnp.where(strict, jnp.einsum("nhid,nhjd->nhij", k_beta, k, precision=hi) * decay, 0.0)
-        eye = jnp.eye(c, dtype=f32)
-        # (I + A) X = B with A strictly lower: unit lower-triangular solve
-        solve = lambda b: lax.linalg.triangular_solve(eye + A, b, left_side=True, lower=True,  # noqa: E731
-                                                      unit_diagonal=True)
-        u = solve(v_beta)                                                            # [n, Hv, c, dv]
-        w = solve(k_beta * jnp.exp(G)[..., None])                                    # [n, Hv, c, dk]
-        attn = jnp.einsum("nhid,nhjd->nhij", q, k, precision=hi) * decay             # lower incl. diagonal
-        q_dec = q * jnp.exp(G)[..., None]
-        k_dec = k * jnp.exp(G[..., -1:] - G)[..., None]
-        chunk_decay = jnp.exp(G[..., -1])[..., None, None]                           # [n, Hv, 1, 1]
+        # the intra-chunk products, batched over chunks and heads: w, u [Hv, Tp, d], attn [Hv, n, c, c], decays
+        w, u, attn, eq, ek = k_gated_delta.chunk_products_xla(q, k, v, g, beta)
+        # [n, Hv, c, ...] for the scan over chunks
+        chunks = lambda x: x.reshape(hv, n, c, -1).transpose(1, 0, 2, 3)            # noqa: E731
+        per_head = lambda x: x.reshape(n, c, hv, -1).transpose(0, 2, 1, 3)          # noqa: E731
+        eq_c, ek_c = chunks(eq), chunks(ek)
+        q_dec = per_head(q) * eq_c                                                   # q e^G
+        k_dec = per_head(k) * ek_c                                                   # k e^(G_last - G)
+        chunk_decay = eq_c[:, :, -1:, :]                                             # [n, Hv, 1, 1]: e^(G_last)
 
         def step(S, xs):
             u_i, w_i, q_i, k_i, attn_i, cd_i = xs
@@ -271,7 +272,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             S = S * cd_i + jnp.einsum("hcd,hce->hde", k_i, v_new, precision=hi)
             return S, o
 
-        state, out = lax.scan(step, state.astype(f32), (u, w, q_dec, k_dec, attn, chunk_decay))
+        state, out = lax.scan(step, state.astype(f32), (chunks(u), chunks(w), q_dec, k_dec,
+                                                        attn.transpose(1, 0, 2, 3), chunk_decay))
         out = out.transpose(0, 2, 1, 3).reshape(n * c, hv, dv)[:t]
         return out, state
 

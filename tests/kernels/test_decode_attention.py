@@ -146,3 +146,81 @@ def test_shapes_it_cannot_handle_are_refused():
         call(q, kv.astype(jnp.int8))
     with pytest.raises(ValueError, match="no scales"):
         call(q, kv, jnp.ones((1, 64, 2)), jnp.ones((1, 64, 2)))
+
+
+# --- the prompt form: one sequence's prompt part of T queries (real rows at start .., padded rows at position 0)
+
+# (T, n_valid, Hq, Hkv, hd, Cap, start, block_q, block_k): several query blocks and key blocks; a part at 0, one
+# after earlier context off block boundaries with padded rows, one whose last query sees every key (no garbage)
+PROMPT_SHAPES = [
+    (16, 16, 4, 2, 32, 128, 0, 8, 16),
+    (32, 29, 8, 1, 64, 128, 37, 2, 16),
+    (16, 16, 4, 1, 32, 64, 48, 4, 32),
+    (64, 50, 4, 2, 32, 128, 5, None, None),
+]
+
+
+def prompt_inputs(rng, t, n_valid, hq, hkv, hd, cap, start, kv_dtype, q_dtype):
+    """q [T, Hq, hd], a cache [Cap, Hkv, hd] whose keys past the part's last real position are garbage (as
+    make_inputs), and q_pos: start + i for the n_valid real rows, 0 for the padded ones."""
+    q, kc, vc, ks, vs, _ = make_inputs(rng, 1, 1, hq, hkv, hd, cap, [start + n_valid - 1], kv_dtype, q_dtype)
+    q = jnp.asarray(rng.standard_normal((t, hq, hd)), q_dtype)
+    q_pos = np.where(np.arange(t) < n_valid, start + np.arange(t), 0).astype(np.int32)
+    first = lambda x: None if x is None else x[0]          # noqa: E731
+    return q, kc[0], vc[0], first(ks), first(vs), jnp.asarray(q_pos)
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape", PROMPT_SHAPES, ids=lambda sh: "T{}n{}H{}-{}d{}C{}s{}bq{}bk{}".format(*sh))
+def test_prompt_kernel_matches_the_reference(shape, kv_dtype, q_dtype, interpret):
+    t, n_valid, hq, hkv, hd, cap, start, block_q, block_k = shape
+    rng = np.random.default_rng([t, n_valid, hq, cap, start, len(kv_dtype), len(q_dtype)])
+    args = prompt_inputs(rng, t, n_valid, hq, hkv, hd, cap, start, kv_dtype, q_dtype)
+    scale = hd ** -0.5
+    want = K._reference_prompt(*args, scale)
+    assert np.isfinite(want).all()
+    got = K.prompt_attention(*args, scale=scale, interpret=interpret, block_q=block_q, block_k=block_k)
+    assert got.shape == (t, hq, hd) and got.dtype == jnp.dtype(q_dtype)
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.isfinite(got).all(), "garbage keys reached the result"
+    err = rel_err(got, want)
+    assert err <= LIMIT[q_dtype], f"{kv_dtype} cache, q {q_dtype}: relative error {err:.2e}"
+    if q_dtype == "bfloat16":
+        assert_rounded_from_float32(got, want, "prompt kernel")
+
+
+def test_prompt_kernel_is_the_backends_attention(interpret):
+    """The backend's attention for a prompt part (more than ATTN_ONE_PASS_ROWS rows) with the kernel chosen gives
+    its XLA form's result: the same float32 arithmetic but for summation order, one rounding to bfloat16. (The
+    cache past the part is zeros, as the engine's: the XLA form reads the whole last key block and does not mask
+    garbage there.)"""
+    from strata.jax_backend.backend import JaxBackend
+    rng = np.random.default_rng(11)
+    q, kc, vc, ks, vs, q_pos = prompt_inputs(rng, 64, 60, 4, 2, 32, 128, 30, "int8", "bfloat16")
+    n = 30 + 60
+    kc, vc, ks, vs = (x.at[n:].set(0) for x in (kc, vc, ks, vs))
+    args = q, kc, vc, ks, vs, q_pos
+    ops = JaxBackend(kernels="pallas")
+    got = np.asarray(ops.attention(q, kc, vc, q_pos, 32 ** -0.5, ks, vs).astype(jnp.float32))
+    xla = np.asarray(JaxBackend.attention_xla(q, kc, vc, q_pos, 32 ** -0.5, ks, vs).astype(jnp.float32))
+    want = K._reference_prompt(*args, 32 ** -0.5)
+    assert rel_err(got, want) <= LIMIT["bfloat16"] and rel_err(xla, want) <= LIMIT["bfloat16"]
+    assert float(np.mean(got != xla)) <= BF16_OFF_MAX
+
+
+def test_prompt_shapes_it_cannot_handle_are_refused():
+    kv = jnp.zeros((64, 2, 32), jnp.bfloat16)
+    call = lambda q, k=kv, **kw: K.prompt_attention(  # noqa: E731
+        q, k, k, None, None, jnp.zeros((q.shape[0],), jnp.int32), scale=1.0, interpret=True, **kw)
+    with pytest.raises(ValueError, match="multiple of block_q"):
+        call(jnp.zeros((12, 4, 32), jnp.bfloat16), block_q=8)
+    with pytest.raises(ValueError, match="power of two"):
+        call(jnp.zeros((12, 4, 32), jnp.bfloat16), block_q=6)
+    with pytest.raises(ValueError, match=r"q_pos must be \[T\]"):
+        K.prompt_attention(jnp.zeros((16, 4, 32), jnp.bfloat16), kv, kv, None, None, jnp.zeros((8,), jnp.int32),
+                           scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="Cap=40 must be a multiple of 16"):
+        call(jnp.zeros((16, 4, 32), jnp.bfloat16), jnp.zeros((40, 2, 32), jnp.bfloat16))
+    assert not K.prompt_supported(jnp.zeros((12, 4, 32), jnp.bfloat16), kv, kv, None, None,
+                                  jnp.zeros((12,), jnp.int32))

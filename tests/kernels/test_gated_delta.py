@@ -166,7 +166,8 @@ def check_chunked(run, q, k, v, g, beta, state):
     assert rel_err(final, want_s) <= LIMIT, f"state: relative error {rel_err(final, want_s):.2e}"
 
 
-@pytest.mark.parametrize("variant,dtype", [("v2", "float32"), ("v2", "bfloat16"), ("v1", "bfloat16")])
+@pytest.mark.parametrize("variant,dtype", [("v2", "float32"), ("v2", "bfloat16"), ("v1", "bfloat16"),
+                                           ("xla_intra", "float32"), ("xla_intra", "bfloat16")])
 @pytest.mark.parametrize("hv,dk,dv,block", SHAPES)
 @pytest.mark.parametrize("t", [1, 37, 130])
 def test_chunked_matches_the_reference(t, hv, dk, dv, block, dtype, variant, interpret):
@@ -191,7 +192,7 @@ def aligned_inputs(rng, t, hv, dk, dv):
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("variant", K.VARIANTS)
+@pytest.mark.parametrize("variant", K.CHUNKED_VARIANTS)
 def test_chunked_with_aligned_keys(variant, interpret):
     rng = np.random.default_rng()
     check_chunked(functools.partial(K.gated_delta_chunked, interpret=interpret, variant=variant),
@@ -230,7 +231,7 @@ def test_block_inverse_by_doubling(b):
         assert rel_err(got, want) <= LIMIT, f"relative error {rel_err(got, want):.2e} (max |A| {np.abs(a).max():.2f})"
 
 
-@pytest.mark.parametrize("variant", K.VARIANTS)
+@pytest.mark.parametrize("variant", K.CHUNKED_VARIANTS)
 def test_chunked_padding_rows_leave_the_state_unchanged(variant, interpret):
     """A part of 100 tokens padded by the caller to 130 (a bucket): the 30 padding rows have g = beta = 0 and garbage
     (finite, unnormalised) q, k, v; the final state is the state after the 100 real tokens, their o is unchanged, and
@@ -291,6 +292,10 @@ def test_kernels_lower_to_triton_at_real_shapes(variant):
                                *[sds((t, hv, d), bf16) for d in (dk, dk, dv)],
                                sds((t, hv), f32), sds((t, hv), f32), sds((hv, dk, dv), f32))
     assert chunked.count("@__gpu$xla.gpu.triton") == 2        # the intra-chunk kernel and the recurrence
+    xla_intra = _export_for_cuda(functools.partial(K.gated_delta_chunked, variant="xla_intra"),
+                                 *[sds((t, hv, d), bf16) for d in (dk, dk, dv)],
+                                 sds((t, hv), f32), sds((t, hv), f32), sds((hv, dk, dv), f32))
+    assert xla_intra.count("@__gpu$xla.gpu.triton") == 1      # the recurrence only
     if variant == "v2":                                       # and the other row blocks of the v2 intra kernel
         tp = t + (-t) % K.CHUNK
         for sub in (16, 64):

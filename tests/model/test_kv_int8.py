@@ -50,7 +50,7 @@ def test_jax_attention_over_int8_caches(t):
     kq, ks = quantize_kv(rng.standard_normal((cap, hkv, hd)).astype(np.float32) * 3)
     vq, vs = quantize_kv(rng.standard_normal((cap, hkv, hd)).astype(np.float32))
     pos = rng.integers(0, cap, t).astype(np.int32)
-    got = np.asarray(JaxBackend.attention(jnp.asarray(q), jnp.asarray(kq), jnp.asarray(vq), jnp.asarray(pos),
+    got = np.asarray(JaxBackend.attention_xla(jnp.asarray(q), jnp.asarray(kq), jnp.asarray(vq), jnp.asarray(pos),
                                           hd ** -0.5, jnp.asarray(ks), jnp.asarray(vs)))
     want = attention_reference(q, kq, vq, pos, hd ** -0.5, ks, vs)
     assert np.abs(got - want).max() <= ATT_REL * np.abs(want).max()

@@ -58,6 +58,8 @@ MIN_ROWS = 16            # query rows per program: the Triton dot needs M >= 16
 TARGET_PROGRAMS = 128    # S x Hkv x n_splits aimed at (the H200 has 132 SMs)
 MAX_SPLITS = 32         # bounds the partials' bytes (see the docstring)
 NUM_WARPS, NUM_STAGES = 4, 2
+PROMPT_ROWS = 64         # prompt form: query rows (queries x the kv head's group) per program
+PROMPT_WARPS = 4
 _F32_MIN = float(jnp.finfo(jnp.float32).min)  # m of a row that has seen no key (exp(m - m') is then 0, not NaN)
 
 
@@ -74,36 +76,25 @@ def _split_blocks(n, j, block_k: int, n_splits: int):
     return lo, jnp.minimum(lo + per, nblk)
 
 
-def _kernel(pos_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, n_splits: int, n_q: int, group: int,
-            quantized: bool, bf16: bool):
-    """Program (s, g, j): q_ref [R, hd]; k_ref, v_ref [Cap, hd] (row s, kv head g); with int8, ks_ref, vs_ref [Cap].
-    Writes acc [R, hd], m [R], l [R] of its split: m the running max of the scaled logits, l = sum exp(logit - m),
-    acc = sum exp(logit - m) v."""
-    if quantized:
-        ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest
-    else:
-        acc_ref, m_ref, l_ref = rest
-    s, j = pl.program_id(0), pl.program_id(2)
-    cap = k_ref.shape[0]
-    rows = q_ref.shape[0]
+def _attend(q, k_ref, v_ref, ks_ref, vs_ref, last, n, lo, hi, *, scale: float, block_k: int, quantized: bool,
+            bf16: bool, p_terms: int = 3):
+    """The online softmax of query rows q [R, hd] over key blocks lo .. hi-1 of k_ref, v_ref [Cap, hd] (scales
+    ks_ref, vs_ref [Cap] when quantized): row r sees keys 0 .. last[r]; keys n.. may hold anything.
+    -> (acc [R, hd], m [R], l [R]): m the running max of the scaled logits, l = sum exp(logit - m),
+    acc = sum exp(logit - m) v. p_terms: bfloat16 terms the probabilities are split into for P.V (bf16 only)."""
+    rows = q.shape[0]
     cdt = jnp.bfloat16 if bf16 else jnp.float32
     prec = None if bf16 else lax.Precision.HIGHEST
     dims_t = (((1,), (1,)), ((), ()))                   # a [M, d] . b [N, d]^T
     dims = (((1,), (0,)), ((), ()))                     # a [M, c] . b [c, N]
-
-    first = pos_ref[s]                                  # position of the row's query 0
-    n = jnp.minimum(first + n_q, cap)                      # keys the row's last query sees
-    lo, hi = _split_blocks(n, j, block_k, n_splits)
-    q = q_ref[...].astype(cdt)                          # [R, hd]
-    r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    last = first + jnp.minimum(r // group, n_q - 1)       # [R]: the last key each row sees (padding rows: as the last)
+    q = q.astype(cdt)
     kidx = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
 
     def body(b, carry):
         acc, m, l = carry
         start = pl.multiple_of(b * block_k, block_k)
         t = start + kidx                                                           # [BK] key positions
-        live = t < n                                                               # real keys of the row
+        live = t < n                                                               # real keys of the rows
         k = k_ref[pl.ds(start, block_k), :].astype(cdt)                            # [BK, hd]
         logit = lax.dot_general(q, k, dims_t, precision=prec, preferred_element_type=jnp.float32) * scale
         if quantized:
@@ -117,20 +108,41 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, n_s
         if quantized:
             p = p * jnp.where(live, vs_ref[pl.ds(start, block_k)], 0.0)[None, :]
         if bf16:                                        # p = pa + pb + pc in bfloat16 terms (float32-accurate)
-            pa = p.astype(jnp.bfloat16)
-            res = p - pa.astype(jnp.float32)
-            pb = res.astype(jnp.bfloat16)
-            pc = (res - pb.astype(jnp.float32)).astype(jnp.bfloat16)
-            pv = (lax.dot_general(pc, v, dims, preferred_element_type=jnp.float32)
-                  + lax.dot_general(pb, v, dims, preferred_element_type=jnp.float32)
-                  + lax.dot_general(pa, v, dims, preferred_element_type=jnp.float32))
+            terms, res = [], p
+            for _ in range(p_terms):
+                term = res.astype(jnp.bfloat16)
+                terms.append(term)
+                res = res - term.astype(jnp.float32)
+            pv = lax.dot_general(terms[-1], v, dims, preferred_element_type=jnp.float32)
+            for term in reversed(terms[:-1]):           # the smallest term first
+                pv = pv + lax.dot_general(term, v, dims, preferred_element_type=jnp.float32)
         else:
             pv = lax.dot_general(p, v, dims, precision=prec, preferred_element_type=jnp.float32)
         return alpha[:, None] * acc + pv, m_new, l
 
-    init = (jnp.zeros(acc_ref.shape, jnp.float32), jnp.full((rows,), _F32_MIN, jnp.float32),
+    init = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full((rows,), _F32_MIN, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    return lax.fori_loop(lo, hi, body, init)
+
+
+def _kernel(pos_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, n_splits: int, n_q: int, group: int,
+            quantized: bool, bf16: bool):
+    """Program (s, g, j): q_ref [R, hd]; k_ref, v_ref [Cap, hd] (row s, kv head g); with int8, ks_ref, vs_ref [Cap].
+    Writes acc [R, hd], m [R], l [R] of its split (_attend)."""
+    if quantized:
+        ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest
+    else:
+        (acc_ref, m_ref, l_ref), ks_ref, vs_ref = rest, None, None
+    s, j = pl.program_id(0), pl.program_id(2)
+    cap = k_ref.shape[0]
+    rows = q_ref.shape[0]
+    first = pos_ref[s]                                  # position of the row's query 0
+    n = jnp.minimum(first + n_q, cap)                      # keys the row's last query sees
+    lo, hi = _split_blocks(n, j, block_k, n_splits)
+    r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    last = first + jnp.minimum(r // group, n_q - 1)       # [R]: the last key each row sees (padding rows: as the last)
+    acc, m, l = _attend(q_ref[...], k_ref, v_ref, ks_ref, vs_ref, last, n, lo, hi, scale=scale, block_k=block_k,
+                        quantized=quantized, bf16=bf16)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -236,6 +248,105 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, *, scale: float
     out = jnp.sum(w[..., None] * acc, axis=2)[:, :, :real] / l_all[:, :, :real, None]
     out = out.reshape(s, hkv, nq, group, hd).transpose(0, 2, 1, 3, 4).reshape(s, nq, hq, hd)
     return out.astype(q.dtype)
+
+
+def _prompt_kernel(last_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, quantized: bool, bf16: bool,
+                   p_terms: int):
+    """Program (i, g): q_ref [R, hd], the rows of a block of a prompt part's queries under kv head g (row =
+    query * group + head); last_ref [R] the last key each row sees; k_ref, v_ref [Cap, hd] (ks_ref, vs_ref [Cap]
+    with int8). Writes o [R, hd] = acc / l over key blocks 0 .. the block's furthest key."""
+    if quantized:
+        ks_ref, vs_ref, o_ref = rest
+    else:
+        (o_ref,), ks_ref, vs_ref = rest, None, None
+    last = last_ref[...]
+    n = jnp.max(last) + 1                               # keys the block's furthest row sees (<= Cap: checked)
+    acc, _, l = _attend(q_ref[...], k_ref, v_ref, ks_ref, vs_ref, last, n, 0, (n + block_k - 1) // block_k,
+                        scale=scale, block_k=block_k, quantized=quantized, bf16=bf16, p_terms=p_terms)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)  # every row sees key 0, so l > 0
+
+
+def prompt_supported(q, k_cache, v_cache, k_scale, v_scale, q_pos) -> bool:
+    """Whether prompt_attention takes these shapes and dtypes (with its default blocks)."""
+    try:
+        _check_prompt(q, k_cache, v_cache, k_scale, v_scale, q_pos, None, None)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_prompt(q, k_cache, v_cache, k_scale, v_scale, q_pos, block_q, block_k):
+    """-> (block_q, block_k) for prompt_attention; raises ValueError naming the constraint. The cache checks are
+    decode_attention's, on the one sequence as a batch of one."""
+    if q.ndim != 3 or k_cache.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, hd] and the caches [Cap, Hkv, hd], got {q.shape}, {k_cache.shape}")
+    t, hq, hd = q.shape
+    cap, hkv, _ = k_cache.shape
+    if q_pos.shape != (t,):
+        raise ValueError(f"q_pos must be [T] = [{t}], got {q_pos.shape}")
+    one = lambda x: None if x is None else x[None]       # noqa: E731
+    block_k, _ = _check(q[None, :1], k_cache[None], v_cache[None], one(k_scale), one(v_scale),
+                        jnp.zeros((1,), jnp.int32), block_k, 1)
+    group = hq // hkv
+    if block_q is None:                                 # rows per program: PROMPT_ROWS, at least one query
+        block_q = max(1, PROMPT_ROWS // group)
+    rows = block_q * group
+    if not _pow2(rows) or rows < MIN_ROWS:
+        raise ValueError(f"block_q={block_q} queries x {group} heads per kv head = {rows} rows must be a power of "
+                         f"two >= {MIN_ROWS}")
+    if t % block_q:
+        raise ValueError(f"T={t} query rows must be a multiple of block_q={block_q}")
+    return block_q, block_k
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "p_terms"))
+def prompt_attention(q, k_cache, v_cache, k_scale, v_scale, q_pos, *, scale: float, interpret: bool = False,
+                     block_q: int | None = None, block_k: int | None = None, num_warps: int = PROMPT_WARPS,
+                     p_terms: int = 3):
+    """softmax(scale q.k) v for the T queries of one sequence's prompt part over its cache, by the flash-attention
+    kernel: query t sees keys 0 .. q_pos[t] (q_pos int32 [T], each in 0 .. Cap - 1; keys past max(q_pos) may hold
+    anything). q [T, Hq, hd] bfloat16/float32; caches [Cap, Hkv, hd] as decode_attention's, scales [Cap, Hkv].
+    -> [T, Hq, hd] in q.dtype, computed in float32 (bf16: the probabilities in p_terms bfloat16 terms, 3 =
+    float32-accurate as decode_attention). Program (query block, kv head) takes block_q queries x the group's heads as
+    rows; grid order puts the longest (last) query blocks first."""
+    block_q, block_k = _check_prompt(q, k_cache, v_cache, k_scale, v_scale, q_pos, block_q, block_k)
+    t, hq, hd = q.shape
+    cap, hkv, _ = k_cache.shape
+    group = hq // hkv
+    rows = block_q * group
+    nb = t // block_q
+    quantized = k_cache.dtype == jnp.int8
+    bf16 = q.dtype == jnp.bfloat16 and k_cache.dtype != jnp.float32
+    # [T, Hkv, G, hd] -> [Hkv, T * G (row = query * G + head), hd]; each row's last key
+    qg = q.reshape(t, hkv, group, hd).transpose(1, 0, 2, 3).reshape(hkv, t * group, hd)
+    last = jnp.repeat(jnp.clip(q_pos.astype(jnp.int32), 0, cap - 1), group)
+    rev = lambda i: nb - 1 - i                           # noqa: E731 - the longest blocks first
+    cache_spec = pl.BlockSpec((cap, None, hd), lambda i, g: (0, g, 0))
+    scale_spec = pl.BlockSpec((cap, None), lambda i, g: (0, g))
+    row_spec = pl.BlockSpec((None, rows, hd), lambda i, g: (g, rev(i), 0))
+    args = [last, qg, k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
+    in_specs = ([pl.BlockSpec((rows,), lambda i, g: (rev(i),)), row_spec, cache_spec, cache_spec]
+                + ([scale_spec, scale_spec] if quantized else []))
+    kernel = functools.partial(_prompt_kernel, scale=float(scale), block_k=block_k, quantized=quantized, bf16=bf16,
+                               p_terms=p_terms)
+    o = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((hkv, t * group, hd), q.dtype),
+        grid=(nb, hkv),
+        in_specs=in_specs,
+        out_specs=row_spec,
+        interpret=interpret, **triton_params(interpret, num_warps=num_warps, num_stages=NUM_STAGES),
+    )(*args)
+    return o.reshape(hkv, t, group, hd).transpose(1, 0, 2, 3).reshape(t, hq, hd)
+
+
+def _reference_prompt(q, k_cache, v_cache, k_scale, v_scale, q_pos, scale):
+    """numpy (float64) for prompt_attention: the decode reference with the T queries as T rows of one query, each
+    at its own position over the same cache. -> float64 [T, Hq, hd]."""
+    t = q.shape[0]
+    rep = lambda x: None if x is None else jnp.broadcast_to(jnp.asarray(x)[None], (t,) + x.shape)  # noqa: E731
+    return _reference(jnp.asarray(q)[:, None], rep(k_cache), rep(v_cache), rep(k_scale), rep(v_scale),
+                      np.asarray(q_pos), scale)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))

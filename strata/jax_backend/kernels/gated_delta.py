@@ -123,6 +123,7 @@ CHUNK = 64               # chunk of the chunked form (JaxBackend's GDN_CHUNK)
 BLOCK_V = 32             # dv columns of the state per program (a power of two: Triton block shapes must be)
 SUB = 32                 # v2 intra kernel: rows per block of the chunk (diagonal blocks inverted by doubling)
 VARIANTS = ("v1", "v2")
+CHUNKED_VARIANTS = VARIANTS + ("xla_intra",)   # xla_intra: chunk_products_xla, then the v2 recurrence kernel
 _PROGRAMS = 128          # v2 decode: dv is split until the grid has this many programs (~one per SM; H200: 132)
 _PER_THREAD = 64         # v2 decode: fp32 state elements held per thread (num_warps = dk * BV / (32 * this))
 _HI = lax.Precision.HIGHEST
@@ -497,7 +498,43 @@ def _chunked_recurrence(q, k, decays, w, u, attn, state, *, interpret: bool = Fa
     )(q, k, *decays, w, u, attn, state.astype(_F32))
 
 
-_RECURRENCE_WARPS = {"v1": 4, "v2": 8}   # v2: a recurrence program is alone on its SM (Hv x dv/BV ~ 132 programs)
+def chunk_products_xla(q, k, v, g, beta):
+    """The intra-chunk products in XLA, all chunks and heads at once (batched matmuls and one triangular solve):
+    q, k [Tp, Hv, dk], v [Tp, Hv, dv], g, beta [Tp, Hv] with Tp a multiple of CHUNK (padding rows g = beta = 0)
+    -> (w [Hv, Tp, dk], u [Hv, Tp, dv], attn [Hv, n, C, C], eq = e^G, ek = e^(G_last - G) [Hv, Tp]), fp32, the
+    v2 intra kernel's outputs: within a chunk G = cumsum(g), A = strict_lower(beta_i k_i.k_j e^(G_i - G_j)),
+    (I + A) [u | w] = [beta v | beta e^G k] (unit lower-triangular, one solve for both right-hand sides),
+    attn = lower(q_i.k_j e^(G_i - G_j)); the exponents G_i - G_j as sums of g (no difference of prefix sums). Also the backend's XLA form (JaxBackend.gated_delta_chunked_xla)."""
+    tp, hv, dk = k.shape
+    dv, c = v.shape[-1], CHUNK
+    n = tp // c
+    q, k, v, g, beta = (x.astype(_F32) for x in (q, k, v, g, beta))
+    # [Hv, n, c, ...]
+    q, k, v = (x.reshape(n, c, hv, -1).transpose(2, 0, 1, 3) for x in (q, k, v))
+    g, beta = (x.reshape(n, c, hv).transpose(2, 0, 1) for x in (g, beta))
+    G = jnp.cumsum(g, axis=-1)                                                    # [Hv, n, c]
+    # D_ij = G_i - G_j = the sum of g over j < l <= i, summed directly (one matmul with a 0/1 mask): with strongly
+    # decaying heads |G| reaches hundreds within a chunk, and the difference of two such prefix sums loses the
+    # small exponents near the diagonal (5e-6 relative in the final state, against 1e-7 summed directly)
+    ii, jj, ll = np.ogrid[:c, :c, :c]
+    between = ((jj < ll) & (ll <= ii)).astype(np.float32).reshape(c * c, c)         # [(i, j), l]
+    D = jnp.einsum("hnl,pl->hnp", g, jnp.asarray(between), precision=_HI).reshape(hv, n, c, c)
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    decay = jnp.exp(jnp.where(lower, D, -jnp.inf))                                # [Hv, n, c, c]
+    k_beta = k * beta[..., None]
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    A = jnp.where(strict, jnp.einsum("hnid,hnjd->hnij", k_beta, k, precision=_HI) * decay, 0.0)
+    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(G)[..., None]], axis=-1)   # [Hv, n, c, dv + dk]
+    uw = lax.linalg.triangular_solve(jnp.eye(c, dtype=_F32) + A, rhs, left_side=True, lower=True,
+                                     unit_diagonal=True)
+    attn = jnp.einsum("hnid,hnjd->hnij", q, k, precision=_HI) * decay             # lower incl. the diagonal
+    rows = lambda x: x.reshape(hv, tp, -1)                                         # noqa: E731
+    eq = jnp.exp(G)
+    ek = jnp.exp(D[..., c - 1, :])                                                # e^(sum of g over l > i)
+    return rows(uw[..., dv:]), rows(uw[..., :dv]), attn, eq.reshape(hv, tp), ek.reshape(hv, tp)
+
+
+_RECURRENCE_WARPS = {"v1": 4, "v2": 8, "xla_intra": 8}   # v2: a recurrence program is alone on its SM (Hv x dv/BV ~ 132 programs)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "variant"))
@@ -506,14 +543,23 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, interpret: bool = False, blo
     """A prompt part of one sequence, T tokens (any T). q, k [T, Hv, dk], v [T, Hv, dv] (bf16 or f32); g, beta
     [T, Hv]; state [Hv, dk, dv] f32 -> (o [T, Hv, dv] f32, final state [Hv, dk, dv] f32). dk, dv and block_v
     (default min(BLOCK_V, dv)) powers of two >= 16 (they enter dots). variant "v2" (default: the blocked inverse,
-    module docstring) or "v1" (forward substitution)."""
+    module docstring), "v1" (forward substitution) or "xla_intra" (the intra-chunk products in XLA,
+    chunk_products_xla, and v2's recurrence kernel)."""
     t, hv, dk = k.shape
     dv = v.shape[-1]
     if state.shape != (hv, dk, dv):
         raise ValueError(f"state must be [{hv}, {dk}, {dv}], not {list(state.shape)}")
     bv = _check(dk, dv, block_v, min_dim=16)
+    if variant not in CHUNKED_VARIANTS:
+        raise ValueError(f"variant must be one of {CHUNKED_VARIANTS}, not {variant!r}")
+    if variant == "xla_intra":
+        q, k, v, g, beta = _pad_part(q, k, v, g, beta)
+        w, u, attn, eq, ek = chunk_products_xla(q, k, v, g.T, beta.T)
+        o, state = _chunked_recurrence(q, k, (eq, ek), w, u, attn, state, interpret=interpret, block_v=bv,
+                                       num_warps=_RECURRENCE_WARPS[variant])
+        return o[:t], state
     q, k, v, g_h, beta_h = _pad_part(q, k, v, g, beta)
-    if _variant(variant) == "v1":
+    if variant == "v1":
         w, u, attn = _chunked_intra_v1(q, k, v, g_h, beta_h, interpret=interpret)
         decays = (g_h,)
     else:
