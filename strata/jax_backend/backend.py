@@ -33,14 +33,15 @@ ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cach
 FILL_BATCH = 64          # experts per pool_fill call (100 MB at Qwen3-Next-80B int4: the copies dwarf the call)
 KERNELS = ("auto", "xla", "pallas")
 # The Pallas kernels "auto" uses on a GPU, by measurement on the H200 at Qwen3-Next-80B shapes (bench/kernel_speed.py,
-# bench/results/kernel_speed_h200_*): decode attention 1.2-1.8x faster than XLA's (which reads the whole capacity);
-# the grouped expert op for prompt parts in its v2 form, 1.4x XLA's grouped form at 512 tokens and 2.0x at 4096 (int4;
-# the v1 form had fallen to 0.4-0.5x once the XLA form was rewritten, kernel_speed_h200_6b277c5.log); the int4
-# decode expert op 1.8x at 16 tokens but level with XLA at 1-4 (so from DECODE_EXPERTS_MIN_TOKENS tokens); the gated
-# delta rule's decode and chunked kernels (v1) were slower than XLA's (0.5-0.7x, a figure the benchmark's copy of the
-# donated state may have lowered, and 0.08x), so they are not in it ("pallas" runs them; their v2 forms are untimed).
-# PROVISIONAL (to be measured): the chunked rule as the intra-chunk products in XLA + the v2 recurrence kernel.
-PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "gdn_chunked"})
+# bench/results/kernel_speed_h200_*): attention, decode 1.2-1.8x faster than XLA's (which reads the whole capacity)
+# and the prompt form 6.5x at 4096 tokens (1.28 ms against 8.32, kernel_speed_h200_b3d2b6f.json); the grouped expert
+# op for prompt parts in its v2 form, 1.4x XLA's grouped form at 512 tokens and 2.0x at 4096 (int4; the v1 form had
+# fallen to 0.4-0.5x once the XLA form was rewritten, kernel_speed_h200_6b277c5.log); the int4 decode expert op 1.8x
+# at 16 tokens but level with XLA at 1-4 (so from DECODE_EXPERTS_MIN_TOKENS tokens). The gated delta rule's kernels
+# are not in it: decode v1 / v2 level with XLA (1.0-1.2x), chunked at 4096 tokens v2 5.45 ms, xla_intra (XLA's
+# intra-chunk products + the v2 recurrence kernel, 2.1 ms of recurrence alone in the engine) 2.60 ms, against XLA's
+# 1.67 ms (kernel_speed_gated_delta_h200_733f897.json, kernel_speed_h200_b3d2b6f.json); "pallas" runs them.
+PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode"})
 DECODE_EXPERTS_MIN_TOKENS = 8
 
 
@@ -58,7 +59,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         self.kernels = kernels
         self.pallas_ops = (PALLAS_AUTO if on_gpu else frozenset()) if kernels == "auto" else \
             (frozenset() if kernels == "xla" else PALLAS_AUTO | {"gdn_chunked", "gdn_decode"})
-        # the grouped kernel's variant: v2, the faster on the H200 (above); the chunked rule's: xla_intra (above)
+        # the grouped kernel's variant: v2, the faster on the H200 (above); the chunked rule's under "pallas"
         self.grouped_variant = "v2"
         self.gdn_variant = "xla_intra"
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
