@@ -15,6 +15,7 @@ Kernels (strata/jax_backend/kernels/):
   4K and 32K context, batch 1, 4 and 16, against decode_attention_xla;
 - prompt_attention: the flash kernel for a prompt part of 4096 tokens over an int8 cache, in several block / warp /
   P-term configurations, against the backend's XLA form;
+- expert_grouped_blocks: the grouped int4 v2 op at 4096 tokens with 64 and 128 rows per block;
 - gated_delta: the recurrent decode step (batch 1, 4, 16), the verify form (4 positions) and the chunked prompt form
   (4096 tokens), against the XLA forms in JaxBackend.
 
@@ -126,7 +127,9 @@ def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret,
     from strata.jax_backend.kernels import expert_grouped as K
     from strata.jax_backend.kernels.experts import experts_from_pool
     rows, rng = [], np.random.default_rng(1)
-    for fmt, variant in cases:
+    for case in cases:                         # (format, variant) or (format, variant, block_m)
+        fmt, variant = case[:2]
+        block_m = case[2] if len(case) > 2 else K.BLOCK_M
         store = SyntheticStore(fmt, hidden, inter, 1, n_experts, distinct=min(64, n_experts))
         lay = store.layout
         pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n_experts)]))
@@ -134,7 +137,8 @@ def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret,
             slots = jnp.asarray(np.stack([rng.choice(n_experts, k, replace=False) for _ in range(t)]).astype(np.int32))
             weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
             x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
-            ker = partial(K.experts_grouped, lay, interpret=interpret, max_distinct=n_experts, variant=variant)
+            ker = partial(K.experts_grouped, lay, interpret=interpret, max_distinct=n_experts, variant=variant,
+                          block_m=block_m)
             xla = partial(experts_from_pool, lay, max_distinct=n_experts)
             err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32),
                           xla(pool, x, slots, weight).astype(jnp.float32))
@@ -143,10 +147,11 @@ def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret,
             distinct = len(np.unique(np.asarray(slots)))
             nbytes = distinct * lay.nbytes + 2 * t * hidden * 2            # active blobs + x in and y out (bf16)
             compacted = pool.size >= K.MAX_KERNEL_POOL_BYTES
-            rows.append(row(f"expert grouped {fmt} {variant}, {t} tokens x {k} routes"
+            rows.append(row(f"expert grouped {fmt} {variant}, block_m {block_m}, {t} tokens x {k} routes"
                             + (" (pool over 2 GiB: compacted)" if compacted else ""), t_ker, t_xla, nbytes,
                             2 * 3 * t * k * hidden * inter, err, fmt=fmt, variant=variant, tokens=t,
-                            distinct_experts=distinct, pool_bytes=int(pool.size), compacted=compacted))
+                            distinct_experts=distinct, pool_bytes=int(pool.size), compacted=compacted,
+                            block_m=block_m))
         del pool
     return rows
 
@@ -349,6 +354,8 @@ def main() -> int:
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
             "gated_delta": dict(hv=2, dk=16, dv=16, batches=[1, 2], verify_q=3, prompt=70),
             "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
+            "expert_grouped_blocks": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4,
+                                          cases=(("int4", "v2", 64), ("int4", "v2", 128))),
         }
         repeat = 1
     else:
@@ -359,12 +366,15 @@ def main() -> int:
             "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 16],
                                      queries=[1, 4]),
             "gated_delta": dict(hv=32, dk=128, dv=128, batches=[1, 4, 16], verify_q=4, prompt=4096),
+            "expert_grouped_blocks": dict(hidden=2048, inter=512, n_experts=512, tokens=[4096], k=10,
+                                          cases=(("int4", "v2", 64), ("int4", "v2", 128))),
             "prompt_attention": dict(hq=16, hkv=2, hd=256, tokens=[4096],
                                      configs=[(8, 4, 3), (8, 8, 3), (16, 8, 3), (8, 4, 1), (16, 8, 1)]),
         }
         repeat = args.repeat
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
-           "gated_delta": gated_delta, "pool_over_4gib": pool_over_4gib, "prompt_attention": prompt_attention}
+           "gated_delta": gated_delta, "pool_over_4gib": pool_over_4gib, "prompt_attention": prompt_attention,
+           "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}
     unknown = [n for n in args.only.split(",") if n not in fns]

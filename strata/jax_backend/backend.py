@@ -11,6 +11,7 @@ XLA, so a model of any shape runs.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -28,6 +29,7 @@ from strata.jax_backend.kernels.host_rows import copy_host_rows
 from strata.model.blocks import ComposedOps, is_rows
 
 GDN_CHUNK = 64
+GDN_SCAN_BLOCK = 16      # chunks per iteration of the chunked rule's scan, at most (gated_delta_chunked_xla)
 KV_BLOCK = 512      # keys per step of the attention's online softmax
 ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
 FILL_BATCH = 64          # experts per pool_fill call (100 MB at Qwen3-Next-80B int4: the copies dwarf the call)
@@ -265,16 +267,30 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         k_dec = per_head(k) * ek_c                                                   # k e^(G_last - G)
         chunk_decay = eq_c[:, :, -1:, :]                                             # [n, Hv, 1, 1]: e^(G_last)
 
-        def step(S, xs):
-            u_i, w_i, q_i, k_i, attn_i, cd_i = xs
-            v_new = u_i - jnp.einsum("hcd,hde->hce", w_i, S, precision=hi)
-            o = jnp.einsum("hcd,hde->hce", q_i, S, precision=hi) + jnp.einsum("hij,hje->hie", attn_i, v_new,
-                                                                               precision=hi)
-            S = S * cd_i + jnp.einsum("hcd,hce->hde", k_i, v_new, precision=hi)
-            return S, o
+        # the scan carries only what is sequential: per chunk v' = u - w S and S <- e^(G_last) S + k'^T v'. The
+        # outputs o = (q e^G) S + attn v' need S before the chunk and v', so the scan returns both and o is two
+        # batched matmuls over every chunk after it (a 4096-token part: S for 64 chunks, 134 MB). Each iteration
+        # takes a block of `blk` chunks (GDN_SCAN_BLOCK, or what divides n) and walks them with static indices: a GPU
+        # while loop reads its predicate back to the host at every iteration, and slices its inputs and stacks its
+        # outputs by copies (at 9c442a3 an 8-layer 4096-token part's kernels took 41 ms of its 51 ms, 1542 of them
+        # copies in the scan, bench/results/prompt_probe_h200_8_layers_9c442a3.json)
+        blk = math.gcd(n, GDN_SCAN_BLOCK)
 
-        state, out = lax.scan(step, state.astype(f32), (chunks(u), chunks(w), q_dec, k_dec,
-                                                        attn.transpose(1, 0, 2, 3), chunk_decay))
+        def block(S, xs):
+            s_in, v_out = [], []
+            for j in range(blk):
+                u_j, w_j, k_j, cd_j = (x[j] for x in xs)
+                v_new = u_j - jnp.einsum("hcd,hde->hce", w_j, S, precision=hi)
+                s_in.append(S)
+                v_out.append(v_new)
+                S = S * cd_j + jnp.einsum("hcd,hce->hde", k_j, v_new, precision=hi)
+            return S, (jnp.stack(s_in), jnp.stack(v_out))
+
+        xs = tuple(x.reshape((n // blk, blk) + x.shape[1:]) for x in (chunks(u), chunks(w), k_dec, chunk_decay))
+        state, (s_before, v_new) = lax.scan(block, state.astype(f32), xs)
+        s_before, v_new = (x.reshape((n,) + x.shape[2:]) for x in (s_before, v_new))
+        out = (jnp.einsum("nhcd,nhde->nhce", q_dec, s_before, precision=hi)
+               + jnp.einsum("nhij,nhje->nhie", attn.transpose(1, 0, 2, 3), v_new, precision=hi))
         out = out.transpose(0, 2, 1, 3).reshape(n * c, hv, dv)[:t]
         return out, state
 

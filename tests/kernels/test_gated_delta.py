@@ -319,3 +319,31 @@ def test_shapes_it_cannot_block_are_refused():
     with pytest.raises(ValueError, match="float32"):
         K.gated_delta_decode(z((1, 2, 16)), z((1, 2, 16)), z((1, 2, 16)), z((1, 2)), z((1, 2)),
                              z((1, 2, 16, 16), jnp.bfloat16), interpret=True)
+
+
+# --- the backend's XLA form (every device's default for prompt parts): the kernels' limits
+
+@pytest.mark.parametrize("t,hv,dk,dv", [(1, 4, 32, 32), (130, 4, 32, 32), (1100, 2, 16, 16)])
+def test_xla_chunked_form_matches_the_reference(t, hv, dk, dv):
+    """130 tokens are 3 chunks (one per scan iteration); 1100 tokens 18 (blocks of 2, as GDN_SCAN_BLOCK = 16 does
+    not divide 18); test_xla_chunked_form_in_full_blocks takes blocks of GDN_SCAN_BLOCK."""
+    from strata.jax_backend.backend import JaxBackend
+    rng = np.random.default_rng()
+    check_chunked(JaxBackend.gated_delta_chunked_xla, *rule_inputs(rng, (t,), hv, dk, dv, "float32"),
+                  state_like(rng, (), hv, dk, dv))
+
+
+def test_xla_chunked_form_with_aligned_keys():
+    from strata.jax_backend.backend import JaxBackend
+    rng = np.random.default_rng()
+    check_chunked(JaxBackend.gated_delta_chunked_xla, *aligned_inputs(rng, 130, 2, 32, 32),
+                  state_like(rng, (), 2, 32, 32))
+
+
+def test_xla_chunked_form_in_full_blocks():
+    """2048 tokens: 32 chunks, two scan iterations of GDN_SCAN_BLOCK chunks each."""
+    from strata.jax_backend.backend import GDN_SCAN_BLOCK, JaxBackend
+    assert 2048 // K.CHUNK == 2 * GDN_SCAN_BLOCK
+    rng = np.random.default_rng()
+    check_chunked(JaxBackend.gated_delta_chunked_xla, *rule_inputs(rng, (2048,), 2, 16, 16, "float32"),
+                  state_like(rng, (), 2, 16, 16))
