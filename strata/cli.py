@@ -102,6 +102,8 @@ SERVE_FLAGS = {
     "host_chunk_mib": (int, "largest single pinned host allocation of the expert mirror, MiB (default 1024, at most "
                             "2047); lower it where the driver refuses large pinned allocations"),
     "debug_slots": (bool, "check every expert slot a computation reads against the pack (slow)"),
+    "compile_cache": (str, "jax backend: a directory for JAX's persistent compilation cache; a restart with the same "
+                           "model and shapes loads the warm-up's compiled windows from it (default off)"),
 }
 
 

@@ -59,6 +59,7 @@ class ServeConfig:
     profile: str | None = None           # routing profile (strata profile) for the initial placement
     host_chunk_mib: int = 1024           # largest single pinned allocation of the host mirror (seed 002)
     debug_slots: bool = False            # check every slot a computation reads against the pack (slow)
+    compile_cache: str | None = None     # jax: directory of the persistent compilation cache (restarts load from it)
 
     def engine_options(self) -> dict:
         """The Engine.load options this config sets."""
@@ -146,6 +147,7 @@ _RULES: dict[str, tuple[str, Any, str]] = {
     "profile": _nonempty_str_or_none("a profile file written by strata profile"),
     "host_chunk_mib": _int_range(1, 2047),
     "debug_slots": _bool(),
+    "compile_cache": _nonempty_str_or_none("a directory for JAX's persistent compilation cache"),
 }
 KEYS = tuple(f.name for f in fields(ServeConfig))
 assert set(KEYS) == set(_RULES)

@@ -1,12 +1,19 @@
 """Real servers on loopback for the serve and e2e tests: `running_server(engine, **config)` runs the app on hypercorn in a
-background thread (its own event loop) on a socket pre-bound to 127.0.0.1 port 0, and stops it cleanly at exit."""
+background thread (its own event loop) on a socket pre-bound to 127.0.0.1 port 0, and stops it cleanly at exit;
+`serve_command(args)` runs `strata serve` as a user does, in its own process."""
 from __future__ import annotations
 
 import asyncio
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -86,3 +93,48 @@ def running_server(engine, scheduler=None, **overrides):
         assert not thread.is_alive(), "the test server did not stop within 60 s"
         if errors:
             raise errors[0]
+
+
+@dataclass
+class ServeProcess:
+    proc: subprocess.Popen
+    url: str | None = None
+    seen: list = field(default_factory=list)      # stderr lines up to "ready"
+    rc: int | None = None
+    rest: str = ""                                # every stderr line, once it stopped
+
+
+@contextmanager
+def serve_command(args: list, timeout_s: float = 300.0):
+    """`python -m strata.cli serve ARGS` on the CPU (port 0 in ARGS or its config): -> ServeProcess once its log says
+    ready (.url from the "serving ... on URL" line, .seen the lines so far); SIGTERM at exit, then .rc and .rest."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("STRATA_API_KEY", None)
+    p = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", *args],
+                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in p.stderr], daemon=True).start()
+    sp = ServeProcess(p)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                assert p.poll() is None, "".join(sp.seen)
+                continue
+            sp.seen.append(line)
+            m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+)", line)
+            sp.url = sp.url or (m and m.group(1))
+            if line.startswith("strata serve: ready"):
+                break
+        assert sp.url, "".join(sp.seen)
+        yield sp
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            sp.rc = p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+        sp.rest = "".join(sp.seen) + "".join(iter(lambda: lines.get(timeout=5) if not lines.empty() else "", ""))

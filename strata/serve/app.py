@@ -717,8 +717,10 @@ class _Gate:
 
 
 def create_app(engine, scheduler, config: ServeConfig, *,
-               on_scheduler_exit: Callable[[], None] | None = None) -> Starlette:
-    """The Starlette app serving `engine` through `scheduler`; its lifespan runs `scheduler.run` (warm-up included)."""
+               on_scheduler_exit: Callable[[], None] | None = None,
+               on_ready: Callable[[], None] | None = None) -> Starlette:
+    """The Starlette app serving `engine` through `scheduler`; its lifespan runs `scheduler.run` (warm-up included)
+    and then on_ready(), when given."""
     state = ServeState(engine, scheduler, config, on_scheduler_exit)
 
     @asynccontextmanager
@@ -734,6 +736,8 @@ def create_app(engine, scheduler, config: ServeConfig, *,
             state.ready = True
             log.info("ready: scheduler warmed up in %.0f ms (%d slots, prompt parts of %d tokens, max_context %d)",
                      (time.perf_counter() - t0) * 1000, config.parallel, config.prefill, state.max_context)
+            if on_ready is not None:
+                on_ready()
             try:
                 yield
             finally:

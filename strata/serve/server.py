@@ -112,9 +112,13 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
         if config.model == "demo":
             from strata.demo import DEMO_NOTE
             log.info(DEMO_NOTE)
+        on_ready = _compile_cache(config) if config.compile_cache else None
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(
             lambda: Engine.load(config.model, backend=config.backend, **config.engine_options()))
+        if config.compile_cache and engine.backend.name != "jax":
+            log.warning("compile_cache = %s is unused: it applies to the jax backend, not %s", config.compile_cache,
+                        engine.backend.name)
         if engine.tokenizer is None:
             raise StrataError(f"{config.model} has no tokenizer.json beside it; strata serve needs one to render "
                               f"chat prompts")
@@ -130,7 +134,7 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
             failed.append(True)
             shutdown_event.set()
 
-        app = create_app(engine, scheduler, config, on_scheduler_exit=on_scheduler_exit)
+        app = create_app(engine, scheduler, config, on_scheduler_exit=on_scheduler_exit, on_ready=on_ready)
         log.info("serving %s on %s: %d parallel, prompt parts of %d tokens, max_context %d, queue limit %d, "
                  "bodies up to %d bytes, API key %s (warming up first)", config.model_name, url, config.parallel,
                  config.prefill, config.max_context, config.queue_limit, config.max_body_bytes,
@@ -152,6 +156,22 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
     finally:
         if sock is not None:
             sock.close()
+
+
+def _compile_cache(config: ServeConfig) -> Callable[[], None]:
+    """Enable JAX's persistent compilation cache before anything compiles (strata/jax_backend/compile_cache.py) and
+    log what it holds. -> the callback that logs, once the warm-up is done, how many compilations it served."""
+    from strata.jax_backend.compile_cache import CacheCounter, enable
+    info = enable(config.compile_cache)
+    log.info("compile cache %s: %d entries, %.1f MB before start-up", info["path"], info["entries"],
+             info["bytes"] / 1e6)
+    counter = CacheCounter().__enter__()
+
+    def on_ready():
+        counter.__exit__(None, None, None)
+        log.info("compile cache: %d of %d compilations at start-up loaded from %s", counter.hits, counter.requests,
+                 info["path"])
+    return on_ready
 
 
 # The device work runs in a worker thread while the event loop streams text: with CPython's default 5 ms GIL switch

@@ -6,13 +6,8 @@ can't produce on demand (a full queue, a failure mid-stream, a scheduler that st
 from __future__ import annotations
 
 import json
-import os
-import queue
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,6 +16,7 @@ import openai
 import pytest
 
 from fake_scheduler import FakeScheduler, fail_at_once, fail_midway, hold
+from servers import serve_command
 from strata.sched.request import Delta, Finished
 from strata.serve.app import ends_inside_think
 
@@ -436,45 +432,18 @@ def test_strata_serve_command(tmp_path):
     """`strata serve` as a user runs it: startup lines name the model and URL, it serves, SIGTERM stops it (0)."""
     cfg = tmp_path / "s.toml"
     cfg.write_text('model = "demo"\nport = 0\nparallel = 1\nprefill = 64\nmax_context = 1024\n')
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("STRATA_API_KEY", None)
-    p = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--config", str(cfg), "--max-context", "768"],
-                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in p.stderr], daemon=True).start()
-    seen = []
-    try:
-        url = None
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                assert p.poll() is None, "".join(seen)
-                continue
-            seen.append(line)
-            m = re.search(r"serving demo on (http://127\.0\.0\.1:\d+): 1 parallel, prompt parts of 64 tokens, "
-                          r"max_context 768", line)
-            url = url or (m and m.group(1))
-            if line.startswith("strata serve: ready"):
-                break
-        assert url, "".join(seen)
-        assert all(l.startswith(("strata ", "strata.")) or not l.strip() for l in seen), "".join(seen)
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "temperature": 0},
+    with serve_command(["--config", str(cfg), "--max-context", "768"]) as sp:
+        seen = sp.seen
+        assert any(re.search(r"serving demo on http://127\.0\.0\.1:\d+: 1 parallel, prompt parts of 64 tokens, "
+                             r"max_context 768", line) for line in seen), "".join(seen)
+        assert all(line.startswith(("strata ", "strata.")) or not line.strip() for line in seen), "".join(seen)
+        r = httpx.post(sp.url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 3, "temperature": 0},
                        timeout=60)
         assert r.status_code == 200 and r.json()["model"] == "demo"
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 800}, timeout=60)
+        r = httpx.post(sp.url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 800}, timeout=60)
         assert r.status_code == 400 and "768" in r.json()["error"]["message"]
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            rc = p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            raise
-    rest = "".join(seen) + "".join(iter(lambda: lines.get(timeout=5) if not lines.empty() else "", ""))
-    assert rc == 0, rest
-    assert "Traceback" not in rest, rest
+    assert sp.rc == 0, sp.rest
+    assert "Traceback" not in sp.rest, sp.rest
 
 
 def test_quiet_stream_gets_keepalive_comments(demo_engine, serve, monkeypatch):
