@@ -28,6 +28,11 @@ Hv = 32, dk = dv = 128; the v1 kernels, the only ones then):
   less than the whole state (its 34.1 us is under the 37 us of a full step and the add as two passes). Timing the
   in-place kernel needs the kernel's new state as the loop carry.
 - verify (S = 4, Q = 4): Pallas 29.9 us, XLA 96.6 us (floor 11.7 us).
+Then (commit 733f897, kernel_speed_gated_delta_h200_733f897.json, the decode loop carrying the new state; and
+b3d2b6f, kernel_speed_h200_b3d2b6f.json):
+- decode v1 / v2: 9.8 / 10.3 us at S = 1, 22.5 / 24.7 us at S = 16; XLA 10.1-11.3 and 24.5-27.7 us: level.
+- chunked, T = 4096: v2 5.45 ms, v1 31.3 ms, xla_intra 2.60 ms (its recurrence kernel alone 2.1 ms in the engine:
+  the fp32 dots on the FMA units), XLA 1.61-1.67 ms. So the backend's `auto` runs XLA's forms of the rule.
 Not yet measured on the GPU: the v2 kernels below. What is verified here is the arithmetic in Pallas interpret
 mode against the float64 references below, and the Triton lowering (power-of-two loads and stores, dot operand
 dtypes, the grid and warps) by exporting each kernel for CUDA at real shapes on the CPU
@@ -504,7 +509,8 @@ def chunk_products_xla(q, k, v, g, beta):
     -> (w [Hv, Tp, dk], u [Hv, Tp, dv], attn [Hv, n, C, C], eq = e^G, ek = e^(G_last - G) [Hv, Tp]), fp32, the
     v2 intra kernel's outputs: within a chunk G = cumsum(g), A = strict_lower(beta_i k_i.k_j e^(G_i - G_j)),
     [u | w] = (I + A)^-1 [beta v | beta e^G k] (the inverse by one unit lower-triangular solve, then a matmul),
-    attn = lower(q_i.k_j e^(G_i - G_j)); the exponents G_i - G_j as sums of g (no difference of prefix sums). Also the backend's XLA form (JaxBackend.gated_delta_chunked_xla)."""
+    attn = lower(q_i.k_j e^(G_i - G_j)); the exponents G_i - G_j as sums of g (no difference of prefix sums).
+    Also the intra-chunk part of the backend's XLA form (JaxBackend.gated_delta_chunked_xla)."""
     tp, hv, dk = k.shape
     dv, c = v.shape[-1], CHUNK
     n = tp // c
@@ -525,8 +531,9 @@ def chunk_products_xla(q, k, v, g, beta):
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
     A = jnp.where(strict, jnp.einsum("hnid,hnjd->hnij", k_beta, k, precision=_HI) * decay, 0.0)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(G)[..., None]], axis=-1)   # [Hv, n, c, dv + dk]
-    # T = (I + A)^-1 by one solve against the identity (c right-hand sides: the batched solve's time follows their
-    # count, 0.8 ms a layer for dv + dk = 256 on the H200), then [u | w] = T rhs as one batched matmul
+    # T = (I + A)^-1 by one solve against the identity, then [u | w] = T rhs as one batched matmul: the batched
+    # solve's time follows its right-hand sides (dv + dk = 256 of them took 0.8 ms a layer on the H200, c = 64 take
+    # 0.2: prompt_probe at 733f897 and 9c442a3)
     eye = jnp.broadcast_to(jnp.eye(c, dtype=_F32), A.shape)
     inv = lax.linalg.triangular_solve(eye + A, eye, left_side=True, lower=True, unit_diagonal=True)
     uw = jnp.einsum("hnij,hnjd->hnid", inv, rhs, precision=_HI)
@@ -537,7 +544,8 @@ def chunk_products_xla(q, k, v, g, beta):
     return rows(uw[..., dv:]), rows(uw[..., :dv]), attn, eq.reshape(hv, tp), ek.reshape(hv, tp)
 
 
-_RECURRENCE_WARPS = {"v1": 4, "v2": 8, "xla_intra": 8}   # v2: a recurrence program is alone on its SM (Hv x dv/BV ~ 132 programs)
+# v2 and xla_intra: a recurrence program is alone on its SM (Hv x dv/BV ~ 132 programs)
+_RECURRENCE_WARPS = {"v1": 4, "v2": 8, "xla_intra": 8}
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "variant"))
