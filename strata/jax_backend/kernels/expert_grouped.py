@@ -64,8 +64,8 @@ Design (`experts_grouped`):
   slot's gate and up rows a K step at a time and accumulates x W^T in float32 (gate and up in one program, two
   accumulators, so x is read once); h = silu(g) * u, stored in x's dtype.
 - kernel 2: y_rows = (h W_down^T) * the row's route weight.
-- XLA gathers each route's row back per choice (a permutation: no scatter-add) and sums the k choices in float32,
-  in choice order. A skipped route contributes exactly 0, whatever its weight.
+- XLA gathers each route's row back into (token, choice) order (a permutation: no scatter-add) and sums over k in
+  float32. A skipped route contributes exactly 0, whatever its weight.
 Variants (static keyword `variant`; `kernel_variant` says which kernels a call runs):
 - "v2" (default), int4 with power-of-two groups of >= 32 columns (Qwen3-Next's 128): no nibble interleave. XLA
   permutes x's columns once so that within every group of G columns the G/2 even columns come first, then the G/2
@@ -610,15 +610,9 @@ def _grouped(layout: BlobLayout, pool, x, slots, weight, *, n_groups: int, block
     (k1, bn1, n1, l1, xin), (k2, bn2, n2, l2, _) = calls
     h = call(k1, bn1, n1, l1, row_tok, xin)
     y_rows = call(k2, bn2, n2, l2, row_weight, h.reshape(-1))
-    # the combine: per token the sum of its k routes' rows, one gather per choice added in float32 (XLA fuses the
-    # k gathers and sums into one pass that writes [T, H] once; gathering [T * k, H] first and then reducing over
-    # k took ~1 ms per layer at 4096 tokens on the H200, bench/prompt_probe.py at 733f897)
-    pos = pos.reshape(t, kk)
-    y = jnp.zeros((t, hidden), jnp.float32)
-    for j in range(kk):                                     # skipped (or dropped) routes: exactly 0
-        row = jnp.take(y_rows, jnp.minimum(pos[:, j], n_rows - 1), axis=0).astype(jnp.float32)
-        y = y + jnp.where((pos[:, j] < n_rows)[:, None], row, 0.0)
-    return y
+    ok = (pos < n_rows)[:, None]                            # skipped (or dropped) routes: exactly 0
+    y = jnp.where(ok, jnp.take(y_rows, jnp.minimum(pos, n_rows - 1), axis=0), 0)
+    return y.reshape(t, kk, hidden).astype(jnp.float32).sum(axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "interpret", "max_distinct", "block_m", "variant"))
