@@ -6,6 +6,9 @@
 #                                        # 12 layers (~170 s; the .partial file keeps what ends). Not 4: its 3.4 GB
 #                                        # expert pool is read through compacted copies (2^31..2^32 bytes), which
 #                                        # slowed its prompt parts by 1 ms a layer and made 4/8-layer fits optimistic
+#   bash bench/h200_session.sh engine-nocb # the same with XLA's command buffers off: the prompt figure against
+#                                        # engine's (an 8-layer part's kernels took 41 ms, 51 ms in the probe with
+#                                        # them off, 61 ms in engine_speed with them on); never a headline (xla_flags)
 #   bash bench/h200_session.sh engine-xla  # the same, kernels xla, and bench/transformers_speed.py at 4 and 8 layers
 #   bash bench/h200_session.sh probe     # bench/launch_probe.py: where a decode token's time goes (traces, XLA flags)
 #   bash bench/h200_session.sh offload   # bench/offload_speed.py, uniform routing, decode at batch 1 and 4
@@ -33,6 +36,11 @@ case "${1:-}" in
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 2 \
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
+  engine-nocb)
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout 400 python3 bench/engine_speed.py --real-shapes \
+      --experts int4 --layers 8,12 --prompt 4096 --repeat 2 --kernels auto \
+      --out "$OUT/engine_speed_real_shapes_int4_auto_no_command_buffers.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
+    ;;
   engine-xla)
     timeout 300 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 2 \
       --kernels xla --out "$OUT/engine_speed_real_shapes_int4_xla.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
@@ -55,7 +63,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|kernel-tests|engine|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|kernel-tests|engine|engine-nocb|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

@@ -4,7 +4,8 @@
 
 Every headline key names one figure (tokens/s, ms) with the machine, date, commit and result file it comes from.
 A key is read from the result files that can hold it; when several do, the newest measurement (by its date) wins, so
-re-running a bench updates the summary. A key no file holds yet is listed as not measured, never guessed. The bench
+re-running a bench updates the summary. Files from runs under XLA_FLAGS (recorded as "xla_flags") are comparisons and
+never headlines. A key no file holds yet is listed as not measured, never guessed. The bench
 scripts call refresh() after writing their result, so the summary and the README follow every recorded run.
 """
 from __future__ import annotations
@@ -111,6 +112,8 @@ def collect(results_dir: Path = RESULTS) -> dict:
         for src in key.sources:
             for f, result in files:
                 if result.get("bench") != src.bench or "smoke" in f.name:
+                    continue
+                if result.get("xla_flags"):      # a run under other compiler flags is a comparison, not a headline
                     continue
                 if src.prompt_tokens is not None and _prompt_tokens(result) != src.prompt_tokens:
                     continue

@@ -33,6 +33,9 @@ def test_newest_measurement_wins_and_files_that_cannot_hold_a_key_are_ignored(tm
     _write(tmp_path, "x_smoke.json", _engine("2026-11-09T00:00:00", "ddd", 4096, 1.0, 1.0))
     # one layer count short of 48, scaled in proportion: a spot check, never a headline
     _write(tmp_path, "spot_8.json", _engine("2026-11-09T00:00:00", "fff", 4096, 2.0, 2.0, layers=("8",)))
+    # a run under other compiler flags: a comparison, never a headline
+    _write(tmp_path, "flags.json", dict(_engine("2026-11-09T00:00:00", "ggg", 4096, 3.0, 3.0),
+                                        xla_flags="--xla_gpu_enable_command_buffer="))
     offload = {"bench": "offload_speed", "machine": "gpu:test", "commit": "eee",
                "runs": {"uniform": {"decode": {"b1": {"tok_s": 4.9}}}}}
     _write(tmp_path, "layer_by_layer.json", dict(offload, date="2026-11-05T00:00:00", window_fetch=False))
@@ -66,3 +69,15 @@ def test_the_committed_summary_and_readme_table_match_the_committed_results():
     s = summary.collect(summary.RESULTS)
     assert json.loads((summary.RESULTS / "SUMMARY.json").read_text()) == s
     assert f"{summary.BEGIN}\n{summary.table(s)}\n{summary.END}" in summary.README.read_text()
+
+
+def test_decode_headlines_prefer_windows_dispatched_ahead(tmp_path):
+    """A run that timed windows dispatched ahead (the scheduler's lookahead, the server's steady decoding) gives the
+    decode headline; a run without that figure gives its windows run one by one."""
+    _write(tmp_path, "old.json", _engine("2026-11-01T00:00:00", "aaa", 4096, 100.0, 5000.0))
+    s = summary.collect(tmp_path)
+    assert s["decode_tok_s_b1"]["value"] == 100.0
+    _write(tmp_path, "new.json", dict(_engine("2026-11-02T00:00:00", "bbb", 4096, 110.0, 5000.0),
+                                      decode_ahead_tok_s_b1_48_layers=140.0))
+    s = summary.collect(tmp_path)
+    assert s["decode_tok_s_b1"]["value"] == 140.0 and s["decode_tok_s_b1"]["commit"] == "bbb"
