@@ -116,9 +116,9 @@ def charge(events: list, scopes: dict) -> dict:
             "unmatched": dict(sorted(unmatched.items(), key=lambda kv: -kv[1])[:10]), "sample_events": sample}
 
 
-def floors(cfg, tokens: int, context: int, rows: int, expert_bytes: int) -> dict:
+def floors(cfg, tokens: int, context: int, expert_bytes: int, *, prompt: bool) -> dict:
     """Per scope, summed over the probe model's layers: (FLOPs, bytes) of the work at these shapes, and the floor
-    in ms. tokens: rows of the call (a prompt part: its tokens, causal from position 0; a decode window: its rows,
+    in ms. tokens: rows of the call (prompt: a part's tokens, causal from position 0; else a decode window's rows,
     each at `context`)."""
     from strata.model.config import LINEAR
     h, bf = cfg.hidden_size, 2
@@ -129,7 +129,6 @@ def floors(cfg, tokens: int, context: int, rows: int, expert_bytes: int) -> dict
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lin_in = 2 * hk * dk + hv * dv + hv * dv + 2 * hv        # qkv, z, b, a
     full_in = hq * hd * 2 + 2 * hkv * hd                     # q, gate, k, v
-    prompt = rows == 0
     t = tokens
 
     def dense(n_out, n_in, layers):
@@ -234,10 +233,9 @@ def main() -> int:
     if isinstance(events, dict):
         print(f"trace: {events['error']}")
         return 1
-    scopes = hlo_scopes(dump)
-    result["cases"]["prompt"] = report(f"prompt part of {args.prompt} tokens, {args.layers} layers", wall,
-                                       charge(events, scopes),
-                                       floors(cfg, args.prompt, 0, 0, store.layout.nbytes))
+    # (key, title, wall ms, events, floors) per case; charged once every case has compiled (and so been dumped)
+    cases = [("prompt", f"prompt part of {args.prompt} tokens, {args.layers} layers", wall, events,
+              floors(cfg, args.prompt, 0, store.layout.nbytes, prompt=True))]
     from dataclasses import replace
 
     from strata.runner import WindowRunner, idle_plan
@@ -251,11 +249,11 @@ def main() -> int:
         for _ in range(16):
             window()
         wall = 1000 * (time.perf_counter() - t) / 16
-        events = traced_events(window)
-        scopes = hlo_scopes(dump)                    # the window's module is dumped at its first call
-        result["cases"][f"decode_b{b}"] = report(f"decode window of {b} rows at {args.context}", wall,
-                                                 charge(events, scopes),
-                                                 floors(cfg, b, args.context, b, store.layout.nbytes))
+        cases.append((f"decode_b{b}", f"decode window of {b} rows at {args.context}", wall, traced_events(window),
+                      floors(cfg, b, args.context, store.layout.nbytes, prompt=False)))
+    scopes = hlo_scopes(dump)
+    for key, title, wall, events, floor in cases:
+        result["cases"][key] = report(title, wall, charge(events, scopes), floor)
     results_file.write(result, args.out, "prompt_probe" + ("_smoke" if args.smoke else ""))
     return 0
 

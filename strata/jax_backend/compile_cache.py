@@ -42,8 +42,8 @@ def enable(path: str) -> dict:
 
 
 class CacheCounter:
-    """Counts JAX's compilation-cache events while registered: `requests` (compilations that asked the cache) and
-    `hits` (loaded from it)."""
+    """Counts JAX's compilation-cache events from start() to stop(): `requests` (compilations that asked the cache)
+    and `hits` (loaded from it)."""
 
     EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
               "/jax/compilation_cache/cache_hits": "hits"}
@@ -57,11 +57,11 @@ class CacheCounter:
         if name is not None:
             setattr(self, name, getattr(self, name) + 1)
 
-    def __enter__(self) -> "CacheCounter":
+    def start(self) -> "CacheCounter":
         import jax.monitoring
         jax.monitoring.register_event_listener(self._on_event)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         import jax.monitoring
         jax.monitoring.unregister_event_listener(self._on_event)

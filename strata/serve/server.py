@@ -165,10 +165,10 @@ def _compile_cache(config: ServeConfig) -> Callable[[], None]:
     info = enable(config.compile_cache)
     log.info("compile cache %s: %d entries, %.1f MB before start-up", info["path"], info["entries"],
              info["bytes"] / 1e6)
-    counter = CacheCounter().__enter__()
+    counter = CacheCounter().start()
 
     def on_ready():
-        counter.__exit__(None, None, None)
+        counter.stop()
         log.info("compile cache: %d of %d compilations at start-up loaded from %s", counter.hits, counter.requests,
                  info["path"])
     return on_ready

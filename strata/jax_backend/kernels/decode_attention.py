@@ -118,11 +118,10 @@ def _attend(q, k_ref, v_ref, ks_ref, vs_ref, last, n, lo, hi, *, scale: float, b
         if quantized:
             p = p * jnp.where(live, vs_ref[pl.ds(start, block_k)], 0.0)[None, :]
         if bf16:                                        # p = pa + pb + pc in bfloat16 terms (float32-accurate)
-            terms, res = [], p
-            for _ in range(p_terms):
-                term = res.astype(jnp.bfloat16)
-                terms.append(term)
-                res = res - term.astype(jnp.float32)
+            terms, res = [p.astype(jnp.bfloat16)], p
+            for _ in range(p_terms - 1):                # each term the bfloat16 of what the last ones left
+                res = res - terms[-1].astype(jnp.float32)
+                terms.append(res.astype(jnp.bfloat16))
             pv = lax.dot_general(terms[-1], v, dims, preferred_element_type=jnp.float32)
             for term in reversed(terms[:-1]):           # the smallest term first
                 pv = pv + lax.dot_general(term, v, dims, preferred_element_type=jnp.float32)

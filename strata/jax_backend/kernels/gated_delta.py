@@ -563,18 +563,14 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, interpret: bool = False, blo
     bv = _check(dk, dv, block_v, min_dim=16)
     if variant not in CHUNKED_VARIANTS:
         raise ValueError(f"variant must be one of {CHUNKED_VARIANTS}, not {variant!r}")
-    if variant == "xla_intra":
-        q, k, v, g, beta = _pad_part(q, k, v, g, beta)
-        w, u, attn, eq, ek = chunk_products_xla(q, k, v, g.T, beta.T)
-        o, state = _chunked_recurrence(q, k, (eq, ek), w, u, attn, state, interpret=interpret, block_v=bv,
-                                       num_warps=_RECURRENCE_WARPS[variant])
-        return o[:t], state
     q, k, v, g_h, beta_h = _pad_part(q, k, v, g, beta)
     if variant == "v1":
         w, u, attn = _chunked_intra_v1(q, k, v, g_h, beta_h, interpret=interpret)
         decays = (g_h,)
     else:
-        w, u, attn, eq, ek = _chunked_intra_v2(q, k, v, g_h, beta_h, interpret=interpret)
+        intra = chunk_products_xla(q, k, v, g_h.T, beta_h.T) if variant == "xla_intra" else \
+            _chunked_intra_v2(q, k, v, g_h, beta_h, interpret=interpret)
+        w, u, attn, eq, ek = intra
         decays = (eq, ek)
     o, state = _chunked_recurrence(q, k, decays, w, u, attn, state, interpret=interpret, block_v=bv,
                                    num_warps=_RECURRENCE_WARPS[variant])
