@@ -186,7 +186,8 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
     from strata.model.params import params_from_reader
     backend = get_backend("jax", kernels=kernels)
     out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth(), "kernels": kernels,
-           "pallas_ops": sorted(backend.pallas_ops), "kv": kv}
+           "pallas_ops": sorted(backend.pallas_ops), "gdn_variant": backend.gdn_variant,
+           "gdn_dots": backend.gdn_dots, "kv": kv}
     for n in layer_counts:
         cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=n, **(overrides or {})),
                                   source=f"qwen3-next-80b shapes x{n}")

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One lent H200 call per part (each ends well inside a 10-minute call), writing JSON and logs under $OUT (or ./out):
 #   bash bench/h200_session.sh kernels   # bench/kernel_speed.py, the families untimed in their v2 forms first
+#   bash bench/h200_session.sh gdn       # the gated delta family (chunked by variant, dots, stages) and its GPU tests
+#   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
 #                                        # 12 layers (~170 s; the .partial file keeps what ends). Not 4: its 3.4 GB
@@ -11,6 +13,7 @@
 #                                        # them off, 61 ms in engine_speed with them on); never a headline (xla_flags)
 #   bash bench/h200_session.sh engine-xla  # the same, kernels xla, and bench/transformers_speed.py at 4 and 8 layers
 #   bash bench/h200_session.sh probe     # bench/launch_probe.py: where a decode token's time goes (traces, XLA flags)
+#   bash bench/h200_session.sh copies    # bench/launch_probe.py's copy probes (device_put, kernel, kernel on stream 1)
 #   bash bench/h200_session.sh offload   # bench/offload_speed.py, uniform routing, decode at batch 1 and 4
 #   bash bench/h200_session.sh dispatch  # bench/dispatch_probe.py: a window's host and device time, batch 1 and 4
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
@@ -28,6 +31,13 @@ case "${1:-}" in
       --out "$OUT/kernel_speed_h200.json" 2>&1 | grep -E "^(expert|gated|decode|pool|wrote)|FAILED" \
       | tee "$OUT/kernel_speed.log"
     ;;
+  gdn)        # the gated delta family alone (the chunked cases by variant, dots and stages) and its tests compiled
+    timeout 300 python3 bench/kernel_speed.py --only gated_delta --out "$OUT/kernel_speed_gated_delta_h200.json" \
+      2>&1 | grep -E "^(gated|wrote)|FAILED" | tee "$OUT/kernel_speed_gated_delta.log"
+    STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_gated_delta.py -k chunked \
+      -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_gated_delta_tests.log" | grep -E "passed|failed|Error" \
+      | head -20
+    ;;
   kernel-tests)
     STRATA_TEST_DEVICE=gpu timeout 400 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \
       2>&1 | tee "$OUT/gpu_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -40
@@ -36,9 +46,13 @@ case "${1:-}" in
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 2 \
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
-  engine-nocb)
+  engine-pallas) # kernels pallas: auto's kernels and the gated delta rule's (chunked: xla_intra, tf32x3 dots)
+    timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 2 \
+      --kernels pallas --out "$OUT/engine_speed_real_shapes_int4_pallas.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
+    ;;
+  engine-nocb)  # LAYERS=8 for one point (the prompt part's time against engine's at the same layers)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout 400 python3 bench/engine_speed.py --real-shapes \
-      --experts int4 --layers 8,12 --prompt 4096 --repeat 2 --kernels auto \
+      --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 --repeat 2 --kernels auto \
       --out "$OUT/engine_speed_real_shapes_int4_auto_no_command_buffers.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-xla)
@@ -49,6 +63,11 @@ case "${1:-}" in
     ;;
   probe)
     timeout 480 python3 bench/launch_probe.py --out "$OUT/launch_probe_h200.json" 2>&1 | grep -vi warning
+    ;;
+  copies)     # bench/launch_probe.py's copy probes alone: pinned host rows copied beside matmuls in one function, by
+              # device_put, by the host-rows kernel, and by that kernel on a second stream (stream annotation)
+    timeout 200 python3 bench/launch_probe.py --variants "" --out "$OUT/launch_probe_copies_h200.json" 2>&1 \
+      | grep -E "^copy|FAILED|Error|wrote"
     ;;
   offload)
     timeout 540 python3 bench/offload_speed.py --runs uniform --batches 1,4 --prompts "" \
@@ -63,7 +82,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|kernel-tests|engine|engine-nocb|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|kernel-tests|engine|engine-pallas|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

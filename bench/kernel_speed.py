@@ -327,13 +327,19 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
     c = 64
     flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
     nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * state_bytes
-    for variant in ("xla_intra", "v2"):          # v1: 31.3 ms at 733f897, kernel_speed_gated_delta_h200.json
-        ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant)
+    # (variant, dots, recurrence stages); v1: 31.3 ms at 733f897, kernel_speed_gated_delta_h200.json. tf32x3 needs
+    # a GPU (interpret mode refuses it)
+    cases = [("xla_intra", "ieee", 1), ("xla_intra", "tf32x3", 1), ("xla_intra", "tf32x3", 2),
+             ("xla_intra", "bf16x6", 1), ("v2", "ieee", 1), ("v2", "tf32x3", 1), ("v2", "tf32x3", 2)]
+    for variant, dots, stages in cases:
+        if interpret and dots == "tf32x3":
+            continue
+        ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant, dots=dots, stages=stages)
         err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
         t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
                                loop=CHUNKED_LOOP)
-        rows.append(row(f"gated delta chunked {variant}, {prompt} tokens", t_ker, t_xla, nbytes, flops, err,
-                        form="chunked", variant=variant, tokens=prompt))
+        rows.append(row(f"gated delta chunked {variant} {dots} x{stages}, {prompt} tokens", t_ker, t_xla, nbytes,
+                        flops, err, form="chunked", variant=variant, dots=dots, stages=stages, tokens=prompt))
     return rows
 
 

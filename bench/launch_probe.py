@@ -105,12 +105,28 @@ def child(variant: str, layers: int, context: int, smoke: bool) -> dict:
             "device": str(jax.devices()[0])}
 
 
-def copy_probe(smoke: bool) -> dict:
-    """Copies of pinned host rows (static count, dynamic rows) beside independent matmuls, in one function."""
+COPY_FORMS = {   # child name -> (how the rows are copied, XLA flags)
+    "copy_probe": ("device_put", ""),
+    "copy_probe_kernel": ("kernel", ""),
+    # the copy kernel on a second stream (jax compute_on "gpu_stream:1", XLA's experimental stream annotation): the
+    # way a window could copy one layer's experts while it computes another's
+    "copy_probe_kernel_stream": ("kernel_stream", "--xla_gpu_experimental_stream_annotation=true"),
+}
+
+
+def copy_probe(smoke: bool, form: str = "device_put") -> dict:
+    """Copies of pinned host rows (static count, dynamic rows) beside independent matmuls, in one function. form:
+    device_put of each row (XLA's copies), the host-rows kernel (kernels/host_rows.py) on the compute stream, or
+    that kernel on a second stream."""
+    import contextlib
+
     import jax
     import jax.numpy as jnp
     from jax import lax
+
+    from strata.jax_backend.kernels.host_rows import copy_host_rows
     dev = jax.devices()[0]
+    interpret = dev.platform != "gpu"
     nbytes = 4096 * 16 if smoke else 1_646_592            # one int4 expert blob at real shapes
     rows, m = (32, 4) if smoke else (512, 48)             # a host chunk of `rows` experts; m copied per call
     n_mm, d = (2, 256) if smoke else (12, 4096)
@@ -122,9 +138,17 @@ def copy_probe(smoke: bool) -> dict:
     a = jax.random.normal(jax.random.key(0), (d, d), jnp.bfloat16)
 
     def copies(chunk, idx):
-        out = [jax.device_put(lax.dynamic_index_in_dim(chunk, idx[i], keepdims=False), jax.memory.Space.Device)
-               for i in range(m)]
-        return jnp.stack(out)
+        if form == "device_put":
+            out = [jax.device_put(lax.dynamic_index_in_dim(chunk, idx[i], keepdims=False), jax.memory.Space.Device)
+                   for i in range(m)]
+            return jnp.stack(out)
+        if form == "kernel_stream":
+            from jax.experimental.compute_on import compute_on
+            where = compute_on("gpu_stream:1")
+        else:
+            where = contextlib.nullcontext()
+        with where:
+            return copy_host_rows(jnp.zeros((m, nbytes), jnp.uint8), chunk, idx, 0, m, interpret=interpret)
 
     def compute(a):
         x = a
@@ -147,7 +171,7 @@ def copy_probe(smoke: bool) -> dict:
     got = np.asarray(f_copy(chunk, idx))
     assert np.array_equal(got, host[np.asarray(idx)]), "the probe's copies are wrong"
     r = {"copy_ms": t(f_copy, chunk, idx), "compute_ms": t(f_compute, a), "both_ms": t(f_both, chunk, idx, a),
-         "copied_bytes": m * nbytes, "memory_kind": kind}
+         "copied_bytes": m * nbytes, "memory_kind": kind, "form": form}
     r["copy_gb_s"] = r["copied_bytes"] / r["copy_ms"] / 1e6
     r["overlap"] = (r["copy_ms"] + r["compute_ms"] - r["both_ms"]) / min(r["copy_ms"], r["compute_ms"])
     hlo = f_both.lower(chunk, idx, a).compile().as_text()
@@ -168,15 +192,15 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.child:
-        r = copy_probe(args.smoke) if args.child == "copy_probe" else child(args.child, args.layers, args.context,
-                                                                            args.smoke)
+        r = copy_probe(args.smoke, COPY_FORMS[args.child][0]) if args.child in COPY_FORMS else \
+            child(args.child, args.layers, args.context, args.smoke)
         print("RESULT " + json.dumps(r))
         return 0
     result = {"bench": "launch_probe", **results_file.stamp(), "runs": {}}
     base = os.environ.get("XLA_FLAGS", "")
-    for v in args.variants.split(",") + ([] if args.no_copy_probe else ["copy_probe"]):
-        flags = "" if v == "copy_probe" else VARIANTS[v][0]
-        if args.dump and v != "copy_probe":
+    for v in [x for x in args.variants.split(",") if x] + ([] if args.no_copy_probe else list(COPY_FORMS)):
+        flags = COPY_FORMS[v][1] if v in COPY_FORMS else VARIANTS[v][0]
+        if args.dump and v not in COPY_FORMS:
             flags += f" --xla_dump_to={args.dump}/{v} --xla_dump_hlo_as_text"
         env = dict(os.environ, XLA_FLAGS=f"{base} {flags}".strip())
         cmd = [sys.executable, __file__, "--child", v, "--layers", str(args.layers), "--context", str(args.context)]
@@ -188,8 +212,8 @@ def main() -> int:
             continue
         r = json.loads(line[-1][7:])
         result["runs"][v] = r
-        if v == "copy_probe":
-            print(f"copy probe: copies {r['copy_ms']:.2f} ms ({r['copy_gb_s']:.1f} GB/s), compute "
+        if v in COPY_FORMS:
+            print(f"{v}: copies {r['copy_ms']:.2f} ms ({r['copy_gb_s']:.1f} GB/s), compute "
                   f"{r['compute_ms']:.2f} ms, both {r['both_ms']:.2f} ms: overlap {100 * r['overlap']:.0f}% "
                   f"{r['hlo_async_ops']}", flush=True)
             continue

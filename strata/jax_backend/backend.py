@@ -65,6 +65,9 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         self.grouped_variant = "v2"
         self.gdn_variant = "xla_intra"
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
+        # the chunked kernels' data dots: on a GPU fp32 split over the tensor cores (TF32 x3, within the IEEE
+        # tests' 1e-6 limits), where IEEE fp32 dots run on the FMA units; interpret mode has no TF32
+        self.gdn_dots = "ieee" if self.interpret else "tf32x3"
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
         self.copy_rows = copy_host_rows if self.device.platform == "gpu" else copy_rows_loop
@@ -240,7 +243,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         if "gdn_chunked" in self.pallas_ops:
             try:
                 return k_gated_delta.gated_delta_chunked(q, k, v, g, beta, state, interpret=self.interpret,
-                                                         variant=self.gdn_variant)
+                                                         variant=self.gdn_variant, dots=self.gdn_dots)
             except ValueError:               # shapes the kernel does not take
                 pass
         return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state)

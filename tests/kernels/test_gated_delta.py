@@ -199,6 +199,32 @@ def test_chunked_with_aligned_keys(variant, interpret):
                   *aligned_inputs(rng, 130, 2, 32, 32), state_like(rng, (), 2, 32, 32))
 
 
+@pytest.mark.parametrize("variant", ["v2", "xla_intra"])
+@pytest.mark.parametrize("dots,stages", [("bf16x6", 1), ("tf32x3", 1), ("tf32x3", 2), ("ieee", 2)])
+def test_chunked_with_dots_on_the_tensor_cores(dots, stages, variant, interpret):
+    """The v2 kernels' data dots split over the tensor cores (tf32x3, bf16x6) keep the IEEE limits: random and
+    aligned keys, three chunks. tf32x3 needs a GPU: in interpret mode it is refused, by name."""
+    rng = np.random.default_rng()
+    run = functools.partial(K.gated_delta_chunked, interpret=interpret, variant=variant, dots=dots, stages=stages)
+    if interpret and dots == "tf32x3":
+        with pytest.raises(ValueError, match="'tf32x3' needs a GPU"):
+            run(*rule_inputs(rng, (70,), 2, 32, 32, "bfloat16"), jnp.asarray(state_like(rng, (), 2, 32, 32)))
+        return
+    check_chunked(run, *rule_inputs(rng, (130,), 2, 32, 32, "bfloat16"), state_like(rng, (), 2, 32, 32))
+    check_chunked(run, *aligned_inputs(rng, 130, 2, 32, 32), state_like(rng, (), 2, 32, 32))
+
+
+def test_chunked_options_it_cannot_run_are_refused():
+    z = jnp.zeros
+    args = (z((5, 2, 16)), z((5, 2, 16)), z((5, 2, 16)), z((5, 2)), z((5, 2)), z((2, 16, 16)))
+    with pytest.raises(ValueError, match="dots must be one of"):
+        K.gated_delta_chunked(*args, interpret=True, dots="fp8")
+    with pytest.raises(ValueError, match="v1 runs IEEE dots only"):
+        K.gated_delta_chunked(*args, interpret=True, variant="v1", dots="bf16x6")
+    with pytest.raises(ValueError, match="stages must be 1, 2 or 3"):
+        K.gated_delta_chunked(*args, interpret=True, stages=4)
+
+
 @pytest.mark.parametrize("sub", [16, 64])
 def test_chunked_v2_at_other_block_rows(sub, interpret):
     """The v2 intra kernel at 4 row blocks (16 rows: the sums of whole blocks between two tokens are not empty)
@@ -296,6 +322,11 @@ def test_kernels_lower_to_triton_at_real_shapes(variant):
                                  *[sds((t, hv, d), bf16) for d in (dk, dk, dv)],
                                  sds((t, hv), f32), sds((t, hv), f32), sds((hv, dk, dv), f32))
     assert xla_intra.count("@__gpu$xla.gpu.triton") == 1      # the recurrence only
+    for dots in ("tf32x3", "bf16x6") if variant == "v2" else ():   # the tensor-core dots lower for CUDA
+        fast = _export_for_cuda(functools.partial(K.gated_delta_chunked, variant="v2", dots=dots, stages=2),
+                                *[sds((t, hv, d), bf16) for d in (dk, dk, dv)],
+                                sds((t, hv), f32), sds((t, hv), f32), sds((hv, dk, dv), f32))
+        assert fast.count("@__gpu$xla.gpu.triton") == 2
     if variant == "v2":                                       # and the other row blocks of the v2 intra kernel
         tp = t + (-t) % K.CHUNK
         for sub in (16, 64):

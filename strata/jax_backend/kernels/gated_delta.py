@@ -133,6 +133,14 @@ _PROGRAMS = 128          # v2 decode: dv is split until the grid has this many p
 _PER_THREAD = 64         # v2 decode: fp32 state elements held per thread (num_warps = dk * BV / (32 * this))
 _HI = lax.Precision.HIGHEST
 _F32 = jnp.float32
+# How the chunked kernels' data dots run (static `dots`): "ieee" fp32 on the FMA units (Precision.HIGHEST), or fp32
+# split over the tensor cores, "tf32x3" (Triton's 3-pass TF32: a = hi + lo, hi.hi + hi.lo + lo.hi; ~22 significant
+# bits a product) or "bf16x6" (Pallas' 6-pass bfloat16 split, three bfloat16 parts an operand). The exponent sums
+# (the 0/1-mask dots over g) stay IEEE whatever `dots` is. XLA's CPU has no TF32, so interpret mode takes ieee or
+# bf16x6.
+DOTS = ("ieee", "tf32x3", "bf16x6")
+_DOT_PRECISION = {"ieee": _HI, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                  "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
 
 
 # --- shared pieces
@@ -168,10 +176,19 @@ def _step(S, q, k, v, g, beta):
     return S, jnp.sum(q[:, None] * S, axis=0)                                     # S^T q  [BV]
 
 
-def _dot(a, b, *, ta: bool = False, tb: bool = False):
-    """a @ b (a^T with ta, b^T with tb) in fp32 at HIGHEST precision (IEEE fp32 in the Triton lowering)."""
+def _dot(a, b, *, ta: bool = False, tb: bool = False, dots: str = "ieee"):
+    """a @ b (a^T with ta, b^T with tb) in fp32: IEEE (HIGHEST precision) by default, or split over the tensor
+    cores (DOTS)."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=_F32)
+    return lax.dot_general(a, b, dims, precision=_DOT_PRECISION[dots], preferred_element_type=_F32)
+
+
+def _check_dots(dots: str, interpret: bool) -> str:
+    if dots not in DOTS:
+        raise ValueError(f"dots must be one of {DOTS}, not {dots!r}")
+    if interpret and dots == "tf32x3":
+        raise ValueError("dots 'tf32x3' needs a GPU (XLA's CPU has no TF32); interpret mode takes 'ieee' or 'bf16x6'")
+    return dots
 
 
 # --- decode: one token per sequence, the state in place
@@ -309,7 +326,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref):
     attn_ref[...] = _dot(q_ref[...].astype(_F32), k, tb=True) * decay
 
 
-def _unit_lower_inverse(N, row, col):
+def _unit_lower_inverse(N, row, col, dots: str = "ieee"):
     """(I + N)^-1 of a strictly lower triangular block N [B, B] (B a power of two) by recursive doubling: T_s, the
     inverse of the diagonal s x s blocks of I + N, gives T_2s = T_s - T_s E_s T_s, where E_s holds N's entries in
     the lower-left s x s quadrant of each diagonal 2s x 2s block (the block inverse [[T11, 0], [-T22 E21 T11, T22]]).
@@ -322,12 +339,13 @@ def _unit_lower_inverse(N, row, col):
     s = 2
     while s < b:
         E = jnp.where((apart >= s) & (apart < 2 * s), N, 0.0)
-        T = T - _dot(_dot(T, E), T)
+        T = T - _dot(_dot(T, E, dots=dots), T, dots=dots)
         s *= 2
     return T
 
 
-def _intra_kernel_v2(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, eq_ref, ek_ref, *, sub: int):
+def _intra_kernel_v2(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, eq_ref, ek_ref, *, sub: int,
+                     dots: str = "ieee"):
     """v2, program (chunk i, head h): the products of v1 on the C / sub row blocks of the chunk, with no sequential
     loop: A_IJ = beta_I k_I k_J^T e^D_IJ (J <= I; strictly lower where J = I); T_II = (I + A_II)^-1 by doubling
     (_unit_lower_inverse); then block forward substitution W_I = T_II (X_I - sum_{J<I} A_IJ W_J) for
@@ -364,10 +382,10 @@ def _intra_kernel_v2(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_re
             if j > i:
                 attn_ref[blk[i], blk[j]] = jnp.zeros((sub, sub), _F32)
                 continue
-            attn_ref[blk[i], blk[j]] = _dot(q_i, k[j], tb=True) * decay[i, j]
-            a = beta[i][:, None] * _dot(k[i], k[j], tb=True) * decay[i, j]
+            attn_ref[blk[i], blk[j]] = _dot(q_i, k[j], tb=True, dots=dots) * decay[i, j]
+            a = beta[i][:, None] * _dot(k[i], k[j], tb=True, dots=dots) * decay[i, j]
             A[i, j] = jnp.where(strict, a, 0.0) if i == j else a
-    inv = [_unit_lower_inverse(A[i, i], row, col) for i in range(nb)]
+    inv = [_unit_lower_inverse(A[i, i], row, col, dots) for i in range(nb)]
     G = [pre[i] + span(0, i) for i in range(nb)]                                # G_a, a sum of same-sign terms
     for i in range(nb):
         eq_ref[blk[i]] = jnp.exp(G[i])
@@ -378,8 +396,8 @@ def _intra_kernel_v2(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_re
         for i in range(nb):
             r = rhs(i)
             for j in range(i):
-                r = r - _dot(A[i, j], done[j])
-            done.append(_dot(inv[i], r))
+                r = r - _dot(A[i, j], done[j], dots=dots)
+            done.append(_dot(inv[i], r, dots=dots))
             out_ref[blk[i], :] = done[i]
 
     # k and v are loaded again here rather than kept live across the inverse (Triton does not merge the loads)
@@ -405,9 +423,10 @@ def _recurrence_kernel(q_ref, k_ref, g_ref, w_ref, u_ref, attn_ref, s0_ref, o_re
     s_ref[...] = lax.fori_loop(0, attn_ref.shape[0], chunk, s0_ref[...])
 
 
-def _recurrence_kernel_v2(q_ref, k_ref, eq_ref, ek_ref, w_ref, u_ref, attn_ref, s0_ref, o_ref, s_ref):
+def _recurrence_kernel_v2(q_ref, k_ref, eq_ref, ek_ref, w_ref, u_ref, attn_ref, s0_ref, o_ref, s_ref, *,
+                          dots: str = "ieee"):
     """v2, program (head h, dv block j): as v1, with the decays e^G, e^(G_last - G) read from the intra kernel (no
-    C x C masked sums on the sequential path) and e^(G_last) = e^G at the chunk's last row."""
+    C x C masked sums on the sequential path) and e^(G_last) = e^G at the chunk's last row; its dots by `dots`."""
     c = attn_ref.shape[-1]
 
     def chunk(i, S):
@@ -415,9 +434,9 @@ def _recurrence_kernel_v2(q_ref, k_ref, eq_ref, ek_ref, w_ref, u_ref, attn_ref, 
         at = pl.ds(start, c)
         q = q_ref[at, :].astype(_F32) * eq_ref[at][:, None]                        # q e^G  [C, dk]
         k = k_ref[at, :].astype(_F32) * ek_ref[at][:, None]                        # k e^(G_last - G)
-        v_new = u_ref[at, :] - _dot(w_ref[at, :], S)                               # [C, BV]
-        o_ref[at, :] = _dot(q, S) + _dot(attn_ref[i], v_new)
-        return S * eq_ref[start + c - 1] + _dot(k, v_new, ta=True)
+        v_new = u_ref[at, :] - _dot(w_ref[at, :], S, dots=dots)                    # [C, BV]
+        o_ref[at, :] = _dot(q, S, dots=dots) + _dot(attn_ref[i], v_new, dots=dots)
+        return S * eq_ref[start + c - 1] + _dot(k, v_new, ta=True, dots=dots)
 
     s_ref[...] = lax.fori_loop(0, attn_ref.shape[0], chunk, s0_ref[...])
 
@@ -451,8 +470,9 @@ def _chunked_intra_v1(q, k, v, g_h, beta_h, *, interpret: bool = False, num_warp
     )(q, k, v, g_h, beta_h)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "sub", "num_warps"))
-def _chunked_intra_v2(q, k, v, g_h, beta_h, *, interpret: bool = False, sub: int = SUB, num_warps: int = 4):
+@functools.partial(jax.jit, static_argnames=("interpret", "sub", "num_warps", "dots"))
+def _chunked_intra_v2(q, k, v, g_h, beta_h, *, interpret: bool = False, sub: int = SUB, num_warps: int = 4,
+                      dots: str = "ieee"):
     """v2 intra-chunk kernel: as _chunked_intra_v1, and eq = e^G, ek = e^(G_last - G) [Hv, Tp] (fp32). sub: rows of
     the blocks inverted by doubling (a power of two from 16 to CHUNK: it enters dots)."""
     tp, hv, dk = k.shape
@@ -464,7 +484,7 @@ def _chunked_intra_v2(q, k, v, g_h, beta_h, *, interpret: bool = False, sub: int
     per_head = lambda d: pl.BlockSpec((None, c, d), lambda i, h: (h, i, 0))        # noqa: E731
     vec = pl.BlockSpec((None, c), lambda i, h: (h, i))
     return pl.pallas_call(
-        functools.partial(_intra_kernel_v2, sub=sub),
+        functools.partial(_intra_kernel_v2, sub=sub, dots=dots),
         out_shape=(jax.ShapeDtypeStruct((hv, tp, dk), _F32), jax.ShapeDtypeStruct((hv, tp, dv), _F32),
                    jax.ShapeDtypeStruct((hv, n, c, c), _F32), jax.ShapeDtypeStruct((hv, tp), _F32),
                    jax.ShapeDtypeStruct((hv, tp), _F32)),
@@ -475,16 +495,16 @@ def _chunked_intra_v2(q, k, v, g_h, beta_h, *, interpret: bool = False, sub: int
     )(q, k, v, g_h, beta_h)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "num_warps", "num_stages", "dots"))
 def _chunked_recurrence(q, k, decays, w, u, attn, state, *, interpret: bool = False, block_v: int = BLOCK_V,
-                        num_warps: int = 4, num_stages: int = 1):
+                        num_warps: int = 4, num_stages: int = 1, dots: str = "ieee"):
     """The recurrence kernel over padded q, k [Tp, Hv, dk] and the intra kernel's outputs -> (o [Tp, Hv, dv],
     final state [Hv, dk, dv]) fp32. decays: (g_h,) for the v1 kernel (it forms the decays from g), (eq, ek) for v2.
     Its blocks span the whole part (Tp rows, walked C at a time inside the program)."""
     tp, hv, dk = k.shape
     dv, c = u.shape[-1], CHUNK
     n, bv = tp // c, block_v
-    kernel = _recurrence_kernel if len(decays) == 1 else _recurrence_kernel_v2
+    kernel = _recurrence_kernel if len(decays) == 1 else functools.partial(_recurrence_kernel_v2, dots=dots)
     sblk = pl.BlockSpec((None, dk, bv), lambda h, j: (h, 0, j))
     vec = pl.BlockSpec((None, tp), lambda h, j: (h, 0))
     return pl.pallas_call(
@@ -548,14 +568,15 @@ def chunk_products_xla(q, k, v, g, beta):
 _RECURRENCE_WARPS = {"v1": 4, "v2": 8, "xla_intra": 8}
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "variant"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "variant", "dots", "stages"))
 def gated_delta_chunked(q, k, v, g, beta, state, *, interpret: bool = False, block_v: int | None = None,
-                        variant: str = "v2"):
+                        variant: str = "v2", dots: str = "ieee", stages: int = 1):
     """A prompt part of one sequence, T tokens (any T). q, k [T, Hv, dk], v [T, Hv, dv] (bf16 or f32); g, beta
     [T, Hv]; state [Hv, dk, dv] f32 -> (o [T, Hv, dv] f32, final state [Hv, dk, dv] f32). dk, dv and block_v
     (default min(BLOCK_V, dv)) powers of two >= 16 (they enter dots). variant "v2" (default: the blocked inverse,
     module docstring), "v1" (forward substitution) or "xla_intra" (the intra-chunk products in XLA,
-    chunk_products_xla, and v2's recurrence kernel)."""
+    chunk_products_xla, and v2's recurrence kernel). dots: how the v2 kernels' data dots run (DOTS; v1's are IEEE
+    only); stages: the recurrence kernel's pipeline stages (Triton num_stages: loads of the next chunk in flight)."""
     t, hv, dk = k.shape
     dv = v.shape[-1]
     if state.shape != (hv, dk, dv):
@@ -563,17 +584,21 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, interpret: bool = False, blo
     bv = _check(dk, dv, block_v, min_dim=16)
     if variant not in CHUNKED_VARIANTS:
         raise ValueError(f"variant must be one of {CHUNKED_VARIANTS}, not {variant!r}")
+    if _check_dots(dots, interpret) != "ieee" and variant == "v1":
+        raise ValueError(f"variant v1 runs IEEE dots only, not dots {dots!r}")
+    if stages not in (1, 2, 3):
+        raise ValueError(f"stages must be 1, 2 or 3, not {stages!r}")
     q, k, v, g_h, beta_h = _pad_part(q, k, v, g, beta)
     if variant == "v1":
         w, u, attn = _chunked_intra_v1(q, k, v, g_h, beta_h, interpret=interpret)
         decays = (g_h,)
     else:
         intra = chunk_products_xla(q, k, v, g_h.T, beta_h.T) if variant == "xla_intra" else \
-            _chunked_intra_v2(q, k, v, g_h, beta_h, interpret=interpret)
+            _chunked_intra_v2(q, k, v, g_h, beta_h, interpret=interpret, dots=dots)
         w, u, attn, eq, ek = intra
         decays = (eq, ek)
     o, state = _chunked_recurrence(q, k, decays, w, u, attn, state, interpret=interpret, block_v=bv,
-                                   num_warps=_RECURRENCE_WARPS[variant])
+                                   num_warps=_RECURRENCE_WARPS[variant], num_stages=stages, dots=dots)
     return o[:t], state
 
 
