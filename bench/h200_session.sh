@@ -2,6 +2,7 @@
 # One lent H200 call per part (each ends well inside a 10-minute call), writing JSON and logs under $OUT (or ./out):
 #   bash bench/h200_session.sh kernels   # bench/kernel_speed.py, the families untimed in their v2 forms first
 #   bash bench/h200_session.sh gdn       # the gated delta family (chunked by variant, dots, stages) and its GPU tests
+#   bash bench/h200_session.sh engine-chunk   # engine with the XLA chunked rule at GDN_CHUNK (128) tokens a chunk
 #   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
@@ -31,8 +32,8 @@ case "${1:-}" in
       --out "$OUT/kernel_speed_h200.json" 2>&1 | grep -E "^(expert|gated|decode|pool|wrote)|FAILED" \
       | tee "$OUT/kernel_speed.log"
     ;;
-  gdn)        # the gated delta family alone (the chunked cases by variant, dots and stages) and its tests compiled
-    timeout 300 python3 bench/kernel_speed.py --only gated_delta --out "$OUT/kernel_speed_gated_delta_h200.json" \
+  gdn)        # the gated delta rule's chunked cases alone (by variant, dots and stages) and its tests compiled
+    timeout 300 python3 bench/kernel_speed.py --only gated_delta_chunked --out "$OUT/kernel_speed_gated_delta_h200.json" \
       2>&1 | grep -E "^(gated|wrote)|FAILED" | tee "$OUT/kernel_speed_gated_delta.log"
     STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_gated_delta.py -k chunked \
       -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_gated_delta_tests.log" | grep -E "passed|failed|Error" \
@@ -49,6 +50,11 @@ case "${1:-}" in
   engine-pallas) # kernels pallas: auto's kernels and the gated delta rule's (chunked: xla_intra, tf32x3 dots)
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 2 \
       --kernels pallas --out "$OUT/engine_speed_real_shapes_int4_pallas.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
+    ;;
+  engine-chunk) # GDN_CHUNK=128: the XLA chunked rule at another chunk, LAYERS=8,12 by default (a comparison run)
+    timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 \
+      --repeat 2 --kernels auto --gdn-chunk "${GDN_CHUNK:-128}" \
+      --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_chunk_${GDN_CHUNK:-128}.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-nocb)  # LAYERS=8 for one point (the prompt part's time against engine's at the same layers)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout 400 python3 bench/engine_speed.py --real-shapes \
@@ -82,7 +88,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|kernel-tests|engine|engine-pallas|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|kernel-tests|engine|engine-pallas|engine-chunk|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

@@ -266,7 +266,13 @@ def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret):
     return rows
 
 
-def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
+# the chunked cases: (variant, dots, recurrence stages), or ("xla", chunk) for the backend's XLA form at another chunk
+CHUNKED_CASES = (("xla", 128), ("xla_intra", "tf32x3", 2), ("xla_intra", "bf16x6", 1), ("v2", "tf32x3", 1),
+                 ("v2", "tf32x3", 2), ("xla_intra", "ieee", 1), ("xla_intra", "tf32x3", 1))
+
+
+def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret, forms=("decode", "verify", "chunked"),
+                cases=CHUNKED_CASES):
     import jax
     import jax.numpy as jnp
 
@@ -286,7 +292,7 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
     rows = []
     state_bytes = hv * dk * dv * 4
     step_xla = jax.vmap(JaxBackend.gated_delta_step_xla)
-    for variant in ("v1", "v2"):
+    for variant in ("v1", "v2") if "decode" in forms else ():
         for s in batches:
             q, k, v, g, beta = (a[:, None] for a in inputs((s,)))                       # [S, 1, ...] for the step
             st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
@@ -300,6 +306,18 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
                                    carry=lambda out: out[1])
             rows.append(row(f"gated delta decode {variant}, batch {s}", t_ker, t_xla, 2 * s * state_bytes,
                             s * hv * dk * dv * 6, err, form="decode", variant=variant, batch=s))
+    if "verify" in forms:
+        rows.append(_gated_delta_verify(K, inputs, step_xla, hv, dk, dv, batches, verify_q, state_bytes, rng,
+                                        repeat, interpret))
+    if "chunked" in forms:
+        rows += _gated_delta_chunked(K, JaxBackend, inputs, hv, dk, dv, prompt, state_bytes, rng, repeat, interpret,
+                                     cases)
+    return rows
+
+
+def _gated_delta_verify(K, inputs, step_xla, hv, dk, dv, batches, verify_q, state_bytes, rng, repeat, interpret):
+    import jax
+    import jax.numpy as jnp
     s, nq = batches[1] if len(batches) > 1 else batches[0], verify_q
     q, k, v, g, beta = inputs((s, nq))
     st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
@@ -315,8 +333,13 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
     t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1][:, -1])
     t_xla = device_seconds(lambda st: xla_verify(q, k, v, g, beta, st), (st,), 0, repeat,
                            carry=lambda out: out[1][:, -1])
-    rows.append(row(f"gated delta verify, batch {s} x {nq} positions", t_ker, t_xla, (1 + nq) * s * state_bytes,
-                    s * nq * hv * dk * dv * 6, err, form="verify", batch=s, positions=nq))
+    return row(f"gated delta verify, batch {s} x {nq} positions", t_ker, t_xla, (1 + nq) * s * state_bytes,
+               s * nq * hv * dk * dv * 6, err, form="verify", batch=s, positions=nq)
+
+
+def _gated_delta_chunked(K, JaxBackend, inputs, hv, dk, dv, prompt, state_bytes, rng, repeat, interpret, cases):
+    import jax.numpy as jnp
+    rows = []
     q, k, v, g, beta = inputs((prompt,))
     st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
     xla_chunked = JaxBackend.gated_delta_chunked_xla
@@ -327,19 +350,24 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret):
     c = 64
     flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
     nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * state_bytes
-    # (variant, dots, recurrence stages); v1: 31.3 ms at 733f897, kernel_speed_gated_delta_h200.json. tf32x3 needs
-    # a GPU (interpret mode refuses it)
-    cases = [("xla_intra", "ieee", 1), ("xla_intra", "tf32x3", 1), ("xla_intra", "tf32x3", 2),
-             ("xla_intra", "bf16x6", 1), ("v2", "ieee", 1), ("v2", "tf32x3", 1), ("v2", "tf32x3", 2)]
-    for variant, dots, stages in cases:
-        if interpret and dots == "tf32x3":
-            continue
-        ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant, dots=dots, stages=stages)
+    # v1: 31.3 ms at 733f897, kernel_speed_gated_delta_h200.json; v2 ieee 5.45 ms at b3d2b6f. tf32x3 needs a GPU
+    # (interpret mode refuses it)
+    for case in cases:
+        if case[0] == "xla":                      # the XLA form at another chunk, against its default chunk
+            ker = partial(xla_chunked, chunk=case[1])
+            name, extra = f"gated delta chunked XLA, chunk {case[1]}", dict(variant="xla", chunk=case[1])
+        else:
+            variant, dots, stages = case
+            if interpret and dots == "tf32x3":
+                continue
+            ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant, dots=dots, stages=stages)
+            name, extra = f"gated delta chunked {variant} {dots} x{stages}", dict(variant=variant, dots=dots,
+                                                                                  stages=stages)
         err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
         t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
                                loop=CHUNKED_LOOP)
-        rows.append(row(f"gated delta chunked {variant} {dots} x{stages}, {prompt} tokens", t_ker, t_xla, nbytes,
-                        flops, err, form="chunked", variant=variant, dots=dots, stages=stages, tokens=prompt))
+        rows.append(row(f"{name}, {prompt} tokens", t_ker, t_xla, nbytes, flops, err, form="chunked",
+                        tokens=prompt, **extra))
     return rows
 
 
@@ -359,6 +387,8 @@ def main() -> int:
             "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
             "gated_delta": dict(hv=2, dk=16, dv=16, batches=[1, 2], verify_q=3, prompt=70),
+            "gated_delta_chunked": dict(hv=2, dk=16, dv=16, batches=[1], verify_q=1, prompt=70,
+                                        forms=("chunked",)),
             "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
             "expert_grouped_blocks": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
@@ -372,6 +402,8 @@ def main() -> int:
             "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 16],
                                      queries=[1, 4]),
             "gated_delta": dict(hv=32, dk=128, dv=128, batches=[1, 4, 16], verify_q=4, prompt=4096),
+            "gated_delta_chunked": dict(hv=32, dk=128, dv=128, batches=[1], verify_q=1, prompt=4096,
+                                        forms=("chunked",)),
             "expert_grouped_blocks": dict(hidden=2048, inter=512, n_experts=512, tokens=[4096], k=10,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
             "prompt_attention": dict(hq=16, hkv=2, hd=256, tokens=[4096],
@@ -379,7 +411,7 @@ def main() -> int:
         }
         repeat = args.repeat
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
-           "gated_delta": gated_delta, "pool_over_4gib": pool_over_4gib, "prompt_attention": prompt_attention,
+           "gated_delta": gated_delta, "gated_delta_chunked": gated_delta, "pool_over_4gib": pool_over_4gib, "prompt_attention": prompt_attention,
            "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}

@@ -118,8 +118,6 @@ def copy_probe(smoke: bool, form: str = "device_put") -> dict:
     """Copies of pinned host rows (static count, dynamic rows) beside independent matmuls, in one function. form:
     device_put of each row (XLA's copies), the host-rows kernel (kernels/host_rows.py) on the compute stream, or
     that kernel on a second stream."""
-    import contextlib
-
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -142,13 +140,14 @@ def copy_probe(smoke: bool, form: str = "device_put") -> dict:
             out = [jax.device_put(lax.dynamic_index_in_dim(chunk, idx[i], keepdims=False), jax.memory.Space.Device)
                    for i in range(m)]
             return jnp.stack(out)
-        if form == "kernel_stream":
-            from jax.experimental.compute_on import compute_on
-            where = compute_on("gpu_stream:1")
-        else:
-            where = contextlib.nullcontext()
-        with where:
+        def kernel(chunk, idx):
             return copy_host_rows(jnp.zeros((m, nbytes), jnp.uint8), chunk, idx, 0, m, interpret=interpret)
+        if form != "kernel_stream":
+            return kernel(chunk, idx)
+        from jax.experimental import compute_on as co
+        # the function form: compute_on2 in JAX 0.10, renamed compute_on by 0.11 (whose context form is gone)
+        on = getattr(co, "compute_on2", co.compute_on)
+        return on(kernel, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(chunk, idx)
 
     def compute(a):
         x = a

@@ -113,8 +113,8 @@ def collect(results_dir: Path = RESULTS) -> dict:
             for f, result in files:
                 if result.get("bench") != src.bench or "smoke" in f.name:
                     continue
-                if result.get("xla_flags"):      # a run under other compiler flags is a comparison, not a headline
-                    continue
+                if result.get("xla_flags") or result.get("comparison"):   # runs under other compiler flags or
+                    continue                                                 # options are comparisons
                 if src.prompt_tokens is not None and _prompt_tokens(result) != src.prompt_tokens:
                     continue
                 if any(result.get(field) != value for field, value in src.require):

@@ -36,6 +36,9 @@ def test_newest_measurement_wins_and_files_that_cannot_hold_a_key_are_ignored(tm
     # a run under other compiler flags: a comparison, never a headline
     _write(tmp_path, "flags.json", dict(_engine("2026-11-09T00:00:00", "ggg", 4096, 3.0, 3.0),
                                         xla_flags="--xla_gpu_enable_command_buffer="))
+    # nor one under another engine option (engine_speed --gdn-chunk)
+    _write(tmp_path, "option.json", dict(_engine("2026-11-09T00:00:00", "hhh", 4096, 4.0, 4.0),
+                                         comparison="gdn_chunk 128"))
     offload = {"bench": "offload_speed", "machine": "gpu:test", "commit": "eee",
                "runs": {"uniform": {"decode": {"b1": {"tok_s": 4.9}}}}}
     _write(tmp_path, "layer_by_layer.json", dict(offload, date="2026-11-05T00:00:00", window_fetch=False))

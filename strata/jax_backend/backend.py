@@ -68,6 +68,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         # the chunked kernels' data dots: on a GPU fp32 split over the tensor cores (TF32 x3, within the IEEE
         # tests' 1e-6 limits), where IEEE fp32 dots run on the FMA units; interpret mode has no TF32
         self.gdn_dots = "ieee" if self.interpret else "tf32x3"
+        self.gdn_chunk = GDN_CHUNK            # the XLA chunked form's chunk (the kernels' is theirs: CHUNK)
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
         self.copy_rows = copy_host_rows if self.device.platform == "gpu" else copy_rows_loop
@@ -246,22 +247,23 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
                                                          variant=self.gdn_variant, dots=self.gdn_dots)
             except ValueError:               # shapes the kernel does not take
                 pass
-        return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state)
+        return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state, chunk=self.gdn_chunk)
 
     @staticmethod
-    def gated_delta_chunked_xla(q, k, v, g, beta, state):
-        """Chunked gated delta rule (chunk 64). q, k [T, Hv, dk] (l2-normed, q scaled), v [T, Hv, dv], g, beta [T, Hv]
-        fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state unchanged (that is how padding works)."""
+    def gated_delta_chunked_xla(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
+        """Chunked gated delta rule (chunks of `chunk` tokens, GDN_CHUNK by default). q, k [T, Hv, dk] (l2-normed, q
+        scaled), v [T, Hv, dv], g, beta [T, Hv] fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state
+        unchanged (that is how padding works)."""
         t, hv, dk = k.shape
         dv = v.shape[-1]
-        c = GDN_CHUNK
+        c = chunk
         pad = (-t) % c
         f32 = jnp.float32
         q, k, v, g, beta = (jnp.pad(x.astype(f32), [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta))
         n = (t + pad) // c
         hi = lax.Precision.HIGHEST
         # the intra-chunk products, batched over chunks and heads: w, u [Hv, Tp, d], attn [Hv, n, c, c], decays
-        w, u, attn, eq, ek = k_gated_delta.chunk_products_xla(q, k, v, g, beta)
+        w, u, attn, eq, ek = k_gated_delta.chunk_products_xla(q, k, v, g, beta, chunk=c)
         # [n, Hv, c, ...] for the scan over chunks
         chunks = lambda x: x.reshape(hv, n, c, -1).transpose(1, 0, 2, 3)            # noqa: E731
         per_head = lambda x: x.reshape(n, c, hv, -1).transpose(0, 2, 1, 3)          # noqa: E731

@@ -354,21 +354,24 @@ def test_shapes_it_cannot_block_are_refused():
 
 # --- the backend's XLA form (every device's default for prompt parts): the kernels' limits
 
+@pytest.mark.parametrize("chunk", [64, 128])
 @pytest.mark.parametrize("t,hv,dk,dv", [(1, 4, 32, 32), (130, 4, 32, 32), (1100, 2, 16, 16)])
-def test_xla_chunked_form_matches_the_reference(t, hv, dk, dv):
-    """130 tokens are 3 chunks (one per scan iteration); 1100 tokens 18 (blocks of 2, as GDN_SCAN_BLOCK = 16 does
-    not divide 18); test_xla_chunked_form_in_full_blocks takes blocks of GDN_SCAN_BLOCK."""
+def test_xla_chunked_form_matches_the_reference(t, hv, dk, dv, chunk):
+    """At chunk 64, 130 tokens are 3 chunks (one per scan iteration); 1100 tokens 18 (blocks of 2, as
+    GDN_SCAN_BLOCK = 16 does not divide 18); test_xla_chunked_form_in_full_blocks takes blocks of GDN_SCAN_BLOCK.
+    Chunk 128: half the sequential steps, twice the intra-chunk span."""
     from strata.jax_backend.backend import JaxBackend
     rng = np.random.default_rng()
-    check_chunked(JaxBackend.gated_delta_chunked_xla, *rule_inputs(rng, (t,), hv, dk, dv, "float32"),
-                  state_like(rng, (), hv, dk, dv))
+    check_chunked(functools.partial(JaxBackend.gated_delta_chunked_xla, chunk=chunk),
+                  *rule_inputs(rng, (t,), hv, dk, dv, "float32"), state_like(rng, (), hv, dk, dv))
 
 
-def test_xla_chunked_form_with_aligned_keys():
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_xla_chunked_form_with_aligned_keys(chunk):
     from strata.jax_backend.backend import JaxBackend
     rng = np.random.default_rng()
-    check_chunked(JaxBackend.gated_delta_chunked_xla, *aligned_inputs(rng, 130, 2, 32, 32),
-                  state_like(rng, (), 2, 32, 32))
+    check_chunked(functools.partial(JaxBackend.gated_delta_chunked_xla, chunk=chunk),
+                  *aligned_inputs(rng, 300, 2, 32, 32), state_like(rng, (), 2, 32, 32))
 
 
 def test_xla_chunked_form_in_full_blocks():

@@ -523,16 +523,17 @@ def _chunked_recurrence(q, k, decays, w, u, attn, state, *, interpret: bool = Fa
     )(q, k, *decays, w, u, attn, state.astype(_F32))
 
 
-def chunk_products_xla(q, k, v, g, beta):
+def chunk_products_xla(q, k, v, g, beta, chunk: int = CHUNK):
     """The intra-chunk products in XLA, all chunks and heads at once (batched matmuls and one triangular solve):
     q, k [Tp, Hv, dk], v [Tp, Hv, dv], g, beta [Tp, Hv] with Tp a multiple of CHUNK (padding rows g = beta = 0)
     -> (w [Hv, Tp, dk], u [Hv, Tp, dv], attn [Hv, n, C, C], eq = e^G, ek = e^(G_last - G) [Hv, Tp]), fp32, the
     v2 intra kernel's outputs: within a chunk G = cumsum(g), A = strict_lower(beta_i k_i.k_j e^(G_i - G_j)),
     [u | w] = (I + A)^-1 [beta v | beta e^G k] (the inverse by one unit lower-triangular solve, then a matmul),
     attn = lower(q_i.k_j e^(G_i - G_j)); the exponents G_i - G_j as sums of g (no difference of prefix sums).
-    Also the intra-chunk part of the backend's XLA form (JaxBackend.gated_delta_chunked_xla)."""
+    Also the intra-chunk part of the backend's XLA form (JaxBackend.gated_delta_chunked_xla); chunk: C, the kernels'
+    CHUNK unless that form asks for another."""
     tp, hv, dk = k.shape
-    dv, c = v.shape[-1], CHUNK
+    dv, c = v.shape[-1], chunk
     n = tp // c
     q, k, v, g, beta = (x.astype(_F32) for x in (q, k, v, g, beta))
     # [Hv, n, c, ...]
