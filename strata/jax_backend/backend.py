@@ -42,7 +42,8 @@ KERNELS = ("auto", "xla", "pallas")
 # at 16 tokens but level with XLA at 1-4 (so from DECODE_EXPERTS_MIN_TOKENS tokens). The gated delta rule's kernels
 # are not in it: decode v1 / v2 level with XLA (1.0-1.2x), chunked at 4096 tokens v2 5.45 ms, xla_intra (XLA's
 # intra-chunk products + the v2 recurrence kernel, 2.1 ms of recurrence alone in the engine) 2.60 ms, against XLA's
-# 1.67 ms (kernel_speed_gated_delta_h200_733f897.json, kernel_speed_h200_b3d2b6f.json); "pallas" runs them.
+# 1.67 ms (kernel_speed_gated_delta_h200_733f897.json, kernel_speed_h200_b3d2b6f.json); at a112ed3 xla_intra with
+# tf32x3 dots 2.09 ms against XLA's 1.29 (kernel_speed_gated_delta_h200_a112ed3.log); "pallas" runs them.
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode"})
 DECODE_EXPERTS_MIN_TOKENS = 8
 
@@ -66,9 +67,11 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         self.gdn_variant = "xla_intra"
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
         # the chunked kernels' data dots: on a GPU fp32 split over the tensor cores (TF32 x3, within the IEEE
-        # tests' 1e-6 limits), where IEEE fp32 dots run on the FMA units; interpret mode has no TF32
+        # tests' 1e-6 limits; 15% faster than IEEE dots on the FMA units at a112ed3); interpret mode has no TF32
         self.gdn_dots = "ieee" if self.interpret else "tf32x3"
-        self.gdn_chunk = GDN_CHUNK            # the XLA chunked form's chunk (the kernels' is theirs: CHUNK)
+        # the XLA chunked form's chunk (the kernels' is theirs: CHUNK). 128 measured 1.12 ms against 1.29 at 4096
+        # tokens but moved no engine prompt (f2417c9), with less margin to the 1e-6 limits: it stays 64
+        self.gdn_chunk = GDN_CHUNK
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
         self.copy_rows = copy_host_rows if self.device.platform == "gpu" else copy_rows_loop
@@ -272,28 +275,33 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         k_dec = per_head(k) * ek_c                                                   # k e^(G_last - G)
         chunk_decay = eq_c[:, :, -1:, :]                                             # [n, Hv, 1, 1]: e^(G_last)
 
-        # the scan carries only what is sequential: per chunk v' = u - w S and S <- e^(G_last) S + k'^T v'. The
-        # outputs o = (q e^G) S + attn v' need S before the chunk and v', so the scan returns both and o is two
-        # batched matmuls over every chunk after it (a 4096-token part: S for 64 chunks, 134 MB). Each iteration
-        # takes a block of `blk` chunks (GDN_SCAN_BLOCK, or what divides n) and walks them with static indices: a GPU
-        # while loop reads its predicate back to the host at every iteration, and slices its inputs and stacks its
-        # outputs by copies (at 9c442a3 an 8-layer 4096-token part's kernels took 41 ms of its 51 ms, 1542 of them
-        # copies in the scan, bench/results/prompt_probe_h200_8_layers_9c442a3.json)
+        # The state's recurrence is linear and its coefficients do not depend on the state: with v' = u - w S,
+        #   S_{c+1} = e^(G_last) S_c + k'^T v'_c = M_c S_c + b_c,  M_c = e^(G_last) I - k'^T w_c [dk, dk],
+        #   b_c = k'^T u_c [dk, dv],
+        # so M and b are batched matmuls over every chunk, and the scan's step is one matmul and an add (at 9c442a3
+        # the step's two matmuls and their elementwise work were 4,011 kernels in an 8-layer 4096-token part, 16.6
+        # of its 41 ms, bench/results/prompt_probe_h200_8_layers_9c442a3.json). v' and o need S before each chunk:
+        # the scan returns those (a 4096-token part: 64 states, 134 MB), and v' and o are batched matmuls after it.
+        # Each iteration takes a block of `blk` chunks (GDN_SCAN_BLOCK, or what divides n) walked with static
+        # indices: a GPU while loop slices its inputs and stacks its outputs by copies.
+        k_dec_t = k_dec.swapaxes(-1, -2)                                             # [n, Hv, dk, c]
+        eye = jnp.eye(dk, dtype=f32)
+        M = chunk_decay * eye - jnp.einsum("nhdc,nhce->nhde", k_dec_t, chunks(w), precision=hi)   # [n, Hv, dk, dk]
+        b = jnp.einsum("nhdc,nhce->nhde", k_dec_t, chunks(u), precision=hi)                      # [n, Hv, dk, dv]
         blk = math.gcd(n, GDN_SCAN_BLOCK)
 
         def block(S, xs):
-            s_in, v_out = [], []
+            s_in = []
             for j in range(blk):
-                u_j, w_j, k_j, cd_j = (x[j] for x in xs)
-                v_new = u_j - jnp.einsum("hcd,hde->hce", w_j, S, precision=hi)
+                M_j, b_j = (x[j] for x in xs)
                 s_in.append(S)
-                v_out.append(v_new)
-                S = S * cd_j + jnp.einsum("hcd,hce->hde", k_j, v_new, precision=hi)
-            return S, (jnp.stack(s_in), jnp.stack(v_out))
+                S = jnp.einsum("hde,hef->hdf", M_j, S, precision=hi) + b_j
+            return S, jnp.stack(s_in)
 
-        xs = tuple(x.reshape((n // blk, blk) + x.shape[1:]) for x in (chunks(u), chunks(w), k_dec, chunk_decay))
-        state, (s_before, v_new) = lax.scan(block, state.astype(f32), xs)
-        s_before, v_new = (x.reshape((n,) + x.shape[2:]) for x in (s_before, v_new))
+        xs = tuple(x.reshape((n // blk, blk) + x.shape[1:]) for x in (M, b))
+        state, s_before = lax.scan(block, state.astype(f32), xs)
+        s_before = s_before.reshape((n,) + s_before.shape[2:])                       # [n, Hv, dk, dv]
+        v_new = chunks(u) - jnp.einsum("nhcd,nhde->nhce", chunks(w), s_before, precision=hi)
         out = (jnp.einsum("nhcd,nhde->nhce", q_dec, s_before, precision=hi)
                + jnp.einsum("nhij,nhje->nhie", attn.transpose(1, 0, 2, 3), v_new, precision=hi))
         out = out.transpose(0, 2, 1, 3).reshape(n * c, hv, dv)[:t]

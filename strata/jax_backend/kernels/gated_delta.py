@@ -33,6 +33,10 @@ b3d2b6f, kernel_speed_h200_b3d2b6f.json):
 - decode v1 / v2: 9.8 / 10.3 us at S = 1, 22.5 / 24.7 us at S = 16; XLA 10.1-11.3 and 24.5-27.7 us: level.
 - chunked, T = 4096: v2 5.45 ms, v1 31.3 ms, xla_intra 2.60 ms (its recurrence kernel alone 2.1 ms in the engine:
   the fp32 dots on the FMA units), XLA 1.61-1.67 ms. So the backend's `auto` runs XLA's forms of the rule.
+- a112ed3 (kernel_speed_gated_delta_h200_a112ed3.log): xla_intra 2.45 ms with IEEE dots, 2.09 ms with the
+  recurrence's dots as tf32x3, XLA 1.29 ms (its scan in blocks since abe5ff2). The tensor cores took 15% off: the
+  recurrence is bound by its 64 dependent chunk steps (~26 us each, one program per SM), not by its dots' rate.
+  The v2 tf32x3 and the stages = 2 cases did not finish compiling inside the run's 300 s.
 Not yet measured on the GPU: the v2 kernels below. What is verified here is the arithmetic in Pallas interpret
 mode against the float64 references below, and the Triton lowering (power-of-two loads and stores, dot operand
 dtypes, the grid and warps) by exporting each kernel for CUDA at real shapes on the CPU
@@ -137,7 +141,7 @@ _F32 = jnp.float32
 # split over the tensor cores, "tf32x3" (Triton's 3-pass TF32: a = hi + lo, hi.hi + hi.lo + lo.hi; ~22 significant
 # bits a product) or "bf16x6" (Pallas' 6-pass bfloat16 split, three bfloat16 parts an operand). The exponent sums
 # (the 0/1-mask dots over g) stay IEEE whatever `dots` is. XLA's CPU has no TF32, so interpret mode takes ieee or
-# bf16x6.
+# bf16x6. Measured (module docstring, a112ed3): tf32x3 made the xla_intra recurrence 15% faster, no more.
 DOTS = ("ieee", "tf32x3", "bf16x6")
 _DOT_PRECISION = {"ieee": _HI, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                   "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
