@@ -44,25 +44,25 @@ case "${1:-}" in
       2>&1 | tee "$OUT/gpu_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -40
     ;;
   engine)
-    timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 2 \
+    timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 3 \
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-pallas) # kernels pallas: auto's kernels and the gated delta rule's (chunked: xla_intra, tf32x3 dots)
-    timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 2 \
+    timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 3 \
       --kernels pallas --out "$OUT/engine_speed_real_shapes_int4_pallas.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-chunk) # GDN_CHUNK=128: the XLA chunked rule at another chunk, LAYERS=8,12 by default (a comparison run)
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 \
-      --repeat 2 --kernels auto --gdn-chunk "${GDN_CHUNK:-128}" \
+      --repeat 3 --kernels auto --gdn-chunk "${GDN_CHUNK:-128}" \
       --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_chunk_${GDN_CHUNK:-128}.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-nocb)  # LAYERS=8 for one point (the prompt part's time against engine's at the same layers)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout 400 python3 bench/engine_speed.py --real-shapes \
-      --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 --repeat 2 --kernels auto \
+      --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 --repeat 3 --kernels auto \
       --out "$OUT/engine_speed_real_shapes_int4_auto_no_command_buffers.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-xla)
-    timeout 300 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 2 \
+    timeout 300 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 3 \
       --kernels xla --out "$OUT/engine_speed_real_shapes_int4_xla.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     timeout 120 python3 bench/transformers_speed.py --layers 4,8 --out "$OUT/transformers_speed_h200.json" 2>&1 \
       | grep -E "layers|scaled|wrote|Error"

@@ -287,7 +287,7 @@ class Sequence:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.pos = 0
-        self.state = engine.backend.to_device(engine.init_state())
+        self.state = engine.backend.zeros_like(engine.init_state())     # init_state is zeros (tested)
         self._args = DeviceArgs(engine.backend)
 
     def read(self, token_ids, part_size: int | None = None, all_logits: bool = False, as_numpy: bool = True):

@@ -44,7 +44,7 @@ class WindowRunner:
         ops, cfg = engine.backend, engine.cfg
         one = engine.init_state()
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
-        self.states = ops.to_device(bank)                     # per layer {name: [S, ...]}
+        self.states = ops.zeros_like(bank)                    # per layer {name: [S, ...]}; init_state is zeros
         self.scratch_pos = engine.capacity - 1
         self.windows = 0
         self._pending_between = False

@@ -211,6 +211,17 @@ class SyclBackend(ComposedOps):
             return self._upload(a)
         return tree
 
+    def zeros_like(self, tree):
+        """Zeros shaped and typed like a host tree of numpy arrays, allocated and filled on this queue."""
+        if isinstance(tree, dict):
+            return {k: self.zeros_like(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self.zeros_like(v) for v in tree)
+        a = np.asarray(tree)
+        if a.dtype == BF16:
+            return Bf16(dpnp.zeros(a.shape, dtype=np.uint16, sycl_queue=self.queue), self)
+        return dpnp.zeros(a.shape, dtype=a.dtype, sycl_queue=self.queue)
+
     def _upload(self, a: np.ndarray):
         a = np.ascontiguousarray(a)
         return dpnp.asarray(a, dtype=a.dtype, sycl_queue=self.queue)

@@ -70,3 +70,24 @@ def test_padded_rows_leave_the_state_unchanged():
     _, S_padded = OPS.gated_delta_chunked(*args, g, beta, S0)
     _, S_real = OPS.gated_delta_chunked(*(a[:n] for a in args), g[:n], beta[:n], S0)
     np.testing.assert_allclose(np.asarray(S_padded), np.asarray(S_real), rtol=0, atol=1e-6)
+
+
+def test_a_fresh_state_is_zeros_made_on_the_device():
+    """Sequence and WindowRunner states come from Backend.zeros_like(init_state()), which makes zeros on the
+    device rather than copying init_state from the host: so init_state must be all zeros (every dtype, bf16 and
+    int8 KV included), and zeros_like must keep the tree, shapes and dtypes."""
+    import jax
+    import ml_dtypes
+
+    from strata.demo import DEMO_CONFIG
+    from strata.model.config import ModelConfig
+    from strata.model.forward import init_state
+    cfg = ModelConfig.from_hf(dict(DEMO_CONFIG, vocab_size=512), source="demo config")
+    for dtype, kv in ((np.float32, None), (ml_dtypes.bfloat16, np.int8)):
+        host = init_state(cfg, 16, dtype, kv)
+        assert all(not np.any(a.astype(np.float32)) for layer in host for a in layer.values())
+        dev = OPS.zeros_like(host)
+        assert jax.tree.structure(dev) == jax.tree.structure(host)
+        for d, h in zip(jax.tree.leaves(dev), jax.tree.leaves(host)):
+            assert isinstance(d, jax.Array) and d.shape == h.shape and d.dtype == h.dtype
+            assert d.devices() == {OPS.device} and not np.any(np.asarray(d).astype(np.float32))

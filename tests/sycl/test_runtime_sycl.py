@@ -105,3 +105,24 @@ def test_doctor_lists_devices(sycl_device):
     assert f"sycl device {runtime.filter_string(sycl_device)}" in text
     assert "OpenCL CPU runtime: " in text and "libintelocl.so" in text
     assert "backend auto: " in text
+
+
+def test_zeros_like_makes_the_state_on_the_queue(ops):
+    """A fresh sequence state is made on the device (Backend.zeros_like), not copied from the host: same tree,
+    shapes and dtypes (bfloat16 as Bf16 bits), every value 0, on the backend's queue."""
+    import dpnp
+    import ml_dtypes
+    import numpy as np
+
+    from strata.sycl_backend.backend import Bf16
+    host = [{"ssm": np.zeros((2, 3, 4), np.float32), "conv": np.zeros((3, 5), ml_dtypes.bfloat16)},
+            {"k": np.zeros((6, 2, 8), np.int8), "k_scale": np.zeros((6, 2), np.float32)}]
+    dev = ops.zeros_like(host)
+    assert isinstance(dev, list) and [sorted(d) for d in dev] == [sorted(h) for h in host]
+    assert isinstance(dev[0]["conv"], Bf16) and dev[0]["conv"].bits.sycl_queue is ops.queue
+    for d, h in zip(dev, host):
+        for name, a in h.items():
+            got = ops.to_host(d[name])
+            assert got.shape == a.shape and got.dtype == a.dtype and not np.any(got.astype(np.float32)), name
+            if name != "conv":
+                assert isinstance(d[name], dpnp.ndarray) and d[name].sycl_queue is ops.queue
