@@ -179,9 +179,10 @@ BATCHES = (1, 4, 16)  # decode windows through the WindowRunner (batch 1 too: th
 
 def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, repeat: int,
                 overrides: dict | None = None, experts: str = "bf16", kernels: str = "auto", kv: str = "auto",
-                partial=None, gdn_chunk: int | None = None) -> dict:
+                partial=None, gdn_chunk: int | None = None, gdn_xla_dots: str | None = None) -> dict:
     """partial(out): called after each layer count with what is measured so far (a run cut short keeps it).
-    gdn_chunk: the XLA chunked gated delta rule's chunk, when not the backend's default (a comparison run)."""
+    gdn_chunk, gdn_xla_dots: the XLA chunked gated delta rule's chunk and matmul precision, when not the backend's
+    defaults (a comparison run)."""
     import ml_dtypes
 
     from strata.engine import Engine, EngineOptions
@@ -189,13 +190,15 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
     backend = get_backend("jax", kernels=kernels)
-    if gdn_chunk is not None:
-        backend.gdn_chunk = gdn_chunk
+    changed = {k: v for k, v in (("gdn_chunk", gdn_chunk), ("gdn_xla_dots", gdn_xla_dots)) if v is not None}
+    for k, v in changed.items():
+        setattr(backend, k, v)
     out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth(), "kernels": kernels,
            "pallas_ops": sorted(backend.pallas_ops), "gdn_variant": backend.gdn_variant,
-           "gdn_dots": backend.gdn_dots, "gdn_chunk": backend.gdn_chunk, "kv": kv}
-    if gdn_chunk is not None:
-        out["comparison"] = f"gdn_chunk {gdn_chunk}"     # never a headline (bench/summary.py)
+           "gdn_dots": backend.gdn_dots, "gdn_chunk": backend.gdn_chunk, "gdn_xla_dots": backend.gdn_xla_dots,
+           "kv": kv}
+    if changed:                                        # never a headline (bench/summary.py)
+        out["comparison"] = ", ".join(f"{k} {v}" for k, v in changed.items())
     for n in layer_counts:
         cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=n, **(overrides or {})),
                                   source=f"qwen3-next-80b shapes x{n}")
@@ -262,6 +265,8 @@ def main() -> int:
                     help="real shapes: the JAX backend's kernels (auto: the Pallas kernels that measured faster)")
     ap.add_argument("--gdn-chunk", type=int, default=None,
                     help="real shapes: the XLA chunked gated delta rule's chunk (a comparison, never a headline)")
+    ap.add_argument("--gdn-xla-dots", default=None, choices=("ieee", "tf32x3", "bf16x6"),
+                    help="real shapes: the XLA chunked gated delta rule's matmuls (a comparison, never a headline)")
     ap.add_argument("--kv", default="auto", choices=("auto", "int8", "bfloat16"), help="real shapes: the KV cache")
     ap.add_argument("--smoke", action="store_true",
                     help="real shapes but 16 experts and a 4K vocabulary: checks the script on a CPU in seconds")
@@ -278,7 +283,8 @@ def main() -> int:
                                 {"num_experts": 16, "vocab_size": 4096} if args.smoke else None, args.experts,
                                 args.kernels, args.kv, partial=lambda out: results_file.write(
                                     {"bench": "engine_speed_partial", **stamp, **out},
-                                    (args.out or "engine_speed") + ".partial", ""), gdn_chunk=args.gdn_chunk)}
+                                    (args.out or "engine_speed") + ".partial", ""), gdn_chunk=args.gdn_chunk,
+                                gdn_xla_dots=args.gdn_xla_dots)}
         name = "engine_speed_real_shapes" + ("" if args.experts == "bf16" else f"_{args.experts}") + \
             f"_{args.kernels}" + ("" if args.kv == "auto" else f"_kv{args.kv}") + ("_smoke" if args.smoke else "")
         print(f"\n| figure | value |\n|---|---|\n"

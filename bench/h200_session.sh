@@ -2,7 +2,7 @@
 # One lent H200 call per part (each ends well inside a 10-minute call), writing JSON and logs under $OUT (or ./out):
 #   bash bench/h200_session.sh kernels   # bench/kernel_speed.py, the families untimed in their v2 forms first
 #   bash bench/h200_session.sh gdn       # the gated delta family (chunked by variant, dots, stages) and its GPU tests
-#   bash bench/h200_session.sh engine-chunk   # engine with the XLA chunked rule at GDN_CHUNK (128) tokens a chunk
+#   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_XLA_DOTS (tf32x3), GDN_CHUNK (64)
 #   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
@@ -51,10 +51,12 @@ case "${1:-}" in
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 3 \
       --kernels pallas --out "$OUT/engine_speed_real_shapes_int4_pallas.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
-  engine-chunk) # GDN_CHUNK=128: the XLA chunked rule at another chunk, LAYERS=8,12 by default (a comparison run)
+  engine-gdn) # the XLA chunked rule at other settings, a comparison run: GDN_XLA_DOTS (default tf32x3) and GDN_CHUNK
+              # (default 64), LAYERS=8,12 by default
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 \
-      --repeat 3 --kernels auto --gdn-chunk "${GDN_CHUNK:-128}" \
-      --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_chunk_${GDN_CHUNK:-128}.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
+      --repeat 3 --kernels auto --gdn-chunk "${GDN_CHUNK:-64}" --gdn-xla-dots "${GDN_XLA_DOTS:-tf32x3}" \
+      --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_${GDN_CHUNK:-64}_${GDN_XLA_DOTS:-tf32x3}.json" 2>&1 \
+      | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-nocb)  # LAYERS=8 for one point (the prompt part's time against engine's at the same layers)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout 400 python3 bench/engine_speed.py --real-shapes \
@@ -88,7 +90,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|kernel-tests|engine|engine-pallas|engine-chunk|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|kernel-tests|engine|engine-pallas|engine-gdn|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

@@ -72,6 +72,9 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         # the XLA chunked form's chunk (the kernels' is theirs: CHUNK). 128 measured 1.12 ms against 1.29 at 4096
         # tokens but moved no engine prompt (f2417c9), with less margin to the 1e-6 limits: it stays 64
         self.gdn_chunk = GDN_CHUNK
+        # the XLA chunked form's fp32 matmuls: IEEE until tf32x3 (tested to the same limits on the CPU's bf16x6
+        # stand-in) is measured on the H200 (bench/kernel_speed.py gated_delta_chunked, engine_speed --gdn-xla-dots)
+        self.gdn_xla_dots = "ieee"
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
         self.copy_rows = copy_host_rows if self.device.platform == "gpu" else copy_rows_loop
@@ -255,13 +258,15 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
                                                          variant=self.gdn_variant, dots=self.gdn_dots)
             except ValueError:               # shapes the kernel does not take
                 pass
-        return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state, chunk=self.gdn_chunk)
+        return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state, chunk=self.gdn_chunk,
+                                                  dots=self.gdn_xla_dots)
 
     @staticmethod
-    def gated_delta_chunked_xla(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
+    def gated_delta_chunked_xla(q, k, v, g, beta, state, chunk: int = GDN_CHUNK, dots: str = "ieee"):
         """Chunked gated delta rule (chunks of `chunk` tokens, GDN_CHUNK by default). q, k [T, Hv, dk] (l2-normed, q
         scaled), v [T, Hv, dv], g, beta [T, Hv] fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state
-        unchanged (that is how padding works)."""
+        unchanged (that is how padding works). dots: how the fp32 matmuls run (kernels/gated_delta.py DOTS: "ieee",
+        Precision.HIGHEST; "tf32x3" and "bf16x6" split over the tensor cores; XLA's CPU has no TF32)."""
         t, hv, dk = k.shape
         dv = v.shape[-1]
         c = chunk
@@ -269,9 +274,9 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         f32 = jnp.float32
         q, k, v, g, beta = (jnp.pad(x.astype(f32), [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta))
         n = (t + pad) // c
-        hi = lax.Precision.HIGHEST
         # the intra-chunk products, batched over chunks and heads: w, u [Hv, Tp, d], attn [Hv, n, c, c], decays
-        w, u, attn, eq, ek = k_gated_delta.chunk_products_xla(q, k, v, g, beta, chunk=c)
+        w, u, attn, eq, ek = k_gated_delta.chunk_products_xla(q, k, v, g, beta, chunk=c, dots=dots)
+        hi = k_gated_delta.DOT_PRECISION[dots]
         # [n, Hv, c, ...] for the scan over chunks
         chunks = lambda x: x.reshape(hv, n, c, -1).transpose(1, 0, 2, 3)            # noqa: E731
         per_head = lambda x: x.reshape(n, c, hv, -1).transpose(0, 2, 1, 3)          # noqa: E731

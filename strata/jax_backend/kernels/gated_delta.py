@@ -34,7 +34,7 @@ b3d2b6f, kernel_speed_h200_b3d2b6f.json):
 - chunked, T = 4096: v2 5.45 ms, v1 31.3 ms, xla_intra 2.60 ms (its recurrence kernel alone 2.1 ms in the engine:
   the fp32 dots on the FMA units), XLA 1.61-1.67 ms. So the backend's `auto` runs XLA's forms of the rule.
 - a112ed3 (kernel_speed_gated_delta_h200_a112ed3.log): xla_intra 2.45 ms with IEEE dots, 2.09 ms with the
-  recurrence's dots as tf32x3, XLA 1.29 ms (its scan in blocks since abe5ff2). The tensor cores took 15% off: the
+  recurrence's dots as tf32x3 (its XLA products then IEEE; they follow `dots` since), XLA 1.29 ms (its scan in blocks since abe5ff2). The tensor cores took 15% off: the
   recurrence is bound by its 64 dependent chunk steps (~26 us each, one program per SM), not by its dots' rate.
   The v2 tf32x3 and the stages = 2 cases did not finish compiling inside the run's 300 s.
 Not yet measured on the GPU: the v2 kernels below. What is verified here is the arithmetic in Pallas interpret
@@ -143,7 +143,7 @@ _F32 = jnp.float32
 # (the 0/1-mask dots over g) stay IEEE whatever `dots` is. XLA's CPU has no TF32, so interpret mode takes ieee or
 # bf16x6. Measured (module docstring, a112ed3): tf32x3 made the xla_intra recurrence 15% faster, no more.
 DOTS = ("ieee", "tf32x3", "bf16x6")
-_DOT_PRECISION = {"ieee": _HI, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+DOT_PRECISION = {"ieee": _HI, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                   "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
 
 
@@ -184,7 +184,7 @@ def _dot(a, b, *, ta: bool = False, tb: bool = False, dots: str = "ieee"):
     """a @ b (a^T with ta, b^T with tb) in fp32: IEEE (HIGHEST precision) by default, or split over the tensor
     cores (DOTS)."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=_DOT_PRECISION[dots], preferred_element_type=_F32)
+    return lax.dot_general(a, b, dims, precision=DOT_PRECISION[dots], preferred_element_type=_F32)
 
 
 def _check_dots(dots: str, interpret: bool) -> str:
@@ -527,7 +527,7 @@ def _chunked_recurrence(q, k, decays, w, u, attn, state, *, interpret: bool = Fa
     )(q, k, *decays, w, u, attn, state.astype(_F32))
 
 
-def chunk_products_xla(q, k, v, g, beta, chunk: int = CHUNK):
+def chunk_products_xla(q, k, v, g, beta, chunk: int = CHUNK, dots: str = "ieee"):
     """The intra-chunk products in XLA, all chunks and heads at once (batched matmuls and one triangular solve):
     q, k [Tp, Hv, dk], v [Tp, Hv, dv], g, beta [Tp, Hv] with Tp a multiple of CHUNK (padding rows g = beta = 0)
     -> (w [Hv, Tp, dk], u [Hv, Tp, dv], attn [Hv, n, C, C], eq = e^G, ek = e^(G_last - G) [Hv, Tp]), fp32, the
@@ -535,7 +535,11 @@ def chunk_products_xla(q, k, v, g, beta, chunk: int = CHUNK):
     [u | w] = (I + A)^-1 [beta v | beta e^G k] (the inverse by one unit lower-triangular solve, then a matmul),
     attn = lower(q_i.k_j e^(G_i - G_j)); the exponents G_i - G_j as sums of g (no difference of prefix sums).
     Also the intra-chunk part of the backend's XLA form (JaxBackend.gated_delta_chunked_xla); chunk: C, the kernels'
-    CHUNK unless that form asks for another."""
+    CHUNK unless that form asks for another; dots: the data products' precision (DOTS; the exponent sums stay
+    IEEE; tf32x3 compiles on a GPU only)."""
+    if dots not in DOTS:
+        raise ValueError(f"dots must be one of {DOTS}, not {dots!r}")
+    hp = DOT_PRECISION[dots]
     tp, hv, dk = k.shape
     dv, c = v.shape[-1], chunk
     n = tp // c
@@ -554,15 +558,15 @@ def chunk_products_xla(q, k, v, g, beta, chunk: int = CHUNK):
     decay = jnp.exp(jnp.where(lower, D, -jnp.inf))                                # [Hv, n, c, c]
     k_beta = k * beta[..., None]
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    A = jnp.where(strict, jnp.einsum("hnid,hnjd->hnij", k_beta, k, precision=_HI) * decay, 0.0)
+    A = jnp.where(strict, jnp.einsum("hnid,hnjd->hnij", k_beta, k, precision=hp) * decay, 0.0)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(G)[..., None]], axis=-1)   # [Hv, n, c, dv + dk]
     # T = (I + A)^-1 by one solve against the identity, then [u | w] = T rhs as one batched matmul: the batched
     # solve's time follows its right-hand sides (dv + dk = 256 of them took 0.8 ms a layer on the H200, c = 64 take
     # 0.2: prompt_probe at 733f897 and 9c442a3)
     eye = jnp.broadcast_to(jnp.eye(c, dtype=_F32), A.shape)
     inv = lax.linalg.triangular_solve(eye + A, eye, left_side=True, lower=True, unit_diagonal=True)
-    uw = jnp.einsum("hnij,hnjd->hnid", inv, rhs, precision=_HI)
-    attn = jnp.einsum("hnid,hnjd->hnij", q, k, precision=_HI) * decay             # lower incl. the diagonal
+    uw = jnp.einsum("hnij,hnjd->hnid", inv, rhs, precision=hp)
+    attn = jnp.einsum("hnid,hnjd->hnij", q, k, precision=hp) * decay             # lower incl. the diagonal
     rows = lambda x: x.reshape(hv, tp, -1)                                         # noqa: E731
     eq = jnp.exp(G)
     ek = jnp.exp(D[..., c - 1, :])                                                # e^(sum of g over l > i)
@@ -598,7 +602,7 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, interpret: bool = False, blo
         w, u, attn = _chunked_intra_v1(q, k, v, g_h, beta_h, interpret=interpret)
         decays = (g_h,)
     else:
-        intra = chunk_products_xla(q, k, v, g_h.T, beta_h.T) if variant == "xla_intra" else \
+        intra = chunk_products_xla(q, k, v, g_h.T, beta_h.T, dots=dots) if variant == "xla_intra" else \
             _chunked_intra_v2(q, k, v, g_h, beta_h, interpret=interpret, dots=dots)
         w, u, attn, eq, ek = intra
         decays = (eq, ek)
