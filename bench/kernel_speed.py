@@ -269,7 +269,8 @@ def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret):
 # the chunked cases: (variant, dots, recurrence stages), or ("xla", chunk, dots) for the backend's XLA form at another
 # chunk or dot precision. The XLA cases first: the Pallas ones' compiles outlasted a 300 s run at a112ed3
 CHUNKED_CASES = (("xla", 64, "tf32x3"), ("xla", 128, "tf32x3"), ("xla", 64, "bf16x6"), ("xla", 128, "ieee"),
-                 ("xla_intra", "tf32x3", 1), ("xla_intra", "bf16x6", 1), ("v2", "tf32x3", 1), ("xla_intra", "tf32x3", 2))
+                 ("xla_intra", "tf32x3", 1), ("xla_intra", "bf16x6", 1), ("v2", "tf32x3", 1),
+                 ("xla_intra", "tf32x3", 2))
 
 
 def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret, forms=("decode", "verify", "chunked"),
@@ -416,7 +417,8 @@ def main() -> int:
         }
         repeat = args.repeat
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
-           "gated_delta": gated_delta, "gated_delta_chunked": gated_delta, "pool_over_4gib": pool_over_4gib, "prompt_attention": prompt_attention,
+           "gated_delta": gated_delta, "gated_delta_chunked": gated_delta, "pool_over_4gib": pool_over_4gib,
+           "prompt_attention": prompt_attention,
            "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}

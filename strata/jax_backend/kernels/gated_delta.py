@@ -34,8 +34,9 @@ b3d2b6f, kernel_speed_h200_b3d2b6f.json):
 - chunked, T = 4096: v2 5.45 ms, v1 31.3 ms, xla_intra 2.60 ms (its recurrence kernel alone 2.1 ms in the engine:
   the fp32 dots on the FMA units), XLA 1.61-1.67 ms. So the backend's `auto` runs XLA's forms of the rule.
 - a112ed3 (kernel_speed_gated_delta_h200_a112ed3.log): xla_intra 2.45 ms with IEEE dots, 2.09 ms with the
-  recurrence's dots as tf32x3 (its XLA products then IEEE; they follow `dots` since), XLA 1.29 ms (its scan in blocks since abe5ff2). The tensor cores took 15% off: the
-  recurrence is bound by its 64 dependent chunk steps (~26 us each, one program per SM), not by its dots' rate.
+  recurrence's dots as tf32x3 (its XLA products then IEEE; they follow `dots` since), XLA 1.29 ms (its scan in
+  blocks since abe5ff2). The tensor cores took 15% off: the recurrence is bound by its 64 dependent chunk steps
+  (~26 us each, one program per SM), not by its dots' rate.
   The v2 tf32x3 and the stages = 2 cases did not finish compiling inside the run's 300 s.
 Not yet measured on the GPU: the v2 kernels below. What is verified here is the arithmetic in Pallas interpret
 mode against the float64 references below, and the Triton lowering (power-of-two loads and stores, dot operand
