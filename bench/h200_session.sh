@@ -4,6 +4,7 @@
 #   bash bench/h200_session.sh gdn       # the gated delta family (chunked by variant, dots, stages) and its GPU tests
 #   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_XLA_DOTS (tf32x3), GDN_CHUNK (64)
 #   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
+#   bash bench/h200_session.sh decode-experts  # the decode expert op, v1 against v2
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
 #                                        # 12 layers (~170 s; the .partial file keeps what ends). Not 4: its 3.4 GB
@@ -38,6 +39,10 @@ case "${1:-}" in
     STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_gated_delta.py -k chunked \
       -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_gated_delta_tests.log" | grep -E "passed|failed|Error" \
       | head -20
+    ;;
+  decode-experts) # the decode expert op alone, v1 against v2 (groups written out) at 1, 4 and 16 tokens
+    timeout 200 python3 bench/kernel_speed.py --only expert_decode --out "$OUT/kernel_speed_expert_decode_h200.json" \
+      2>&1 | grep -E "^(expert|wrote)|FAILED" | tee "$OUT/kernel_speed_expert_decode.log"
     ;;
   kernel-tests)
     STRATA_TEST_DEVICE=gpu timeout 400 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \
@@ -90,7 +95,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|kernel-tests|engine|engine-pallas|engine-gdn|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-experts|kernel-tests|engine|engine-pallas|engine-gdn|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

@@ -108,14 +108,17 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret):
         slots = jnp.asarray(np.stack([rng.choice(n_slots, k, replace=False) for _ in range(t)]).astype(np.int32))
         weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
         x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
-        ker = partial(experts_decode_int4, lay, interpret=interpret)
         xla = partial(experts_from_pool, lay, max_distinct=n_slots)
-        err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), xla(pool, x, slots, weight).astype(jnp.float32))
-        t_ker = device_seconds(lambda x, p: ker(p, x, slots, weight), (x, pool), 0, repeat)
         t_xla = device_seconds(lambda x, p: xla(p, x, slots, weight), (x, pool), 0, repeat)
+        want = xla(pool, x, slots, weight).astype(jnp.float32)
         distinct = len(np.unique(np.asarray(slots)))
-        rows.append(row(f"expert decode int4, {t} token(s) x {k} routes", t_ker, t_xla, distinct * lay.nbytes,
-                        2 * 3 * t * k * hidden * inter, err, tokens=t, routes=t * k, distinct_experts=distinct))
+        for variant in ("v1", "v2"):         # v1 measured 39.1 us at 1 token (9546310); v2: its groups written out
+            ker = partial(experts_decode_int4, lay, interpret=interpret, variant=variant)
+            err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
+            t_ker = device_seconds(lambda x, p: ker(p, x, slots, weight), (x, pool), 0, repeat)
+            rows.append(row(f"expert decode int4 {variant}, {t} token(s) x {k} routes", t_ker, t_xla,
+                            distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err, tokens=t, routes=t * k,
+                            distinct_experts=distinct, variant=variant))
     return rows
 
 

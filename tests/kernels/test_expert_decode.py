@@ -18,9 +18,10 @@ from strata.weights import quant as Q
 H, I = 256, 128          # one int4 group of 128 columns or two, per matrix
 
 
+@pytest.mark.parametrize("variant", K.VARIANTS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens,k", [(1, 4), (3, 2), (4, 8)])
-def test_decode_kernel_matches_the_reference(tokens, k, dtype, interpret):
+def test_decode_kernel_matches_the_reference(tokens, k, dtype, variant, interpret):
     rng = np.random.default_rng()
     lay = Q.layout("int4", H, I)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
@@ -28,7 +29,7 @@ def test_decode_kernel_matches_the_reference(tokens, k, dtype, interpret):
     x = rng.standard_normal((tokens, H)).astype(np.float32)
     xd = jnp.asarray(x, dtype)
     got = np.asarray(K.experts_decode_int4(lay, jnp.asarray(pool), xd, jnp.asarray(slots), jnp.asarray(weight),
-                                           interpret=interpret)).astype(np.float32)
+                                           interpret=interpret, variant=variant)).astype(np.float32)
     want = K._reference(lay, pool, np.asarray(xd.astype(jnp.float32)), slots, weight)
     assert np.isfinite(got).all()
     if tokens > 1:
@@ -88,3 +89,24 @@ def test_engine_sized_pools_reach_the_kernels_directly_or_as_the_routes_blobs():
     assert len(pools) == 2 and all(p.shape == (16384, lay.nbytes) for p in pools)
     pools = pool_operands(lambda *a: K.experts_decode_int4(lay, *a), spec((2000, lay.nbytes), jnp.uint8), *args)
     assert len(pools) == 2 and all(p.shape == (160, lay.nbytes) and p.size < 2**31 for p in pools)
+
+def test_an_unknown_variant_is_refused_by_name():
+    lay = Q.layout("int4", H, I)
+    with pytest.raises(ValueError, match="variant must be one of v1, v2"):
+        K.experts_decode_int4(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, H)),
+                              jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant="v3")
+
+
+@pytest.mark.parametrize("variant", K.VARIANTS)
+def test_both_variants_lower_for_cuda_at_real_shapes(variant):
+    """Qwen3-Next-80B shapes, 1 token x 10 routes over a 26 GB pool: the Pallas-to-Triton lowering (no GPU needed)
+    takes v2's 16 written-out groups of gate/up and 4 of down, two kernels per call."""
+    from jax import export
+    lay = Q.layout("int4", 2048, 512)
+    spec = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda p, x, s, w: K.experts_decode_int4(lay, p, x, s, w, variant=variant))
+    exp = export.export(fn, platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        spec((16384, lay.nbytes), jnp.uint8), spec((1, 2048), jnp.bfloat16), spec((1, 10), jnp.int32),
+        spec((1, 10), jnp.float32))
+    assert exp.mlir_module().count("@__gpu$xla.gpu.triton") == 2

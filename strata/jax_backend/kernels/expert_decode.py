@@ -26,6 +26,16 @@ The routes' sum per token is one XLA reduction (and, over a compacted pool, the 
 contributes exactly 0.
 Within a group of G = 128 columns an int4 row is (q - z) * s: the kernel sums (q - z) * x over the group's even and
 odd columns (low and high nibbles) and multiplies by s once per group.
+
+Variants (static `variant`): "v1" (default, the design measured above) walks the groups in a fori_loop, each step's
+loads issued after the previous step's (16 dependent rounds of small loads for gate/up at H = 2048, 4 for down),
+and reads x's even and odd columns by stride-2 loads. "v2" (not yet timed on the GPU) writes the groups out in
+straight-line code, so that every group's loads are independent instructions the compiler can issue together, and
+reads x with each group's even columns then odd ones made contiguous by XLA beforehand (expert_grouped's
+_even_odd_columns; one pass over x, [T, H]). Reasoning for the prediction: at batch 1 a program moves 64 KB
+(gate and up, 32 rows) in 16 rounds of ~4 KB; a round is a DRAM latency (~1 us) with little in flight, so v1's
+gate/up kernel is latency-bound (39 us for the op against a 4.6 us floor); v2 should approach a few rounds, i.e.
+the op at ~10-15 us. What v2 costs: registers (the unrolled groups' loads live at once) and the x permutation.
 """
 from __future__ import annotations
 
@@ -38,11 +48,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from strata.jax_backend.kernels import triton_params
-from strata.jax_backend.kernels.expert_grouped import pool_chunks
+from strata.jax_backend.kernels.expert_grouped import _even_odd_columns, pool_chunks
 from strata.weights import quant
 from strata.weights.quant import BlobLayout
 
 BLOCK_ROWS = 32          # rows of a weight matrix per program (a power of two: Triton block shapes must be)
+VARIANTS = ("v1", "v2")
 MAX_KERNEL_POOL_BYTES = 2**31 - 1   # a pool at least this large is read through compacted sub-pools (the Triton
                                     # lowering computes a ref's byte offsets in int32 up to 2^32 bytes)
 INT32_OFFSETS_MAX_BYTES = 2**32     # above it JAX's Triton lowering offsets in 64 bits (expert_grouped.py)
@@ -82,26 +93,40 @@ def _route_block(slot, out_ref, block: int, compute):
         out_ref[...] = compute(rows)
 
 
-def _gate_up_kernel(slots_ref, toks_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayout, block: int):
+def _groups(n: int, step, init, unrolled: bool):
+    """acc after step(kk, acc) for kk = 0 .. n-1: a fori_loop (v1) or written out (v2: independent loads)."""
+    if not unrolled:
+        return lax.fori_loop(0, n, step, init)
+    acc = init
+    for kk in range(n):
+        acc = step(kk, acc)
+    return acc
+
+
+def _gate_up_kernel(slots_ref, toks_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayout, block: int, v2: bool):
     slot, t = slots_ref[pl.program_id(0)], toks_ref[pl.program_id(0)]
     _, hidden = lay.shape_of("gate")
     g = lay.group_of("gate")
 
     def compute(rows):
         def group(kk, acc):
-            ve = x_ref[t, pl.ds(kk * g, g // 2, stride=2)].astype(jnp.float32)
-            vo = x_ref[t, pl.ds(kk * g + 1, g // 2, stride=2)].astype(jnp.float32)
+            if v2:                  # x's columns even-then-odd within each group (_even_odd_columns)
+                ve = x_ref[t, pl.ds(kk * g, g // 2)].astype(jnp.float32)
+                vo = x_ref[t, pl.ds(kk * g + g // 2, g // 2)].astype(jnp.float32)
+            else:
+                ve = x_ref[t, pl.ds(kk * g, g // 2, stride=2)].astype(jnp.float32)
+                vo = x_ref[t, pl.ds(kk * g + 1, g // 2, stride=2)].astype(jnp.float32)
             return (acc[0] + _group_dot(pool_ref, slot, rows, lay, "gate", kk, ve, vo),
                     acc[1] + _group_dot(pool_ref, slot, rows, lay, "up", kk, ve, vo))
 
         zero = jnp.zeros((block,), jnp.float32)
-        gate, up = lax.fori_loop(0, hidden // g, group, (zero, zero))
+        gate, up = _groups(hidden // g, group, (zero, zero), v2)
         return gate * jax.nn.sigmoid(gate) * up
 
     _route_block(slot, h_ref, block, compute)
 
 
-def _down_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayout, block: int):
+def _down_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayout, block: int, v2: bool):
     r = pl.program_id(0)
     slot = slots_ref[r]
     _, inter = lay.shape_of("down")
@@ -113,19 +138,21 @@ def _down_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayo
             vo = h_ref[r, pl.ds(kk * g + 1, g // 2, stride=2)]
             return acc + _group_dot(pool_ref, slot, rows, lay, "down", kk, ve, vo)
 
-        return lax.fori_loop(0, inter // g, group, jnp.zeros((block,), jnp.float32)) * weight_ref[r]
+        return _groups(inter // g, group, jnp.zeros((block,), jnp.float32), v2) * weight_ref[r]
 
     _route_block(slot, y_ref, block, compute)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "interpret"))
-def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("layout", "interpret", "variant"))
+def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False, variant: str = "v1"):
     """The expert op (experts.experts_from_pool's contract) for few routes over int4 blobs, by the two kernels.
 
     pool uint8 [N, >= nbytes], any size; x [T, H]; slots int32 [T, k] in [-1, N) (-1: skipped, contributes 0);
     weight [T, k]. -> [T, H] in x.dtype (computed in float32). A pool of MAX_KERNEL_POOL_BYTES or more is read
     through compacted copies of the routes' blobs (at most T*k of them; expert_grouped.pool_chunks), one run of the
-    kernels per chunk, the chunks' outputs summed."""
+    kernels per chunk, the chunks' outputs summed. variant: "v1" or "v2" (module docstring)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
     if layout.fmt != "int4":
         raise ValueError(f"experts_decode_int4 reads int4 blobs, not {layout.fmt!r}")
     if pool.dtype != jnp.uint8 or pool.ndim != 2 or pool.shape[1] < layout.nbytes:
@@ -139,7 +166,10 @@ def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret
     bi, bh = min(BLOCK_ROWS, inter), min(BLOCK_ROWS, hidden)
     if inter % bi or hidden % bh or bi & (bi - 1) or bh & (bh - 1):
         raise ValueError(f"I={inter} and H={hidden} must be multiples of a power-of-two block (<= {BLOCK_ROWS})")
-    run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret)
+    if variant == "v2":             # each group's even columns, then its odd ones: contiguous loads in the kernel
+        x = _even_odd_columns(x, layout.group_of("gate"))
+    run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret,
+                            v2=variant == "v2")
     if not (MAX_KERNEL_POOL_BYTES <= pool.size <= INT32_OFFSETS_MAX_BYTES):    # int32 offsets overflow only here
         return run(pool, slots=slots).astype(x.dtype)
     y = None
@@ -149,16 +179,16 @@ def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret
     return y.astype(x.dtype)
 
 
-def _decode(layout: BlobLayout, pool, x, slots, weight, *, bi: int, bh: int, interpret: bool):
+def _decode(layout: BlobLayout, pool, x, slots, weight, *, bi: int, bh: int, interpret: bool, v2: bool):
     """The two kernels on a pool they may index directly (< 2^31 bytes): float32 [T, H]."""
     t, k = slots.shape
     inter, hidden = layout.shape_of("gate")
     routes = t * k
     flat_slots = slots.reshape(routes).astype(jnp.int32)
     toks = jnp.arange(routes, dtype=jnp.int32) // k
-    h = _per_route(functools.partial(_gate_up_kernel, lay=layout, block=bi), routes, inter, bi, interpret,
+    h = _per_route(functools.partial(_gate_up_kernel, lay=layout, block=bi, v2=v2), routes, inter, bi, interpret,
                    flat_slots, toks, x, pool)                                      # [R, I] f32
-    y = _per_route(functools.partial(_down_kernel, lay=layout, block=bh), routes, hidden, bh, interpret,
+    y = _per_route(functools.partial(_down_kernel, lay=layout, block=bh, v2=v2), routes, hidden, bh, interpret,
                    flat_slots, weight.reshape(routes).astype(jnp.float32), h, pool)  # [R, H] f32
     return y.reshape(t, k, hidden).sum(axis=1)
 
