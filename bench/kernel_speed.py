@@ -98,7 +98,7 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret):
     import jax
     import jax.numpy as jnp
 
-    from strata.jax_backend.kernels.expert_decode import experts_decode_int4
+    from strata.jax_backend.kernels.expert_decode import VARIANTS, experts_decode_int4
     from strata.jax_backend.kernels.experts import experts_from_pool
     store = SyntheticStore("int4", hidden, inter, 1, n_slots, distinct=min(64, n_slots))
     lay = store.layout
@@ -112,7 +112,7 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret):
         t_xla = device_seconds(lambda x, p: xla(p, x, slots, weight), (x, pool), 0, repeat)
         want = xla(pool, x, slots, weight).astype(jnp.float32)
         distinct = len(np.unique(np.asarray(slots)))
-        for variant in ("v1", "v2"):         # v1 measured 39.1 us at 1 token (9546310); v2: its groups written out
+        for variant in VARIANTS:             # v1 measured 39.1 us at 1 token (9546310); v2: its groups written out
             ker = partial(experts_decode_int4, lay, interpret=interpret, variant=variant)
             err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
             t_ker = device_seconds(lambda x, p: ker(p, x, slots, weight), (x, pool), 0, repeat)
@@ -358,17 +358,15 @@ def _gated_delta_chunked(K, JaxBackend, inputs, hv, dk, dv, prompt, state_bytes,
     # v1: 31.3 ms at 733f897, kernel_speed_gated_delta_h200.json; v2 ieee 5.45 ms at b3d2b6f. tf32x3 needs a GPU
     # (interpret mode refuses it)
     for case in cases:
+        if interpret and "tf32x3" in case:
+            continue
         if case[0] == "xla":                      # the XLA form at another chunk or precision, against its default
             _, chunk, dots = case
-            if interpret and dots == "tf32x3":
-                continue
             ker = partial(xla_chunked, chunk=chunk, dots=dots)
             name, extra = f"gated delta chunked XLA, chunk {chunk}, {dots}", dict(variant="xla", chunk=chunk,
                                                                                    dots=dots)
         else:
             variant, dots, stages = case
-            if interpret and dots == "tf32x3":
-                continue
             ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant, dots=dots, stages=stages)
             name, extra = f"gated delta chunked {variant} {dots} x{stages}", dict(variant=variant, dots=dots,
                                                                                   stages=stages)

@@ -94,7 +94,8 @@ def _route_block(slot, out_ref, block: int, compute):
 
 
 def _groups(n: int, step, init, unrolled: bool):
-    """acc after step(kk, acc) for kk = 0 .. n-1: a fori_loop (v1) or written out (v2: independent loads)."""
+    """acc after step(kk, acc) for kk = 0 .. n-1: a fori_loop (v1) or written out (v2: independent loads). Written
+    out in Python because Pallas' Triton lowering refuses fori_loop's unroll (scan with unroll != 1)."""
     if not unrolled:
         return lax.fori_loop(0, n, step, init)
     acc = init

@@ -538,9 +538,7 @@ def chunk_products_xla(q, k, v, g, beta, chunk: int = CHUNK, dots: str = "ieee")
     Also the intra-chunk part of the backend's XLA form (JaxBackend.gated_delta_chunked_xla); chunk: C, the kernels'
     CHUNK unless that form asks for another; dots: the data products' precision (DOTS; the exponent sums stay
     IEEE; tf32x3 compiles on a GPU only)."""
-    if dots not in DOTS:
-        raise ValueError(f"dots must be one of {DOTS}, not {dots!r}")
-    hp = DOT_PRECISION[dots]
+    hp = DOT_PRECISION[_check_dots(dots, interpret=False)]     # tf32x3 off a GPU: XLA's CPU refuses it by name
     tp, hv, dk = k.shape
     dv, c = v.shape[-1], chunk
     n = tp // c
