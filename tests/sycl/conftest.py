@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import zlib
 
+import numpy as np
 import pytest
 
 from strata.sycl_backend import runtime
@@ -67,3 +69,10 @@ def sycl_queue(sycl_device):
 def ops(sycl_device):
     from strata.sycl_backend.backend import SyclBackend
     return SyclBackend(sycl_device)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh inputs per test, the same in every run: seeded by a checksum of the test's name (Python's str hash is
+    salted per process, so a failing draw could not be replayed)."""
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))

@@ -20,11 +20,6 @@ EXPERTS = (1, 2, 4, 5, 7, 8, 10, 11)     # slots holding experts; 0, 3, 6, 9 hol
 LIMIT = {"f32": 3e-6, "bf16": 3e-6, "int8": 3e-6, "int4": 3e-6, "nvfp4": 3e-6}
 
 
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % 2 ** 32)
-
-
 def make_pool(lay, rng):
     pool = np.full((N, lay.nbytes), 0xFF, np.uint8)
     h, i = lay.hidden, lay.inter

@@ -33,11 +33,6 @@ def close(got, want, rel=2e-6, what=""):
     assert err <= rel * scale, f"{what}: max |diff| {err:.3e} > {rel} x {scale:.3e}"
 
 
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % 2 ** 32)
-
-
 @pytest.mark.parametrize("rows,d", [(1, 24), (7, 72), (3, 200), (2, 1)])
 def test_rms_norm(ops, rng, rows, d):
     x = rng.standard_normal((rows, d)).astype(np.float32) * 3
