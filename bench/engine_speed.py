@@ -54,7 +54,10 @@ def measure(engine, prompt_len: int, decode_tokens: int, repeat: int) -> dict:
         seq.read(ids, part_size=engine.options.prefill)
         return seq
 
+    t = time.perf_counter()
     read()                                                    # compile
+    compile_prompt_s = time.perf_counter() - t
+    say(f"prompt compiled and read once in {compile_prompt_s:.1f} s")
     # at least 3 reads: a median of 2 is their mean, so one slow read counts half (at f2417c9 this script's 8-layer
     # part measured 59.3 ms with --repeat 2, where prompt_probe's median of 3 reads of the same call gave 45.9 ms)
     reads = [timed(read, 1) for _ in range(max(repeat, 3))]
@@ -62,8 +65,12 @@ def measure(engine, prompt_len: int, decode_tokens: int, repeat: int) -> dict:
     sp = (np.array([0.0], np.float32), np.array([0], np.int32), np.array([1.0], np.float32),
           np.array([0.0], np.float32))
     seed = np.zeros(2, np.uint32)
+    say(f"prompt {prompt_len} tokens: median of {len(reads)} reads {1000 * t_prompt:.1f} ms "
+        f"({prompt_len / t_prompt:.0f} tok/s)")
     seq = read()
+    t = time.perf_counter()
     tok = seq.decode(1, sp, seed, 1)                          # compile
+    compile_decode_s = time.perf_counter() - t
     per_round = []
     for r in range(ROUNDS):                                   # the median round, as measure_batched
         seq.pos -= decode_tokens if r else 0                  # the same positions each round (timing only)
@@ -72,8 +79,15 @@ def measure(engine, prompt_len: int, decode_tokens: int, repeat: int) -> dict:
             tok = seq.decode(tok, sp, seed, step + 2)         # int() of the token syncs every step
         per_round.append((time.perf_counter() - t) / decode_tokens)
     t_decode = float(np.median(per_round))
+    say(f"engine API decode compiled in {compile_decode_s:.1f} s; {1000 * t_decode:.2f} ms per token")
     return {"prompt_tokens": prompt_len, "prompt_s": t_prompt, "prompt_reads_s": reads,
-            "prompt_tok_s": prompt_len / t_prompt, "decode_s_per_token": t_decode, "decode_tok_s_b1": 1.0 / t_decode}
+            "prompt_tok_s": prompt_len / t_prompt, "decode_s_per_token": t_decode, "decode_tok_s_b1": 1.0 / t_decode,
+            "compile_prompt_s": compile_prompt_s, "compile_decode_s": compile_decode_s}
+
+
+def say(line: str) -> None:
+    """Progress on stdout as it happens: a run cut off at its time limit still shows how far it got."""
+    print(f"  [{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
 def measure_batched(engine, batch: int, context: int, windows: int, ahead: bool = False) -> float:
@@ -89,7 +103,9 @@ def measure_batched(engine, batch: int, context: int, windows: int, ahead: bool 
                    decode_pos=np.full(batch, context, np.int32))
     # the first window compiles the decode (warm_up() would also compile the prompt-part buckets, unused here: at
     # real shapes each compilation costs seconds per layer, which kept runs of 12 and more layers past their limit)
+    t = time.perf_counter()
     tokens = runner.run(replace(plan, decode_tokens=np.arange(batch, dtype=np.int32))).decode_next
+    first_s = time.perf_counter() - t
     step = lambda i, tok: replace(plan, decode_tokens=tok, decode_pos=plan.decode_pos + i,  # noqa: E731
                                   steps=plan.steps + i)
     per_round = []
@@ -105,7 +121,10 @@ def measure_batched(engine, batch: int, context: int, windows: int, ahead: bool 
             for i in range(1, windows + 1):
                 tokens = runner.run(step(i, tokens)).decode_next
         per_round.append((time.perf_counter() - t) / windows)
-    return float(np.median(per_round))
+    s = float(np.median(per_round))
+    say(f"batch {batch}{', dispatched ahead' if ahead else ''}: first window (compile) {first_s:.1f} s, then "
+        f"{1000 * s:.2f} ms per window")
+    return s
 
 
 # --- real shapes, random weights built on the device
@@ -205,22 +224,27 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         t = time.perf_counter()
         params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
         build_s = time.perf_counter() - t
+        say(f"{n} layers: dense weights drawn in {build_s:.1f} s")
         engine = Engine(cfg, params, backend, EngineOptions(dtype="bfloat16", max_context=prompt_len + 2 * decode_tokens
                                                             + 8, prefill=min(prompt_len, 4096),
                                                             sequences=max(BATCHES), kernels=kernels, kv=kv))
         from synthetic_experts import SyntheticStore         # bench/, beside this script
         n_moe = sum(cfg.is_sparse_layer(i) for i in range(n))
         store = SyntheticStore(experts, cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
+        t = time.perf_counter()
         engine.attach_experts(store, say=lambda line: None)          # every expert resident
-        r = measure(engine, prompt_len, decode_tokens, repeat)
-        for b in BATCHES:
-            r[f"decode_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens)
-            r[f"decode_ahead_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens, ahead=True)
-        r["build_s"] = build_s
-        r.update(decode_bytes_per_token(cfg, params, prompt_len, store.layout.nbytes, engine.kv_dtype))
-        out["layers"][n] = r
+        attach_s = time.perf_counter() - t
+        say(f"{n} layers: {n_moe * cfg.num_experts} {experts} experts placed in {attach_s:.1f} s")
+        r = out["layers"][n] = {"build_s": build_s, "attach_experts_s": attach_s,
+                                **decode_bytes_per_token(cfg, params, prompt_len, store.layout.nbytes, engine.kv_dtype)}
+        r.update(measure(engine, prompt_len, decode_tokens, repeat))
         if partial is not None:
             partial(out)
+        for b in BATCHES:              # the .partial file after each batch: a 48-layer run cut off keeps them
+            r[f"decode_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens)
+            r[f"decode_ahead_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens, ahead=True)
+            if partial is not None:
+                partial(out)
         print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode (engine API) {r['decode_tok_s_b1']:.2f} tok/s, "
               + ", ".join(f"b{b} {1000 * r[f'decode_s_per_window_b{b}']:.1f} "
                           f"(ahead {1000 * r[f'decode_ahead_s_per_window_b{b}']:.1f}) ms/window" for b in BATCHES),

@@ -3,6 +3,7 @@
 #   bash bench/h200_session.sh kernels   # bench/kernel_speed.py, the families untimed in their v2 forms first
 #   bash bench/h200_session.sh gdn       # the gated delta family (chunked by variant, dots, stages) and its GPU tests
 #   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_XLA_DOTS (tf32x3), GDN_CHUNK (64)
+#   bash bench/h200_session.sh engine48  # engine_speed at all 48 layers, kernels auto (~39 GB of int4 experts)
 #   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
 #   bash bench/h200_session.sh decode-experts  # the decode expert op, v1 against v2
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
@@ -52,6 +53,12 @@ case "${1:-}" in
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 3 \
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
     ;;
+  engine48)   # engine_speed at all 48 layers (int4 experts, 39 GB, fit one H200): measured, not fitted. Progress lines
+              # carry the clock (compile times); the .partial file is rewritten after each figure
+    timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 48 --prompt 4096 --repeat 3 \
+      --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers.json" 2>&1 \
+      | grep -E "layers:|\] |\| |wrote|Error"
+    ;;
   engine-pallas) # kernels pallas: auto's kernels and the gated delta rule's (chunked: xla_intra, tf32x3 dots)
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 3 \
       --kernels pallas --out "$OUT/engine_speed_real_shapes_int4_pallas.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
@@ -95,7 +102,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-experts|kernel-tests|engine|engine-pallas|engine-gdn|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-experts|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

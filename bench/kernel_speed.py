@@ -98,7 +98,7 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret):
     import jax
     import jax.numpy as jnp
 
-    from strata.jax_backend.kernels.expert_decode import VARIANTS, experts_decode_int4
+    from strata.jax_backend.kernels.expert_decode import BLOCK_ROWS, VARIANTS, experts_decode_int4
     from strata.jax_backend.kernels.experts import experts_from_pool
     store = SyntheticStore("int4", hidden, inter, 1, n_slots, distinct=min(64, n_slots))
     lay = store.layout
@@ -112,13 +112,14 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret):
         t_xla = device_seconds(lambda x, p: xla(p, x, slots, weight), (x, pool), 0, repeat)
         want = xla(pool, x, slots, weight).astype(jnp.float32)
         distinct = len(np.unique(np.asarray(slots)))
-        for variant in VARIANTS:             # v1 measured 39.1 us at 1 token (9546310); v2: its groups written out
-            ker = partial(experts_decode_int4, lay, interpret=interpret, variant=variant)
+        # v1 measured 39.1 us at 1 token (9546310); v2: its groups written out, at 32 rows a program and fewer
+        for variant, block in [(v, BLOCK_ROWS) for v in VARIANTS] + [("v2", 16), ("v2", 8)]:
+            ker = partial(experts_decode_int4, lay, interpret=interpret, variant=variant, block=block)
             err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
             t_ker = device_seconds(lambda x, p: ker(p, x, slots, weight), (x, pool), 0, repeat)
-            rows.append(row(f"expert decode int4 {variant}, {t} token(s) x {k} routes", t_ker, t_xla,
+            rows.append(row(f"expert decode int4 {variant} block {block}, {t} token(s) x {k} routes", t_ker, t_xla,
                             distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err, tokens=t, routes=t * k,
-                            distinct_experts=distinct, variant=variant))
+                            distinct_experts=distinct, variant=variant, block=block))
     return rows
 
 

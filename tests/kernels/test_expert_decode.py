@@ -39,6 +39,30 @@ def test_decode_kernel_matches_the_reference(tokens, k, dtype, variant, interpre
     assert err <= LIMIT["float32" if dtype == "float32" else "bfloat16"]["int4"], f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("block", [8, 16])
+def test_smaller_blocks_match_the_reference(block, interpret):
+    """Fewer rows a program (more programs of fewer bytes, for batch 1 on a many-SM GPU): the same result."""
+    rng = np.random.default_rng()
+    lay = Q.layout("int4", H, I)
+    pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
+    slots, weight = routes(rng, 3, 4, slot_of)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    got = np.asarray(K.experts_decode_int4(lay, jnp.asarray(pool), jnp.asarray(x), jnp.asarray(slots),
+                                           jnp.asarray(weight), interpret=interpret, variant="v2", block=block))
+    want = K._reference(lay, pool, x, slots, weight)
+    assert np.isfinite(got).all() and np.all(got[1] == 0)    # token 1: every route skipped
+    err = rel_err(got, want)
+    assert err <= LIMIT["float32"]["int4"], f"block {block}: relative error {err:.2e}"
+
+
+def test_a_block_that_is_not_a_power_of_two_is_refused():
+    lay = Q.layout("int4", H, I)
+    with pytest.raises(ValueError, match="block must be a power of two, not 12"):
+        K.experts_decode_int4(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, H)),
+                              jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant="v2",
+                              block=12)
+
+
 def test_formats_and_shapes_it_cannot_read_are_refused():
     lay = Q.layout("int8", H, I)
     with pytest.raises(ValueError, match="int4"):

@@ -144,14 +144,17 @@ def _down_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayo
     _route_block(slot, y_ref, block, compute)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "interpret", "variant"))
-def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False, variant: str = "v1"):
+@functools.partial(jax.jit, static_argnames=("layout", "interpret", "variant", "block"))
+def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False, variant: str = "v1",
+                        block: int = BLOCK_ROWS):
     """The expert op (experts.experts_from_pool's contract) for few routes over int4 blobs, by the two kernels.
 
     pool uint8 [N, >= nbytes], any size; x [T, H]; slots int32 [T, k] in [-1, N) (-1: skipped, contributes 0);
     weight [T, k]. -> [T, H] in x.dtype (computed in float32). A pool of MAX_KERNEL_POOL_BYTES or more is read
     through compacted copies of the routes' blobs (at most T*k of them; expert_grouped.pool_chunks), one run of the
-    kernels per chunk, the chunks' outputs summed. variant: "v1" or "v2" (module docstring)."""
+    kernels per chunk, the chunks' outputs summed. variant: "v1" or "v2" (module docstring). block: rows of a weight
+    matrix per program, a power of two (smaller: more programs of fewer bytes; at batch 1 the gate/up kernel runs
+    routes x I / block programs, 160 at 32 rows, for the 132 SMs of an H200)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
     if layout.fmt != "int4":
@@ -164,9 +167,11 @@ def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret
         g = layout.group_of(m)
         if g & (g - 1) or layout.shape_of(m)[1] % g:
             raise ValueError(f"{m}: group {g} must be a power of two dividing {layout.shape_of(m)[1]} columns")
-    bi, bh = min(BLOCK_ROWS, inter), min(BLOCK_ROWS, hidden)
-    if inter % bi or hidden % bh or bi & (bi - 1) or bh & (bh - 1):
-        raise ValueError(f"I={inter} and H={hidden} must be multiples of a power-of-two block (<= {BLOCK_ROWS})")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, not {block}")
+    bi, bh = min(block, inter), min(block, hidden)
+    if inter % bi or hidden % bh:
+        raise ValueError(f"I={inter} and H={hidden} must be multiples of the block ({block} rows, or fewer)")
     if variant == "v2":             # each group's even columns, then its odd ones: contiguous loads in the kernel
         x = _even_odd_columns(x, layout.group_of("gate"))
     run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret,
