@@ -41,8 +41,8 @@ case "${1:-}" in
       -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_gated_delta_tests.log" | grep -E "passed|failed|Error" \
       | head -20
     ;;
-  decode-experts) # the decode expert op alone, v1 against v2 (groups written out) at 1, 4 and 16 tokens
-    timeout 200 python3 bench/kernel_speed.py --only expert_decode --out "$OUT/kernel_speed_expert_decode_h200.json" \
+  decode-experts) # the decode expert op alone at 1, 4 and 16 tokens: int4 v1, v2 (32, 16, 8 rows), tiles; others tiles
+    timeout 300 python3 bench/kernel_speed.py --only expert_decode --out "$OUT/kernel_speed_expert_decode_h200.json" \
       2>&1 | grep -E "^(expert|wrote)|FAILED" | tee "$OUT/kernel_speed_expert_decode.log"
     ;;
   kernel-tests)

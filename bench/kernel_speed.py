@@ -7,8 +7,8 @@ where one is cheap) on the same inputs before it is timed.
     python bench/kernel_speed.py --smoke    # the same code on a CPU in Pallas interpret mode, tiny shapes
 
 Kernels (strata/jax_backend/kernels/):
-- expert_decode: the decode expert op (int4 dequantized in the kernel) at 1, 4 and 16 tokens of 10 routes, against
-  experts.experts_from_pool's gather form;
+- expert_decode: the decode expert op (blobs dequantized in the kernel: int4 by each variant, bf16, int8 and nvfp4 by
+  the tiles variant) at 1, 4 and 16 tokens of 10 routes, against experts.experts_from_pool's gather form;
 - expert_grouped: the prompt-part expert op (a grouped GEMM over routes sorted by expert, weights dequantized in the
   kernel) at 512 and 4096 tokens, int4 and bf16 blobs, against experts_from_pool's grouped form;
 - decode_attention: attention of 1 (decode) or 4 (verify) query positions per row over int8 and bf16 KV caches at
@@ -94,32 +94,39 @@ def row(name: str, t_ker: float, t_xla: float, nbytes: float, flops: float, err:
     return r
 
 
-def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret):
+def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=("int4", "bf16", "int8", "nvfp4")):
+    """int4 by every variant (v2 also at 16 and 8 rows a program), the other formats by the tiles variant; each
+    format's pool capped under 2^31 bytes (a larger one is read through compacted copies, timed elsewhere)."""
     import jax
     import jax.numpy as jnp
 
-    from strata.jax_backend.kernels.expert_decode import BLOCK_ROWS, VARIANTS, experts_decode_int4
+    from strata.jax_backend.kernels.expert_decode import BLOCK_ROWS, MAX_KERNEL_POOL_BYTES, VARIANTS, experts_decode
     from strata.jax_backend.kernels.experts import experts_from_pool
-    store = SyntheticStore("int4", hidden, inter, 1, n_slots, distinct=min(64, n_slots))
-    lay = store.layout
-    pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n_slots)]))
-    rows, rng = [], np.random.default_rng(0)
-    for t in tokens:
-        slots = jnp.asarray(np.stack([rng.choice(n_slots, k, replace=False) for _ in range(t)]).astype(np.int32))
-        weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
-        x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
-        xla = partial(experts_from_pool, lay, max_distinct=n_slots)
-        t_xla = device_seconds(lambda x, p: xla(p, x, slots, weight), (x, pool), 0, repeat)
-        want = xla(pool, x, slots, weight).astype(jnp.float32)
-        distinct = len(np.unique(np.asarray(slots)))
+    rows = []
+    for fmt in formats:
+        store = SyntheticStore(fmt, hidden, inter, 1, n_slots, distinct=min(64, n_slots))
+        lay = store.layout
+        n = min(n_slots, MAX_KERNEL_POOL_BYTES // lay.nbytes)
+        pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n)]))
         # v1 measured 39.1 us at 1 token (9546310); v2: its groups written out, at 32 rows a program and fewer
-        for variant, block in [(v, BLOCK_ROWS) for v in VARIANTS] + [("v2", 16), ("v2", 8)]:
-            ker = partial(experts_decode_int4, lay, interpret=interpret, variant=variant, block=block)
-            err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
-            t_ker = device_seconds(lambda x, p: ker(p, x, slots, weight), (x, pool), 0, repeat)
-            rows.append(row(f"expert decode int4 {variant} block {block}, {t} token(s) x {k} routes", t_ker, t_xla,
-                            distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err, tokens=t, routes=t * k,
-                            distinct_experts=distinct, variant=variant, block=block))
+        cases = ([(v, BLOCK_ROWS) for v in VARIANTS] + [("v2", 16), ("v2", 8)] if fmt == "int4"
+                 else [("tiles", BLOCK_ROWS)])
+        rng = np.random.default_rng(0)
+        for t in tokens:
+            slots = jnp.asarray(np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32))
+            weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
+            x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
+            xla = partial(experts_from_pool, lay, max_distinct=n)
+            t_xla = device_seconds(lambda x, p: xla(p, x, slots, weight), (x, pool), 0, repeat)
+            want = xla(pool, x, slots, weight).astype(jnp.float32)
+            distinct = len(np.unique(np.asarray(slots)))
+            for variant, block in cases:
+                ker = partial(experts_decode, lay, interpret=interpret, variant=variant, block=block)
+                err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
+                t_ker = device_seconds(lambda x, p: ker(p, x, slots, weight), (x, pool), 0, repeat)
+                rows.append(row(f"expert decode {fmt} {variant} block {block}, {t} token(s) x {k} routes", t_ker,
+                                t_xla, distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err, fmt=fmt, tokens=t,
+                                routes=t * k, distinct_experts=distinct, variant=variant, block=block))
     return rows
 
 
@@ -167,7 +174,7 @@ def pool_over_4gib(hidden, inter, n_experts, tokens, k, repeat, interpret):
     import jax.numpy as jnp
 
     from strata.jax_backend.kernels import expert_grouped as K
-    from strata.jax_backend.kernels.expert_decode import experts_decode_int4
+    from strata.jax_backend.kernels.expert_decode import experts_decode
     from strata.jax_backend.kernels.experts import experts_from_pool
     store = SyntheticStore("int4", hidden, inter, 1, 64)
     lay = store.layout
@@ -185,7 +192,7 @@ def pool_over_4gib(hidden, inter, n_experts, tokens, k, repeat, interpret):
             weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
             x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
             ref = experts_from_pool(lay, pool, x, slots, weight, 512).astype(jnp.float32)
-            fn = (partial(experts_decode_int4, lay, interpret=interpret) if t * k <= 64 else
+            fn = (partial(experts_decode, lay, interpret=interpret) if t * k <= 64 else
                   partial(K.experts_grouped, lay, interpret=interpret, max_distinct=512))
             err = rel_err(fn(pool, x, slots, weight).astype(jnp.float32), ref)
             out[f"{t}_tokens_rel_err"] = err
@@ -390,7 +397,7 @@ def main() -> int:
     interpret = jax.devices()[0].platform != "gpu"
     if args.smoke:
         shapes = {
-            "expert_decode": dict(hidden=256, inter=128, n_slots=16, tokens=[1, 2], k=4),
+            "expert_decode": dict(hidden=256, inter=128, n_slots=16, tokens=[1, 2], k=4, formats=("int4", "bf16")),
             "expert_grouped": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4),
             "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),

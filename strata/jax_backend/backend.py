@@ -46,6 +46,9 @@ KERNELS = ("auto", "xla", "pallas")
 # tf32x3 dots 2.09 ms against XLA's 1.29 (kernel_speed_gated_delta_h200_a112ed3.log); "pallas" runs them.
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode"})
 DECODE_EXPERTS_MIN_TOKENS = 8
+# The formats "auto" computes decode rows of through the decode kernel: int4 (v1, measured above). Its tiles variant
+# reads every other format and is not timed on the GPU yet, so "auto" leaves them to XLA; "pallas" takes it for all.
+DECODE_KERNEL_FORMATS_AUTO = frozenset({"int4"})
 
 
 class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses them in the jitted window
@@ -361,17 +364,19 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     def experts_pool(self, x, slots, weight, pool, layout, max_distinct):
         """The expert op over the slot pool: x [T, H]; slots, weight [T, k] (slot -1: not computed here); pool uint8
         [N, layout.nbytes]. Prompt parts (more than GATHER_ROUTES_MAX routes) through the grouped Pallas kernel,
-        decode rows of DECODE_EXPERTS_MIN_TOKENS tokens or more over int4 through the decode kernel, when chosen;
-        otherwise (and for shapes a kernel does not take) strata/jax_backend/kernels/experts.py in XLA."""
+        decode rows of DECODE_EXPERTS_MIN_TOKENS tokens or more through the decode kernel, when chosen (int4 under
+        "auto", every format under "pallas"); otherwise (and for shapes a kernel does not take)
+        strata/jax_backend/kernels/experts.py in XLA."""
         t, kk = slots.shape
         single = not isinstance(pool, (tuple, list))
         try:
             if single and t * kk > GATHER_ROUTES_MAX and "experts_grouped" in self.pallas_ops:
                 return k_expert_grouped.experts_grouped(layout, pool, x, slots, weight, interpret=self.interpret,
                                                         max_distinct=max_distinct, variant=self.grouped_variant)
-            if (single and layout.fmt == "int4" and t >= DECODE_EXPERTS_MIN_TOKENS and t * kk <= GATHER_ROUTES_MAX
-                    and "experts_decode" in self.pallas_ops):
-                return k_expert_decode.experts_decode_int4(layout, pool, x, slots, weight, interpret=self.interpret)
+            if (single and t >= DECODE_EXPERTS_MIN_TOKENS and t * kk <= GATHER_ROUTES_MAX
+                    and "experts_decode" in self.pallas_ops
+                    and (self.kernels == "pallas" or layout.fmt in DECODE_KERNEL_FORMATS_AUTO)):
+                return k_expert_decode.experts_decode(layout, pool, x, slots, weight, interpret=self.interpret)
         except ValueError:                   # shapes or a format the kernel does not take
             pass
         return experts_from_pool(layout, pool, x, slots, weight, max_distinct)

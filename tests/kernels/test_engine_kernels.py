@@ -1,8 +1,8 @@
 """The engine with the JAX backend's Pallas kernels (kernels="pallas": interpreted on the CPU, compiled on a GPU with
 STRATA_TEST_DEVICE=gpu) against plain XLA (kernels="xla"): the same greedy tokens and logits within float32's
 rounding, through Engine sequences (prompt parts: the grouped expert op) and through the WindowRunner's decode rows
-(the decode attention kernel over the bank, the gated delta rule's decode kernel batched over the rows), for float
-and int8 KV caches."""
+(the decode attention kernel over the bank, the gated delta rule's decode kernel batched over the rows, the decode
+expert kernel), for float and int8 KV caches."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -33,10 +33,17 @@ def test_the_options_choose_the_kernels():
 
 
 def counting(monkeypatch, module, name):
-    """Count the calls (traces) of module.name from now on."""
+    """Count the calls (traces) of module.name from now on that return (one that refuses its shapes with a ValueError
+    leaves the op to XLA, and is not counted)."""
     calls = []
     real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def counted(*a, **k):
+        out = real(*a, **k)
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -52,25 +59,31 @@ def test_prompt_parts_and_decode_match_xla(engines, monkeypatch):
 
 
 def test_runner_decode_rows_match_xla(engines, monkeypatch):
-    """Decode windows of 3 slots at different lengths (one inactive) through the decode attention kernel."""
+    """Decode windows of 8 slots at different lengths (some inactive in turn) through the decode attention kernel,
+    the gated delta rule's decode kernel and the decode expert kernel (8 rows: DECODE_EXPERTS_MIN_TOKENS; the demo's
+    float experts by its tiles variant)."""
     calls = counting(monkeypatch, jb.k_attention, "decode_attention")
     gdn = counting(monkeypatch, jb.k_gated_delta, "gated_delta_decode")
+    experts = counting(monkeypatch, jb.k_expert_decode, "experts_decode")
+    lengths = np.array([5, 16, 9, 3, 12, 7, 20, 4], np.int32)
+    s = len(lengths)
+    assert s >= jb.DECODE_EXPERTS_MIN_TOKENS
     out = []
     for engine in engines:
-        runner = WindowRunner(engine, 3, 16)
-        plan = idle_plan(3)
-        for slot, n in ((0, 5), (1, 16), (2, 9)):       # prompts of different lengths on the slots
+        runner = WindowRunner(engine, s, 16)
+        plan = idle_plan(s)
+        for slot, n in enumerate(lengths):             # prompts of different lengths on the slots
             runner.run(replace(plan, part=PromptPart(slot=slot, tokens=np.arange(3, 3 + n, dtype=np.int32),
                                                      start=0, last=True)))
-        pos = np.array([5, 16, 9], np.int32)
-        toks = np.array([7, 8, 9], np.int32)
+        pos = lengths.copy()
+        toks = np.arange(7, 7 + s, dtype=np.int32)
         seen = []
         for step in range(6):
-            active = np.array([True, step % 2 == 0, True])
+            active = (np.arange(s) + step) % 3 != 0 if step % 2 else np.ones(s, bool)
             r = runner.run(replace(plan, decode_active=active, decode_tokens=toks, decode_pos=pos))
             seen.append(np.where(active, r.decode_next, -1))
             toks = np.where(active, r.decode_next, toks).astype(np.int32)
             pos = pos + active
         out.append(np.stack(seen))
     assert (out[0] == out[1]).all()
-    assert calls and gdn, "the pallas engine's decode rows did not go through the decode kernels"
+    assert calls and gdn and experts, "the pallas engine's decode rows did not go through the decode kernels"

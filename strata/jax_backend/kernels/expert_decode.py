@@ -1,5 +1,6 @@
-"""The decode form of the expert op as Pallas kernels that dequantize int4 blobs in the kernel (issue 4; int4 first,
-the format the benchmarks run), for pools of any size.
+"""The decode form of the expert op as Pallas kernels that dequantize the blobs in the kernel (issue 4): int4, the
+format the benchmarks run, by two tuned variants, and every format of strata/weights/quant.py by the tiles variant;
+for pools of any size.
 
 Why: the XLA op (experts.py, experts_from_pool) gathers each route's whole blob, decodes it into float weights in
 HBM and multiplies: at Qwen3-Next-80B shapes and batch 1 that is ~3x the blob's bytes written and read again, in a
@@ -36,10 +37,17 @@ _even_odd_columns; one pass over x, [T, H]). Reasoning for the prediction: at ba
 (gate and up, 32 rows) in 16 rounds of ~4 KB; a round is a DRAM latency (~1 us) with little in flight, so v1's
 gate/up kernel is latency-bound (39 us for the op against a 4.6 us floor); v2 should approach a few rounds, i.e.
 the op at ~10-15 us. What v2 costs: registers (the unrolled groups' loads live at once) and the x permutation.
+"tiles" (bf16, int8, nvfp4, f32 and int4; the default for every format but int4) decodes [block, TILE_COLS] weight
+tiles with blob_tiles.weight_tile, the decoder of the prompt-form kernels (expert_grouped.py), so one piece of code
+reads each format's bytes, scales and zero points on both paths; each tile's partial matvec is scaled by the tile's
+scale (int4's group scale), the finished sums by the matrix's (int8's row scales, nvfp4's global scale). Not yet
+timed on the GPU: its floor at batch 1 over bf16 blobs is 10 routes x 6.3 MB = 63 MB, 17.5 us; until measured,
+kernels "auto" takes it for no format (the backend's DECODE_KERNEL_FORMATS_AUTO), "pallas" for every one.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +55,17 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from strata.jax_backend.kernels import blob_tiles as tiles
 from strata.jax_backend.kernels import triton_params
 from strata.jax_backend.kernels.expert_grouped import _even_odd_columns, pool_chunks
 from strata.weights import quant
 from strata.weights.quant import BlobLayout
 
 BLOCK_ROWS = 32          # rows of a weight matrix per program (a power of two: Triton block shapes must be)
-VARIANTS = ("v1", "v2")
+VARIANTS = ("v1", "v2", "tiles")   # v1, v2: int4 only; tiles: every format
+FORMATS = quant.FORMATS
+TILE_COLS = 128          # tiles: columns of a weight tile per step (a power of two dividing the columns and, for
+                         # int4, the group; 128 x 32 rows of f32 weights is 16 KB of loads a step)
 MAX_KERNEL_POOL_BYTES = 2**31 - 1   # a pool at least this large is read through compacted sub-pools (the Triton
                                     # lowering computes a ref's byte offsets in int32 up to 2^32 bytes)
 INT32_OFFSETS_MAX_BYTES = 2**32     # above it JAX's Triton lowering offsets in 64 bits (expert_grouped.py)
@@ -71,9 +83,7 @@ def _group_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, kk, ve, vo):
     lo = (qb & 0xF).astype(jnp.float32)                                            # even columns
     hi = (qb >> 4).astype(jnp.float32)                                             # odd columns
     at = rows * (cols // g) + kk                                                   # [B] group index in s, z
-    s_bits = (pool_ref[slot, s.offset + 2 * at].astype(jnp.uint16)
-              | (pool_ref[slot, s.offset + 2 * at + 1].astype(jnp.uint16) << 8))   # little-endian float16
-    scale = lax.bitcast_convert_type(s_bits, jnp.float16).astype(jnp.float32)
+    scale = lax.bitcast_convert_type(tiles.u16_at(pool_ref, slot, s.offset + 2 * at), jnp.float16).astype(jnp.float32)
     zero = pool_ref[slot, z.offset + at].astype(jnp.float32)
     part = jnp.sum((lo - zero[:, None]) * ve[None, :] + (hi - zero[:, None]) * vo[None, :], axis=1)
     return part * scale
@@ -144,38 +154,99 @@ def _down_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayo
     _route_block(slot, y_ref, block, compute)
 
 
+def _tile_rows(pool_ref, slot, lay: BlobLayout, ms, rows, vec_at, bk: int):
+    """The tiles variant's matvecs: for each matrix m in ms, rows `rows` [B] of m (decoded a [B, bk] tile at a time
+    by blob_tiles.weight_tile, the prompt kernels' decoder) times the vector vec_at(k0) -> f32 [bk] of its columns
+    k0 .. k0 + bk - 1. -> one f32 [B] per matrix, with every scale of the format applied."""
+    _, cols = lay.shape_of(ms[0])
+
+    def step(kk, acc):
+        k0 = kk * bk
+        v = vec_at(k0)[None, :]                                                     # [1, bk]
+        out = []
+        for m, a in zip(ms, acc):
+            w, s = tiles.weight_tile(pool_ref, slot, lay, m, rows, k0, bk, jnp.float32)   # [B, bk], [B] | None
+            part = jnp.sum(w * v, axis=1)
+            out.append(a + (part if s is None else part * s))
+        return tuple(out)
+
+    zero = jnp.zeros(rows.shape, jnp.float32)
+    acc = lax.fori_loop(0, cols // bk, step, tuple(zero for _ in ms))
+    out = []
+    for m, a in zip(ms, acc):
+        s = tiles.matrix_scale(pool_ref, slot, lay, m, rows)                       # [B], a scalar or None
+        out.append(a if s is None else a * s)
+    return out
+
+
+def _gate_up_tiles_kernel(slots_ref, toks_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayout, block: int, bk: int):
+    slot, t = slots_ref[pl.program_id(0)], toks_ref[pl.program_id(0)]
+
+    def compute(rows):
+        gate, up = _tile_rows(pool_ref, slot, lay, ("gate", "up"), rows,
+                              lambda k0: x_ref[t, pl.ds(k0, bk)].astype(jnp.float32), bk)
+        return gate * jax.nn.sigmoid(gate) * up
+
+    _route_block(slot, h_ref, block, compute)
+
+
+def _down_tiles_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayout, block: int, bk: int):
+    r = pl.program_id(0)
+    slot = slots_ref[r]
+
+    def compute(rows):
+        (down,) = _tile_rows(pool_ref, slot, lay, ("down",), rows, lambda k0: h_ref[r, pl.ds(k0, bk)], bk)
+        return down * weight_ref[r]
+
+    _route_block(slot, y_ref, block, compute)
+
+
+def tile_cols(layout: BlobLayout, m: str) -> int:
+    """The tiles variant's K step for matrix m: the largest power of two <= TILE_COLS dividing its columns (and its
+    int4 group, so that a tile has one scale per row; nvfp4 tiles hold whole pairs of columns)."""
+    _, cols = layout.shape_of(m)
+    n = math.gcd(cols, layout.group_of(m)) if layout.fmt == "int4" else cols
+    bk = math.gcd(n, TILE_COLS)
+    if layout.fmt == "nvfp4" and bk < 2:
+        raise ValueError(f"{m}: nvfp4 tiles need an even number of columns, got {cols}")
+    return bk
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "interpret", "variant", "block"))
-def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False, variant: str = "v1",
-                        block: int = BLOCK_ROWS):
-    """The expert op (experts.experts_from_pool's contract) for few routes over int4 blobs, by the two kernels.
+def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False, variant: str | None = None,
+                   block: int = BLOCK_ROWS):
+    """The expert op (experts.experts_from_pool's contract) for few routes, by two kernels (gate/up, down).
 
     pool uint8 [N, >= nbytes], any size; x [T, H]; slots int32 [T, k] in [-1, N) (-1: skipped, contributes 0);
     weight [T, k]. -> [T, H] in x.dtype (computed in float32). A pool of MAX_KERNEL_POOL_BYTES or more is read
     through compacted copies of the routes' blobs (at most T*k of them; expert_grouped.pool_chunks), one run of the
-    kernels per chunk, the chunks' outputs summed. variant: "v1" or "v2" (module docstring). block: rows of a weight
+    kernels per chunk, the chunks' outputs summed. variant: "v1" or "v2" over int4 blobs, "tiles" over any format
+    (module docstring); None: v1 for int4, tiles otherwise. block: rows of a weight
     matrix per program, a power of two (smaller: more programs of fewer bytes; at batch 1 the gate/up kernel runs
     routes x I / block programs, 160 at 32 rows, for the 132 SMs of an H200)."""
+    if variant is None:
+        variant = "v1" if layout.fmt == "int4" else "tiles"
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
-    if layout.fmt != "int4":
-        raise ValueError(f"experts_decode_int4 reads int4 blobs, not {layout.fmt!r}")
+    if layout.fmt not in FORMATS:
+        raise ValueError(f"experts_decode reads the formats {', '.join(FORMATS)}, not {layout.fmt!r}")
+    if variant != "tiles" and layout.fmt != "int4":
+        raise ValueError(f"variant {variant} reads int4 blobs, not {layout.fmt!r}; the tiles variant reads every "
+                         f"format")
     if pool.dtype != jnp.uint8 or pool.ndim != 2 or pool.shape[1] < layout.nbytes:
         raise ValueError(f"pool must be uint8 [N, >= {layout.nbytes}], got {pool.dtype} {pool.shape}")
     t, k = slots.shape
     inter, hidden = layout.shape_of("gate")
-    for m in quant.MATRICES:
+    for m in quant.MATRICES if variant != "tiles" else ():
         g = layout.group_of(m)
         if g & (g - 1) or layout.shape_of(m)[1] % g:
             raise ValueError(f"{m}: group {g} must be a power of two dividing {layout.shape_of(m)[1]} columns")
     if block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of two, not {block}")
-    bi, bh = min(block, inter), min(block, hidden)
-    if inter % bi or hidden % bh:
-        raise ValueError(f"I={inter} and H={hidden} must be multiples of the block ({block} rows, or fewer)")
+    bi, bh = math.gcd(inter, block), math.gcd(hidden, block)     # powers of two dividing I and H (Triton blocks)
     if variant == "v2":             # each group's even columns, then its odd ones: contiguous loads in the kernel
         x = _even_odd_columns(x, layout.group_of("gate"))
-    run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret,
-                            v2=variant == "v2")
+    run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret, variant=variant)
     if not (MAX_KERNEL_POOL_BYTES <= pool.size <= INT32_OFFSETS_MAX_BYTES):    # int32 offsets overflow only here
         return run(pool, slots=slots).astype(x.dtype)
     y = None
@@ -185,17 +256,22 @@ def experts_decode_int4(layout: BlobLayout, pool, x, slots, weight, *, interpret
     return y.astype(x.dtype)
 
 
-def _decode(layout: BlobLayout, pool, x, slots, weight, *, bi: int, bh: int, interpret: bool, v2: bool):
+def _decode(layout: BlobLayout, pool, x, slots, weight, *, bi: int, bh: int, interpret: bool, variant: str):
     """The two kernels on a pool they may index directly (< 2^31 bytes): float32 [T, H]."""
     t, k = slots.shape
     inter, hidden = layout.shape_of("gate")
     routes = t * k
     flat_slots = slots.reshape(routes).astype(jnp.int32)
     toks = jnp.arange(routes, dtype=jnp.int32) // k
-    h = _per_route(functools.partial(_gate_up_kernel, lay=layout, block=bi, v2=v2), routes, inter, bi, interpret,
-                   flat_slots, toks, x, pool)                                      # [R, I] f32
-    y = _per_route(functools.partial(_down_kernel, lay=layout, block=bh, v2=v2), routes, hidden, bh, interpret,
-                   flat_slots, weight.reshape(routes).astype(jnp.float32), h, pool)  # [R, H] f32
+    if variant == "tiles":
+        gate_up = functools.partial(_gate_up_tiles_kernel, lay=layout, block=bi, bk=tile_cols(layout, "gate"))
+        down = functools.partial(_down_tiles_kernel, lay=layout, block=bh, bk=tile_cols(layout, "down"))
+    else:
+        gate_up = functools.partial(_gate_up_kernel, lay=layout, block=bi, v2=variant == "v2")
+        down = functools.partial(_down_kernel, lay=layout, block=bh, v2=variant == "v2")
+    h = _per_route(gate_up, routes, inter, bi, interpret, flat_slots, toks, x, pool)               # [R, I] f32
+    y = _per_route(down, routes, hidden, bh, interpret, flat_slots, weight.reshape(routes).astype(jnp.float32), h,
+                   pool)                                                                           # [R, H] f32
     return y.reshape(t, k, hidden).sum(axis=1)
 
 

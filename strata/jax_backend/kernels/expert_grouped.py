@@ -107,6 +107,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from strata.jax_backend.kernels import blob_tiles as tiles
 from strata.jax_backend.kernels import triton_params
 from strata.weights import quant
 from strata.weights.quant import BlobLayout
@@ -179,100 +180,9 @@ def plan(layout: BlobLayout, dtype, block_m: int = BLOCK_M) -> Plan:
     return p
 
 
-# --- reading the pool: fields are little-endian; offsets are int32 arrays (or ints) of byte positions in the blob
-
-def _bytes(pool_ref, slot, off, dtype):
-    return pool_ref[slot, off].astype(dtype)
-
-
-def _f32_at(pool_ref, slot, off):
-    u = [_bytes(pool_ref, slot, off + i, jnp.uint32) for i in range(4)]
-    return lax.bitcast_convert_type(u[0] | (u[1] << 8) | (u[2] << 16) | (u[3] << 24), jnp.float32)
-
-
-def _u16_at(pool_ref, slot, off):
-    return _bytes(pool_ref, slot, off, jnp.uint16) | (_bytes(pool_ref, slot, off + 1, jnp.uint16) << 8)
-
-
-def _cols(k0, n: int):
-    """[1, n] int32: columns k0 .. k0 + n - 1."""
-    return k0 + lax.broadcasted_iota(jnp.int32, (1, n), 1)
-
-
-def _interleave(even, odd):
-    """[B, n] and [B, n] -> [B, 2n] with even[:, i] at column 2i and odd[:, i] at 2i + 1 (tt.join + tt.reshape)."""
-    return jnp.stack([even, odd], axis=-1).reshape(even.shape[0], 2 * even.shape[1])
-
-
-def _e2m1(code):
-    """int32 e2m1 codes (bit 3 sign, bits 0..2 magnitude) -> bfloat16 values, by building the bfloat16 bits."""
-    mag = code & 7
-    exp = jnp.where(mag >= 2, (mag >> 1) + 126, jnp.where(mag == 1, 126, 0))   # 0.5 = 2^-1; 1, 1.5 = 2^0 ...
-    man = jnp.where(mag >= 2, mag & 1, 0)                                         # 1.5, 3, 6: half-step mantissa
-    bits = ((code >> 3) << 15) | (exp << 7) | (man << 6)
-    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
-
-
-def _e4m3(byte):
-    """int32 float8_e4m3fn bytes -> float32 values, by bit operations (0x7F / 0xFF: NaN, as ml_dtypes decodes)."""
-    exp, man = (byte >> 3) & 15, byte & 7
-    normal = lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), jnp.float32)     # 2^(e-7) (1 + m/8)
-    mag = jnp.where(exp == 0, man.astype(jnp.float32) * np.float32(2.0 ** -9), normal)    # subnormal m/8 2^-6
-    mag = jnp.where((byte & 0x7F) == 0x7F, np.float32(np.nan), mag)
-    return jnp.where(byte >= 128, -mag, mag)
-
-
-def _weight_tile(pool_ref, slot, lay: BlobLayout, m: str, rows, k0, bk: int, dt):
-    """Rows `rows` [B], columns k0 .. k0 + bk - 1 of matrix m of the blob in `slot`, decoded: (w [B, bk] in dt,
-    scale [B] float32 that multiplies this tile's partial product, or None)."""
-    _, cols = lay.shape_of(m)
-    r = rows[:, None]
-    fmt = lay.fmt
-    if fmt == "f32":
-        return _f32_at(pool_ref, slot, lay.field(m).offset + (r * cols + _cols(k0, bk)) * 4).astype(dt), None
-    if fmt == "bf16":
-        bits = _u16_at(pool_ref, slot, lay.field(m).offset + (r * cols + _cols(k0, bk)) * 2)
-        return lax.bitcast_convert_type(bits, jnp.bfloat16).astype(dt), None
-    if fmt == "int8":
-        q = pool_ref[slot, lay.field(f"{m}.q").offset + r * cols + _cols(k0, bk)]
-        return lax.bitcast_convert_type(q, jnp.int8).astype(jnp.float32).astype(dt), None
-    packed = pool_ref[slot, lay.field(f"{m}.q").offset + r * (cols // 2) + _cols(k0 // 2, bk // 2)]  # [B, bk/2]
-    lo, hi = (packed & 0xF).astype(jnp.int32), (packed >> 4).astype(jnp.int32)   # even, odd columns
-    if fmt == "int4":
-        g = lay.group_of(m)
-        at = rows * (cols // g) + k0 // g                                         # [B]: the tile's group
-        z = pool_ref[slot, lay.field(f"{m}.z").offset + at].astype(jnp.int32)[:, None]
-        w = _interleave((lo - z).astype(dt), (hi - z).astype(dt))                 # q - z: exact in bfloat16
-        s = lax.bitcast_convert_type(_u16_at(pool_ref, slot, lay.field(f"{m}.s").offset + 2 * at), jnp.float16)
-        return w, s.astype(jnp.float32)
-    # nvfp4: columns 2i and 2i + 1 share block (k0 + 2i) // 16 = k0 // 16 + i // 8
-    blk = cols // quant.NVFP4_BLOCK
-    pair_blk = k0 // quant.NVFP4_BLOCK + _cols(0, bk // 2) // (quant.NVFP4_BLOCK // 2)       # [1, bk/2]
-    bs = _e4m3(pool_ref[slot, lay.field(f"{m}.s").offset + r * blk + pair_blk].astype(jnp.int32))  # [B, bk/2]
-    even = (_e2m1(lo).astype(jnp.float32) * bs).astype(dt)                       # exact in bfloat16
-    odd = (_e2m1(hi).astype(jnp.float32) * bs).astype(dt)
-    return _interleave(even, odd), None
-
-
-def _matrix_scale(pool_ref, slot, lay: BlobLayout, m: str, rows):
-    """What multiplies matrix m's finished accumulator: int8's row scales [B], nvfp4's global scale (a scalar),
-    or None."""
-    if lay.fmt == "int8":
-        return _f32_at(pool_ref, slot, lay.field(f"{m}.s").offset + 4 * rows)
-    if lay.fmt == "nvfp4":
-        return _f32_at(pool_ref, slot, lay.field("tail").offset + 4 * quant.MATRICES.index(m))
-    return None
-
-
 def _dot_t(a, w, prec):
     """a [M, K] . w [N, K]^T -> float32 [M, N]."""
     return lax.dot_general(a, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
-
-
-def _scaled(acc, s):
-    if s is None:
-        return acc
-    return acc * (s[None, :] if getattr(s, "ndim", 0) else s)
 
 
 def _gate_up_kernel(bslot_ref, tok_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayout, p: Plan, dt, prec):
@@ -291,17 +201,17 @@ def _gate_up_kernel(bslot_ref, tok_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayo
 
         def step(kk, acc):
             k0 = kk * p.bk1
-            xt = x_ref[xrow + _cols(k0, p.bk1)].astype(dt)                          # [bm, bk1]
+            xt = x_ref[xrow + tiles.col_range(k0, p.bk1)].astype(dt)                          # [bm, bk1]
             out = []
             for m, a in zip(("gate", "up"), acc):
-                w, s = _weight_tile(pool_ref, slot, lay, m, rows, k0, p.bk1, dt)
-                out.append(a + _scaled(_dot_t(xt, w, prec), s))
+                w, s = tiles.weight_tile(pool_ref, slot, lay, m, rows, k0, p.bk1, dt)
+                out.append(a + tiles.scaled(_dot_t(xt, w, prec), s))
             return tuple(out)
 
         zero = jnp.zeros((p.bm, p.bi), jnp.float32)
         g, u = lax.fori_loop(0, hidden // p.bk1, step, (zero, zero))
-        g = _scaled(g, _matrix_scale(pool_ref, slot, lay, "gate", rows))
-        u = _scaled(u, _matrix_scale(pool_ref, slot, lay, "up", rows))
+        g = tiles.scaled(g, tiles.matrix_scale(pool_ref, slot, lay, "gate", rows))
+        u = tiles.scaled(u, tiles.matrix_scale(pool_ref, slot, lay, "up", rows))
         h_ref[...] = (g * jax.nn.sigmoid(g) * u).astype(h_ref.dtype)
 
 
@@ -320,12 +230,12 @@ def _down_kernel(bslot_ref, w_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayout, p
     def _():
         def step(kk, acc):
             k0 = kk * p.bk2
-            ht = h_ref[hrow + _cols(k0, p.bk2)]                                     # [bm, bk2] in dt
-            w, s = _weight_tile(pool_ref, slot, lay, "down", rows, k0, p.bk2, dt)
-            return acc + _scaled(_dot_t(ht, w, prec), s)
+            ht = h_ref[hrow + tiles.col_range(k0, p.bk2)]                                     # [bm, bk2] in dt
+            w, s = tiles.weight_tile(pool_ref, slot, lay, "down", rows, k0, p.bk2, dt)
+            return acc + tiles.scaled(_dot_t(ht, w, prec), s)
 
         y = lax.fori_loop(0, inter // p.bk2, step, jnp.zeros((p.bm, p.bh), jnp.float32))
-        y = _scaled(y, _matrix_scale(pool_ref, slot, lay, "down", rows))
+        y = tiles.scaled(y, tiles.matrix_scale(pool_ref, slot, lay, "down", rows))
         y_ref[...] = (y * w_ref[...][:, None]).astype(y_ref.dtype)
 
 
@@ -457,13 +367,13 @@ class _Int4Rows:
         step's dots."""
         kk = jnp.minimum(kk, self.n_groups - 1)
         z = pool_ref[slot, self.z + kk].astype(jnp.int32)
-        s = lax.bitcast_convert_type(_u16_at(pool_ref, slot, self.s + 2 * kk), jnp.float16).astype(jnp.float32)
+        s = lax.bitcast_convert_type(tiles.u16_at(pool_ref, slot, self.s + 2 * kk), jnp.float16).astype(jnp.float32)
         return z, s
 
     def product(self, a_even, a_odd, pool_ref, slot, kk, zs, dt, prec):
         """Group kk's contribution (a_even . lo^T + a_odd . hi^T) * s -> float32 [M, B], zs = params(kk)."""
         half = self.g // 2
-        packed = pool_ref[slot, self.q + kk * half + _cols(0, half)]                        # uint8 [B, g/2]
+        packed = pool_ref[slot, self.q + kk * half + tiles.col_range(0, half)]                        # uint8 [B, g/2]
         z, s = zs
         lo, hi = _nibble_planes(packed, z[:, None], dt)
         part = _dot_t(a_even, lo, prec) + _dot_t(a_odd, hi, prec)   # Triton chains the second dot onto the first
@@ -485,7 +395,7 @@ def _gate_up_int4_kernel(bslot_ref, tok_ref, x_ref, pool_ref, h_ref, *, lay: Blo
 
     @pl.when(slot >= 0)
     def _():
-        xrow = tok_ref[...][:, None] * hidden + _cols(0, half)                              # [bm, g/2]
+        xrow = tok_ref[...][:, None] * hidden + tiles.col_range(0, half)                              # [bm, g/2]
         mats = (_Int4Rows(lay, "gate", rows), _Int4Rows(lay, "up", rows))
 
         def step(kk, carry):
@@ -510,7 +420,7 @@ def _down_int4_kernel(bslot_ref, w_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayo
     _, inter = lay.shape_of("down")
     rows = j * p.bn2 + lax.broadcasted_iota(jnp.int32, (p.bn2,), 0)
     half = p.g2 // 2
-    hrow = (b * p.bm + lax.broadcasted_iota(jnp.int32, (p.bm, 1), 0)) * inter + _cols(0, half)   # [bm, g/2]
+    hrow = (b * p.bm + lax.broadcasted_iota(jnp.int32, (p.bm, 1), 0)) * inter + tiles.col_range(0, half)   # [bm, g/2]
 
     @pl.when(slot < 0)
     def _():
