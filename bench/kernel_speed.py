@@ -16,6 +16,8 @@ Kernels (strata/jax_backend/kernels/):
 - prompt_attention: the flash kernel for a prompt part of 4096 tokens over an int8 cache, in several block / warp /
   P-term configurations, against the backend's XLA form;
 - expert_grouped_blocks: the grouped int4 v2 op at 4096 tokens with 64 and 128 rows per block;
+- delta_decode: the Gated DeltaNet mixer's decode step in one kernel (conv, norms, gates, the rule's step, the gated
+  RMSNorm) at batch 1, 4 and 16, against the composition it fuses (blocks.delta_block on XLA);
 - gated_delta: the recurrent decode step (batch 1, 4, 16), the verify form (4 positions) and the chunked prompt form
   (4096 tokens), against the XLA forms in JaxBackend.
 
@@ -328,6 +330,47 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret, forms=
     return rows
 
 
+def delta_decode(hk, hv, dk, dv, taps, batches, repeat, interpret):
+    """The Gated DeltaNet mixer's decode step as one kernel (kernels/delta_decode.py) against the composition it
+    fuses, blocks.delta_block in rows mode on the XLA backend (the path kernels "auto" runs), bfloat16 activations.
+    Bytes: the fp32 state read and written, the conv state read and written, qkv, z and o."""
+    import jax
+    import jax.numpy as jnp
+
+    from strata.jax_backend.backend import JaxBackend
+    from strata.jax_backend.kernels.delta_decode import delta_decode as kernel
+    rng = np.random.default_rng(5)
+    ops = JaxBackend(kernels="xla")
+    c = 2 * hk * dk + hv * dv
+    bf = jnp.bfloat16
+    rows = []
+    for s in batches:
+        act = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32), bf)  # noqa: E731
+        fixed = dict(qkv=act(s, c), z=act(s, hv * dv), b=act(s, hv), a=act(s, hv), conv_state=act(s, taps - 1, c),
+                     conv_w=act(c, taps), a_log=jnp.asarray(np.log(rng.uniform(1, 16, hv)).astype(np.float32)),
+                     dt_bias=jnp.asarray(rng.standard_normal(hv).astype(np.float32)), gnorm=act(dv),
+                     start=jnp.full((s,), 100, jnp.int32), n_valid=jnp.ones((s,), jnp.int32))
+        st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
+        f = fixed
+
+        def ker(st):
+            return kernel(f["qkv"], f["z"], f["b"], f["a"], f["conv_state"], f["conv_w"], st, f["a_log"],
+                          f["dt_bias"], f["gnorm"], f["start"], f["n_valid"], n_k_heads=hk, eps=1e-6,
+                          interpret=interpret)
+
+        def xla(st):
+            return ops.delta_block(f["qkv"], f["z"], f["b"], f["a"], f["conv_state"], f["conv_w"], st, f["a_log"],
+                                   f["dt_bias"], f["gnorm"], 1e-6, f["start"], f["n_valid"], hk)
+
+        err = rel_err(ker(st)[0].astype(jnp.float32), jax.jit(xla)(st)[0].astype(jnp.float32))
+        t_ker = device_seconds(ker, (st,), 0, repeat, carry=lambda out: out[2])      # the new state feeds the next
+        t_xla = device_seconds(xla, (st,), 0, repeat, carry=lambda out: out[2])
+        nbytes = s * (2 * hv * dk * dv * 4 + 2 * (taps - 1) * c * 2 + c * 2 + 2 * hv * dv * 2)
+        rows.append(row(f"delta decode (the mixer in one kernel), batch {s}", t_ker, t_xla, nbytes,
+                        s * hv * dk * dv * 6, err, batch=s))
+    return rows
+
+
 def _gated_delta_verify(K, inputs, step_xla, hv, dk, dv, batches, verify_q, state_bytes, rng, repeat, interpret):
     import jax
     import jax.numpy as jnp
@@ -405,6 +448,7 @@ def main() -> int:
             "gated_delta_chunked": dict(hv=2, dk=16, dv=16, batches=[1], verify_q=1, prompt=70,
                                         forms=("chunked",)),
             "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
+            "delta_decode": dict(hk=2, hv=4, dk=16, dv=16, taps=4, batches=[1, 2]),
             "expert_grouped_blocks": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
         }
@@ -421,13 +465,14 @@ def main() -> int:
                                         forms=("chunked",)),
             "expert_grouped_blocks": dict(hidden=2048, inter=512, n_experts=512, tokens=[4096], k=10,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
+            "delta_decode": dict(hk=16, hv=32, dk=128, dv=128, taps=4, batches=[1, 4, 16]),
             "prompt_attention": dict(hq=16, hkv=2, hd=256, tokens=[4096],
                                      configs=[(8, 4, 3), (8, 8, 3), (16, 8, 3), (8, 4, 1), (16, 8, 1)]),
         }
         repeat = args.repeat
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
            "gated_delta": gated_delta, "gated_delta_chunked": gated_delta, "pool_over_4gib": pool_over_4gib,
-           "prompt_attention": prompt_attention,
+           "prompt_attention": prompt_attention, "delta_decode": delta_decode,
            "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}

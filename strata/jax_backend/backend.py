@@ -21,6 +21,7 @@ from jax import lax
 
 from strata.errors import ConfigError
 from strata.jax_backend.kernels import decode_attention as k_attention
+from strata.jax_backend.kernels import delta_decode as k_delta_decode
 from strata.jax_backend.kernels import expert_decode as k_expert_decode
 from strata.jax_backend.kernels import expert_grouped as k_expert_grouped
 from strata.jax_backend.kernels import gated_delta as k_gated_delta
@@ -64,7 +65,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         on_gpu = self.device.platform == "gpu"
         self.kernels = kernels
         self.pallas_ops = (PALLAS_AUTO if on_gpu else frozenset()) if kernels == "auto" else \
-            (frozenset() if kernels == "xla" else PALLAS_AUTO | {"gdn_chunked", "gdn_decode"})
+            (frozenset() if kernels == "xla" else PALLAS_AUTO | {"gdn_chunked", "gdn_decode", "delta_decode"})
         # the grouped kernel's variant: v2, the faster on the H200 (above); the chunked rule's under "pallas"
         self.grouped_variant = "v2"
         self.gdn_variant = "xla_intra"
@@ -242,6 +243,24 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         if gate is not None:
             o = o * self.sigmoid(gate)
         return o, kv
+
+    def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
+                    n_k_heads):
+        """The composition (strata/model/blocks.py), but a decode token's mixer (a window's rows, or one sequence's
+        single token) is one Pallas kernel (kernels/delta_decode.py) when chosen and the shapes suit it."""
+        rows = is_rows(start)
+        if "delta_decode" in self.pallas_ops and (rows or qkv.shape[0] == 1):
+            # one sequence's token: its [1, ...] rows are a window of one, its states a bank of one
+            one = lambda x: x if rows else jnp.reshape(x, (1,) + jnp.shape(x))        # noqa: E731
+            try:
+                o, conv_state_new, ssm_new = k_delta_decode.delta_decode(
+                    qkv, z, b, a, one(conv_state), conv_w, one(ssm), a_log, dt_bias, gnorm, one(start), one(n_valid),
+                    n_k_heads=n_k_heads, eps=float(eps), interpret=self.interpret)
+                return (o, conv_state_new, ssm_new) if rows else (o, conv_state_new[0], ssm_new[0])
+            except ValueError:               # shapes the kernel does not take
+                pass
+        return super().delta_block(qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
+                                   n_k_heads)
 
     @staticmethod
     def causal_conv(u, conv_state, w, n_valid):

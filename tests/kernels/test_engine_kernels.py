@@ -1,8 +1,8 @@
 """The engine with the JAX backend's Pallas kernels (kernels="pallas": interpreted on the CPU, compiled on a GPU with
 STRATA_TEST_DEVICE=gpu) against plain XLA (kernels="xla"): the same greedy tokens and logits within float32's
 rounding, through Engine sequences (prompt parts: the grouped expert op) and through the WindowRunner's decode rows
-(the decode attention kernel over the bank, the gated delta rule's decode kernel batched over the rows, the decode
-expert kernel), for float and int8 KV caches."""
+(the decode attention kernel over the bank, the Gated DeltaNet mixer's decode kernel over the rows, the decode
+expert kernel), for float and int8 KV caches; the engine API's one-token decode through the mixer's kernel too."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -55,15 +55,17 @@ def test_prompt_parts_and_decode_match_xla(engines, monkeypatch):
     ref, got = xla.logits(ids), pallas.logits(ids)
     assert grouped and gdn, "the pallas engine's prompt parts did not go through the kernels"
     assert np.abs(got - ref).max() <= TOL * (ref.max() - ref.min())
+    mixer = counting(monkeypatch, jb.k_delta_decode, "delta_decode")
     assert pallas.generate(ids[:30], 10, stop_token_ids=[]) == xla.generate(ids[:30], 10, stop_token_ids=[])
+    assert mixer, "the pallas engine's one-token decode did not go through the mixer's kernel"
 
 
 def test_runner_decode_rows_match_xla(engines, monkeypatch):
     """Decode windows of 8 slots at different lengths (some inactive in turn) through the decode attention kernel,
-    the gated delta rule's decode kernel and the decode expert kernel (8 rows: DECODE_EXPERTS_MIN_TOKENS; the demo's
-    float experts by its tiles variant)."""
+    the Gated DeltaNet mixer's decode kernel and the decode expert kernel (8 rows: DECODE_EXPERTS_MIN_TOKENS; the
+    demo's float experts by its tiles variant)."""
     calls = counting(monkeypatch, jb.k_attention, "decode_attention")
-    gdn = counting(monkeypatch, jb.k_gated_delta, "gated_delta_decode")
+    gdn = counting(monkeypatch, jb.k_delta_decode, "delta_decode")
     experts = counting(monkeypatch, jb.k_expert_decode, "experts_decode")
     lengths = np.array([5, 16, 9, 3, 12, 7, 20, 4], np.int32)
     s = len(lengths)
