@@ -5,7 +5,7 @@
 #   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_XLA_DOTS (tf32x3), GDN_CHUNK (64)
 #   bash bench/h200_session.sh engine48  # engine_speed at all 48 layers, kernels auto (~39 GB of int4 experts)
 #   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
-#   bash bench/h200_session.sh decode-kernels  # the decode expert op's variants and formats, the mixer's kernel, tests
+#   bash bench/h200_session.sh decode-kernels  # decode expert op variants and formats, mixer and routing kernels
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
 #                                        # 12 layers (~170 s; the .partial file keeps what ends). Not 4: its 3.4 GB
@@ -41,14 +41,16 @@ case "${1:-}" in
       -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_gated_delta_tests.log" | grep -E "passed|failed|Error" \
       | head -20
     ;;
-  decode-kernels) # the decode path's candidates for kernels auto: the expert op (every variant, block and format)
-              # and the Gated DeltaNet mixer in one kernel; then their tests and the engine's, compiled on the GPU
-    timeout 330 python3 bench/kernel_speed.py --only delta_decode,expert_decode \
-      --out "$OUT/kernel_speed_decode_h200.json" 2>&1 | grep -E "^(expert|delta|wrote)|FAILED" \
+  decode-kernels) # the decode path's candidates for kernels auto: the expert op (every variant, block and format),
+              # the Gated DeltaNet mixer and the routing in one kernel each; then their tests and the engine's,
+              # compiled on the GPU
+    timeout 330 python3 bench/kernel_speed.py --only delta_decode,route,expert_decode \
+      --out "$OUT/kernel_speed_decode_h200.json" 2>&1 | grep -E "^(expert|delta|route|wrote)|FAILED" \
       | tee "$OUT/kernel_speed_decode.log"
     STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_delta_decode.py \
-      tests/kernels/test_expert_decode.py tests/kernels/test_engine_kernels.py -p no:cacheprovider -o addopts="" \
-      2>&1 | tee "$OUT/gpu_decode_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -20
+      tests/kernels/test_expert_decode.py tests/kernels/test_route.py tests/kernels/test_engine_kernels.py \
+      -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_decode_kernel_tests.log" \
+      | grep -E "passed|failed|FAILED|Error" | head -20
     ;;
   kernel-tests)
     STRATA_TEST_DEVICE=gpu timeout 400 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \

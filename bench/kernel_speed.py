@@ -18,6 +18,7 @@ Kernels (strata/jax_backend/kernels/):
 - expert_grouped_blocks: the grouped int4 v2 op at 4096 tokens with 64 and 128 rows per block;
 - delta_decode: the Gated DeltaNet mixer's decode step in one kernel (conv, norms, gates, the rule's step, the gated
   RMSNorm) at batch 1, 4 and 16, against the composition it fuses (blocks.delta_block on XLA);
+- route: the router's softmax, top-k and renormalisation in one kernel at 1, 16 and 4096 rows, against the composition;
 - gated_delta: the recurrent decode step (batch 1, 4, 16), the verify form (4 positions) and the chunked prompt form
   (4096 tokens), against the XLA forms in JaxBackend.
 
@@ -371,6 +372,27 @@ def delta_decode(hk, hv, dk, dv, taps, batches, repeat, interpret):
     return rows
 
 
+def route(experts, k, tokens, repeat, interpret):
+    """The router's softmax + top-k + renormalisation as one kernel (kernels/route.py) against the composition
+    (blocks.ComposedOps.route on XLA). Bytes: the logits read, the weights and ids written."""
+    import jax.numpy as jnp
+
+    from strata.jax_backend.backend import JaxBackend
+    from strata.jax_backend.kernels.route import route as kernel
+    ops = JaxBackend(kernels="xla")
+    rng = np.random.default_rng(6)
+    rows = []
+    for t in tokens:
+        x = jnp.asarray((rng.standard_normal((t, experts)) * 2).astype(np.float32))
+        ker = partial(kernel, k=k, renormalize=True, interpret=interpret)
+        err = rel_err(ker(x)[0], ops.route(x, k, True)[0])
+        t_ker = device_seconds(lambda x: ker(x), (x,), 0, repeat)
+        t_xla = device_seconds(lambda x: ops.route(x, k, True), (x,), 0, repeat)
+        rows.append(row(f"route (softmax, top {k} of {experts}, renormalised), {t} row(s)", t_ker, t_xla,
+                        t * (experts + 2 * k) * 4, 0, err, tokens=t))
+    return rows
+
+
 def _gated_delta_verify(K, inputs, step_xla, hv, dk, dv, batches, verify_q, state_bytes, rng, repeat, interpret):
     import jax
     import jax.numpy as jnp
@@ -449,6 +471,7 @@ def main() -> int:
                                         forms=("chunked",)),
             "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
             "delta_decode": dict(hk=2, hv=4, dk=16, dv=16, taps=4, batches=[1, 2]),
+            "route": dict(experts=16, k=4, tokens=[1, 8]),
             "expert_grouped_blocks": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
         }
@@ -466,13 +489,14 @@ def main() -> int:
             "expert_grouped_blocks": dict(hidden=2048, inter=512, n_experts=512, tokens=[4096], k=10,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
             "delta_decode": dict(hk=16, hv=32, dk=128, dv=128, taps=4, batches=[1, 4, 16]),
+            "route": dict(experts=512, k=10, tokens=[1, 16, 4096]),
             "prompt_attention": dict(hq=16, hkv=2, hd=256, tokens=[4096],
                                      configs=[(8, 4, 3), (8, 8, 3), (16, 8, 3), (8, 4, 1), (16, 8, 1)]),
         }
         repeat = args.repeat
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
            "gated_delta": gated_delta, "gated_delta_chunked": gated_delta, "pool_over_4gib": pool_over_4gib,
-           "prompt_attention": prompt_attention, "delta_decode": delta_decode,
+           "prompt_attention": prompt_attention, "delta_decode": delta_decode, "route": route,
            "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}

@@ -25,6 +25,7 @@ from strata.jax_backend.kernels import delta_decode as k_delta_decode
 from strata.jax_backend.kernels import expert_decode as k_expert_decode
 from strata.jax_backend.kernels import expert_grouped as k_expert_grouped
 from strata.jax_backend.kernels import gated_delta as k_gated_delta
+from strata.jax_backend.kernels import route as k_route
 from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop, experts_fetching, experts_from_pool
 from strata.jax_backend.kernels.host_rows import copy_host_rows
 from strata.model.blocks import ComposedOps, is_rows
@@ -46,6 +47,9 @@ KERNELS = ("auto", "xla", "pallas")
 # 1.67 ms (kernel_speed_gated_delta_h200_733f897.json, kernel_speed_h200_b3d2b6f.json); at a112ed3 xla_intra with
 # tf32x3 dots 2.09 ms against XLA's 1.29 (kernel_speed_gated_delta_h200_a112ed3.log); "pallas" runs them.
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode"})
+# Every Pallas kernel the backend has ("pallas"): auto's, the gated delta rule's (level with or slower than XLA), and
+# those not timed on the GPU yet: the Gated DeltaNet mixer's decode step and the routing in one kernel each.
+PALLAS_ALL = PALLAS_AUTO | {"gdn_chunked", "gdn_decode", "delta_decode", "route"}
 DECODE_EXPERTS_MIN_TOKENS = 8
 # The formats "auto" computes decode rows of through the decode kernel: int4 (v1, measured above). Its tiles variant
 # reads every other format and is not timed on the GPU yet, so "auto" leaves them to XLA; "pallas" takes it for all.
@@ -65,7 +69,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         on_gpu = self.device.platform == "gpu"
         self.kernels = kernels
         self.pallas_ops = (PALLAS_AUTO if on_gpu else frozenset()) if kernels == "auto" else \
-            (frozenset() if kernels == "xla" else PALLAS_AUTO | {"gdn_chunked", "gdn_decode", "delta_decode"})
+            (frozenset() if kernels == "xla" else PALLAS_ALL)
         # the grouped kernel's variant: v2, the faster on the H200 (above); the chunked rule's under "pallas"
         self.grouped_variant = "v2"
         self.gdn_variant = "xla_intra"
@@ -405,6 +409,16 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         experts_fetching, with this device's copy_rows) -> (y [T, H], experts copied)."""
         return experts_fetching(layout, pool, table_row, chunks, starts, x, ids, weight.astype(x.dtype), valid,
                                 copy_rows=self.copy_rows)
+
+    def route(self, logits, k, renormalize):
+        """The composition (blocks.ComposedOps.route), or its one-kernel form (kernels/route.py) when chosen and the
+        expert count is a power of two."""
+        if "route" in self.pallas_ops:
+            try:
+                return k_route.route(logits, k=int(k), renormalize=bool(renormalize), interpret=self.interpret)
+            except ValueError:               # an expert count the kernel does not take
+                pass
+        return super().route(logits, k, renormalize)
 
     @staticmethod
     def route_counts(idx, valid, n_experts):

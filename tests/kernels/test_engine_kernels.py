@@ -2,7 +2,8 @@
 STRATA_TEST_DEVICE=gpu) against plain XLA (kernels="xla"): the same greedy tokens and logits within float32's
 rounding, through Engine sequences (prompt parts: the grouped expert op) and through the WindowRunner's decode rows
 (the decode attention kernel over the bank, the Gated DeltaNet mixer's decode kernel over the rows, the decode
-expert kernel), for float and int8 KV caches; the engine API's one-token decode through the mixer's kernel too."""
+expert kernel, the routing kernel), for float and int8 KV caches; the engine API's one-token decode through the
+mixer's kernel too."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -67,6 +68,7 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
     calls = counting(monkeypatch, jb.k_attention, "decode_attention")
     gdn = counting(monkeypatch, jb.k_delta_decode, "delta_decode")
     experts = counting(monkeypatch, jb.k_expert_decode, "experts_decode")
+    routes = counting(monkeypatch, jb.k_route, "route")
     lengths = np.array([5, 16, 9, 3, 12, 7, 20, 4], np.int32)
     s = len(lengths)
     assert s >= jb.DECODE_EXPERTS_MIN_TOKENS
@@ -88,4 +90,4 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
             pos = pos + active
         out.append(np.stack(seen))
     assert (out[0] == out[1]).all()
-    assert calls and gdn and experts, "the pallas engine's decode rows did not go through the decode kernels"
+    assert calls and gdn and experts and routes, "the pallas engine's decode rows did not go through the kernels"
