@@ -161,10 +161,11 @@ class RandomDeviceReader:
 def decode_bytes_per_token(cfg, params, context: int, expert_bytes: int, kv_dtype) -> dict:
     """HBM bytes one decoded token must move: weights it reads (k experts of expert_bytes each per sparse layer) +
     state it reads and writes (the KV cache in kv_dtype: int8 with a float32 scale per token and head)."""
+    from strata.model.params import is_sparse
     kv_row = cfg.head_dim * np.dtype(kv_dtype).itemsize + (4 if np.dtype(kv_dtype) == np.int8 else 0)
     per_kind = {}
     for lp, kind in zip(params["layers"], cfg.layer_types):
-        b = cfg.num_experts_per_tok * expert_bytes if "router" in lp else 0
+        b = cfg.num_experts_per_tok * expert_bytes if is_sparse(lp) else 0
         for name, leaf in lp.items():
             b += leaf.size * leaf.dtype.itemsize
         if kind == "linear_attention":

@@ -84,7 +84,7 @@ def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: 
     from strata.backend import get_backend
     from strata.engine import Engine, EngineOptions
     from strata.model.config import ModelConfig
-    from strata.model.params import params_from_reader
+    from strata.model.params import is_sparse, params_from_reader
     cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=48, **cfg_overrides), source="qwen3-next shapes")
     ops = get_backend("jax")
     params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
@@ -92,7 +92,7 @@ def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: 
     if skew is not None:
         rng = np.random.default_rng(7)
         hot = [rng.choice(cfg.num_experts, max(1, cfg.num_experts // 5), replace=False) for _ in range(48)]
-        for lp, h in zip([lp for lp in params["layers"] if "router" in lp], hot):
+        for lp, h in zip([lp for lp in params["layers"] if is_sparse(lp)], hot):
             b = np.zeros(cfg.num_experts, np.float32)
             b[h] = skew
             lp["router_bias"] = jnp.asarray(b)

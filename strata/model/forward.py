@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from strata.model.config import LINEAR, ModelConfig
+from strata.model.params import is_sparse, projections
 
 
 def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None) -> list[dict]:
@@ -49,13 +50,13 @@ def forward(ops, cfg: ModelConfig, layout, params: dict, experts: dict, state: l
     new_state, counts = [], []
     p = 0
     for lp, st, kind in zip(params["layers"], state, cfg.layer_types):
-        x, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+        x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
         if h is not None:
             with ops.scope("routed_experts"):
                 slots = ops.expert_slots(experts["table"][p], idx, n_valid)       # [T, k]; padded rows: -1
                 w = w if w.dtype == h.dtype else w.astype(h.dtype)  # (an eager backend copies on a no-op astype)
                 y = ops.experts_pool(h, slots, w, experts["pool"], layout, cfg.num_experts)
-            x = layer_back(ops, cfg, lp, x, h, y)
+            x = layer_back(ops, cfg, lp, x, shared, y)
             if with_counts:
                 counts.append(ops.route_counts(idx, ops.valid_mask(tokens.shape[0], n_valid), cfg.num_experts))
             p += 1
@@ -76,13 +77,13 @@ def forward_rows(ops, cfg: ModelConfig, layout, params: dict, experts: dict, ban
     new_bank = []
     p = 0
     for lp, st, kind in zip(params["layers"], bank, cfg.layer_types):
-        x, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x, pos, active)
+        x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, pos, active)
         if h is not None:
             with ops.scope("routed_experts"):
                 slots = ops.expert_slots(experts["table"][p], idx, active)        # [S, k]; padding rows: -1
                 w = w if w.dtype == h.dtype else w.astype(h.dtype)
                 y = ops.experts_pool(h, slots, w, experts["pool"], layout, cfg.num_experts)
-            x = layer_back(ops, cfg, lp, x, h, y)
+            x = layer_back(ops, cfg, lp, x, shared, y)
             p += 1
         new_bank.append(st)
     return head(ops, cfg, params, x, tokens.shape[0], all_logits=True), new_bank
@@ -96,12 +97,16 @@ def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, 
     """One layer up to its routed experts: the mixer and, for a dense layer, its MLP. x [T, H]: T tokens of one
     sequence (start, n_valid scalars; st its state) or one token of each of T sequences (start, n_valid [T]; st their
     bank).
-    -> (x, h, w, idx, st): for a sparse layer h [T, H] is the experts' input and (w, idx) [T, k] the routes, and the
-    layer ends with layer_back(.., y) once the experts' output y is known; for a dense layer h = w = idx = None."""
+    -> (x, h, w, idx, shared, st): for a sparse layer h [T, H] is the experts' input, (w, idx) [T, k] the routes and
+    shared [T, *] the shared expert's projections of h (or None), and the layer ends with layer_back(.., shared, y)
+    once the experts' output y is known; for a dense layer h = w = idx = shared = None."""
     eps = cfg.rms_norm_eps
+    sparse = is_sparse(lp)
+    joined = projections(cfg, kind, sparse)
     if kind == LINEAR:
         with ops.scope("delta_proj"):
-            _, (qkv, z, b, a) = ops.norm_linears(x, lp["in_norm"], eps, [lp["qkv"], lp["z"], lp["b"], lp["a"]])
+            _, (proj,) = ops.norm_linears(x, lp["in_norm"], eps, [lp["in_proj"]])
+            qkv, z, b, a = split(proj, joined["in_proj"])
         with ops.scope("delta_rule"):
             o, conv, ssm = ops.delta_block(qkv, z, b, a, st["conv"], lp["conv"], st["ssm"], lp["A_log"],
                                            lp["dt_bias"], lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads)
@@ -109,31 +114,46 @@ def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, 
             x, st = ops.linear_add(o, lp["out"], x), {"conv": conv, "ssm": ssm}
     else:
         # Qwen3-Next adds a sigmoid output gate per head (gated_attention)
-        ws = [lp["q"], lp["k"], lp["v"]] + ([lp["gate"]] if cfg.gated_attention else [])
         with ops.scope("attn_proj"):
-            _, ys = ops.norm_linears(x, lp["in_norm"], eps, ws)
+            _, (proj,) = ops.norm_linears(x, lp["in_norm"], eps, [lp["in_proj"]])
+            ys = split(proj, joined["in_proj"])
         with ops.scope("attn"):
             o, st = ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
                                         lp["k_norm"], eps, st, start, n_valid, cfg.rotary_dim, cfg.rope_theta)
         with ops.scope("attn_out"):
             x = ops.linear_add(o, lp["o"], x)
-    if "router" not in lp:
+    if not sparse:
         with ops.scope("mlp"):
-            _, (g, u) = ops.norm_linears(x, lp["post_norm"], eps, [lp["mlp_gate"], lp["mlp_up"]])
-            return ops.swiglu_out(g, u, lp["mlp_down"], x), None, None, None, st
+            _, (proj,) = ops.norm_linears(x, lp["post_norm"], eps, [lp["post_proj"]])
+            g, u = split(proj, joined["post_proj"])
+            return ops.swiglu_out(g, u, lp["mlp_down"], x), None, None, None, None, st
     with ops.scope("router"):
-        h, (logits,) = ops.norm_linears(x, lp["post_norm"], eps, [lp["router"]])
+        # the router and the shared expert's projections read the same normed input: one matmul
+        h, (proj,) = ops.norm_linears(x, lp["post_norm"], eps, [lp["post_proj"]])
+        logits = proj[:, :cfg.num_experts]
+        shared = proj[:, cfg.num_experts:] if "sh_down" in lp else None
         w, idx = route(ops, cfg, lp, logits)
-    return x, h, w, idx, st
+    return x, h, w, idx, shared, st
 
 
-def layer_back(ops, cfg: ModelConfig, lp: dict, x, h, y):
-    """The rest of a sparse layer: y (the routed experts' weighted sum) plus the gated shared expert."""
+def layer_back(ops, cfg: ModelConfig, lp: dict, x, shared, y):
+    """The rest of a sparse layer: y (the routed experts' weighted sum) plus the gated shared expert, whose gate, up
+    and scalar gate projections (shared [T, 2 Is + 1]) layer_front computed."""
     with ops.scope("shared_expert"):
-        if "sh_gate" in lp:
-            g, u, s = ops.linears(h, [lp["sh_gate"], lp["sh_up"], lp["sh_router"]])
-            return ops.swiglu_out(g, u, lp["sh_down"], x, add=y, gate=s)
-        return x + y
+        if shared is None:
+            return x + y
+        Is = cfg.shared_expert_intermediate_size
+        g, u, s = shared[:, :Is], shared[:, Is:2 * Is], shared[:, 2 * Is:]
+        return ops.swiglu_out(g, u, lp["sh_down"], x, add=y, gate=s)
+
+
+def split(y, parts):
+    """y [T, sum of rows] -> one [T, rows] column block per part ((name, rows) pairs, in order)."""
+    out, at = [], 0
+    for _, n in parts:
+        out.append(y[:, at:at + n])
+        at += n
+    return out
 
 
 def head(ops, cfg: ModelConfig, params: dict, x, n_valid, all_logits: bool):

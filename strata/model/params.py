@@ -6,6 +6,10 @@ naming the tensor, its file, and the expected and found shapes. Load-time rearra
 - Gated DeltaNet's per-key-head interleaved in_proj_qkvz rows [q|k|v|z] per group become [all q|all k|all v|all z]
   (the conv's channel order), and in_proj_ba rows [b|a] per group become [all b|all a];
 - gated attention's q_proj rows [query|gate] per head become two matrices;
+- the projections that read the same input are joined into one matrix, rows in the order of PROJECTIONS (a layer's
+  input projections "in_proj"; after the post-attention norm the router and the shared expert's gate, up and
+  scalar gate, or a dense MLP's gate and up, "post_proj"): one matmul each instead of two to four, which at decode
+  is that many fewer kernel launches a layer; forward.py splits the product's columns;
 - routed experts are not in the tree: they live in an expert pool (strata/experts/); `read_experts` stacks a
   checkpoint's experts per sparse layer as gate, up [E, I, H], down [E, H, I] for encoding into blobs.
 """
@@ -46,6 +50,30 @@ class TensorReader:
         return (1.0 + w).astype(np.float32) if zero_centred else w
 
 
+def projections(cfg: ModelConfig, kind: str, sparse: bool) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The joined projections of a layer: {joined name: ((part, rows), ...)} in row order."""
+    if kind == LINEAR:
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        ins = (("qkv", cfg.linear_conv_dim), ("z", hv * dv), ("b", hv), ("a", hv))
+    else:
+        q = cfg.num_heads * cfg.head_dim
+        kv = cfg.num_kv_heads * cfg.head_dim
+        ins = (("q", q), ("k", kv), ("v", kv)) + ((("gate", q),) if cfg.gated_attention else ())
+    if sparse:
+        post = (("router", cfg.num_experts),)
+        if cfg.shared_expert_intermediate_size:
+            Is = cfg.shared_expert_intermediate_size
+            post += (("sh_gate", Is), ("sh_up", Is), ("sh_router", 1))
+    else:
+        post = (("mlp_gate", cfg.intermediate_size), ("mlp_up", cfg.intermediate_size))
+    return {"in_proj": ins, "post_proj": post}
+
+
+def is_sparse(lp: dict) -> bool:
+    """Whether a layer's parameters are a sparse (routed-expert) layer's: a dense layer has an MLP down projection."""
+    return "mlp_down" not in lp
+
+
 def build_params(cfg: ModelConfig, src: TensorSource, dtype=np.float32) -> dict:
     """The parameter tree: {embed, lm_head, norm, layers: [...], mtp: {...} | absent}."""
     return params_from_reader(cfg, TensorReader(src, dtype))
@@ -84,6 +112,8 @@ def _layer(cfg: ModelConfig, r: TensorReader, p: str, kind: str, sparse: bool) -
     }
     lp.update(_linear_attention(cfg, r, p + "linear_attn.") if kind == LINEAR else _attention(cfg, r, p + "self_attn."))
     lp.update(_moe(cfg, r, p + "mlp.") if sparse else _dense_mlp(cfg, r, p + "mlp.", cfg.intermediate_size))
+    for joined, parts in projections(cfg, kind, sparse).items():
+        lp[joined] = r.xp.concatenate([lp.pop(name) for name, _ in parts], axis=0)
     return lp
 
 

@@ -53,10 +53,10 @@ class SteppedForward:
         states = list(states)
         p = 0
         for i, (kind, lp) in enumerate(zip(self.cfg.layer_types, params["layers"])):
-            x, h, w, idx, states[i] = front(lp, states[i], x, kind)
+            x, h, w, idx, shared, states[i] = front(lp, states[i], x, kind)
             if h is not None:
                 y = self.moe.compute(p, h, w, idx, valid, part=t > 1, owner=owner)
-                x = self._back(lp, x, h, y)
+                x = self._back(lp, x, shared, y)
                 p += 1
         return self._head(params, x, np.int32(n_valid), all_logits=all_logits), states
 
@@ -68,10 +68,10 @@ class SteppedForward:
         bank = list(bank)
         p = 0
         for i, (kind, lp) in enumerate(zip(self.cfg.layer_types, params["layers"])):
-            x, h, w, idx, bank[i] = self._front_rows(lp, bank[i], x, pos, active, kind=kind)   # h [S, H]; w, idx [S, k]
+            x, h, w, idx, shared, bank[i] = self._front_rows(lp, bank[i], x, pos, active, kind=kind)  # h [S, H]
             if h is not None:
-                y = self.moe.compute(p, h, w, idx, valid, part=False)
-                x = self._back(lp, x, h, y)
+                y = self.moe.compute(p, h, w, idx, valid, part=False)                  # w, idx [S, k]
+                x = self._back(lp, x, shared, y)
                 p += 1
         return self._head(params, x, np.int32(s), all_logits=True), bank
 
@@ -89,11 +89,11 @@ def rows_fetching(ops, cfg: ModelConfig, layout, starts: tuple, params, experts:
     counts, copied = [], []
     p = 0
     for i, (kind, lp) in enumerate(zip(cfg.layer_types, params["layers"])):
-        x, h, w, idx, bank[i] = _front_rows(ops, cfg, lp, bank[i], x, pos, active, kind)
+        x, h, w, idx, shared, bank[i] = _front_rows(ops, cfg, lp, bank[i], x, pos, active, kind)
         if h is not None:
             y, n = ops.experts_fetch(h, idx, w, valid, experts["pool"], experts["table"][p], experts["chunks"][p],
                                      starts[p], layout)
-            x = layer_back(ops, cfg, lp, x, h, y)
+            x = layer_back(ops, cfg, lp, x, shared, y)
             counts.append(ops.route_counts(idx, valid, cfg.num_experts))
             copied.append(n)
             p += 1
@@ -107,8 +107,8 @@ def _front_seq(ops, cfg, lp, st, x, start, n_valid, kind):
 
 def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, kind):
     st = {k: v[slot] for k, v in bank.items()}
-    x, h, w, idx, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
-    return x, h, w, idx, {k: ops.set_row(bank[k], slot, v) for k, v in st.items()}
+    x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+    return x, h, w, idx, shared, {k: ops.set_row(bank[k], slot, v) for k, v in st.items()}
 
 
 def _front_rows(ops, cfg, lp, bank, x, pos, active, kind):

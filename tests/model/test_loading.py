@@ -25,6 +25,7 @@ from oracle import build_hf_model  # noqa: E402
 from strata import Engine  # noqa: E402
 from strata.errors import ConfigError, ModelLoadError, StrataError  # noqa: E402
 from strata.model.config import FULL, LINEAR, ModelConfig  # noqa: E402
+from strata.model.params import projections  # noqa: E402
 
 PROMPT = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38, 46]      # < 64 tokens: one prompt-part bucket
 TOL = 1e-4                                                # of the logit range, float32
@@ -382,10 +383,14 @@ def test_demo_mtp_weights(demo_small):
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         assert tuple(mtp[norm].shape) == (H,)
     layer = mtp["layer"]
-    attention = {"q", "gate", "k", "v", "o", "q_norm", "k_norm"}
-    moe = {"router", "sh_gate", "sh_up", "sh_down", "sh_router"}
-    assert attention | moe | {"in_norm", "post_norm"} <= set(layer)
-    assert "qkv" not in layer                               # a full-attention layer, not Gated DeltaNet
+    # a full-attention sparse layer: q, k, v and gate joined after the input norm; the router and the shared
+    # expert's gate, up and scalar gate after the post-attention norm (params.projections)
+    joined = projections(cfg, "full_attention", sparse=True)
+    assert [n for n, _ in joined["in_proj"]] == ["q", "k", "v", "gate"]
+    assert [n for n, _ in joined["post_proj"]] == ["router", "sh_gate", "sh_up", "sh_router"]
+    assert {"in_proj", "post_proj", "o", "q_norm", "k_norm", "sh_down", "in_norm", "post_norm"} == set(layer)
+    for name, parts in joined.items():
+        assert tuple(layer[name].shape) == (sum(n for _, n in parts), H)
     # routed experts live in the expert pool, not the tree; the MTP layer's are read by prefix
     from strata.engine import load_source
     from strata.model.params import read_experts
@@ -393,4 +398,10 @@ def test_demo_mtp_weights(demo_small):
     gate, up, down = read_experts(cfg, src, prefix="mtp.layers.0.mlp.")
     E, I = cfg.num_experts, cfg.moe_intermediate_size
     assert gate.shape == up.shape == (E, I, H) and down.shape == (E, H, I)
-    assert tuple(layer["q"].shape) == (cfg.num_heads * cfg.head_dim, H)
+    # the joined rows are the checkpoint's tensors: the query rows of q_proj (de-interleaved from the gate's per
+    # head) first, the router's rows first after the norm
+    hq, hd = cfg.num_heads, cfg.head_dim
+    q = np.asarray(src.get("mtp.layers.0.self_attn.q_proj.weight"), np.float32).reshape(hq, 2, hd, H)
+    np.testing.assert_array_equal(np.asarray(layer["in_proj"][:hq * hd], np.float32), q[:, 0].reshape(-1, H))
+    router = np.asarray(src.get("mtp.layers.0.mlp.gate.weight"), np.float32)
+    np.testing.assert_array_equal(np.asarray(layer["post_proj"][:cfg.num_experts], np.float32), router)
