@@ -21,6 +21,10 @@ class Backend(Protocol):
     name: str
     xp: Any
     eager: bool          # ops run as called (no compile): host arguments (positions, tokens) are read on the host
+    # the parameter tree joins the projections that share an input into one matrix (strata/model/params.py): one
+    # matmul instead of two to four where each is a launch and a column slice of the product is free (JAX); a
+    # backend whose fused ops take several weights in one launch and need contiguous inputs keeps them apart (SYCL)
+    joins_projections: bool
 
     # --- placement and memory
     def to_device(self, tree: Any) -> Any: ...

@@ -187,7 +187,7 @@ class Engine:
         if dtype == "auto":
             dtype = "float32" if getattr(getattr(ops, "device", None), "platform", "cpu") == "cpu" else "bfloat16"
         np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-        params = ops.to_device(build_params(cfg, tensors, np_dtype))
+        params = ops.to_device(build_params(cfg, tensors, np_dtype, ops.joins_projections))
         tokenizer = None
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
             from strata.tokenizer import Tokenizer
@@ -362,6 +362,11 @@ class DeviceArgs:
 
     def get(self, name: str, value):
         value = np.asarray(value)
+        if self.ops.eager:
+            # an eager backend takes host arrays as they are, and its rows-mode kernels need some on the host (a
+            # window's active mask: SYCL's attention and delta-rule rows kernels; a device copy sent it down the
+            # per-row composition, 4-11x the launches of a window)
+            return value
         last = self._sent.get(name)
         if last is None or last[0].dtype != value.dtype or not np.array_equal(last[0], value):
             last = self._sent[name] = (value.copy(), self.ops.to_device(value))

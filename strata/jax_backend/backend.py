@@ -59,6 +59,7 @@ DECODE_KERNEL_FORMATS_AUTO = frozenset({"int4"})
 class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses them in the jitted window
     name = "jax"
     eager = False
+    joins_projections = True             # XLA fuses the product's column slices into their consumers
     xp = jnp
 
     def __init__(self, device: str | None = None, kernels: str = "auto"):

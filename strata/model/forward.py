@@ -98,15 +98,14 @@ def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, 
     sequence (start, n_valid scalars; st its state) or one token of each of T sequences (start, n_valid [T]; st their
     bank).
     -> (x, h, w, idx, shared, st): for a sparse layer h [T, H] is the experts' input, (w, idx) [T, k] the routes and
-    shared [T, *] the shared expert's projections of h (or None), and the layer ends with layer_back(.., shared, y)
-    once the experts' output y is known; for a dense layer h = w = idx = shared = None."""
+    shared the shared expert's gate, up and scalar-gate projections of h (or None), and the layer ends with
+    layer_back(.., shared, y) once the experts' output y is known; for a dense layer h = w = idx = shared = None."""
     eps = cfg.rms_norm_eps
     sparse = is_sparse(lp)
-    joined = projections(cfg, kind, sparse)
+    parts = projections(cfg, kind, sparse)
     if kind == LINEAR:
         with ops.scope("delta_proj"):
-            _, (proj,) = ops.norm_linears(x, lp["in_norm"], eps, [lp["in_proj"]])
-            qkv, z, b, a = split(proj, joined["in_proj"])
+            _, (qkv, z, b, a) = project(ops, lp, "in_proj", parts, x, lp["in_norm"], eps)
         with ops.scope("delta_rule"):
             o, conv, ssm = ops.delta_block(qkv, z, b, a, st["conv"], lp["conv"], st["ssm"], lp["A_log"],
                                            lp["dt_bias"], lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads)
@@ -115,8 +114,7 @@ def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, 
     else:
         # Qwen3-Next adds a sigmoid output gate per head (gated_attention)
         with ops.scope("attn_proj"):
-            _, (proj,) = ops.norm_linears(x, lp["in_norm"], eps, [lp["in_proj"]])
-            ys = split(proj, joined["in_proj"])
+            _, ys = project(ops, lp, "in_proj", parts, x, lp["in_norm"], eps)
         with ops.scope("attn"):
             o, st = ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
                                         lp["k_norm"], eps, st, start, n_valid, cfg.rotary_dim, cfg.rope_theta)
@@ -124,36 +122,36 @@ def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, 
             x = ops.linear_add(o, lp["o"], x)
     if not sparse:
         with ops.scope("mlp"):
-            _, (proj,) = ops.norm_linears(x, lp["post_norm"], eps, [lp["post_proj"]])
-            g, u = split(proj, joined["post_proj"])
+            _, (g, u) = project(ops, lp, "post_proj", parts, x, lp["post_norm"], eps)
             return ops.swiglu_out(g, u, lp["mlp_down"], x), None, None, None, None, st
     with ops.scope("router"):
-        # the router and the shared expert's projections read the same normed input: one matmul
-        h, (proj,) = ops.norm_linears(x, lp["post_norm"], eps, [lp["post_proj"]])
-        logits = proj[:, :cfg.num_experts]
-        shared = proj[:, cfg.num_experts:] if "sh_down" in lp else None
-        w, idx = route(ops, cfg, lp, logits)
-    return x, h, w, idx, shared, st
+        # the router and the shared expert's projections read the same normed input
+        h, ys = project(ops, lp, "post_proj", parts, x, lp["post_norm"], eps)
+        w, idx = route(ops, cfg, lp, ys[0])
+    return x, h, w, idx, (tuple(ys[1:]) if len(ys) > 1 else None), st
 
 
 def layer_back(ops, cfg: ModelConfig, lp: dict, x, shared, y):
     """The rest of a sparse layer: y (the routed experts' weighted sum) plus the gated shared expert, whose gate, up
-    and scalar gate projections (shared [T, 2 Is + 1]) layer_front computed."""
+    and scalar gate projections (shared: ([T, Is], [T, Is], [T, 1])) layer_front computed."""
     with ops.scope("shared_expert"):
         if shared is None:
             return x + y
-        Is = cfg.shared_expert_intermediate_size
-        g, u, s = shared[:, :Is], shared[:, Is:2 * Is], shared[:, 2 * Is:]
+        g, u, s = shared
         return ops.swiglu_out(g, u, lp["sh_down"], x, add=y, gate=s)
 
 
-def split(y, parts):
-    """y [T, sum of rows] -> one [T, rows] column block per part ((name, rows) pairs, in order)."""
-    out, at = [], 0
-    for _, n in parts:
-        out.append(y[:, at:at + n])
-        at += n
-    return out
+def project(ops, lp: dict, joined: str, parts: dict, x, scale, eps):
+    """rms_norm(x) and its projections by the matrices of parts[joined] ((name, rows) pairs): one matmul over the
+    joined matrix, its columns split (a tree built with join_projections), or one per matrix. -> (h, [y, ...])."""
+    if joined in lp:
+        h, (y,) = ops.norm_linears(x, scale, eps, [lp[joined]])
+        out, at = [], 0
+        for _, n in parts[joined]:
+            out.append(y[:, at:at + n])
+            at += n
+        return h, out
+    return ops.norm_linears(x, scale, eps, [lp[name] for name, _ in parts[joined]])
 
 
 def head(ops, cfg: ModelConfig, params: dict, x, n_valid, all_logits: bool):

@@ -6,10 +6,11 @@ naming the tensor, its file, and the expected and found shapes. Load-time rearra
 - Gated DeltaNet's per-key-head interleaved in_proj_qkvz rows [q|k|v|z] per group become [all q|all k|all v|all z]
   (the conv's channel order), and in_proj_ba rows [b|a] per group become [all b|all a];
 - gated attention's q_proj rows [query|gate] per head become two matrices;
-- the projections that read the same input are joined into one matrix, rows in the order of PROJECTIONS (a layer's
-  input projections "in_proj"; after the post-attention norm the router and the shared expert's gate, up and
-  scalar gate, or a dense MLP's gate and up, "post_proj"): one matmul each instead of two to four, which at decode
-  is that many fewer kernel launches a layer; forward.py splits the product's columns;
+- with join_projections (the backend's joins_projections), the projections that read the same input are joined
+  into one matrix, rows in the order of `projections` (a layer's input projections "in_proj"; after the
+  post-attention norm the router and the shared expert's gate, up and scalar gate, or a dense MLP's gate and up,
+  "post_proj"): one matmul each instead of two to four, which at decode is that many fewer kernel launches a layer;
+  forward.py splits the product's columns;
 - routed experts are not in the tree: they live in an expert pool (strata/experts/); `read_experts` stacks a
   checkpoint's experts per sparse layer as gate, up [E, I, H], down [E, H, I] for encoding into blobs.
 """
@@ -74,12 +75,12 @@ def is_sparse(lp: dict) -> bool:
     return "mlp_down" not in lp
 
 
-def build_params(cfg: ModelConfig, src: TensorSource, dtype=np.float32) -> dict:
+def build_params(cfg: ModelConfig, src: TensorSource, dtype=np.float32, join_projections: bool = True) -> dict:
     """The parameter tree: {embed, lm_head, norm, layers: [...], mtp: {...} | absent}."""
-    return params_from_reader(cfg, TensorReader(src, dtype))
+    return params_from_reader(cfg, TensorReader(src, dtype), join_projections)
 
 
-def params_from_reader(cfg: ModelConfig, r: TensorReader) -> dict:
+def params_from_reader(cfg: ModelConfig, r: TensorReader, join_projections: bool = True) -> dict:
     H, V = cfg.hidden_size, cfg.vocab_size
     embed = r.get("model.embed_tokens.weight", (V, H))
     if cfg.tie_word_embeddings and not r.has("lm_head.weight"):
@@ -90,7 +91,7 @@ def params_from_reader(cfg: ModelConfig, r: TensorReader) -> dict:
         "embed": embed,
         "lm_head": lm_head,
         "norm": r.norm("model.norm.weight", H, cfg.zero_centred_norms),
-        "layers": [_layer(cfg, r, f"model.layers.{i}.", cfg.layer_types[i], cfg.is_sparse_layer(i))
+        "layers": [_layer(cfg, r, f"model.layers.{i}.", cfg.layer_types[i], cfg.is_sparse_layer(i), join_projections)
                    for i in range(cfg.num_layers)],
     }
     if r.has("mtp.fc.weight"):
@@ -99,12 +100,12 @@ def params_from_reader(cfg: ModelConfig, r: TensorReader) -> dict:
             "pre_fc_norm_embedding": r.norm("mtp.pre_fc_norm_embedding.weight", H, cfg.zero_centred_norms),
             "pre_fc_norm_hidden": r.norm("mtp.pre_fc_norm_hidden.weight", H, cfg.zero_centred_norms),
             "norm": r.norm("mtp.norm.weight", H, cfg.zero_centred_norms),
-            "layer": _layer(cfg, r, "mtp.layers.0.", FULL, sparse=cfg.num_experts > 0),
+            "layer": _layer(cfg, r, "mtp.layers.0.", FULL, cfg.num_experts > 0, join_projections),
         }
     return params
 
 
-def _layer(cfg: ModelConfig, r: TensorReader, p: str, kind: str, sparse: bool) -> dict:
+def _layer(cfg: ModelConfig, r: TensorReader, p: str, kind: str, sparse: bool, join: bool) -> dict:
     H, zc = cfg.hidden_size, cfg.zero_centred_norms
     lp = {
         "in_norm": r.norm(p + "input_layernorm.weight", H, zc),
@@ -112,7 +113,7 @@ def _layer(cfg: ModelConfig, r: TensorReader, p: str, kind: str, sparse: bool) -
     }
     lp.update(_linear_attention(cfg, r, p + "linear_attn.") if kind == LINEAR else _attention(cfg, r, p + "self_attn."))
     lp.update(_moe(cfg, r, p + "mlp.") if sparse else _dense_mlp(cfg, r, p + "mlp.", cfg.intermediate_size))
-    for joined, parts in projections(cfg, kind, sparse).items():
+    for joined, parts in projections(cfg, kind, sparse).items() if join else ():
         lp[joined] = r.xp.concatenate([lp.pop(name) for name, _ in parts], axis=0)
     return lp
 

@@ -151,6 +151,8 @@ class _Namespace:
 class SyclBackend(ComposedOps):
     name = "sycl"
     eager = True
+    joins_projections = False            # norm_linears / linears take several weights in one launch; a column slice
+                                         # of a joined product is strided, which these kernels would copy first
 
     def __init__(self, device=None, kernels: str = "auto"):
         if kernels != "auto":

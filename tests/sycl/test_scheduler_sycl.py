@@ -65,3 +65,24 @@ def test_window_runner_decode_rows_keep_the_slot_bank_in_place(engine):
                 assert after[name] is before[name], name
     assert all(np.array_equal(a, ops.to_host(layer["ssm"][1]))
                for a, layer in zip(ssm_slot1, [layer for layer in runner.states if "ssm" in layer]))
+
+
+def test_a_window_of_four_rows_costs_the_launches_of_one(engine):
+    """The rows mode's point on an eager backend: a decode window's projections, routing and experts run over all
+    its rows at once and each state op is one kernel over every row, so 4 rows take the launches 1 row takes. (At
+    f64e597 the window's active mask reached the ops as a device array, which sent attention and the delta rule down
+    the per-row composition: 210 launches for 1 row, 646 for 4, where 60 are needed.)"""
+    from dataclasses import replace
+    ops = engine.backend
+    counts = {}
+    for s in (1, 4):
+        runner = WindowRunner(engine, s, 16)
+        plan = replace(idle_plan(s), decode_active=np.ones(s, bool), decode_tokens=np.full(s, 7, np.int32),
+                       decode_pos=np.arange(8, 8 + s, dtype=np.int32))
+        runner.run(plan)                                                   # first use: kernels built, constants
+        with ops.count_launches() as c:
+            runner.run(replace(plan, decode_pos=plan.decode_pos + 1))
+        counts[s] = c.device_launches
+    layers = len(engine.cfg.layer_types)
+    assert counts[4] == counts[1], counts
+    assert counts[1] <= 16 * layers + 8, f"{counts[1]} launches for a window of {layers} layers"
