@@ -85,8 +85,10 @@ class Backend(Protocol):
     def prng_keys(self, seeds: Array, steps: Array) -> Array: ...                        # [B, 2], [B] -> [B]
 
     # --- sampling
+    # all_greedy (static): the caller knows every row's temperature is 0, so the argmax alone is the answer (no sort
+    # of the vocabulary); the result is the same as the general path's for such rows
     def sample(self, logits: Array, temperature: Array, top_k: Array, top_p: Array, min_p: Array,
-               keys: Array) -> Array: ...
+               keys: Array, all_greedy: bool = False) -> Array: ...
 
 
 _BACKENDS = {"jax": "strata.jax_backend.backend:JaxBackend", "sycl": "strata.sycl_backend.backend:SyclBackend"}

@@ -119,7 +119,7 @@ class Engine:
         self._empty_pool = ops.pool_alloc(1, 1)
         self.record_routing = False  # fused windows report routing counts to the cache (strata profile)
         self._compiled: dict = {}
-        self._sample = ops.compile(partial(_sample, ops))
+        self._sample = ops.compile(partial(_sample, ops), static_argnames=("greedy",))
 
     @property
     def layout(self):
@@ -263,7 +263,7 @@ class Engine:
         sp = _sampling_arrays(temperature, top_k, top_p, min_p)
         seed_arr = np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF], np.uint32)
         logits = seq.read(token_ids, all_logits=False, as_numpy=False)
-        token = int(self._sample(logits, *sp, seed_arr, np.int32(0))[0])
+        token = int(self._sample(logits, *sp, seed_arr, np.int32(0), greedy=_greedy(sp))[0])
         for step in range(1, max_tokens + 1):
             yield token
             if token in stops or step == max_tokens:
@@ -327,15 +327,15 @@ class Sequence:
         if e.fused and not e.record_routing:
             # one compiled call per token, with one small transfer in (token, position, step) and one out (strata
             # profile records routing counts through read_part instead)
-            f = e._fused("decode_step", _decode_step, donate_argnums=(2,))
+            f = e._fused("decode_step", _decode_step, donate_argnums=(2,), static_argnames=("greedy",))
             a = self._args
             stable = [a.get(name, v) for name, v in zip(SAMPLING, sp)]
             nxt, self.state = f(e.params, e.expert_args(), self.state, np.array([token, self.pos, step], np.int32),
-                                *stable, a.get("seed", seed_arr))
+                                *stable, a.get("seed", seed_arr), greedy=_greedy(sp))
             self.pos += 1
             return int(nxt)
         logits, self.state = e.read_part(self.state, np.array([token], np.int32), self.pos, 1, False)
-        nxt = e._sample(logits, *sp, seed_arr, np.int32(step))
+        nxt = e._sample(logits, *sp, seed_arr, np.int32(step), greedy=_greedy(sp))
         self.pos += 1
         return int(nxt[0])
 
@@ -384,18 +384,26 @@ class DeviceArgs:
         self._sent[name] = (np.array(value), device_value)
 
 
-def _decode_step(ops, cfg, layout, params, experts, state, ints, temperature, top_k, top_p, min_p, seed):
+def _decode_step(ops, cfg, layout, params, experts, state, ints, temperature, top_k, top_p, min_p, seed,
+                 greedy: bool = False):
     """One decoded token of one sequence, fused: ints int32 [3] = (token, position, sampling step) -> (the sampled
     token, int32 scalar; the new state)."""
     logits, state, _ = forward(ops, cfg, layout, params, experts, state, ints[0:1], ints[1], np.int32(1),
                                all_logits=False)
-    return _sample(ops, logits, temperature, top_k, top_p, min_p, seed, ints[2])[0].astype(ops.xp.int32), state
+    nxt = _sample(ops, logits, temperature, top_k, top_p, min_p, seed, ints[2], greedy)
+    return nxt[0].astype(ops.xp.int32), state
 
 
-def _sample(ops, logits, temperature, top_k, top_p, min_p, seed, step):
-    """One sequence's sampling step: seed uint32 [2], step int32 scalar."""
+def _sample(ops, logits, temperature, top_k, top_p, min_p, seed, step, greedy: bool = False):
+    """One sequence's sampling step: seed uint32 [2], step int32 scalar. greedy (static): temperature is 0, the
+    argmax alone (ops.sample's all_greedy)."""
     keys = ops.prng_keys(seed[None], step[None])
-    return ops.sample(logits, temperature, top_k, top_p, min_p, keys)
+    return ops.sample(logits, temperature, top_k, top_p, min_p, keys, all_greedy=greedy)
+
+
+def _greedy(sp) -> bool:
+    """Whether the sampling arrays (temperature [1], ...) ask for greedy decoding."""
+    return not bool(np.any(np.asarray(sp[0]) > 0))
 
 
 def _sampling_arrays(temperature, top_k, top_p, min_p):

@@ -52,7 +52,7 @@ class WindowRunner:
         self._args = DeviceArgs(ops)
         lay = engine.layout
         self._decode = engine.compiled(("decode_rows", lay), lambda: ops.compile(
-            partial(_decode_rows, ops, cfg, lay), donate_argnums=(2, 3)))
+            partial(_decode_rows, ops, cfg, lay), donate_argnums=(2, 3), static_argnames=("greedy",)))
         self._part = engine.compiled(("prompt_part", lay), lambda: ops.compile(
             partial(_prompt_part, ops, cfg, lay), donate_argnums=(2,)))
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
@@ -60,7 +60,8 @@ class WindowRunner:
         if engine.experts is not None and engine.experts.window_fetch:
             starts = engine.experts.window_starts
             self._decode_fetch = engine.compiled(("decode_rows_fetching", lay, starts), lambda: ops.compile(
-                partial(_decode_rows_fetching, ops, cfg, lay, starts), donate_argnums=(2, 3)))
+                partial(_decode_rows_fetching, ops, cfg, lay, starts), donate_argnums=(2, 3),
+                static_argnames=("greedy",)))
 
     def _between_windows(self) -> None:
         """The cache's work between windows (refill loaned slots, adaptive swaps) for the window that ended last.
@@ -80,7 +81,8 @@ class WindowRunner:
         t = time.perf_counter()
         s = self.n_slots
         plan = idle_plan(s)
-        self.run(replace(plan, decode_active=np.ones(s, bool)))          # the decode rows
+        self.run(replace(plan, decode_active=np.ones(s, bool)))          # the decode rows, every row greedy
+        self.run(replace(plan, decode_active=np.ones(s, bool), temperature=np.ones(s, np.float32)))   # or sampled
         for b in self.buckets():
             self.run(replace(plan, part=PromptPart(slot=0, tokens=np.zeros(b, np.int32), start=0, last=True)))
         if self.engine.experts is not None:       # the warm-up's routes are not traffic: counters start at zero
@@ -124,14 +126,15 @@ class WindowRunner:
                     # an eager backend reads the rows on the host; a compiled window takes the rows its
                     # predecessor computed (donated) when they are these
                     rows_in = w.rows if e.backend.eager else a.take("rows", w.rows)
+                greedy = all_greedy(plan)
                 if e.fused:
                     w.out, self.states, w.rows_next = self._decode(e.params, e.expert_args(), self.states, rows_in,
-                                                                   *stable)
+                                                                   *stable, greedy=greedy)
                     e.backend.start_to_host(w.out)
                 else:
                     args, table = e.experts.fetch_args()
                     w.out, self.states, counts, copied, w.rows_next = self._decode_fetch(
-                        e.params, args, self.states, rows_in, *stable)
+                        e.params, args, self.states, rows_in, *stable, greedy=greedy)
                     e.backend.start_to_host(w.out)      # before the host's cache work below
                     # the last window's refills and swaps, on the host while the device runs this one (their
                     # copies queue behind it; this window holds the pool and table it was given, by value)
@@ -230,6 +233,12 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
         raise ValueError("a continuing plan's rows must be one position and one step past the window it continues")
 
 
+def all_greedy(plan: WindowPlan) -> bool:
+    """Whether every decode row of the plan is greedy (temperature 0): its window compiles without the sampler's
+    sort of the vocabulary (ops.sample's all_greedy)."""
+    return not bool(np.any(np.asarray(plan.temperature)[np.asarray(plan.decode_active, bool)] > 0))
+
+
 def idle_plan(n_slots: int) -> WindowPlan:
     """A window in which no slot generates (the scheduler fills in what it needs)."""
     z = lambda dt: np.zeros(n_slots, dt)  # noqa: E731
@@ -238,21 +247,23 @@ def idle_plan(n_slots: int) -> WindowPlan:
                       min_p=z(np.float32), seeds=np.zeros((n_slots, 2), np.uint32), steps=z(np.int32))
 
 
-def _decode_rows(ops, cfg, layout, params, experts, states, rows, active, temperature, top_k, top_p, min_p, seeds):
+def _decode_rows(ops, cfg, layout, params, experts, states, rows, active, temperature, top_k, top_p, min_p, seeds,
+                 greedy: bool = False):
     """rows int32 [3, S]: (tokens, positions, steps) of S rows of one token each -> (int32 [2, S]: next tokens and
-    finite, states, the successor's rows [3, S])."""
+    finite, states, the successor's rows [3, S]). greedy (static): every active row is greedy (ops.sample's
+    all_greedy)."""
     logits, states = forward_rows(ops, cfg, layout, params, experts, states, rows[0], rows[1], active)   # [S, V]
-    out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2])
+    out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy)
     return out, states, None if ops.eager else _rows_after(ops.xp, rows, out[0], active)
 
 
 def _decode_rows_fetching(ops, cfg, layout, starts, params, experts, states, rows, active, temperature, top_k,
-                          top_p, min_p, seeds):
+                          top_p, min_p, seeds, greedy: bool = False):
     """_decode_rows over a partial cache, in one compiled function (strata/model/stepped.py, rows_fetching)
     -> (int32 [2, S], states, routing counts [Lp, E], experts copied [Lp], the successor's rows [3, S])."""
     logits, states, counts, copied = rows_fetching(ops, cfg, layout, starts, params, experts, states, rows[0],
                                                    rows[1], active)
-    out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2])
+    out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy)
     return out, states, counts, copied, None if ops.eager else _rows_after(ops.xp, rows, out[0], active)
 
 
@@ -265,16 +276,16 @@ def _rows_after(xp, rows, nxt, active):
                      xp.where(on, rows[2] + 1, rows[2])]).astype(xp.int32)
 
 
-def _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, steps):
+def _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, greedy: bool = False):
     """logits [S, V] -> int32 [2, S]: the sampled tokens and whether each row's logits were all finite (one array,
     so one transfer to the host)."""
-    nxt, fin = _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps)
+    nxt, fin = _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, greedy)
     return ops.xp.stack([nxt.astype(ops.xp.int32), fin.astype(ops.xp.int32)])
 
 
-def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps):
+def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, greedy: bool = False):
     """logits [B, V] -> (sampled tokens [B], finite [B])."""
-    nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seeds, steps))
+    nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seeds, steps), all_greedy=greedy)
     return nxt, ops.xp.all(ops.xp.isfinite(logits), axis=-1)
 
 

@@ -100,6 +100,22 @@ def test_temperature_zero_row_in_a_mixed_batch_is_greedy():
     assert len(set(outs[:, 1].tolist())) > 5                # the sampled row really samples
 
 
+def test_all_greedy_gives_the_general_paths_greedy_rows_without_sorting():
+    """all_greedy (static, the runner's choice when every row has temperature 0): the same tokens as the general
+    path's greedy rows, ties to the lower id as argmax's, and no sort in the compiled function."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((4, 300)).astype(np.float32)
+    logits[2, [7, 9]] = logits[2].max() + 1.0                               # a tie: the lower id wins
+    args = (jnp.asarray(logits), jnp.zeros(4, jnp.float32), jnp.array([0, 3, 0, 1], jnp.int32),
+            jnp.array([1.0, 0.5, 0.9, 1.0], jnp.float32), jnp.zeros(4, jnp.float32),
+            jax.random.split(jax.random.key(0), 4))
+    general = np.asarray(JaxBackend.sample(*args))
+    fast = jax.jit(lambda *a: JaxBackend.sample(*a, all_greedy=True))
+    assert np.array_equal(np.asarray(fast(*args)), general) and general[2] == 7
+    assert "sort" not in fast.lower(*args).as_text()
+    assert "sort" in jax.jit(JaxBackend.sample).lower(*args).as_text()
+
+
 def test_no_filters_matches_softmax():
     assert_matches(draw(), reference(), "T=1")
 

@@ -487,13 +487,17 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
 
     # --- sampling
     @staticmethod
-    def sample(logits, temperature, top_k, top_p, min_p, keys):
+    def sample(logits, temperature, top_k, top_p, min_p, keys, all_greedy: bool = False):
         """logits [B, V] fp32; per-row temperature, top_k (0 = off), top_p (1 = off), min_p (0 = off) and PRNG key
         (keys [B]: a row's draw depends on its own key only, so batching never changes a seeded request).
-        A row with temperature 0 is greedy."""
+        A row with temperature 0 is greedy. all_greedy (static): every row is; the argmax alone, without the sort,
+        softmax, cumulative sum and draw over the vocabulary that a sampled row needs (on the H200 the sort alone was
+        6 kernels, 38 us a decode window at batch 1: bench/results/launch_probe_rows_h200.json)."""
         b, vocab = logits.shape
         logits = logits.astype(jnp.float32)
         greedy = jnp.argmax(logits, axis=-1)
+        if all_greedy:
+            return greedy.astype(jnp.int32)
         order = jnp.argsort(-logits, axis=-1)                                         # [B, V] descending
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
         scaled = sorted_logits / jnp.maximum(temperature, 1e-6)[:, None]

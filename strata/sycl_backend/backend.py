@@ -724,13 +724,13 @@ class SyclBackend(ComposedOps):
         return k_sample.prng_keys_reference(self.to_host(seeds), self.to_host(steps))
 
     # --- sampling
-    def sample(self, logits, temperature, top_k, top_p, min_p, keys):
+    def sample(self, logits, temperature, top_k, top_p, min_p, keys, all_greedy: bool = False):
         """logits [B, V]; per-row temperature, top_k (0 = off), top_p (1 = off), min_p (0 = off) and key. A row with
         temperature 0 is greedy (argmax, exactly). Same filters as the JAX backend; a different random stream."""
         self._op()
         logits = self._f32(logits)
         greedy = dpnp.argmax(logits, axis=-1)
-        if _is_host(temperature) and not (np.asarray(temperature) > 0).any():
+        if all_greedy or (_is_host(temperature) and not (np.asarray(temperature) > 0).any()):
             return greedy.astype(dpnp.int32)                  # an all-greedy batch needs no sort
         order = dpnp.argsort(-logits, axis=-1, kind="stable")
         sorted_logits = dpnp.take_along_axis(logits, order, axis=-1)

@@ -17,14 +17,16 @@ from strata.jax_backend.kernels import delta_decode as K
 
 EPS = 1e-6
 TAPS = 4
-# Relative Frobenius error limits against the float64 reference, measured worst over 200 draws (the shapes below in
-# turn) with about 4x margin. float32: the state 5.1e-8 (the step's fp32 roundings, as gated_delta's decode kernel);
+# Error limits against the float64 reference, measured worst over 200-300 draws (the shapes below in turn) with
+# margin. float32, relative Frobenius: the state 5.1e-8 (the step's fp32 roundings, as gated_delta's decode kernel);
 # o 1.2e-6, above the state's because the gated RMSNorm divides each head's o = S^T q by its rms, which grows o's
 # relative error where S^T q cancels. bfloat16: the reference rounds where the kernel does (the conv output,
-# sigmoid(b), o before and after the RMSNorm, the gated output); only where the kernel's fp32 value and the
-# reference's float64 value fall on two sides of a bfloat16 rounding boundary do they differ, by one ulp (2^-8
-# relative) of that element: o 1.5e-5, the state 6.8e-8.
-LIMIT = {"float32": {"o": 5e-6, "ssm": 2e-7}, "bfloat16": {"o": 6e-5, "ssm": 3e-7}}
+# sigmoid(b), o before and after the RMSNorm, the gated output), but where the kernel's fp32 value and the
+# reference's float64 value fall on two sides of a rounding boundary they round one bfloat16 ulp apart, and such a
+# flip before the RMSNorm moves its head's rms too. So each element of o is checked in units of 2^-8 (one ulp at
+# most, relative) of max(|o_ref|, its head's rms): measured 3.4 over 300 draws (two stacked flips; the Frobenius
+# error reached 2.4e-4 where one draw had a flip and 1.5e-5 over 200 that had none); the state 6.8e-8 relative.
+LIMIT = {"float32": {"o": 5e-6, "ssm": 2e-7}, "bfloat16": {"o_ulps": 6.0, "ssm": 3e-7}}
 SHAPES = [(2, 2, 16, 16), (1, 2, 16, 32), (2, 4, 32, 16)]          # (Hk, Hv, dk, dv)
 
 
@@ -77,7 +79,14 @@ def test_matches_the_reference(hk, hv, dk, dv, dtype, interpret):
     assert np.array_equal(np.asarray(conv.astype(jnp.float32)), conv_ref.astype(np.float32))
     assert np.array_equal(np.asarray(ssm[2]), np.asarray(d["ssm"][2]))      # the inactive row's state: untouched
     lim = LIMIT[dtype]
-    assert rel_err(o.astype(jnp.float32), o_ref) <= lim["o"], f"o: {rel_err(o.astype(jnp.float32), o_ref):.2e}"
+    got = np.asarray(o.astype(jnp.float32), np.float64)
+    if dtype == "float32":
+        assert rel_err(got, o_ref) <= lim["o"], f"o: {rel_err(got, o_ref):.2e}"
+    else:
+        ref, g = o_ref.reshape(4, hv, dv), got.reshape(4, hv, dv)
+        unit = np.maximum(np.abs(ref), np.sqrt((ref ** 2).mean(-1, keepdims=True))) * 2.0 ** -8
+        ulps = (np.abs(g - ref) / unit).max()
+        assert ulps <= lim["o_ulps"], f"o: {ulps:.2f} bfloat16 ulps off"
     assert rel_err(ssm, ssm_ref) <= lim["ssm"], f"state: {rel_err(ssm, ssm_ref):.2e}"
 
 

@@ -12,8 +12,9 @@ from strata.runner import WindowRunner, idle_plan
 
 
 class CountingOps:
-    def __init__(self):
+    def __init__(self, eager: bool = False):
         self.sent = []
+        self.eager = eager
 
     def to_device(self, x):
         self.sent.append(np.array(x))
@@ -32,6 +33,48 @@ def test_window_args_send_only_changed_values():
     args.get("temperature", t.astype(np.float64))                                  # another dtype: sent again
     args.get("top_k", np.array([0, 0], np.int32))                                  # names are separate
     assert len(ops.sent) == 4
+
+
+def test_an_eager_backend_gets_its_host_arrays():
+    """An eager backend reads some arguments on the host (SYCL's rows-mode kernels take a window's active mask
+    there): DeviceArgs hands them over as they are and sends nothing."""
+    ops = CountingOps(eager=True)
+    active = np.array([1, 0, 1], np.int32)
+    got = DeviceArgs(ops).get("active", active)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, active) and ops.sent == []
+
+
+def test_warm_up_compiles_greedy_and_sampled_windows():
+    """A window whose rows are all greedy compiles without the sampler's sort of the vocabulary (ops.sample's
+    all_greedy), a static choice: the warm-up compiles both forms, so windows of either kind, and mixed ones,
+    compile nothing under load."""
+    import jax
+    engine = Engine.load("demo", max_context=256, prefill=16)
+    runner = WindowRunner(engine, 3, 16)
+    runner.warm_up()
+    lowered = []
+
+    def listen(name, secs, **kw):
+        if name.endswith("jaxpr_to_mlir_module_duration"):
+            lowered.append(name)
+
+    base = replace(idle_plan(3), decode_active=np.array([True, True, False]), decode_tokens=np.array([5, 6, 0],
+                   np.int32), decode_pos=np.array([3, 4, 0], np.int32), seeds=np.array([[1, 0], [2, 0], [3, 0]],
+                                                                                       np.uint32))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for temperature in ([0.0, 0.0, 0.0], [0.0, 0.8, 0.0], [0.0, 0.0, 5.0]):   # greedy, mixed, an idle row hot
+            res = runner.run(replace(base, temperature=np.array(temperature, np.float32)))
+            assert res.decode_finite.all()
+            base = replace(base, decode_tokens=res.decode_next, decode_pos=base.decode_pos + 1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == [], f"{len(lowered)} functions were compiled under load, after warm-up"
+    # an inactive row's temperature does not make a window sampled; the greedy and general forms' tokens for greedy
+    # rows are one and the same (tests/test_sampling.py)
+    from strata.runner import all_greedy
+    assert all_greedy(replace(base, temperature=np.array([0.0, 0.0, 5.0], np.float32)))
+    assert not all_greedy(replace(base, temperature=np.array([0.0, 0.8, 0.0], np.float32)))
 
 
 def test_runner_decode_sends_sampling_settings_once_and_keeps_steady_rows_on_device():
