@@ -66,9 +66,11 @@ case "${1:-}" in
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers.json" 2>&1 \
       | grep -E "layers:|\] |\| |wrote|Error"
     ;;
-  engine-pallas) # kernels pallas: auto's kernels and the gated delta rule's (chunked: xla_intra, tf32x3 dots)
-    timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 3 \
-      --kernels pallas --out "$OUT/engine_speed_real_shapes_int4_pallas.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
+  engine-pallas) # kernels pallas: auto's kernels, the gated delta rule's (chunked: xla_intra, tf32x3 dots) and the
+                 # untimed decode kernels (the mixer, the routing, the expert op's tiles); LAYERS=48 for all layers
+    timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 \
+      --repeat 3 --kernels pallas --out "$OUT/engine_speed_real_shapes_int4_pallas.json" 2>&1 \
+      | grep -E "layers:|\] |\| |wrote|Error"
     ;;
   engine-gdn) # the XLA chunked rule at other settings, a comparison run: GDN_XLA_DOTS (default tf32x3) and GDN_CHUNK
               # (default 64), LAYERS=8,12 by default
