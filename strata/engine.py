@@ -263,7 +263,7 @@ class Engine:
         sp = _sampling_arrays(temperature, top_k, top_p, min_p)
         seed_arr = np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF], np.uint32)
         logits = seq.read(token_ids, all_logits=False, as_numpy=False)
-        token = int(self._sample(logits, *sp, seed_arr, np.int32(0), greedy=_greedy(sp))[0])
+        token = int(self._sample(logits, *sp, seed_arr, np.int32(0), greedy=all_greedy(sp[0]))[0])
         for step in range(1, max_tokens + 1):
             yield token
             if token in stops or step == max_tokens:
@@ -331,11 +331,11 @@ class Sequence:
             a = self._args
             stable = [a.get(name, v) for name, v in zip(SAMPLING, sp)]
             nxt, self.state = f(e.params, e.expert_args(), self.state, np.array([token, self.pos, step], np.int32),
-                                *stable, a.get("seed", seed_arr), greedy=_greedy(sp))
+                                *stable, a.get("seed", seed_arr), greedy=all_greedy(sp[0]))
             self.pos += 1
             return int(nxt)
         logits, self.state = e.read_part(self.state, np.array([token], np.int32), self.pos, 1, False)
-        nxt = e._sample(logits, *sp, seed_arr, np.int32(step), greedy=_greedy(sp))
+        nxt = e._sample(logits, *sp, seed_arr, np.int32(step), greedy=all_greedy(sp[0]))
         self.pos += 1
         return int(nxt[0])
 
@@ -376,7 +376,7 @@ class DeviceArgs:
         """get() for an argument the call donates: the device copy is handed over and forgotten (a failed call
         leaves nothing stale behind); known() records the call's successor."""
         got = self.get(name, value)
-        del self._sent[name]
+        self._sent.pop(name, None)                  # (an eager backend's host values are never kept)
         return got
 
     def known(self, name: str, value, device_value) -> None:
@@ -401,9 +401,11 @@ def _sample(ops, logits, temperature, top_k, top_p, min_p, seed, step, greedy: b
     return ops.sample(logits, temperature, top_k, top_p, min_p, keys, all_greedy=greedy)
 
 
-def _greedy(sp) -> bool:
-    """Whether the sampling arrays (temperature [1], ...) ask for greedy decoding."""
-    return not bool(np.any(np.asarray(sp[0]) > 0))
+def all_greedy(temperature, active=None) -> bool:
+    """Whether every row (every active row, with active [B] bool) has temperature 0: its sampling compiles as the
+    argmax alone, without the sort of the vocabulary (ops.sample's all_greedy)."""
+    t = np.asarray(temperature)
+    return not bool(np.any((t if active is None else t[np.asarray(active, bool)]) > 0))
 
 
 def _sampling_arrays(temperature, top_k, top_p, min_p):

@@ -30,7 +30,7 @@ from functools import partial
 
 import numpy as np
 
-from strata.engine import PART_BUCKETS, SAMPLING, DeviceArgs, Engine, bucket_for
+from strata.engine import PART_BUCKETS, SAMPLING, DeviceArgs, Engine, all_greedy, bucket_for
 from strata.model.forward import forward, forward_rows
 from strata.model.stepped import rows_fetching
 from strata.sched.plan import PromptPart, WindowPlan, WindowResult
@@ -123,10 +123,10 @@ class WindowRunner:
                 else:
                     w.rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos,
                                        np.asarray(plan.steps, np.int32)])                     # [3, S]
-                    # an eager backend reads the rows on the host; a compiled window takes the rows its
-                    # predecessor computed (donated) when they are these
-                    rows_in = w.rows if e.backend.eager else a.take("rows", w.rows)
-                greedy = all_greedy(plan)
+                    # a compiled window takes the rows its predecessor computed (donated) when they are these
+                    # (an eager backend gets them on the host: DeviceArgs)
+                    rows_in = a.take("rows", w.rows)
+                greedy = all_greedy(plan.temperature, plan.decode_active)
                 if e.fused:
                     w.out, self.states, w.rows_next = self._decode(e.params, e.expert_args(), self.states, rows_in,
                                                                    *stable, greedy=greedy)
@@ -231,12 +231,6 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
     if not (np.array_equal(plan.decode_pos[on], want.decode_pos[on])
             and np.array_equal(plan.steps[on], want.steps[on])):
         raise ValueError("a continuing plan's rows must be one position and one step past the window it continues")
-
-
-def all_greedy(plan: WindowPlan) -> bool:
-    """Whether every decode row of the plan is greedy (temperature 0): its window compiles without the sampler's
-    sort of the vocabulary (ops.sample's all_greedy)."""
-    return not bool(np.any(np.asarray(plan.temperature)[np.asarray(plan.decode_active, bool)] > 0))
 
 
 def idle_plan(n_slots: int) -> WindowPlan:

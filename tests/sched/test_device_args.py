@@ -72,9 +72,9 @@ def test_warm_up_compiles_greedy_and_sampled_windows():
     assert lowered == [], f"{len(lowered)} functions were compiled under load, after warm-up"
     # an inactive row's temperature does not make a window sampled; the greedy and general forms' tokens for greedy
     # rows are one and the same (tests/test_sampling.py)
-    from strata.runner import all_greedy
-    assert all_greedy(replace(base, temperature=np.array([0.0, 0.0, 5.0], np.float32)))
-    assert not all_greedy(replace(base, temperature=np.array([0.0, 0.8, 0.0], np.float32)))
+    from strata.engine import all_greedy
+    assert all_greedy(np.array([0.0, 0.0, 5.0], np.float32), base.decode_active)
+    assert not all_greedy(np.array([0.0, 0.8, 0.0], np.float32), base.decode_active)
 
 
 def test_runner_decode_sends_sampling_settings_once_and_keeps_steady_rows_on_device():

@@ -45,14 +45,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from strata.jax_backend.kernels import triton_params
-from strata.jax_backend.kernels.gated_delta import _step
+from strata.jax_backend.kernels.gated_delta import _pow2, _step
+from strata.model.reference import gated_delta as _gated_delta_reference
 
 _F32 = jnp.float32
 _PER_THREAD = 64         # fp32 state elements a thread holds (num_warps = dk * dv / (32 * this), at most 8)
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _kernel(start_ref, valid_ref, b_ref, a_ref, alog_ref, dtb_ref, qkv_ref, cs_ref, w_ref, z_ref, gnorm_ref,
@@ -185,11 +182,9 @@ def _reference(qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, sta
         q, k = np.repeat(q, r, axis=0), np.repeat(k, r, axis=0)
         beta = _round(1 / (1 + np.exp(-b[s])), bt) if on else np.zeros(hv)
         g = -np.exp(a_log) * np.logaddexp(a[s] + dt_bias, 0.0) if on else np.zeros(hv)
-        S = np.zeros((hv, dk, dv)) if fresh else ssm[s]
-        S = S * np.exp(g)[:, None, None]
-        kv = np.einsum("hde,hd->he", S, k)
-        S = S + k[:, :, None] * ((v - kv) * beta[:, None])[:, None, :]
-        o = _round(np.einsum("hde,hd->he", S, q), zt)
+        o, S = _gated_delta_reference(q[None], k[None], v[None], g[None], beta[None],
+                                      np.zeros((hv, dk, dv)) if fresh else ssm[s])
+        o = _round(o[0], zt)
         o = _round(o / np.sqrt((o * o).mean(-1, keepdims=True) + eps) * gnorm, zt)
         zs = z[s].reshape(hv, dv)
         o_all[s] = _round(o * zs / (1 + np.exp(-zs)), zt).reshape(-1)

@@ -145,7 +145,7 @@ _F32 = jnp.float32
 # bf16x6. Measured (module docstring, a112ed3): tf32x3 made the xla_intra recurrence 15% faster, no more.
 DOTS = ("ieee", "tf32x3", "bf16x6")
 DOT_PRECISION = {"ieee": _HI, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-                  "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
+                 "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
 
 
 # --- shared pieces
