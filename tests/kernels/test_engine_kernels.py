@@ -63,7 +63,7 @@ def test_prompt_parts_and_decode_match_xla(engines, monkeypatch):
 
 def test_runner_decode_rows_match_xla(engines, monkeypatch):
     """Decode windows of 8 slots at different lengths (some inactive in turn) through the decode attention kernel,
-    the Gated DeltaNet mixer's decode kernel and the decode expert kernel (8 rows: DECODE_EXPERTS_MIN_TOKENS; the
+    the Gated DeltaNet mixer's decode kernel and the decode expert kernel (8 rows: at least DECODE_EXPERTS_MIN_TOKENS; the
     demo's float experts by its tiles variant)."""
     calls = counting(monkeypatch, jb.k_attention, "decode_attention")
     gdn = counting(monkeypatch, jb.k_delta_decode, "delta_decode")
