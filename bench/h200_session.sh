@@ -19,6 +19,7 @@
 #   bash bench/h200_session.sh copies    # bench/launch_probe.py's copy probes (device_put, kernel, kernel on stream 1)
 #   bash bench/h200_session.sh offload   # bench/offload_speed.py, uniform routing, decode at batch 1 and 4
 #   bash bench/h200_session.sh dispatch  # bench/dispatch_probe.py: a window's host and device time, batch 1 and 4
+#   bash bench/h200_session.sh probe48   # dispatch_probe (batch 1) and prompt_probe (with the stream's gaps) at 48 layers
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -26,7 +27,10 @@ set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-export STRATA_COMMIT=${STRATA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# the commit the results are labelled with: set it here (STRATA_COMMIT=<sha> bash bench/h200_session.sh ...). The
+# lent machine's copy answers git rev-parse with the session's first commit, not the tree it was sent (da9d40d ran
+# labelled 35253ad), so without it the label says so
+export STRATA_COMMIT=${STRATA_COMMIT:-"$(git rev-parse --short HEAD 2>/dev/null || echo unknown)?"}
 case "${1:-}" in
   kernels)    # ~340 s covered the expert families and half of decode attention at 6b277c5; the JSON is rewritten
               # after each family, so a run cut off at its limit keeps what it measured
@@ -108,10 +112,18 @@ case "${1:-}" in
     ;;
   scopes)
     timeout 300 python3 bench/prompt_probe.py --layers 8 --out "$OUT/prompt_probe_h200.json" 2>&1 \
-      | grep -E "^\||^prompt|^decode|unmatched|wrote|Error"
+      | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
+    ;;
+  probe48)    # at all 48 layers: where a decode window's host time goes (dispatch_probe, batch 1: 240 s covered
+              # batch 1 alone at 35253ad) and the scopes probe with the compute stream's idle gaps (timeline), for the
+              # prompt part (wall 302.7 ms against 234.4 ms of kernels at da9d40d) and decode windows of 1 and 4 rows
+    timeout 230 python3 bench/dispatch_probe.py --layers 48 --batches 1 --out "$OUT/dispatch_probe_h200_48_layers.json" \
+      2>&1 | grep -E "^\||wrote|Error"
+    timeout 330 python3 bench/prompt_probe.py --layers 48 --out "$OUT/prompt_probe_h200_48_layers.json" 2>&1 \
+      | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

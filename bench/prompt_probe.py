@@ -116,6 +116,50 @@ def charge(events: list, scopes: dict) -> dict:
             "unmatched": dict(sorted(unmatched.items(), key=lambda kv: -kv[1])[:10]), "sample_events": sample}
 
 
+def timeline(events: list, top: int = 10) -> dict:
+    """Where the compute stream waited during one traced call: its kernels in time order, the span from the first
+    kernel's start to the last one's end, the busy time (their union) and the idle gaps between them. Idle time is
+    charged to the kernel after each gap and to that kernel's XLA module (a module other than the prompt's or the
+    window's own is an eager op run outside the compiled call: the host dispatched it, and the device waited);
+    kernels per module show those calls. -> {span_ms, busy_ms, idle_ms, gaps over 20 / 100 us, idle by module and by
+    next kernel, the longest gaps with their neighbours, kernels and ms per module}."""
+    gpu = [e for e in events if "GPU" in e["thread"].split(" / ")[0] and "Stream" in e["thread"]]
+    if not gpu:
+        return {}
+    lanes: dict = {}
+    for e in gpu:
+        lanes.setdefault(e["thread"], []).append(e)
+    lane = sorted(max(lanes.values(), key=len), key=lambda e: e["ts"])    # the compute stream: the most events
+    module = lambda e: e["args"].get("hlo_module", "?")                   # noqa: E731
+    idle_by_module: dict = {}
+    idle_by_next: dict = {}
+    gaps = []
+    end, prev = lane[0]["ts"], None
+    for e in lane:
+        gap = e["ts"] - end
+        if gap > 0 and prev is not None:
+            gaps.append((gap, prev["name"][:50], e["name"][:50], module(e)))
+            idle_by_module[module(e)] = idle_by_module.get(module(e), 0.0) + gap
+            idle_by_next[e["name"][:50]] = idle_by_next.get(e["name"][:50], 0.0) + gap
+        if e["ts"] + e["dur"] >= end:
+            end, prev = e["ts"] + e["dur"], e
+    per_module: dict = {}
+    for e in lane:
+        m = per_module.setdefault(module(e), [0, 0.0])
+        m[0] += 1
+        m[1] += e["dur"]
+    span = end - lane[0]["ts"]
+    idle = sum(g for g, *_ in gaps)
+    ranked = lambda d: [[k, round(v / 1000, 4)] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]  # noqa
+    return {"lane": lane[0]["thread"], "span_ms": round(span / 1000, 4), "busy_ms": round((span - idle) / 1000, 4),
+            "idle_ms": round(idle / 1000, 4), "gaps_over_20us": sum(g > 20 for g, *_ in gaps),
+            "gaps_over_100us": sum(g > 100 for g, *_ in gaps), "idle_by_module": ranked(idle_by_module),
+            "idle_by_next_kernel": ranked(idle_by_next),
+            "longest_gaps": [[round(g, 1), a, b, m] for g, a, b, m in sorted(gaps, reverse=True)[:top]],
+            "modules": [[k, c, round(us / 1000, 4)] for k, (c, us) in
+                        sorted(per_module.items(), key=lambda kv: -kv[1][1])[:top]]}
+
+
 def floors(cfg, tokens: int, context: int, expert_bytes: int, *, prompt: bool) -> dict:
     """Per scope, summed over the probe model's layers: (FLOPs, bytes) of the work at these shapes, and the floor
     in ms. tokens: rows of the call (prompt: a part's tokens, causal from position 0; else a decode window's rows,
@@ -158,7 +202,7 @@ def floors(cfg, tokens: int, context: int, expert_bytes: int, *, prompt: bool) -
             for s, (fl, by) in f.items()}
 
 
-def report(name: str, wall_ms: float, charged: dict, floor: dict) -> dict:
+def report(name: str, wall_ms: float, charged: dict, floor: dict, waits: dict | None = None) -> dict:
     sc = charged["scopes"]
     total_floor = sum(v["floor_ms"] for v in floor.values())
     print(f"\n{name}: {wall_ms:.3f} ms per call, kernels {charged['kernel_ms']:.3f} ms, floor {total_floor:.3f} ms")
@@ -173,7 +217,12 @@ def report(name: str, wall_ms: float, charged: dict, floor: dict) -> dict:
               f"{top[2]:.3f} ms) |")
     if charged["unmatched"]:
         print(f"unmatched kernels: {charged['unmatched']}")
-    return {"wall_ms": wall_ms, **charged, "floors": floor, "floor_ms": total_floor}
+    if waits:
+        print(f"stream: span {waits['span_ms']:.3f} ms, busy {waits['busy_ms']:.3f}, idle {waits['idle_ms']:.3f} in "
+              f"{waits['gaps_over_20us']} gaps over 20 us ({waits['gaps_over_100us']} over 100 us); idle before "
+              f"module: {waits['idle_by_module'][:4]}; longest: {waits['longest_gaps'][:4]}; kernels by module: "
+              f"{waits['modules'][:4]}")
+    return {"wall_ms": wall_ms, **charged, "floors": floor, "floor_ms": total_floor, "stream": waits or {}}
 
 
 def main() -> int:
@@ -253,7 +302,7 @@ def main() -> int:
                       floors(cfg, b, args.context, store.layout.nbytes, prompt=False)))
     scopes = hlo_scopes(dump)
     for key, title, wall, events, floor in cases:
-        result["cases"][key] = report(title, wall, charge(events, scopes), floor)
+        result["cases"][key] = report(title, wall, charge(events, scopes), floor, timeline(events))
     results_file.write(result, args.out, "prompt_probe" + ("_smoke" if args.smoke else ""))
     return 0
 

@@ -91,3 +91,17 @@ def test_a_fresh_state_is_zeros_made_on_the_device():
         for d, h in zip(jax.tree.leaves(dev), jax.tree.leaves(host)):
             assert isinstance(d, jax.Array) and d.shape == h.shape and d.dtype == h.dtype
             assert d.devices() == {OPS.device} and not np.any(np.asarray(d).astype(np.float32))
+
+
+def test_fresh_states_share_no_buffers():
+    """zeros_like makes a tree by one compiled call per tree shape: each call's arrays are new buffers, so a state
+    donated to (and overwritten by) one sequence's call leaves another sequence's fresh state zeros."""
+    import jax
+    import jax.numpy as jnp
+    host = [{"kv": np.zeros((4, 3), np.float32), "ssm": np.zeros((2, 2), np.int8)}, {"conv": np.zeros(5, np.float32)}]
+    a, b = OPS.zeros_like(host), OPS.zeros_like(host)
+    fill = jax.jit(lambda t: jax.tree.map(lambda x: jnp.ones_like(x) * 7, t), donate_argnums=0)
+    a = fill(a)
+    assert all(np.all(np.asarray(x) == 7) for x in jax.tree.leaves(a))
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(b))
+    assert jax.tree.structure(OPS.zeros_like(host[1:])) == jax.tree.structure(host[1:])   # another shape, another call
