@@ -28,10 +28,13 @@ Backend: Pallas' Triton backend (verified on the H200, interpretable on the CPU 
 load and store is a vector of dk, dv or one of the K-1 conv rows' channels (powers of two) or a scalar; dk and dv
 must be powers of two (else a ValueError, and the backend runs the composition).
 
-Not yet timed on the GPU (bench/kernel_speed.py delta_decode). Prediction: at batch 1 the step is one launch of ~3-5
-us (32 programs, each one DRAM round trip for its 64 KB state plus the reductions) where XLA's chain measured ~8-10
-kernels; at ~2 us a launch that is 10-20 us a delta-rule layer, 0.4-0.7 ms a token over Qwen3-Next's 36 such
-layers (~10% of a decode token at batch 1). Until measured, kernels "auto" does not take it (PALLAS_AUTO).
+MEASURED on the H200 (bench/kernel_speed.py delta_decode, 35253ad, Qwen3-Next shapes; kernel_speed_decode_h200_
+35253ad.json): 18.8 us at 1 row against the XLA composition's 10.9, 22.3 / 12.6 at 4, 48.7 / 18.3 at 16 (39% of
+the HBM bound). Predicted ~3-5 us against ~20 us of XLA's small launches: XLA's chain took 11 us, not 20, and each
+of this kernel's 32 programs (one per value head) walks the conv, the norms and its 64 KB state alone on an SM, in
+series. So kernels "auto" does not take it (PALLAS_AUTO); "pallas" does. What would change that: more programs per
+head (split dv across programs, the state read by several SMs at once) and the conv and norms done once per
+sequence rather than per value head.
 """
 from __future__ import annotations
 

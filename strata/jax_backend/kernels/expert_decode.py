@@ -28,9 +28,15 @@ contributes exactly 0.
 Within a group of G = 128 columns an int4 row is (q - z) * s: the kernel sums (q - z) * x over the group's even and
 odd columns (low and high nibbles) and multiplies by s once per group.
 
+MEASURED again at 35253ad (kernel_speed_decode_h200_35253ad.json): 1 token, v1 41.4 us, v2 at 32 / 16 / 8 rows a
+program 47.7 / 36.2 / 33.0, XLA 35.4 (floor 4.6); 4 tokens v1 79.5, XLA 92.3; 16 tokens v1 242, XLA 423. v2's
+prediction (10-15 us at 1 token) missed: independent loads did not cut the latency. Kernels "auto" takes v1 from
+the backend's DECODE_EXPERTS_MIN_TOKENS (4) rows. Tiles: int8 2.0x XLA at 16 tokens (190 us) but 0.5-0.8x at 1-4;
+bf16 0.3-0.4x; NVFP4 0.4-0.6x, so "auto" leaves every format but int4 to XLA.
+
 Variants (static `variant`): "v1" (default, the design measured above) walks the groups in a fori_loop, each step's
 loads issued after the previous step's (16 dependent rounds of small loads for gate/up at H = 2048, 4 for down),
-and reads x's even and odd columns by stride-2 loads. "v2" (not yet timed on the GPU) writes the groups out in
+and reads x's even and odd columns by stride-2 loads. "v2" (timed above) writes the groups out in
 straight-line code, so that every group's loads are independent instructions the compiler can issue together, and
 reads x with each group's even columns then odd ones made contiguous by XLA beforehand (expert_grouped's
 _even_odd_columns; one pass over x, [T, H]). Reasoning for the prediction: at batch 1 a program moves 64 KB
@@ -40,9 +46,9 @@ the op at ~10-15 us. What v2 costs: registers (the unrolled groups' loads live a
 "tiles" (bf16, int8, nvfp4, f32 and int4; the default for every format but int4) decodes [block, TILE_COLS] weight
 tiles with blob_tiles.weight_tile, the decoder of the prompt-form kernels (expert_grouped.py), so one piece of code
 reads each format's bytes, scales and zero points on both paths; each tile's partial matvec is scaled by the tile's
-scale (int4's group scale), the finished sums by the matrix's (int8's row scales, nvfp4's global scale). Not yet
-timed on the GPU: its floor at batch 1 over bf16 blobs is 10 routes x 6.3 MB = 63 MB, 17.5 us; until measured,
-kernels "auto" takes it for no format (the backend's DECODE_KERNEL_FORMATS_AUTO), "pallas" for every one.
+scale (int4's group scale), the finished sums by the matrix's (int8's row scales, nvfp4's global scale). Its floor
+at batch 1 over bf16 blobs is 10 routes x 6.3 MB = 63 MB, 17.5 us (measured 120.6 us, above); kernels "auto" takes
+it for no format (the backend's DECODE_KERNEL_FORMATS_AUTO), "pallas" for every one.
 """
 from __future__ import annotations
 
