@@ -22,9 +22,11 @@ H, I, E, SLOTS = 96, 32, 8, 12   # the demo model's expert shape; 8 experts in a
 
 # Relative Frobenius error limit of the op against quant.expert_reference on the SAME blobs (so quantisation error
 # is not in it: only float arithmetic). float32 x: f32 math at HIGHEST precision vs float64 (measured <= 5e-7 in
-# every format). bfloat16 x: the op rounds the decoded weights, the matmul outputs and the activations to bfloat16
-# (the weights are already exact in bfloat16 for the bf16 format), so the limit is a few bfloat16 epsilons
-# (2^-8 = 0.0039): measured <= 1.04e-2 over 40 seeds at T=1 (fewest outputs: the most spread), <= 6.7e-3 at T=70.
+# every format). bfloat16 x: the grouped form (and the gather form of f32 and bf16 blobs) rounds the decoded weights,
+# the matmul outputs and the activations to bfloat16 (the weights are already exact in bfloat16 for the bf16
+# format), so the limit is a few bfloat16 epsilons (2^-8 = 0.0039): measured <= 1.04e-2 over 40 seeds at T=1
+# (fewest outputs: the most spread), <= 6.7e-3 at T=70. The gather form of quantised blobs rounds its output alone
+# (test_quantised_decode_rows_round_once).
 LIMIT = {
     "float32": {"f32": 5e-6, "bf16": 5e-6, "int8": 5e-6, "int4": 5e-6, "nvfp4": 5e-6},
     "bfloat16": {"f32": 2e-2, "bf16": 2e-2, "int8": 2e-2, "int4": 2e-2, "nvfp4": 2e-2},
@@ -96,6 +98,38 @@ def test_op_matches_reference_on_the_same_blobs(fmt, tokens, k, dtype):
     assert np.all(got[np.all(slots < 0, axis=1)] == 0)
     err = rel_err(got, want)
     assert err <= LIMIT[dtype][fmt], f"{fmt} {dtype} T={tokens} k={k}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nvfp4"])
+def test_blob_matvec_is_the_decoded_matrix_times_the_vector(fmt):
+    """blob_matvec (decoding inside the product, each byte's two columns at once) against decode_blobs' float32
+    weights times v in float64, for every matrix: several groups a row, blobs of three scales."""
+    rng = np.random.default_rng()
+    lay = Q.layout(fmt, 256, 128)
+    blobs = np.stack([Q.encode_expert(lay, *[(rng.standard_normal(lay.shape_of(m)) * s).astype(np.float32)
+                                             for m in Q.MATRICES]) for s in (0.02, 1.0, 30.0)])
+    weights = DECODE(layout=lay, blobs=jnp.asarray(blobs), dtype=jnp.float32)
+    for m, w in zip(Q.MATRICES, weights):
+        v = rng.standard_normal((len(blobs), lay.shape_of(m)[1])).astype(np.float32)
+        got = np.asarray(jax.jit(K.blob_matvec, static_argnums=(0, 2))(lay, jnp.asarray(blobs), m, jnp.asarray(v)))
+        want = np.einsum("rij,rj->ri", np.asarray(w, np.float64), v.astype(np.float64))
+        assert rel_err(got, want) <= 1e-6, (fmt, m)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nvfp4"])
+def test_quantised_decode_rows_round_once(fmt):
+    """The gather form of a quantised format computes in float32 from bfloat16 x and rounds only its output to
+    bfloat16 (no rounded weights or activations in between): within 2^-9 of the reference, relative, plus float32's
+    own error."""
+    rng = np.random.default_rng()
+    lay = Q.layout(fmt, H, I)
+    pool, slot_of = poisoned_pool(rng, lay)
+    slots, weight = routes(rng, 2, 4, slot_of, skip=0.0)
+    x = jnp.asarray(rng.standard_normal((2, H)).astype(np.float32)).astype(jnp.bfloat16)
+    got = np.asarray(EXPERTS(layout=lay, pool=jnp.asarray(pool), x=x, slots=jnp.asarray(slots),
+                             weight=jnp.asarray(weight), max_distinct=E).astype(jnp.float32))
+    want = K._reference(lay, pool, x, slots, weight)
+    assert rel_err(got, want) <= 2.0 ** -9 + 5e-6
 
 
 def test_all_routes_skipped_gives_exact_zeros():

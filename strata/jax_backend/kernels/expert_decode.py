@@ -2,9 +2,12 @@
 format the benchmarks run, by two tuned variants, and every format of strata/weights/quant.py by the tiles variant;
 for pools of any size.
 
-Why: the XLA op (experts.py, experts_from_pool) gathers each route's whole blob, decodes it into float weights in
-HBM and multiplies: at Qwen3-Next-80B shapes and batch 1 that is ~3x the blob's bytes written and read again, in a
+Why: the XLA op (experts.py, experts_from_pool) gathered each route's whole blob, decoded it into float weights in
+HBM and multiplied: at Qwen3-Next-80B shapes and batch 1 that was ~3x the blob's bytes written and read again, in a
 chain of small launches. These kernels read each route's packed bytes once and keep the decoded weights in registers.
+Since 2026-12-02 the XLA op's gather form multiplies quantised blobs as it decodes them too (experts.blob_matvec),
+not yet timed on the GPU: the measurements below are against the former XLA form, and DECODE_EXPERTS_MIN_TOKENS
+(backend.py) is to be measured again (bench/h200_session.sh decode-kernels).
 
 Floor (H200, batch 1, one MoE layer, 10 routes of 1.57 MiB): 16.5 MB read / 3.6 TB/s = 4.6 us, against ~40 us the
 XLA gather form spends per layer in the all-resident decode (8.2 ms / 48 layers, of which the experts are a part).

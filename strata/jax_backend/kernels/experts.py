@@ -7,11 +7,13 @@ experts by pool slot rather than by expert id, and this op decodes the blobs it 
 
 - `decode_blobs` turns blobs into float weights with slices and bitcasts only; in float32 it equals
   quant.decode_expert bit for bit.
-- `experts_from_pool` is the expert op itself, with the arithmetic of JaxBackend.experts (weights cast to x's dtype,
-  matmuls at HIGHEST precision) and its two forms picked by the static number of routes: a gather form for decode
-  (each route's blob is gathered and decoded) and a grouped form for prompt parts (routes sorted by slot, each slot's
-  group padded to whole blocks of EXPERT_BLOCK rows, one blob decoded per block). A slot of -1 marks a route that is
-  not computed here (e.g. its expert is not resident): it contributes exactly zero and costs no block.
+- `experts_from_pool` is the expert op itself, its two forms picked by the static number of routes: a gather form
+  for decode (each route's blob is gathered; a quantised one is multiplied as it is decoded, in float32,
+  `blob_matvec`; f32 and bf16 blobs with the arithmetic of JaxBackend.experts: weights cast to x's dtype, matmuls at
+  HIGHEST precision) and a grouped form for prompt parts (routes sorted by slot, each slot's group padded to whole
+  blocks of EXPERT_BLOCK rows, one blob decoded per block, with JaxBackend.experts' arithmetic). A slot of -1 marks
+  a route that is not computed here (e.g. its expert is not resident): it contributes exactly zero and costs no
+  block.
 """
 from __future__ import annotations
 
@@ -84,6 +86,36 @@ def decode_blobs(layout: BlobLayout, blobs, dtype):
     return tuple(out)
 
 
+def blob_matvec(layout: BlobLayout, blobs, m: str, v):
+    """Quantised matrix m of each blob times a vector, decoded inside the product: blobs uint8 [R, >= nbytes] of an
+    int8, int4 or nvfp4 layout, v float32 [R, cols] -> float32 [R, rows], every weight decoded in float32 (as
+    decode_blobs) and multiplied there, in one multiply-and-reduce that XLA fuses with the decoding (no weights
+    written out). int4 and nvfp4 read each byte once for its two columns (v's even and odd columns), with the
+    group's scale (and int4's zero point) once per group; int8 the row's scale once per row."""
+    f32 = jnp.float32
+    r = blobs.shape[0]
+    rows, cols = layout.shape_of(m)
+    fmt = layout.fmt
+    if fmt == "int8":
+        q = _field(layout, blobs, f"{m}.q").astype(f32)                                 # [R, rows, cols]
+        return jnp.sum(q * v[:, None, :], axis=-1) * _field(layout, blobs, f"{m}.s")
+    if fmt not in ("int4", "nvfp4"):
+        raise ValueError(f"unknown expert format {fmt!r}")
+    g = layout.group_of(m)                                    # columns per scale: int4's group, nvfp4's block
+    half, n_g = g // 2, cols // g
+    q = _field(layout, blobs, f"{m}.q").reshape(r, rows, n_g, half)                    # 2 columns a byte
+    ve = v[:, 0::2].reshape(r, 1, n_g, half)                                           # the low nibbles' columns
+    vo = v[:, 1::2].reshape(r, 1, n_g, half)
+    s = _field(layout, blobs, f"{m}.s").astype(f32).reshape(r, rows, n_g, 1)
+    lo, hi = q & 0xF, q >> 4
+    if fmt == "int4":                                         # sum (q - z) v s = s (sum q v - z sum v), per group
+        z = _field(layout, blobs, f"{m}.z").astype(f32).reshape(r, rows, n_g, 1)
+        return jnp.sum(((lo.astype(f32) - z) * ve + (hi.astype(f32) - z) * vo) * s, axis=(-2, -1))
+    lut = jnp.asarray(_E2M1_LUT)
+    gs = _field(layout, blobs, "tail")[:, quant.MATRICES.index(m)]                     # [R] the global scale
+    return jnp.sum((lut[lo] * ve + lut[hi] * vo) * s, axis=(-2, -1)) * gs[:, None]
+
+
 def _take_blobs(pools: tuple, idx):
     """Rows `idx` [R] of the pools laid end to end (pool 0's slots first, then pool 1's, ...) -> uint8 [R, nbytes].
     Each pool is gathered from once; no pool is concatenated (that would copy the whole cache)."""
@@ -111,16 +143,26 @@ def experts_from_pool(layout: BlobLayout, pool, x, slots, weight, max_distinct: 
     pools = tuple(pool) if isinstance(pool, (tuple, list)) else (pool,)
     n_slots = sum(p.shape[0] for p in pools)
     if t * kk <= GATHER_ROUTES_MAX:
-        # decode: gather the routed slots' blobs, so only they are read
+        # decode: gather the routed slots' blobs, so only they are read; a quantised blob's matrices multiply each
+        # route's vector as they are decoded, in float32 (blob_matvec). Decoded into float weights first and cast to
+        # x's dtype (the grouped form's way), int4 at Qwen3-Next shapes moved ~3x the blobs' bytes (H200, batch 1:
+        # reduce fusions of ~16 us, ~30 us a layer, prompt_probe_h200_48_layers.json) and was bfloat16-rounded
+        # (6.1e-3 from float64 at one token, 1.6e-3 now)
         blobs = _take_blobs(pools, jnp.where(valid, flat, 0))                        # [T*k, nbytes]
-        gate, up, down = (w.reshape((t, kk) + w.shape[1:]) for w in decode_blobs(layout, blobs, x.dtype))
-        g = jnp.einsum("th,tkih->tki", x, gate, precision=hi)
-        u = jnp.einsum("th,tkih->tki", x, up, precision=hi)
-        y = jnp.einsum("tki,tkhi->tkh", jax.nn.silu(g) * u, down, precision=hi)
         ok = valid.reshape(t, kk)
-        y = jnp.where(ok[..., None], y, 0)            # a skipped route's (garbage) expert never reaches the sum
-        w = jnp.where(ok, weight, 0).astype(x.dtype)
-        return jnp.einsum("tkh,tk->th", y, w, precision=hi)
+        if layout.fmt in ("f32", "bf16"):   # nothing to decode: the dense expert op's arithmetic (JaxBackend.experts)
+            gate, up, down = (w.reshape((t, kk) + w.shape[1:]) for w in decode_blobs(layout, blobs, x.dtype))
+            g = jnp.einsum("th,tkih->tki", x, gate, precision=hi)
+            u = jnp.einsum("th,tkih->tki", x, up, precision=hi)
+            y = jnp.einsum("tki,tkhi->tkh", jax.nn.silu(g) * u, down, precision=hi)
+            y = jnp.where(ok[..., None], y, 0)        # a skipped route's (garbage) expert never reaches the sum
+            return jnp.einsum("tkh,tk->th", y, jnp.where(ok, weight, 0).astype(x.dtype), precision=hi)
+        xr = jnp.repeat(x.astype(jnp.float32), kk, axis=0)                           # [T*k, H] route r: x[r // k]
+        h = jax.nn.silu(blob_matvec(layout, blobs, "gate", xr)) * blob_matvec(layout, blobs, "up", xr)   # [T*k, I]
+        y = blob_matvec(layout, blobs, "down", h).reshape(t, kk, -1)                 # [T, k, H]
+        y = jnp.where(ok[..., None], y, 0)
+        w = jnp.where(ok, weight, 0).astype(jnp.float32)
+        return jnp.einsum("tkh,tk->th", y, w, precision=hi).astype(x.dtype)
     # prompt parts: sort routes by slot (skipped routes last) and lay each slot's group out padded to whole blocks
     # of EXPERT_BLOCK rows, so every block belongs to one slot; each block multiplies by its decoded blob.
     rows = t * kk
