@@ -108,23 +108,34 @@ def measure_batched(engine, batch: int, context: int, windows: int, ahead: bool 
     first_s = time.perf_counter() - t
     step = lambda i, tok: replace(plan, decode_tokens=tok, decode_pos=plan.decode_pos + i,  # noqa: E731
                                   steps=plan.steps + i)
-    per_round = []
+    per_round, host = [], []
     for _ in range(ROUNDS):                   # the median round: one slow round (a pause on the host) is not the figure
         t = time.perf_counter()               # each round at positions context + 1 .. (timing only)
+        in_dispatch = in_collect = 0.0        # the host's time in dispatch() and in collect() (waiting, then reading)
         if ahead:
             w = runner.dispatch(step(1, tokens))
             for i in range(2, windows + 2):
+                t0 = time.perf_counter()
                 w_next = runner.dispatch(step(i, np.full(batch, -1, np.int32)), after=w) if i <= windows else None
+                t1 = time.perf_counter()
                 tokens = runner.collect(w).decode_next
+                in_dispatch, in_collect = in_dispatch + t1 - t0, in_collect + time.perf_counter() - t1
                 w = w_next
         else:
             for i in range(1, windows + 1):
-                tokens = runner.run(step(i, tokens)).decode_next
+                t0 = time.perf_counter()
+                w = runner.dispatch(step(i, tokens))
+                t1 = time.perf_counter()
+                tokens = runner.collect(w).decode_next
+                in_dispatch, in_collect = in_dispatch + t1 - t0, in_collect + time.perf_counter() - t1
         per_round.append((time.perf_counter() - t) / windows)
-    s = float(np.median(per_round))
+        host.append((in_dispatch / windows, in_collect / windows))
+    i = int(np.argsort(per_round)[len(per_round) // 2])
+    s = float(per_round[i])
     say(f"batch {batch}{', dispatched ahead' if ahead else ''}: first window (compile) {first_s:.1f} s, then "
-        f"{1000 * s:.2f} ms per window")
-    return s
+        f"{1000 * s:.2f} ms per window (host: {1000 * host[i][0]:.2f} ms in dispatch, {1000 * host[i][1]:.2f} in "
+        f"collect)")
+    return s, host[i]
 
 
 # --- real shapes, random weights built on the device
@@ -242,8 +253,11 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         if partial is not None:
             partial(out)
         for b in BATCHES:              # the .partial file after each batch: a 48-layer run cut off keeps them
-            r[f"decode_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens)
-            r[f"decode_ahead_s_per_window_b{b}"] = measure_batched(engine, b, prompt_len, decode_tokens, ahead=True)
+            # host: the median round's seconds a window in the runner's dispatch() and in collect() (which waits)
+            r[f"decode_s_per_window_b{b}"], r[f"decode_host_s_b{b}"] = measure_batched(engine, b, prompt_len,
+                                                                                     decode_tokens)
+            r[f"decode_ahead_s_per_window_b{b}"], r[f"decode_ahead_host_s_b{b}"] = measure_batched(
+                engine, b, prompt_len, decode_tokens, ahead=True)
             if partial is not None:
                 partial(out)
         print(f"  {n} layers: prompt {r['prompt_tok_s']:.0f} tok/s, decode (engine API) {r['decode_tok_s_b1']:.2f} tok/s, "

@@ -82,7 +82,7 @@ def child(variant: str, layers: int, context: int, smoke: bool) -> dict:
         tok = seq.decode(tok, sp, seed, 99)
         seq.pos -= 1
     trace = trace_summary(one, top=40)
-    ms_b4 = 1000 * measure_batched(engine, 4, context, 16)
+    ms_b4 = 1000 * measure_batched(engine, 4, context, 16)[0]
     # the server's path at batch 1: one decode window of one row through the WindowRunner, timed and traced
     from dataclasses import replace
 
