@@ -8,7 +8,7 @@ where one is cheap) on the same inputs before it is timed.
 
 Kernels (strata/jax_backend/kernels/):
 - expert_decode: the decode expert op (blobs dequantized in the kernel: int4 by each variant, bf16, int8 and nvfp4 by
-  the tiles variant) at 1, 4 and 16 tokens of 10 routes, against experts.experts_from_pool's gather form;
+  the tiles variant) at 1, 2, 4 and 16 tokens of 10 routes, against experts.experts_from_pool's gather form;
 - expert_grouped: the prompt-part expert op (a grouped GEMM over routes sorted by expert, weights dequantized in the
   kernel) at 512 and 4096 tokens, int4 and bf16 blobs, against experts_from_pool's grouped form;
 - decode_attention: attention of 1 (decode) or 4 (verify) query positions per row over int8 and bf16 KV caches at
@@ -478,7 +478,7 @@ def main() -> int:
         repeat = 1
     else:
         shapes = {
-            "expert_decode": dict(hidden=2048, inter=512, n_slots=512, tokens=[1, 4, 16], k=10),
+            "expert_decode": dict(hidden=2048, inter=512, n_slots=512, tokens=[1, 2, 4, 16], k=10),
             "expert_grouped": dict(hidden=2048, inter=512, n_experts=512, tokens=[512, 4096], k=10),
             "pool_over_4gib": dict(hidden=2048, inter=512, n_experts=512, tokens=[1, 512], k=10),
             "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 16],
