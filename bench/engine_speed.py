@@ -109,27 +109,33 @@ def measure_batched(engine, batch: int, context: int, windows: int, ahead: bool 
     step = lambda i, tok: replace(plan, decode_tokens=tok, decode_pos=plan.decode_pos + i,  # noqa: E731
                                   steps=plan.steps + i)
     per_round, host = [], []
+    spent = np.zeros(2)                       # a round's host seconds in dispatch() and in collect() (wait, read)
+
+    def dispatch(plan, after=None):
+        t0 = time.perf_counter()
+        w = runner.dispatch(plan, after=after)
+        spent[0] += time.perf_counter() - t0
+        return w
+
+    def collect(w):
+        t0 = time.perf_counter()
+        nxt = runner.collect(w).decode_next
+        spent[1] += time.perf_counter() - t0
+        return nxt
     for _ in range(ROUNDS):                   # the median round: one slow round (a pause on the host) is not the figure
+        spent[:] = 0.0
         t = time.perf_counter()               # each round at positions context + 1 .. (timing only)
-        in_dispatch = in_collect = 0.0        # the host's time in dispatch() and in collect() (waiting, then reading)
         if ahead:
-            w = runner.dispatch(step(1, tokens))
+            w = dispatch(step(1, tokens))
             for i in range(2, windows + 2):
-                t0 = time.perf_counter()
-                w_next = runner.dispatch(step(i, np.full(batch, -1, np.int32)), after=w) if i <= windows else None
-                t1 = time.perf_counter()
-                tokens = runner.collect(w).decode_next
-                in_dispatch, in_collect = in_dispatch + t1 - t0, in_collect + time.perf_counter() - t1
+                w_next = dispatch(step(i, np.full(batch, -1, np.int32)), after=w) if i <= windows else None
+                tokens = collect(w)
                 w = w_next
         else:
             for i in range(1, windows + 1):
-                t0 = time.perf_counter()
-                w = runner.dispatch(step(i, tokens))
-                t1 = time.perf_counter()
-                tokens = runner.collect(w).decode_next
-                in_dispatch, in_collect = in_dispatch + t1 - t0, in_collect + time.perf_counter() - t1
+                tokens = collect(dispatch(step(i, tokens)))
         per_round.append((time.perf_counter() - t) / windows)
-        host.append((in_dispatch / windows, in_collect / windows))
+        host.append(tuple(spent / windows))
     i = int(np.argsort(per_round)[len(per_round) // 2])
     s = float(per_round[i])
     say(f"batch {batch}{', dispatched ahead' if ahead else ''}: first window (compile) {first_s:.1f} s, then "

@@ -347,12 +347,11 @@ def delta_decode(hk, hv, dk, dv, taps, batches, repeat, interpret):
     rows = []
     for s in batches:
         act = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32), bf)  # noqa: E731
-        fixed = dict(qkv=act(s, c), z=act(s, hv * dv), b=act(s, hv), a=act(s, hv), conv_state=act(s, taps - 1, c),
-                     conv_w=act(c, taps), a_log=jnp.asarray(np.log(rng.uniform(1, 16, hv)).astype(np.float32)),
-                     dt_bias=jnp.asarray(rng.standard_normal(hv).astype(np.float32)), gnorm=act(dv),
-                     start=jnp.full((s,), 100, jnp.int32), n_valid=jnp.ones((s,), jnp.int32))
+        f = dict(qkv=act(s, c), z=act(s, hv * dv), b=act(s, hv), a=act(s, hv), conv_state=act(s, taps - 1, c),
+                 conv_w=act(c, taps), a_log=jnp.asarray(np.log(rng.uniform(1, 16, hv)).astype(np.float32)),
+                 dt_bias=jnp.asarray(rng.standard_normal(hv).astype(np.float32)), gnorm=act(dv),
+                 start=jnp.full((s,), 100, jnp.int32), n_valid=jnp.ones((s,), jnp.int32))
         st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
-        f = fixed
 
         def ker(st):
             return kernel(f["qkv"], f["z"], f["b"], f["a"], f["conv_state"], f["conv_w"], st, f["a_log"],

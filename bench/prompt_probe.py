@@ -83,9 +83,14 @@ def _module_name(name: str) -> str:
     return name[:-len("." + name.rsplit(".", 1)[-1])] if re.search(r"\.\d+$", name) else name
 
 
+def _stream_events(events: list) -> list:
+    """The trace's events on GPU streams (kernels and copies); none on a CPU."""
+    return [e for e in events if "GPU" in e["thread"].split(" / ")[0] and "Stream" in e["thread"]]
+
+
 def charge(events: list, scopes: dict) -> dict:
     """GPU kernel events -> {scope: {ms, kernels, top: [[name, count, ms]]}} and what could not be matched."""
-    gpu = [e for e in events if "GPU" in e["thread"].split(" / ")[0] and "Stream" in e["thread"]]
+    gpu = _stream_events(events)
     if not gpu:      # a CPU (the smoke run): XLA's thunks, on the host threads that ran them
         gpu = [e for e in events if "hlo_op" in e["args"]]
     out: dict = {}
@@ -123,7 +128,7 @@ def timeline(events: list, top: int = 10) -> dict:
     window's own is an eager op run outside the compiled call: the host dispatched it, and the device waited);
     kernels per module show those calls. -> {span_ms, busy_ms, idle_ms, gaps over 20 / 100 us, idle by module and by
     next kernel, the longest gaps with their neighbours, kernels and ms per module}."""
-    gpu = [e for e in events if "GPU" in e["thread"].split(" / ")[0] and "Stream" in e["thread"]]
+    gpu = _stream_events(events)
     if not gpu:
         return {}
     lanes: dict = {}

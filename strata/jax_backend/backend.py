@@ -99,8 +99,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     def zeros_like(self, tree):
         # filled on the device: a fresh sequence's state copied from pageable host memory took ~24 ms at 48 layers
         # (~127 MB at the 5.2 GB/s measured for pageable copies, bench/offload_speed.py); and by one compiled call
-        # per tree shape, not one eager op per leaf (96 leaves at 48 layers: 11 ms of dispatch on this CPU, 1 ms
-        # as one call; a GPU waits on each eager op's dispatch too)
+        # per tree shape, not one eager op per leaf (96 leaves at 48 layers: 11 ms on this CPU, 2 ms as one call;
+        # a GPU waits on each eager op's dispatch too)
         leaves, treedef = jax.tree.flatten(tree)
         specs = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in leaves)
         make = self._zeros.get((treedef, specs))
