@@ -216,10 +216,11 @@ BATCHES = (1, 4, 16)  # decode windows through the WindowRunner (batch 1 too: th
 
 def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, repeat: int,
                 overrides: dict | None = None, experts: str = "bf16", kernels: str = "auto", kv: str = "auto",
-                partial=None, gdn_chunk: int | None = None, gdn_xla_dots: str | None = None) -> dict:
+                partial=None, backend_settings: dict | None = None) -> dict:
     """partial(out): called after each layer count with what is measured so far (a run cut short keeps it).
-    gdn_chunk, gdn_xla_dots: the XLA chunked gated delta rule's chunk and matmul precision, when not the backend's
-    defaults (a comparison run)."""
+    backend_settings: backend attributes that are not its defaults (a comparison run): the XLA chunked gated delta
+    rule's gdn_chunk and gdn_xla_dots, the decode expert kernel's decode_variant, decode_block, decode_warps and
+    decode_min_tokens."""
     import ml_dtypes
 
     from strata.engine import Engine, EngineOptions
@@ -227,12 +228,16 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
     backend = get_backend("jax", kernels=kernels)
-    changed = {k: v for k, v in (("gdn_chunk", gdn_chunk), ("gdn_xla_dots", gdn_xla_dots)) if v is not None}
+    changed = {k: v for k, v in (backend_settings or {}).items() if v is not None}
     for k, v in changed.items():
+        if not hasattr(backend, k):
+            raise ValueError(f"the JAX backend has no setting {k!r}")
         setattr(backend, k, v)
     out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth(), "kernels": kernels,
            "pallas_ops": sorted(backend.pallas_ops), "gdn_variant": backend.gdn_variant,
            "gdn_dots": backend.gdn_dots, "gdn_chunk": backend.gdn_chunk, "gdn_xla_dots": backend.gdn_xla_dots,
+           "decode_experts": {k: getattr(backend, k) for k in ("decode_variant", "decode_block", "decode_warps",
+                                                               "decode_min_tokens")},
            "kv": kv}
     if changed:                                        # never a headline (bench/summary.py)
         out["comparison"] = ", ".join(f"{k} {v}" for k, v in changed.items())
@@ -312,6 +317,12 @@ def main() -> int:
                     help="real shapes: the XLA chunked gated delta rule's chunk (a comparison, never a headline)")
     ap.add_argument("--gdn-xla-dots", default=None, choices=("ieee", "tf32x3", "bf16x6"),
                     help="real shapes: the XLA chunked gated delta rule's matmuls (a comparison, never a headline)")
+    ap.add_argument("--decode-variant", default=None, choices=("v1", "v2", "slab", "tiles"),
+                    help="real shapes: the decode expert kernel's variant (a comparison, never a headline)")
+    ap.add_argument("--decode-block", type=int, default=None, help="real shapes: its rows a program")
+    ap.add_argument("--decode-warps", type=int, default=None, help="real shapes: its warps a program")
+    ap.add_argument("--decode-min-tokens", type=int, default=None,
+                    help="real shapes: the tokens a window from which it replaces XLA's form")
     ap.add_argument("--kv", default="auto", choices=("auto", "int8", "bfloat16"), help="real shapes: the KV cache")
     ap.add_argument("--smoke", action="store_true",
                     help="real shapes but 16 experts and a 4K vocabulary: checks the script on a CPU in seconds")
@@ -328,8 +339,10 @@ def main() -> int:
                                 {"num_experts": 16, "vocab_size": 4096} if args.smoke else None, args.experts,
                                 args.kernels, args.kv, partial=lambda out: results_file.write(
                                     {"bench": "engine_speed_partial", **stamp, **out},
-                                    (args.out or "engine_speed") + ".partial", ""), gdn_chunk=args.gdn_chunk,
-                                gdn_xla_dots=args.gdn_xla_dots)}
+                                    (args.out or "engine_speed") + ".partial", ""),
+                                backend_settings={k: getattr(args, k) for k in (
+                                    "gdn_chunk", "gdn_xla_dots", "decode_variant", "decode_block", "decode_warps",
+                                    "decode_min_tokens")})}
         name = "engine_speed_real_shapes" + ("" if args.experts == "bf16" else f"_{args.experts}") + \
             f"_{args.kernels}" + ("" if args.kv == "auto" else f"_kv{args.kv}") + ("_smoke" if args.smoke else "")
         print(f"\n| figure | value |\n|---|---|\n"

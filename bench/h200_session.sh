@@ -6,6 +6,7 @@
 #   bash bench/h200_session.sh engine48  # engine_speed at all 48 layers, kernels auto (~39 GB of int4 experts)
 #   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
 #   bash bench/h200_session.sh decode-kernels  # decode expert op variants and formats, mixer and routing kernels
+#   bash bench/h200_session.sh decode-experts  # the int4 decode expert op: XLA's form, v1, v2, slab (rows, warps)
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
 #                                        # 12 layers (~170 s; the .partial file keeps what ends). Not 4: its 3.4 GB
@@ -55,6 +56,16 @@ case "${1:-}" in
       tests/kernels/test_expert_decode.py tests/kernels/test_route.py tests/kernels/test_engine_kernels.py \
       -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_decode_kernel_tests.log" \
       | grep -E "passed|failed|FAILED|Error" | head -20
+    ;;
+  decode-experts) # the int4 decode expert op alone: XLA's form (blob_matvec) against v1, v2 and the slab variant over
+              # rows and warps, at 1, 2, 4 and 16 tokens, each call of the chain reading other experts (from HBM);
+              # then the op's tests and the engine's kernel tests compiled on the GPU
+    timeout 300 python3 bench/kernel_speed.py --only expert_decode --formats int4 \
+      --out "$OUT/kernel_speed_decode_experts_h200.json" 2>&1 | grep -E "^(expert|wrote)|FAILED" \
+      | tee "$OUT/kernel_speed_decode_experts.log"
+    STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_expert_decode.py \
+      tests/kernels/test_engine_kernels.py -p no:cacheprovider -o addopts="" 2>&1 \
+      | tee "$OUT/gpu_decode_expert_tests.log" | grep -E "passed|failed|FAILED|Error" | head -20
     ;;
   kernel-tests)
     STRATA_TEST_DEVICE=gpu timeout 400 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \
@@ -123,7 +134,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

@@ -46,11 +46,13 @@ LOOP = 20
 CHUNKED_LOOP = 3
 
 
-def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None, loop: int = LOOP) -> float:
+def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None, loop: int = LOOP, indexed: bool = False) -> float:
     """Seconds per call of fn(*args), from `loop` chained calls inside one jitted function, written out (a while loop
     would read its predicate back to the host every iteration). Call i + 1 takes carry(output of call i) as
     args[dep]; by default args[dep] + 0 * (the output's first element), for a float args[dep]. A kernel that updates
-    its input in place (the gated delta rule's state) passes carry = its new state, so no copy is forced."""
+    its input in place (the gated delta rule's state) passes carry = its new state, so no copy is forced. indexed:
+    fn(i, *args) for call i (a case that reads different data each call, so that its bytes come from HBM, not from
+    the 50 MB L2 the previous call filled)."""
     import jax
     import jax.numpy as jnp
 
@@ -62,8 +64,8 @@ def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None, loop: int
 
     def looped(*a):
         a_dep = a[dep]
-        for _ in range(loop):
-            out = fn(*a[:dep], a_dep, *a[dep + 1:])
+        for i in range(loop):
+            out = (fn(i, *a[:dep], a_dep, *a[dep + 1:]) if indexed else fn(*a[:dep], a_dep, *a[dep + 1:]))
             a_dep = step(out, a_dep) if carry is None else carry(out)
         return a_dep
 
@@ -103,7 +105,7 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=
     import jax
     import jax.numpy as jnp
 
-    from strata.jax_backend.kernels.expert_decode import BLOCK_ROWS, MAX_KERNEL_POOL_BYTES, VARIANTS, experts_decode
+    from strata.jax_backend.kernels.expert_decode import BLOCK_ROWS, MAX_KERNEL_POOL_BYTES, WARPS, experts_decode
     from strata.jax_backend.kernels.experts import experts_from_pool
     rows = []
     for fmt in formats:
@@ -111,25 +113,34 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=
         lay = store.layout
         n = min(n_slots, MAX_KERNEL_POOL_BYTES // lay.nbytes)
         pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n)]))
-        # v1 measured 39.1 us at 1 token (9546310); v2: its groups written out, at 32 rows a program and fewer
-        cases = ([(v, BLOCK_ROWS) for v in VARIANTS] + [("v2", 16), ("v2", 8)] if fmt == "int4"
-                 else [("tiles", BLOCK_ROWS)])
+        # (variant, block, warps): v1 measured 41.4 us at 1 token, v2 33.0 at 8 rows (35253ad: L2-warm, below);
+        # the slab variant (whole rows in one load) over rows and warps
+        cases = ([("v1", BLOCK_ROWS, WARPS), ("v2", 8, WARPS)]
+                 + [("slab", b, w) for b, w in ((4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8))]
+                 if fmt == "int4" else [("tiles", BLOCK_ROWS, WARPS)])
         rng = np.random.default_rng(0)
         for t in tokens:
-            slots = jnp.asarray(np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32))
+            # call i of the chain reads routes_i: LOOP draws, so that the blobs come from HBM as in an engine's
+            # window (48 layers, different experts each); at 35253ad every call read the same 16.5 MB, L2-resident
+            slots_all = [jnp.asarray(np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32))
+                         for _ in range(LOOP)]
+            slots = slots_all[0]
             weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
             x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
             xla = partial(experts_from_pool, lay, max_distinct=n)
-            t_xla = device_seconds(lambda x, p: xla(p, x, slots, weight), (x, pool), 0, repeat)
+            t_xla = device_seconds(lambda i, x, p: xla(p, x, slots_all[i], weight), (x, pool), 0, repeat,
+                                   indexed=True)
             want = xla(pool, x, slots, weight).astype(jnp.float32)
-            distinct = len(np.unique(np.asarray(slots)))
-            for variant, block in cases:
-                ker = partial(experts_decode, lay, interpret=interpret, variant=variant, block=block)
+            distinct = np.mean([len(np.unique(np.asarray(s))) for s in slots_all])
+            for variant, block, warps in cases:
+                ker = partial(experts_decode, lay, interpret=interpret, variant=variant, block=block, warps=warps)
                 err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
-                t_ker = device_seconds(lambda x, p: ker(p, x, slots, weight), (x, pool), 0, repeat)
-                rows.append(row(f"expert decode {fmt} {variant} block {block}, {t} token(s) x {k} routes", t_ker,
-                                t_xla, distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err, fmt=fmt, tokens=t,
-                                routes=t * k, distinct_experts=distinct, variant=variant, block=block))
+                t_ker = device_seconds(lambda i, x, p: ker(p, x, slots_all[i], weight), (x, pool), 0, repeat,
+                                       indexed=True)
+                rows.append(row(f"expert decode {fmt} {variant} block {block} warps {warps}, {t} token(s) x {k} "
+                                f"routes", t_ker, t_xla, distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err,
+                                fmt=fmt, tokens=t, routes=t * k, distinct_experts=distinct, variant=variant,
+                                block=block, warps=warps, routes_vary_per_call=True))
     return rows
 
 
@@ -456,6 +467,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--only", default="expert_decode,expert_grouped,decode_attention,gated_delta")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--formats", default=None, help="expert_decode's formats, comma-separated (default: all)")
     args = ap.parse_args()
     import jax
     interpret = jax.devices()[0].platform != "gpu"
@@ -493,6 +505,8 @@ def main() -> int:
                                      configs=[(8, 4, 3), (8, 8, 3), (16, 8, 3), (8, 4, 1), (16, 8, 1)]),
         }
         repeat = args.repeat
+    if args.formats:
+        shapes["expert_decode"] = dict(shapes["expert_decode"], formats=tuple(args.formats.split(",")))
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
            "gated_delta": gated_delta, "gated_delta_chunked": gated_delta, "pool_over_4gib": pool_over_4gib,
            "prompt_attention": prompt_attention, "delta_decode": delta_decode, "route": route,

@@ -76,6 +76,13 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             (frozenset() if kernels == "xla" else PALLAS_ALL)
         # the grouped kernel's variant: v2, the faster on the H200 (above); the chunked rule's under "pallas"
         self.grouped_variant = "v2"
+        # the decode expert op's kernel: its variant (None: the kernel's default for the format), rows and warps a
+        # program, and the tokens a window from which it replaces XLA's form (bench/engine_speed.py sets them for
+        # comparison runs)
+        self.decode_variant: str | None = None
+        self.decode_block: int | None = None
+        self.decode_warps = k_expert_decode.WARPS
+        self.decode_min_tokens = DECODE_EXPERTS_MIN_TOKENS
         self.gdn_variant = "xla_intra"
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
         # the chunked kernels' data dots: on a GPU fp32 split over the tensor cores (TF32 x3, within the IEEE
@@ -401,7 +408,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     def experts_pool(self, x, slots, weight, pool, layout, max_distinct):
         """The expert op over the slot pool: x [T, H]; slots, weight [T, k] (slot -1: not computed here); pool uint8
         [N, layout.nbytes]. Prompt parts (more than GATHER_ROUTES_MAX routes) through the grouped Pallas kernel,
-        decode rows of DECODE_EXPERTS_MIN_TOKENS tokens or more through the decode kernel, when chosen (int4 under
+        decode rows of decode_min_tokens tokens or more through the decode kernel, when chosen (int4 under
         "auto", every format under "pallas"); otherwise (and for shapes a kernel does not take)
         strata/jax_backend/kernels/experts.py in XLA."""
         t, kk = slots.shape
@@ -410,10 +417,12 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             if single and t * kk > GATHER_ROUTES_MAX and "experts_grouped" in self.pallas_ops:
                 return k_expert_grouped.experts_grouped(layout, pool, x, slots, weight, interpret=self.interpret,
                                                         max_distinct=max_distinct, variant=self.grouped_variant)
-            if (single and t >= DECODE_EXPERTS_MIN_TOKENS and t * kk <= GATHER_ROUTES_MAX
+            if (single and t >= self.decode_min_tokens and t * kk <= GATHER_ROUTES_MAX
                     and "experts_decode" in self.pallas_ops
                     and (self.kernels == "pallas" or layout.fmt in DECODE_KERNEL_FORMATS_AUTO)):
-                return k_expert_decode.experts_decode(layout, pool, x, slots, weight, interpret=self.interpret)
+                return k_expert_decode.experts_decode(layout, pool, x, slots, weight, interpret=self.interpret,
+                                                      variant=self.decode_variant, block=self.decode_block,
+                                                      warps=self.decode_warps)
         except ValueError:                   # shapes or a format the kernel does not take
             pass
         return experts_from_pool(layout, pool, x, slots, weight, max_distinct)

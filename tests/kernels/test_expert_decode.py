@@ -60,20 +60,21 @@ def test_tiles_at_the_demo_models_odd_shape(fmt, interpret):
     assert err <= LIMIT["float32"], f"{fmt}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("block", [8, 16])
-def test_smaller_blocks_match_the_reference(block, interpret):
-    """Fewer rows a program (more programs of fewer bytes, for batch 1 on a many-SM GPU): the same result."""
+@pytest.mark.parametrize("variant,block", [("v2", 8), ("v2", 16), ("slab", 1), ("slab", 4), ("slab", 64)])
+def test_other_blocks_match_the_reference(variant, block, interpret):
+    """Fewer rows a program (more programs of fewer bytes, for batch 1 on a many-SM GPU), or more (the slab variant
+    at 64 rows: its gate/up block is capped at I = 128 rows, its down block at H): the same result."""
     rng = np.random.default_rng()
     lay = Q.layout("int4", H, I)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
     slots, weight = routes(rng, 3, 4, slot_of)
     x = rng.standard_normal((3, H)).astype(np.float32)
     got = np.asarray(K.experts_decode(lay, jnp.asarray(pool), jnp.asarray(x), jnp.asarray(slots),
-                                      jnp.asarray(weight), interpret=interpret, variant="v2", block=block))
+                                      jnp.asarray(weight), interpret=interpret, variant=variant, block=block))
     want = K._reference(lay, pool, x, slots, weight)
     assert np.isfinite(got).all() and np.all(got[1] == 0)    # token 1: every route skipped
     err = rel_err(got, want)
-    assert err <= LIMIT["float32"], f"block {block}: relative error {err:.2e}"
+    assert err <= LIMIT["float32"], f"{variant} block {block}: relative error {err:.2e}"
 
 
 def test_a_block_that_is_not_a_power_of_two_is_refused():
@@ -83,9 +84,16 @@ def test_a_block_that_is_not_a_power_of_two_is_refused():
                          jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant="v2", block=12)
 
 
+def test_warps_that_are_not_a_power_of_two_are_refused():
+    lay = Q.layout("int4", H, I)
+    with pytest.raises(ValueError, match="warps must be a power of two, not 6"):
+        K.experts_decode(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, H)),
+                         jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant="slab", warps=6)
+
+
 def test_formats_and_shapes_it_cannot_read_are_refused():
     lay = Q.layout("int8", H, I)
-    for variant in ("v1", "v2"):
+    for variant in ("v1", "v2", "slab"):
         with pytest.raises(ValueError, match=f"variant {variant} reads int4 blobs, not 'int8'; the tiles variant"):
             K.experts_decode(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, H)),
                              jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant=variant)
@@ -138,7 +146,7 @@ def test_engine_sized_pools_reach_the_kernels_directly_or_as_the_routes_blobs():
 
 def test_an_unknown_variant_is_refused_by_name():
     lay = Q.layout("int4", H, I)
-    with pytest.raises(ValueError, match="variant must be one of v1, v2, tiles, not 'v3'"):
+    with pytest.raises(ValueError, match="variant must be one of v1, v2, slab, tiles, not 'v3'"):
         K.experts_decode(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, H)),
                          jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant="v3")
 

@@ -71,7 +71,9 @@ from strata.weights import quant
 from strata.weights.quant import BlobLayout
 
 BLOCK_ROWS = 32          # rows of a weight matrix per program (a power of two: Triton block shapes must be)
-VARIANTS = ("v1", "v2", "tiles")   # v1, v2: int4 only; tiles: every format
+SLAB_ROWS = 8            # the slab variant's gate/up rows a program: 16 KB of int4 rows at H = 2048 in one load
+WARPS = 4                # Triton warps a program
+VARIANTS = ("v1", "v2", "slab", "tiles")   # v1, v2, slab: int4 only; tiles: every format
 FORMATS = quant.FORMATS
 TILE_COLS = 128          # tiles: columns of a weight tile per step (a power of two dividing the columns and, for
                          # int4, the group; 128 x 32 rows of f32 weights is 16 KB of loads a step)
@@ -96,6 +98,37 @@ def _group_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, kk, ve, vo):
     zero = pool_ref[slot, z.offset + at].astype(jnp.float32)
     part = jnp.sum((lo - zero[:, None]) * ve[None, :] + (hi - zero[:, None]) * vo[None, :], axis=1)
     return part * scale
+
+
+def _slab_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, ve, vo, vs):
+    """The slab variant's matvec: rows `rows` [B] of int4 matrix m, whole, times v in one load of their bytes
+    (contiguous, B x cols/2) and no loop. ve, vo [NG, G/2]: v's even and odd columns by group; vs [NG]: v's sum by
+    group, so that a group's zero point is applied once: sum((q - z) v) = sum(q v) - z sum(v). -> f32 [B]."""
+    _, cols = lay.shape_of(m)
+    g = lay.group_of(m)
+    ng, half = cols // g, g // 2
+    q, s, z = (lay.field(f"{m}.{n}") for n in ("q", "s", "z"))
+    byte = (lax.broadcasted_iota(jnp.int32, (1, ng, half), 1) * half
+            + lax.broadcasted_iota(jnp.int32, (1, ng, half), 2))                   # [1, NG, G/2]
+    qb = pool_ref[slot, q.offset + rows[:, None, None] * (cols // 2) + byte]        # uint8 [B, NG, G/2]
+    lo = (qb & 0xF).astype(jnp.float32)                                             # even columns
+    hi = (qb >> 4).astype(jnp.float32)                                              # odd columns
+    dots = jnp.sum(lo * ve[None] + hi * vo[None], axis=2)                           # [B, NG]
+    at = rows[:, None] * ng + lax.broadcasted_iota(jnp.int32, (1, ng), 1)          # [B, NG] group index in s, z
+    scale = lax.bitcast_convert_type(tiles.u16_at(pool_ref, slot, s.offset + 2 * at), jnp.float16).astype(jnp.float32)
+    zero = pool_ref[slot, z.offset + at].astype(jnp.float32)
+    return jnp.sum((dots - zero * vs[None, :]) * scale, axis=1)
+
+
+def _even_odd_groups(v_ref, row, cols: int, g: int):
+    """Row `row` of v_ref [*, cols] as the slab variant reads it: (even columns [NG, G/2], odd [NG, G/2], sums by
+    group [NG]) in float32."""
+    ng, half = cols // g, g // 2
+    col = (lax.broadcasted_iota(jnp.int32, (ng, half), 0) * g
+           + 2 * lax.broadcasted_iota(jnp.int32, (ng, half), 1))                   # [NG, G/2] even columns
+    ve = v_ref[row, col].astype(jnp.float32)
+    vo = v_ref[row, col + 1].astype(jnp.float32)
+    return ve, vo, jnp.sum(ve + vo, axis=1)
 
 
 def _route_block(slot, out_ref, block: int, compute):
@@ -163,6 +196,31 @@ def _down_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayo
     _route_block(slot, y_ref, block, compute)
 
 
+def _gate_up_slab_kernel(slots_ref, toks_ref, x_ref, pool_ref, h_ref, *, lay: BlobLayout, block: int):
+    slot, t = slots_ref[pl.program_id(0)], toks_ref[pl.program_id(0)]
+    _, hidden = lay.shape_of("gate")
+
+    def compute(rows):
+        v = _even_odd_groups(x_ref, t, hidden, lay.group_of("gate"))
+        gate = _slab_dot(pool_ref, slot, rows, lay, "gate", *v)
+        up = _slab_dot(pool_ref, slot, rows, lay, "up", *v)
+        return gate * jax.nn.sigmoid(gate) * up
+
+    _route_block(slot, h_ref, block, compute)
+
+
+def _down_slab_kernel(slots_ref, weight_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayout, block: int):
+    r = pl.program_id(0)
+    slot = slots_ref[r]
+    _, inter = lay.shape_of("down")
+
+    def compute(rows):
+        v = _even_odd_groups(h_ref, r, inter, lay.group_of("down"))
+        return _slab_dot(pool_ref, slot, rows, lay, "down", *v) * weight_ref[r]
+
+    _route_block(slot, y_ref, block, compute)
+
+
 def _tile_rows(pool_ref, slot, lay: BlobLayout, ms, rows, vec_at, bk: int):
     """The tiles variant's matvecs: for each matrix m in ms, rows `rows` [B] of m (decoded a [B, bk] tile at a time
     by blob_tiles.weight_tile, the prompt kernels' decoder) times the vector vec_at(k0) -> f32 [bk] of its columns
@@ -221,9 +279,9 @@ def tile_cols(layout: BlobLayout, m: str) -> int:
     return bk
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "interpret", "variant", "block"))
+@functools.partial(jax.jit, static_argnames=("layout", "interpret", "variant", "block", "warps"))
 def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: bool = False, variant: str | None = None,
-                   block: int = BLOCK_ROWS):
+                   block: int | None = None, warps: int = WARPS):
     """The expert op (experts.experts_from_pool's contract) for few routes, by two kernels (gate/up, down).
 
     pool uint8 [N, >= nbytes], any size; x [T, H]; slots int32 [T, k] in [-1, N) (-1: skipped, contributes 0);
@@ -232,7 +290,8 @@ def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: boo
     kernels per chunk, the chunks' outputs summed. variant: "v1" or "v2" over int4 blobs, "tiles" over any format
     (module docstring); None: v1 for int4, tiles otherwise. block: rows of a weight matrix per program, a power of
     two (smaller: more programs of fewer bytes; at batch 1 the gate/up kernel runs routes x I / block programs, 160
-    at 32 rows, for the 132 SMs of an H200)."""
+    at 32 rows, for the 132 SMs of an H200); None: BLOCK_ROWS, or SLAB_ROWS for the slab variant, whose down kernel
+    takes block x H / I rows (as many bytes a program as gate/up's). warps: Triton warps a program."""
     if variant is None:
         variant = "v1" if layout.fmt == "int4" else "tiles"
     if variant not in VARIANTS:
@@ -250,12 +309,18 @@ def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: boo
         g = layout.group_of(m)
         if g & (g - 1) or layout.shape_of(m)[1] % g:
             raise ValueError(f"{m}: group {g} must be a power of two dividing {layout.shape_of(m)[1]} columns")
+    if block is None:
+        block = SLAB_ROWS if variant == "slab" else BLOCK_ROWS
     if block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of two, not {block}")
-    bi, bh = math.gcd(inter, block), math.gcd(hidden, block)     # powers of two dividing I and H (Triton blocks)
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"warps must be a power of two, not {warps}")
+    down_block = block * max(1, hidden // inter) if variant == "slab" else block
+    bi, bh = _pow2_part(math.gcd(inter, block)), _pow2_part(math.gcd(hidden, down_block))   # Triton blocks
     if variant == "v2":             # each group's even columns, then its odd ones: contiguous loads in the kernel
         x = _even_odd_columns(x, layout.group_of("gate"))
-    run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret, variant=variant)
+    run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret, variant=variant,
+                            warps=warps)
     if not (MAX_KERNEL_POOL_BYTES <= pool.size <= INT32_OFFSETS_MAX_BYTES):    # int32 offsets overflow only here
         return run(pool, slots=slots).astype(x.dtype)
     y = None
@@ -265,7 +330,13 @@ def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: boo
     return y.astype(x.dtype)
 
 
-def _decode(layout: BlobLayout, pool, x, slots, weight, *, bi: int, bh: int, interpret: bool, variant: str):
+def _pow2_part(n: int) -> int:
+    """The largest power of two dividing n."""
+    return n & -n
+
+
+def _decode(layout: BlobLayout, pool, x, slots, weight, *, bi: int, bh: int, interpret: bool, variant: str,
+            warps: int):
     """The two kernels on a pool they may index directly (< 2^31 bytes): float32 [T, H]."""
     t, k = slots.shape
     inter, hidden = layout.shape_of("gate")
@@ -275,16 +346,19 @@ def _decode(layout: BlobLayout, pool, x, slots, weight, *, bi: int, bh: int, int
     if variant == "tiles":
         gate_up = functools.partial(_gate_up_tiles_kernel, lay=layout, block=bi, bk=tile_cols(layout, "gate"))
         down = functools.partial(_down_tiles_kernel, lay=layout, block=bh, bk=tile_cols(layout, "down"))
+    elif variant == "slab":
+        gate_up = functools.partial(_gate_up_slab_kernel, lay=layout, block=bi)
+        down = functools.partial(_down_slab_kernel, lay=layout, block=bh)
     else:
         gate_up = functools.partial(_gate_up_kernel, lay=layout, block=bi, v2=variant == "v2")
         down = functools.partial(_down_kernel, lay=layout, block=bh, v2=variant == "v2")
-    h = _per_route(gate_up, routes, inter, bi, interpret, flat_slots, toks, x, pool)               # [R, I] f32
-    y = _per_route(down, routes, hidden, bh, interpret, flat_slots, weight.reshape(routes).astype(jnp.float32), h,
-                   pool)                                                                           # [R, H] f32
+    h = _per_route(gate_up, routes, inter, bi, interpret, warps, flat_slots, toks, x, pool)        # [R, I] f32
+    y = _per_route(down, routes, hidden, bh, interpret, warps, flat_slots,
+                   weight.reshape(routes).astype(jnp.float32), h, pool)                            # [R, H] f32
     return y.reshape(t, k, hidden).sum(axis=1)
 
 
-def _per_route(kernel, routes: int, cols: int, block: int, interpret: bool, *args):
+def _per_route(kernel, routes: int, cols: int, block: int, interpret: bool, warps: int, *args):
     """One kernel call over grid (route, block of `cols`): the last argument is the pool (read where the kernel
     says), the others whole arrays; -> float32 [routes, cols]."""
     return pl.pallas_call(
@@ -293,7 +367,7 @@ def _per_route(kernel, routes: int, cols: int, block: int, interpret: bool, *arg
         grid=(routes, cols // block),
         in_specs=[pl.no_block_spec] * (len(args) - 1) + [pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((None, block), lambda r, j: (r, j)),
-        interpret=interpret, **triton_params(interpret, num_warps=4, num_stages=2),
+        interpret=interpret, **triton_params(interpret, num_warps=warps, num_stages=2),
     )(*args)
 
 
