@@ -67,6 +67,12 @@ case "${1:-}" in
       tests/kernels/test_engine_kernels.py -p no:cacheprovider -o addopts="" 2>&1 \
       | tee "$OUT/gpu_decode_expert_tests.log" | grep -E "passed|failed|FAILED|Error" | head -20
     ;;
+  trace-experts) # the decode expert op's kernels under the profiler: XLA's form and the slab variant (8 rows, 4 warps)
+              # at 1 and 4 tokens, each kernel's count and time
+    timeout 200 python3 bench/kernel_speed.py --only expert_decode --formats int4 --decode-cases slab:8:4 \
+      --trace-decode slab:8:4 --out "$OUT/kernel_trace_decode_experts_h200.json" 2>&1 \
+      | grep -E "^(expert|wrote|trace|  )|FAILED" | grep -v "0.000 ms" | tee "$OUT/kernel_trace_decode_experts.log"
+    ;;
   kernel-tests)
     STRATA_TEST_DEVICE=gpu timeout 400 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \
       2>&1 | tee "$OUT/gpu_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -40
@@ -134,7 +140,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

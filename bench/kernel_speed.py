@@ -79,6 +79,25 @@ def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None, loop: int
     return float(np.median(times)) / loop
 
 
+def kernel_trace(fn, args: tuple) -> dict:
+    """fn(i, *args)'s LOOP chained calls (device_seconds' chain, args[0] carried) run under the profiler: per
+    thread of the trace, its kernels by count and total time (trace_summary), printed."""
+    import jax
+    from trace_summary import print_summary, trace_summary
+
+    def looped(*a):
+        x = a[0]
+        for i in range(LOOP):
+            out = fn(i, x, *a[1:])
+            x = x + (out.reshape(-1)[0] * 0).astype(x.dtype)
+        return x
+
+    run = jax.jit(looped)
+    summary = trace_summary(lambda: jax.block_until_ready(run(*args)), top=8)
+    print_summary(summary, min_span_ms=0.0)
+    return summary
+
+
 def rel_err(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
@@ -99,15 +118,18 @@ def row(name: str, t_ker: float, t_xla: float, nbytes: float, flops: float, err:
     return r
 
 
-def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=("int4", "bf16", "int8", "nvfp4")):
-    """int4 by every variant (v2 also at 16 and 8 rows a program), the other formats by the tiles variant; each
-    format's pool capped under 2^31 bytes (a larger one is read through compacted copies, timed elsewhere)."""
+def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=("int4", "bf16", "int8", "nvfp4"),
+                  cases=None, trace=()):
+    """int4 by v1, v2 and the slab variant (over rows and warps), the other formats by the tiles variant; each
+    format's pool capped under 2^31 bytes (a larger one is read through compacted copies, timed elsewhere).
+    cases: int4's (variant, block, warps) list instead of the default. trace: (variant, block, warps) cases whose
+    chained calls are also run under the profiler, with XLA's form: each kernel's count and time (trace_summary)."""
     import jax
     import jax.numpy as jnp
 
     from strata.jax_backend.kernels.expert_decode import BLOCK_ROWS, MAX_KERNEL_POOL_BYTES, WARPS, experts_decode
     from strata.jax_backend.kernels.experts import experts_from_pool
-    rows = []
+    rows, traced = [], {}
     for fmt in formats:
         store = SyntheticStore(fmt, hidden, inter, 1, n_slots, distinct=min(64, n_slots))
         lay = store.layout
@@ -115,9 +137,9 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=
         pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n)]))
         # (variant, block, warps): v1 measured 41.4 us at 1 token, v2 33.0 at 8 rows (35253ad: L2-warm, below);
         # the slab variant (whole rows in one load) over rows and warps
-        cases = ([("v1", BLOCK_ROWS, WARPS), ("v2", 8, WARPS)]
-                 + [("slab", b, w) for b, w in ((4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8))]
-                 if fmt == "int4" else [("tiles", BLOCK_ROWS, WARPS)])
+        fmt_cases = ((cases or [("v1", BLOCK_ROWS, WARPS), ("v2", 8, WARPS)]
+                      + [("slab", b, w) for b, w in ((4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8))])
+                     if fmt == "int4" else [("tiles", BLOCK_ROWS, WARPS)])
         rng = np.random.default_rng(0)
         for t in tokens:
             # call i of the chain reads routes_i: LOOP draws, so that the blobs come from HBM as in an engine's
@@ -132,16 +154,21 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=
                                    indexed=True)
             want = xla(pool, x, slots, weight).astype(jnp.float32)
             distinct = np.mean([len(np.unique(np.asarray(s))) for s in slots_all])
-            for variant, block, warps in cases:
+            if fmt == "int4" and trace:
+                traced[f"xla, {t} token(s)"] = kernel_trace(lambda i, x, p: xla(p, x, slots_all[i], weight), (x, pool))
+            for variant, block, warps in fmt_cases:
                 ker = partial(experts_decode, lay, interpret=interpret, variant=variant, block=block, warps=warps)
                 err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
                 t_ker = device_seconds(lambda i, x, p: ker(p, x, slots_all[i], weight), (x, pool), 0, repeat,
                                        indexed=True)
+                if fmt == "int4" and (variant, block, warps) in trace:
+                    traced[f"{variant} block {block} warps {warps}, {t} token(s)"] = kernel_trace(
+                        lambda i, x, p: ker(p, x, slots_all[i], weight), (x, pool))
                 rows.append(row(f"expert decode {fmt} {variant} block {block} warps {warps}, {t} token(s) x {k} "
                                 f"routes", t_ker, t_xla, distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err,
                                 fmt=fmt, tokens=t, routes=t * k, distinct_experts=distinct, variant=variant,
                                 block=block, warps=warps, routes_vary_per_call=True))
-    return rows
+    return {"cases": rows, "traces": traced} if trace else rows
 
 
 def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret,
@@ -468,6 +495,10 @@ def main() -> int:
     ap.add_argument("--only", default="expert_decode,expert_grouped,decode_attention,gated_delta")
     ap.add_argument("--out", default=None)
     ap.add_argument("--formats", default=None, help="expert_decode's formats, comma-separated (default: all)")
+    ap.add_argument("--decode-cases", default=None,
+                    help="expert_decode's int4 cases instead of its default: variant:block:warps, comma-separated")
+    ap.add_argument("--trace-decode", default=None,
+                    help="expert_decode: also trace these cases (variant:block:warps, comma-separated) and XLA's form")
     args = ap.parse_args()
     import jax
     interpret = jax.devices()[0].platform != "gpu"
@@ -505,8 +536,15 @@ def main() -> int:
                                      configs=[(8, 4, 3), (8, 8, 3), (16, 8, 3), (8, 4, 1), (16, 8, 1)]),
         }
         repeat = args.repeat
+    def decode_cases(text):
+        return [(v, int(b), int(w)) for v, b, w in (c.split(":") for c in text.split(","))]
+
     if args.formats:
         shapes["expert_decode"] = dict(shapes["expert_decode"], formats=tuple(args.formats.split(",")))
+    if args.decode_cases:
+        shapes["expert_decode"] = dict(shapes["expert_decode"], cases=decode_cases(args.decode_cases))
+    if args.trace_decode:
+        shapes["expert_decode"] = dict(shapes["expert_decode"], trace=decode_cases(args.trace_decode))
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
            "gated_delta": gated_delta, "gated_delta_chunked": gated_delta, "pool_over_4gib": pool_over_4gib,
            "prompt_attention": prompt_attention, "delta_decode": delta_decode, "route": route,

@@ -40,8 +40,10 @@ KERNELS = ("auto", "xla", "pallas")
 # bench/results/kernel_speed_h200_*): attention, decode 1.2-1.8x faster than XLA's (which reads the whole capacity)
 # and the prompt form 6.5x at 4096 tokens (1.28 ms against 8.32, kernel_speed_h200_b3d2b6f.json); the grouped expert
 # op for prompt parts in its v2 form, 1.4x XLA's grouped form at 512 tokens and 2.0x at 4096 (int4; the v1 form had
-# fallen to 0.4-0.5x once the XLA form was rewritten, kernel_speed_h200_6b277c5.log); the int4 decode expert op (v1)
-# 1.2x at 4 tokens, 1.7x at 16, 0.9x at 1 (so from DECODE_EXPERTS_MIN_TOKENS tokens); the routing in one kernel,
+# fallen to 0.4-0.5x once the XLA form was rewritten, kernel_speed_h200_6b277c5.log); the int4 decode expert op in
+# its slab variant (8 rows, 4 warps), with other experts each call: 27.4 us against XLA's 33.2 at 1 token, 42.0 / 45.2
+# at 2, 66.7 / 67.6 at 4, 172 / 1757 at 16, and faster than v1 and v2 at each (kernel_speed_decode_experts_h200_
+# 59544fd.json), so from 1 token (DECODE_EXPERTS_MIN_TOKENS); the routing in one kernel,
 # 1.7x at 1 row (9.5 us against 15.8), 3.3x at 4096 (kernel_speed_decode_h200_35253ad.json). The gated delta rule's
 # kernels are not in it: decode v1 / v2 level with XLA (1.0-1.2x), chunked at 4096 tokens v2 5.45 ms, xla_intra
 # (XLA's intra-chunk products + the v2 recurrence kernel) 2.60 ms against XLA's 1.67 ms
@@ -52,7 +54,7 @@ KERNELS = ("auto", "xla", "pallas")
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "route"})
 # Every Pallas kernel the backend has ("pallas"): auto's and the slower ones above.
 PALLAS_ALL = PALLAS_AUTO | {"gdn_chunked", "gdn_decode", "delta_decode"}
-DECODE_EXPERTS_MIN_TOKENS = 4
+DECODE_EXPERTS_MIN_TOKENS = 1
 # The formats "auto" computes decode rows of through the decode kernel: int4 (v1, measured above). Its tiles variant
 # reads every format: int8 2.0x XLA at 16 tokens but 0.8x at 4, bf16 and NVFP4 0.3-0.6x (kernel_speed_decode_h200_
 # 35253ad.json), so "auto" leaves them to XLA; "pallas" takes it for all.

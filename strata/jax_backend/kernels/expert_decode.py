@@ -288,12 +288,12 @@ def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: boo
     weight [T, k]. -> [T, H] in x.dtype (computed in float32). A pool of MAX_KERNEL_POOL_BYTES or more is read
     through compacted copies of the routes' blobs (at most T*k of them; expert_grouped.pool_chunks), one run of the
     kernels per chunk, the chunks' outputs summed. variant: "v1" or "v2" over int4 blobs, "tiles" over any format
-    (module docstring); None: v1 for int4, tiles otherwise. block: rows of a weight matrix per program, a power of
+    (module docstring); None: slab for int4, tiles otherwise. block: rows of a weight matrix per program, a power of
     two (smaller: more programs of fewer bytes; at batch 1 the gate/up kernel runs routes x I / block programs, 160
     at 32 rows, for the 132 SMs of an H200); None: BLOCK_ROWS, or SLAB_ROWS for the slab variant, whose down kernel
     takes block x H / I rows (as many bytes a program as gate/up's). warps: Triton warps a program."""
     if variant is None:
-        variant = "v1" if layout.fmt == "int4" else "tiles"
+        variant = "slab" if layout.fmt == "int4" else "tiles"
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
     if layout.fmt not in FORMATS:
