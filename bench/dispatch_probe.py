@@ -97,6 +97,81 @@ def probe_batch(engine, batch: int, context: int, n: int) -> dict:
     return r
 
 
+def probe_ahead(engine, batch: int, context: int, n: int) -> dict:
+    """The runner's windows dispatched ahead (dispatch(next, after=w), then collect(w), as engine_speed's ahead loop
+    and the scheduler's lookahead do), with the host's time split: in the compiled call, in start_to_host, in the
+    rest of dispatch, in collect. At 48 layers and batch 1 (1c03f95) dispatch took 6.06 ms of a 6.33 ms window
+    (2.45 ms one by one), as if the call waited for the window before it. Variants: as the runner runs; without
+    start_to_host (the result read when collected); and the bare compiled call chained with each window's result
+    kept alive and read one window later (no runner). Markers on stderr ("== ahead: <variant>") let the XLA log
+    (TF_CPP_VMODULE=command_buffer_thunk=3) be split by variant."""
+    from strata.engine import SAMPLING as SAMPLING_NAMES
+    from strata.runner import WindowRunner, idle_plan
+    runner = WindowRunner(engine, batch, 16)
+    ops = engine.backend
+    plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool), decode_pos=np.full(batch, context, np.int32))
+    tokens = runner.run(replace(plan, decode_tokens=np.arange(batch, dtype=np.int32))).decode_next   # compiles
+    step = lambda i, tok: replace(plan, decode_tokens=tok, decode_pos=plan.decode_pos + i,  # noqa: E731
+                                  steps=plan.steps + i)
+    spent = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    decode, start = runner._decode, ops.start_to_host
+    out = {}
+    for variant in ("runner", "no_start_to_host", "runner_again"):
+        print(f"== ahead: {variant}", file=sys.stderr, flush=True)
+        runner._decode = timed("call", decode)
+        ops.start_to_host = timed("start_to_host", (lambda x: None) if variant == "no_start_to_host" else start)
+        try:
+            for _ in range(2):                      # the second round is the one kept (the first warms the path)
+                spent.clear()
+                t = time.perf_counter()
+                w = timed("dispatch", runner.dispatch)(step(1, tokens))
+                for i in range(2, n + 2):
+                    w_next = (timed("dispatch", runner.dispatch)(step(i, np.full(batch, -1, np.int32)), after=w)
+                              if i <= n else None)
+                    tokens = timed("collect", runner.collect)(w).decode_next
+                    w = w_next
+                total = time.perf_counter() - t
+        finally:
+            runner._decode, ops.start_to_host = decode, start
+        out[variant] = {"window_ms": 1000 * total / n, **{f"{k}_ms": 1000 * v / n for k, v in spent.items()}}
+    print("== ahead: bare chain, results read one window late", file=sys.stderr, flush=True)
+    e = engine
+    a = runner._args
+    sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
+    stable = (a.get("active", plan.decode_active.astype(np.int32)), *(a.get(k, v) for k, v in zip(SAMPLING_NAMES, sp)),
+              a.get("seeds", plan.seeds))
+    rows = ops.to_device(np.stack([np.asarray(tokens, np.int32), plan.decode_pos, plan.steps]).astype(np.int32))
+    for _ in range(2):
+        spent.clear()
+        t = time.perf_counter()
+        prev = None
+        for _ in range(n):
+            t0 = time.perf_counter()
+            res, runner.states, rows = runner._decode(e.params, e.expert_args(), runner.states, rows, *stable,
+                                                      greedy=True)
+            spent["call"] = spent.get("call", 0.0) + time.perf_counter() - t0
+            if prev is not None:
+                t0 = time.perf_counter()
+                np.asarray(prev)
+                spent["read"] = spent.get("read", 0.0) + time.perf_counter() - t0
+            prev = res
+        np.asarray(prev)
+        total = time.perf_counter() - t
+    out["bare_chain_read_late"] = {"window_ms": 1000 * total / n, **{f"{k}_ms": 1000 * v / n for k, v in spent.items()}}
+    print("== ahead: end", file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -104,6 +179,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--ahead-only", action="store_true",
+                    help="only probe_ahead (the runner's windows dispatched ahead, the host's time split)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import jax
@@ -131,6 +208,11 @@ def main() -> int:
     print("| batch | runner ms | runner resend ms | same rows ms | fresh rows ms | chained ms | device busy ms "
           "| put ms | read ms |")
     for b in [int(x) for x in args.batches.split(",")]:
+        if args.ahead_only:
+            r = result["batches"][b] = probe_ahead(engine, b, args.context, args.windows)
+            for variant, v in r.items():
+                print(f"ahead b{b} {variant}: " + ", ".join(f"{k} {x:.3f}" for k, x in v.items()), flush=True)
+            continue
         r = probe_batch(engine, b, args.context, args.windows)
         result["batches"][b] = r
         print(f"| {b} | {r['runner_ms']:.3f} | {r['runner_resend_ms']:.3f} | {r['same_rows_ms']:.3f} | "

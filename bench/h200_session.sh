@@ -7,6 +7,7 @@
 #   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
 #   bash bench/h200_session.sh decode-kernels  # decode expert op variants and formats, mixer and routing kernels
 #   bash bench/h200_session.sh decode-experts  # the int4 decode expert op: XLA's form, v1, v2, slab (rows, warps)
+#   bash bench/h200_session.sh ahead     # 48 layers, batch 1: windows dispatched ahead, the host's time split
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
 #                                        # 12 layers (~170 s; the .partial file keeps what ends). Not 4: its 3.4 GB
@@ -72,6 +73,16 @@ case "${1:-}" in
     timeout 200 python3 bench/kernel_speed.py --only expert_decode --formats int4 --decode-cases slab:8:4 \
       --trace-decode slab:8:4 --out "$OUT/kernel_trace_decode_experts_h200.json" 2>&1 \
       | grep -E "^(expert|wrote|trace|  )|FAILED" | grep -v "0.000 ms" | tee "$OUT/kernel_trace_decode_experts.log"
+    ;;
+  ahead)      # at 48 layers, batch 1: the runner's windows dispatched ahead with the host's time split (call,
+              # start_to_host, collect), without start_to_host, and the bare call chained with results read a window
+              # late; XLA's command-buffer log kept to count its updates per variant
+    TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 timeout 300 python3 bench/dispatch_probe.py \
+      --layers 48 --batches 1 --ahead-only --out "$OUT/dispatch_probe_ahead_h200_48_layers.json" \
+      2> "$OUT/dispatch_probe_ahead_xla.log" | grep -E "^ahead|wrote|Error"
+    awk '/^== ahead/ {v=$0} /Update command buffer/ {n[v]++} END {for (k in n) print k ": " n[k] " command buffer updates"}' \
+      "$OUT/dispatch_probe_ahead_xla.log"
+    gzip -f "$OUT/dispatch_probe_ahead_xla.log"
     ;;
   kernel-tests)
     STRATA_TEST_DEVICE=gpu timeout 400 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \
@@ -140,7 +151,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|ahead|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

@@ -100,6 +100,22 @@ def _group_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, kk, ve, vo):
     return part * scale
 
 
+_F32_2_23 = 0x4B000000     # the bits of float32 2^23: OR-ing an integer n < 2^23 into them gives 2^23 + n
+
+
+def _nibbles_f32(qb):
+    """uint8 bytes -> (low nibbles, high nibbles) as exact float32 values, by building the floats' bits:
+    bits(2^23) | n is the float 2^23 + n, so subtracting 2^23 leaves n. Why: integer-to-float conversions issue at
+    16 a clock per SM on an H200 (integer logic at 64, float adds at 128), and at one per nibble they bounded the
+    slab kernels (gate/up 10.4 us at 1 token x 10 routes against a 2.9 us HBM floor, 103 us at 16 tokens: the
+    conversions' own bound is ~5 and ~80 us; kernel_trace_decode_experts_h200_1c03f95.log)."""
+    qi = qb.astype(jnp.int32)
+    two23 = np.float32(2.0 ** 23)
+    lo = lax.bitcast_convert_type((qi & 0xF) | _F32_2_23, jnp.float32) - two23
+    hi = lax.bitcast_convert_type((qi >> 4) | _F32_2_23, jnp.float32) - two23
+    return lo, hi
+
+
 def _slab_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, ve, vo, vs):
     """The slab variant's matvec: rows `rows` [B] of int4 matrix m, whole, times v in one load of their bytes
     (contiguous, B x cols/2) and no loop. ve, vo [NG, G/2]: v's even and odd columns by group; vs [NG]: v's sum by
@@ -111,8 +127,7 @@ def _slab_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, ve, vo, vs):
     byte = (lax.broadcasted_iota(jnp.int32, (1, ng, half), 1) * half
             + lax.broadcasted_iota(jnp.int32, (1, ng, half), 2))                   # [1, NG, G/2]
     qb = pool_ref[slot, q.offset + rows[:, None, None] * (cols // 2) + byte]        # uint8 [B, NG, G/2]
-    lo = (qb & 0xF).astype(jnp.float32)                                             # even columns
-    hi = (qb >> 4).astype(jnp.float32)                                              # odd columns
+    lo, hi = _nibbles_f32(qb)                                                       # even, odd columns
     dots = jnp.sum(lo * ve[None] + hi * vo[None], axis=2)                           # [B, NG]
     at = rows[:, None] * ng + lax.broadcasted_iota(jnp.int32, (1, ng), 1)          # [B, NG] group index in s, z
     scale = lax.bitcast_convert_type(tiles.u16_at(pool_ref, slot, s.offset + 2 * at), jnp.float16).astype(jnp.float32)
