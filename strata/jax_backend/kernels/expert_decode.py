@@ -1,13 +1,26 @@
 """The decode form of the expert op as Pallas kernels that dequantize the blobs in the kernel (issue 4): int4, the
-format the benchmarks run, by two tuned variants, and every format of strata/weights/quant.py by the tiles variant;
-for pools of any size.
+format the benchmarks run, by three variants (slab, the default, and the earlier v1 and v2), and every format of
+strata/weights/quant.py by the tiles variant; for pools of any size.
 
 Why: the XLA op (experts.py, experts_from_pool) gathered each route's whole blob, decoded it into float weights in
 HBM and multiplied: at Qwen3-Next-80B shapes and batch 1 that was ~3x the blob's bytes written and read again, in a
 chain of small launches. These kernels read each route's packed bytes once and keep the decoded weights in registers.
-Since 2026-12-02 the XLA op's gather form multiplies quantised blobs as it decodes them too (experts.blob_matvec),
-not yet timed on the GPU: the measurements below are against the former XLA form, and DECODE_EXPERTS_MIN_TOKENS
-(backend.py) is to be measured again (bench/h200_session.sh decode-kernels).
+Since 2026-12-02 the XLA op's gather form multiplies quantised blobs as it decodes them too (experts.blob_matvec);
+the measurements up to 35253ad below are against the former XLA form.
+
+The slab variant (the default for int4 since 59544fd): a program (route, 8 rows of gate and up, or 32 of down) loads
+its rows' packed bytes whole, [rows, groups, G/2] in one load of 16 (8) KB, with no K loop, and reduces once at the
+end; the zero points are applied once per group through x's group sums (sum((q - z) x) = sum(q x) - z sum(x)). Why:
+v1 and v2 reduced every group (a barrier each), which kept each program's loads in a chain of DRAM latencies.
+MEASURED at 59544fd (kernel_speed_decode_experts_h200_59544fd.json, other experts each call so that blobs come from
+HBM, not L2): 1 / 2 / 4 / 16 tokens x 10 routes, slab 27.4 / 42.0 / 66.7 / 172 us, XLA's blob_matvec form 33.2 /
+45.2 / 67.6 / 1757, v1 48.3 / 66.6 / 85.3 / 246, v2 (8 rows) 44.1 / 58.2 / 107 / 296; 16 rows or 8 warps no better.
+The profiler (kernel_trace_decode_experts_h200_1c03f95.log) split 1 token into gate/up 10.4 us (floor 2.9) and down
+5.8 (1.5), the rest of a chained call being the routes' sum and launch gaps; 16 tokens gate/up 103 us, down 49. The
+integer-to-float conversion of every nibble (16 a clock per SM) accounted for ~5 and ~80 us of gate/up's: since
+770b404 a nibble's float is built from its bits (_nibbles_f32), 2 integer and 1 float add per nibble at 64 and 128
+a clock (not yet measured on the GPU; compiled for sm_90a on the CPU by bench/triton_sass_probe.py: 79 registers, no
+spills, 128-bit loads of the weights, 2 conversions left per program against 256).
 
 Floor (H200, batch 1, one MoE layer, 10 routes of 1.57 MiB): 16.5 MB read / 3.6 TB/s = 4.6 us, against ~40 us the
 XLA gather form spends per layer in the all-resident decode (8.2 ms / 48 layers, of which the experts are a part).
@@ -31,13 +44,13 @@ contributes exactly 0.
 Within a group of G = 128 columns an int4 row is (q - z) * s: the kernel sums (q - z) * x over the group's even and
 odd columns (low and high nibbles) and multiplies by s once per group.
 
-MEASURED again at 35253ad (kernel_speed_decode_h200_35253ad.json): 1 token, v1 41.4 us, v2 at 32 / 16 / 8 rows a
-program 47.7 / 36.2 / 33.0, XLA 35.4 (floor 4.6); 4 tokens v1 79.5, XLA 92.3; 16 tokens v1 242, XLA 423. v2's
-prediction (10-15 us at 1 token) missed: independent loads did not cut the latency. Kernels "auto" takes v1 from
-the backend's DECODE_EXPERTS_MIN_TOKENS (4) rows. Tiles: int8 2.0x XLA at 16 tokens (190 us) but 0.5-0.8x at 1-4;
+MEASURED again at 35253ad (kernel_speed_decode_h200_35253ad.json; every call read the same 16.5 MB, L2-resident):
+1 token, v1 41.4 us, v2 at 32 / 16 / 8 rows a program 47.7 / 36.2 / 33.0, XLA 35.4 (floor 4.6); 4 tokens v1 79.5,
+XLA 92.3; 16 tokens v1 242, XLA 423. v2's prediction (10-15 us at 1 token) missed: independent loads did not cut
+the latency. Tiles: int8 2.0x XLA at 16 tokens (190 us) but 0.5-0.8x at 1-4;
 bf16 0.3-0.4x; NVFP4 0.4-0.6x, so "auto" leaves every format but int4 to XLA.
 
-Variants (static `variant`): "v1" (default, the design measured above) walks the groups in a fori_loop, each step's
+Variants (static `variant`): "slab" (above); "v1" (the first design) walks the groups in a fori_loop, each step's
 loads issued after the previous step's (16 dependent rounds of small loads for gate/up at H = 2048, 4 for down),
 and reads x's even and odd columns by stride-2 loads. "v2" (timed above) writes the groups out in
 straight-line code, so that every group's loads are independent instructions the compiler can issue together, and
@@ -112,8 +125,8 @@ def _nibbles_f32(qb):
     qi = qb.astype(jnp.int32)
     two23 = np.float32(2.0 ** 23)
     lo = lax.bitcast_convert_type((qi & 0xF) | _F32_2_23, jnp.float32) - two23
-    hi = lax.bitcast_convert_type((qi >> 4) | _F32_2_23, jnp.float32) - two23
-    return lo, hi
+    hi = lax.bitcast_convert_type(((qi >> 4) & 0xF) | _F32_2_23, jnp.float32) - two23   # & 0xF: whether the
+    return lo, hi                                            # byte was widened signed or not (one LOP3 either way)
 
 
 def _slab_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, ve, vo, vs):
