@@ -42,7 +42,7 @@ def probe_batch(engine, batch: int, context: int, n: int) -> dict:
     import jax
 
     from strata.engine import SAMPLING
-    from strata.runner import WindowRunner, idle_plan
+    from strata.runner import WindowRunner, _with_result_rows, idle_plan
     from trace_summary import trace_summary
     runner = WindowRunner(engine, batch, 16)
     t = time.perf_counter()
@@ -60,7 +60,7 @@ def probe_batch(engine, batch: int, context: int, n: int) -> dict:
         state["plan"] = replace(p, decode_tokens=res.decode_next, decode_pos=p.decode_pos + 1, steps=p.steps + 1)
     r["runner_ms"] = per_call_ms(advance, n)
     e, ops = engine, engine.backend
-    rows_np = np.stack([plan.decode_tokens, plan.decode_pos, plan.steps]).astype(np.int32)        # [3, S]
+    rows_np = _with_result_rows(np.stack([plan.decode_tokens, plan.decode_pos, plan.steps]))   # [ROWS, S]
     a = runner._args
     sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
     stable = (a.get("active", plan.decode_active.astype(np.int32)), *(a.get(k, v) for k, v in zip(SAMPLING, sp)),
@@ -68,21 +68,21 @@ def probe_batch(engine, batch: int, context: int, n: int) -> dict:
     rows_dev = ops.to_device(rows_np)
 
     def call(rows):             # rows are donated: each call gets its own copy
-        out, runner.states, _ = runner._decode(e.params, e.expert_args(), runner.states, rows + 0, *stable)
-        return out
+        runner.states, rows_out = runner._decode(e.params, e.expert_args(), runner.states, rows + 0, *stable)
+        return runner._peel(rows_out)
     r["same_rows_ms"] = per_call_ms(lambda: np.asarray(call(rows_dev)), n)
     def fresh():
-        out, runner.states, _ = runner._decode(e.params, e.expert_args(), runner.states, ops.to_device(rows_np),
-                                               *stable)
-        return np.asarray(out)
+        runner.states, rows_out = runner._decode(e.params, e.expert_args(), runner.states, ops.to_device(rows_np),
+                                                 *stable)
+        return np.asarray(runner._peel(rows_out))
     r["fresh_rows_ms"] = per_call_ms(fresh, n)
 
 
     def chained():              # the successor's rows as the window returns them (donated: the same buffer)
         rows = rows_dev + 0
         for _ in range(n):
-            out, runner.states, rows = runner._decode(e.params, e.expert_args(), runner.states, rows, *stable)
-        return np.asarray(out)
+            runner.states, rows = runner._decode(e.params, e.expert_args(), runner.states, rows, *stable)
+        return np.asarray(runner._peel(rows))
     chained()
     t = time.perf_counter()
     chained()
@@ -97,6 +97,10 @@ def probe_batch(engine, batch: int, context: int, n: int) -> dict:
     return r
 
 
+def _fresh_result(states, rows):
+    return rows[3:] + 0, states, rows
+
+
 def probe_ahead(engine, batch: int, context: int, n: int) -> dict:
     """The runner's windows dispatched ahead (dispatch(next, after=w), then collect(w), as engine_speed's ahead loop
     and the scheduler's lookahead do), with the host's time split: in the compiled call, in start_to_host, in the
@@ -106,7 +110,7 @@ def probe_ahead(engine, batch: int, context: int, n: int) -> dict:
     kept alive and read one window later (no runner). Markers on stderr ("== ahead: <variant>") let the XLA log
     (TF_CPP_VMODULE=command_buffer_thunk=3) be split by variant."""
     from strata.engine import SAMPLING as SAMPLING_NAMES
-    from strata.runner import WindowRunner, idle_plan
+    from strata.runner import WindowRunner, _decode_rows, _with_result_rows, idle_plan
     runner = WindowRunner(engine, batch, 16)
     ops = engine.backend
     plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool), decode_pos=np.full(batch, context, np.int32))
@@ -144,30 +148,36 @@ def probe_ahead(engine, batch: int, context: int, n: int) -> dict:
         finally:
             runner._decode, ops.start_to_host = decode, start
         out[variant] = {"window_ms": 1000 * total / n, **{f"{k}_ms": 1000 * v / n for k, v in spent.items()}}
-    print("== ahead: bare chain, results read one window late", file=sys.stderr, flush=True)
     e = engine
     a = runner._args
     sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
     stable = (a.get("active", plan.decode_active.astype(np.int32)), *(a.get(k, v) for k, v in zip(SAMPLING_NAMES, sp)),
               a.get("seeds", plan.seeds))
-    rows = ops.to_device(np.stack([np.asarray(tokens, np.int32), plan.decode_pos, plan.steps]).astype(np.int32))
-    for _ in range(2):
-        spent.clear()
-        t = time.perf_counter()
-        prev = None
-        for _ in range(n):
-            t0 = time.perf_counter()
-            res, runner.states, rows = runner._decode(e.params, e.expert_args(), runner.states, rows, *stable,
-                                                      greedy=True)
-            spent["call"] = spent.get("call", 0.0) + time.perf_counter() - t0
-            if prev is not None:
+    # the window as it was before 770b404+: its result a fresh output array of the window itself (a new address
+    # each window while the last one is still held), against the runner's form (results peeled by a second call)
+    fresh = ops.compile(lambda *args, greedy: _fresh_result(*_decode_rows(ops, e.cfg, e.layout, *args, greedy=greedy)),
+                        donate_argnums=(2, 3), static_argnames=("greedy",))
+    peeled = lambda *args, greedy: (lambda st, r: (runner._peel(r), st, r))(  # noqa: E731
+        *runner._decode(*args, greedy=greedy))
+    for variant, fn in (("bare_chain_fresh_result", fresh), ("bare_chain_peeled", peeled)):
+        print(f"== ahead: {variant}, results read one window late", file=sys.stderr, flush=True)
+        rows = ops.to_device(_with_result_rows(np.stack([np.asarray(tokens, np.int32), plan.decode_pos, plan.steps])))
+        for _ in range(2):
+            spent.clear()
+            t = time.perf_counter()
+            prev = None
+            for _ in range(n):
                 t0 = time.perf_counter()
-                np.asarray(prev)
-                spent["read"] = spent.get("read", 0.0) + time.perf_counter() - t0
-            prev = res
-        np.asarray(prev)
-        total = time.perf_counter() - t
-    out["bare_chain_read_late"] = {"window_ms": 1000 * total / n, **{f"{k}_ms": 1000 * v / n for k, v in spent.items()}}
+                res, runner.states, rows = fn(e.params, e.expert_args(), runner.states, rows, *stable, greedy=True)
+                spent["call"] = spent.get("call", 0.0) + time.perf_counter() - t0
+                if prev is not None:
+                    t0 = time.perf_counter()
+                    np.asarray(prev)
+                    spent["read"] = spent.get("read", 0.0) + time.perf_counter() - t0
+                prev = res
+            np.asarray(prev)
+            total = time.perf_counter() - t
+        out[variant] = {"window_ms": 1000 * total / n, **{f"{k}_ms": 1000 * v / n for k, v in spent.items()}}
     print("== ahead: end", file=sys.stderr, flush=True)
     return out
 

@@ -14,10 +14,14 @@ adaptive swaps (at the start of the next run, or, with window fetch, right after
 host's work overlaps the device's).
 
 Host <-> device traffic per decode window: one int32 [2, S] array (next tokens, finite) comes back, its copy queued
-when the window is dispatched. In: one int32 [3, S] array (tokens, positions, steps), which the window also computes
-for its successor (every active row continued: its token, position + 1, step + 1; inactive rows unchanged) into the
-same buffer (donated): when the next plan asks for exactly those rows, as steady decoding does, nothing is sent and
-the compiled window sees the same addresses. The sampling settings and the active mask are sent only when they
+when the window is dispatched. In: one int32 [ROWS, S] array (tokens, positions, steps, and two rows that only carry
+results out), which the window also computes for its successor (every active row continued: its token, position + 1,
+step + 1; inactive rows unchanged) into the same buffer (donated), with its next tokens and finite flags in the last
+two rows: when the next plan asks for exactly those rows, as steady decoding does, nothing is sent. So a compiled
+window's outputs are all its donated inputs, at the same addresses every window; the [2, S] result read by the host
+is peeled off by a second, tiny call. Why: XLA re-records a window's command buffer (CUDA graph) when an output's
+address changes, and with windows dispatched ahead each window's fresh result array took a new address
+(bench/dispatch_probe.py --ahead-only). The sampling settings and the active mask are sent only when they
 change (engine.DeviceArgs). On the H200 (8 layers, batch 1) the window took ~2.2 ms of which the device was busy
 ~0.93; sending the rows cost ~0.2-0.3 ms and reading the result ~0.5-0.8 (bench/dispatch_probe.py), while windows
 dispatched back to back without reads ran at ~1.0 ms each.
@@ -56,6 +60,8 @@ class WindowRunner:
         self._part = engine.compiled(("prompt_part", lay), lambda: ops.compile(
             partial(_prompt_part, ops, cfg, lay), donate_argnums=(2,)))
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
+        # a window's result rows, copied out of the rows it hands its successor (a fresh [2, S] array)
+        self._peel = engine.compiled("peel_result", lambda: ops.compile(_result_rows))
         self._decode_fetch = None
         if engine.experts is not None and engine.experts.window_fetch:
             starts = engine.experts.window_starts
@@ -125,17 +131,19 @@ class WindowRunner:
                                        np.asarray(plan.steps, np.int32)])                     # [3, S]
                     # a compiled window takes the rows its predecessor computed (donated) when they are these
                     # (an eager backend gets them on the host: DeviceArgs)
-                    rows_in = a.take("rows", w.rows)
+                    rows_in = a.take("rows", _with_result_rows(w.rows))
                 greedy = all_greedy(plan.temperature, plan.decode_active)
                 if e.fused:
-                    w.out, self.states, w.rows_next = self._decode(e.params, e.expert_args(), self.states, rows_in,
-                                                                   *stable, greedy=greedy)
-                    e.backend.start_to_host(w.out)
+                    self.states, rows_out = self._decode(e.params, e.expert_args(), self.states, rows_in, *stable,
+                                                         greedy=greedy)
                 else:
                     args, table = e.experts.fetch_args()
-                    w.out, self.states, counts, copied, w.rows_next = self._decode_fetch(
-                        e.params, args, self.states, rows_in, *stable, greedy=greedy)
-                    e.backend.start_to_host(w.out)      # before the host's cache work below
+                    self.states, counts, copied, rows_out = self._decode_fetch(e.params, args, self.states, rows_in,
+                                                                               *stable, greedy=greedy)
+                w.out = rows_out if e.backend.eager else self._peel(rows_out)                        # [2, S]
+                w.rows_next = None if e.backend.eager else rows_out
+                e.backend.start_to_host(w.out)          # before the host's cache work below
+                if not e.fused:
                     # the last window's refills and swaps, on the host while the device runs this one (their
                     # copies queue behind it; this window holds the pool and table it was given, by value)
                     self._between_windows()
@@ -182,7 +190,7 @@ class WindowRunner:
             if not e.backend.eager:
                 after = _rows_after(np, w.rows, decode_next, w.active)       # what w.rows_next holds
                 if w.rows_next is not None:
-                    self._args.known("rows", after, w.rows_next)
+                    self._args.known("rows", _with_result_rows(after), w.rows_next)
                 if w.successor is not None:
                     w.successor.rows = after
         elif w.decode_read is not None:
@@ -241,24 +249,47 @@ def idle_plan(n_slots: int) -> WindowPlan:
                       min_p=z(np.float32), seeds=np.zeros((n_slots, 2), np.uint32), steps=z(np.int32))
 
 
+ROWS = 5      # a window's rows array: tokens, positions, steps (in); next tokens, finite (out)
+
+
+def _with_result_rows(rows):
+    """Host rows [3, S] as a window takes them, [ROWS, S]: the result rows zero (a window reads only the first 3;
+    DeviceArgs compares these, so a device buffer holding a window's results in them stands for them)."""
+    return np.concatenate([rows, np.zeros((ROWS - 3, rows.shape[1]), np.int32)]).astype(np.int32)
+
+
+def _result_rows(rows):
+    """[ROWS, S] -> the window's result, int32 [2, S] (next tokens, finite): a copy, so the rows can be donated."""
+    return rows[3:] + 0
+
+
 def _decode_rows(ops, cfg, layout, params, experts, states, rows, active, temperature, top_k, top_p, min_p, seeds,
                  greedy: bool = False):
-    """rows int32 [3, S]: (tokens, positions, steps) of S rows of one token each -> (int32 [2, S]: next tokens and
-    finite, states, the successor's rows [3, S]). greedy (static): every active row is greedy (ops.sample's
-    all_greedy)."""
+    """rows int32 [ROWS, S]: (tokens, positions, steps) of S rows of one token each (rows 3, 4 ignored) -> (states,
+    rows [ROWS, S]: the successor's rows, then this window's next tokens and finite flags; an eager backend's: the
+    result [2, S] alone). greedy (static): every active row is greedy (ops.sample's all_greedy)."""
     logits, states = forward_rows(ops, cfg, layout, params, experts, states, rows[0], rows[1], active)   # [S, V]
     out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy)
-    return out, states, None if ops.eager else _rows_after(ops.xp, rows, out[0], active)
+    return states, _rows_out(ops, rows, out, active)
+
+
+def _rows_out(ops, rows, out, active):
+    """The successor's rows and this window's result [2, S] in one [ROWS, S] array (the donated rows' buffer); an
+    eager backend's window is not continued on the device: its result [2, S] alone."""
+    if ops.eager:
+        return out
+    xp = ops.xp
+    return xp.concatenate([_rows_after(xp, rows, out[0], active), out]).astype(xp.int32)
 
 
 def _decode_rows_fetching(ops, cfg, layout, starts, params, experts, states, rows, active, temperature, top_k,
                           top_p, min_p, seeds, greedy: bool = False):
     """_decode_rows over a partial cache, in one compiled function (strata/model/stepped.py, rows_fetching)
-    -> (int32 [2, S], states, routing counts [Lp, E], experts copied [Lp], the successor's rows [3, S])."""
+    -> (states, routing counts [Lp, E], experts copied [Lp], rows [ROWS, S] as _decode_rows returns them)."""
     logits, states, counts, copied = rows_fetching(ops, cfg, layout, starts, params, experts, states, rows[0],
                                                    rows[1], active)
     out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy)
-    return out, states, counts, copied, None if ops.eager else _rows_after(ops.xp, rows, out[0], active)
+    return states, counts, copied, _rows_out(ops, rows, out, active)
 
 
 def _rows_after(xp, rows, nxt, active):
