@@ -53,6 +53,7 @@ def routes(rng, tokens, k, slot_of, skip=0.2):
     idx = np.stack([rng.choice(len(slot_of), k, replace=False) for _ in range(tokens)])
     slots = slot_of[idx].astype(np.int32)
     slots[rng.random(slots.shape) < skip] = -1
+    slots[:, 0] = slot_of[idx[:, 0]]      # every other token keeps a route (all skipped by chance: a zero reference)
     if tokens > 1:
         slots[tokens // 2] = -1
     weight = rng.random((tokens, k)).astype(np.float32)
