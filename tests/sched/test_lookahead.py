@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from strata import Engine
+from strata.engine import SAMPLING
 from strata.runner import WindowRunner, idle_plan
 from strata.sched.plan import PromptPart
 from strata.sched.request import Finished, Request, SamplingParams
@@ -97,3 +98,26 @@ def test_lookahead_changes_nothing_a_client_sees(engine):
     assert on["stop-token"][1].reason == "stop" and on["stop-token"][1].completion_tokens == ids.index(ids[6]) + 1
     assert on["stop-string"][1].reason == "stop" and on["len"][1].completion_tokens == 17
     assert all(s["state"] == "free" for s in sched_on.slots())
+
+
+def test_a_compiled_windows_outputs_are_its_donated_inputs(engine):
+    """Every output of the compiled decode window is written over a donated input (the slot states, the rows with
+    the results in them), so its buffers keep their addresses from window to window: XLA re-records a command
+    buffer (CUDA graph) whose outputs move. The result the host reads is a copy peeled off by a second call."""
+    import jax
+    runner = WindowRunner(engine, 2, 16)
+    plan = replace(idle_plan(2), decode_active=np.array([True, True]), decode_tokens=np.array([5, 6], np.int32))
+    runner.run(plan)                                                      # compiles
+    a, ops = runner._args, engine.backend
+    sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
+    stable = (a.get("active", plan.decode_active.astype(np.int32)),
+              *(a.get(k, v) for k, v in zip(SAMPLING, sp)), a.get("seeds", plan.seeds))
+    rows = ops.to_device(np.zeros((5, 2), np.int32))
+    before = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves((runner.states, rows))]
+    states, rows_out = runner._decode(engine.params, engine.expert_args(), runner.states, rows, *stable, greedy=True)
+    after = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves((states, rows_out))]
+    assert after == before
+    runner.states = states
+    result = runner._peel(rows_out)
+    assert result.shape == (2, 2) and result.unsafe_buffer_pointer() != rows_out.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(result), np.asarray(rows_out)[3:])
