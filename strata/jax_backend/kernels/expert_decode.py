@@ -10,7 +10,7 @@ the measurements up to 35253ad below are against the former XLA form.
 
 The slab variant (the default for int4 since 59544fd): a program (route, 8 rows of gate and up, or 32 of down) loads
 its rows' packed bytes whole, [rows, groups, G/2] in one load of 16 (8) KB, with no K loop, and reduces once at the
-end; the zero points are applied once per group through x's group sums (sum((q - z) x) = sum(q x) - z sum(x)). Why:
+end. Why:
 v1 and v2 reduced every group (a barrier each), which kept each program's loads in a chain of DRAM latencies.
 MEASURED at 59544fd (kernel_speed_decode_experts_h200_59544fd.json, other experts each call so that blobs come from
 HBM, not L2): 1 / 2 / 4 / 16 tokens x 10 routes, slab 27.4 / 42.0 / 66.7 / 172 us, XLA's blob_matvec form 33.2 /
@@ -18,9 +18,9 @@ HBM, not L2): 1 / 2 / 4 / 16 tokens x 10 routes, slab 27.4 / 42.0 / 66.7 / 172 u
 The profiler (kernel_trace_decode_experts_h200_1c03f95.log) split 1 token into gate/up 10.4 us (floor 2.9) and down
 5.8 (1.5), the rest of a chained call being the routes' sum and launch gaps; 16 tokens gate/up 103 us, down 49. The
 integer-to-float conversion of every nibble (16 a clock per SM) accounted for ~5 and ~80 us of gate/up's: since
-770b404 a nibble's float is built from its bits (_nibbles_f32), 2 integer and 1 float add per nibble at 64 and 128
-a clock (not yet measured on the GPU; compiled for sm_90a on the CPU by bench/triton_sass_probe.py: 79 registers, no
-spills, 128-bit loads of the weights, 2 conversions left per program against 256).
+770b404 a nibble's q - z is built from its bits as the prompt kernels build it (expert_grouped._nibble_planes), an
+OR and a float subtraction per nibble at 64 and 128 a clock (compiled for sm_90a on the CPU by
+bench/triton_sass_probe.py: no spills, 128-bit loads of the weights, 2 conversions left per program against 256).
 
 Floor (H200, batch 1, one MoE layer, 10 routes of 1.57 MiB): 16.5 MB read / 3.6 TB/s = 4.6 us, against ~40 us the
 XLA gather form spends per layer in the all-resident decode (8.2 ms / 48 layers, of which the experts are a part).
@@ -79,7 +79,7 @@ from jax.experimental import pallas as pl
 
 from strata.jax_backend.kernels import blob_tiles as tiles
 from strata.jax_backend.kernels import triton_params
-from strata.jax_backend.kernels.expert_grouped import _even_odd_columns, pool_chunks
+from strata.jax_backend.kernels.expert_grouped import _even_odd_columns, _nibble_planes, pool_chunks
 from strata.weights import quant
 from strata.weights.quant import BlobLayout
 
@@ -113,26 +113,11 @@ def _group_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, kk, ve, vo):
     return part * scale
 
 
-_F32_2_23 = 0x4B000000     # the bits of float32 2^23: OR-ing an integer n < 2^23 into them gives 2^23 + n
-
-
-def _nibbles_f32(qb):
-    """uint8 bytes -> (low nibbles, high nibbles) as exact float32 values, by building the floats' bits:
-    bits(2^23) | n is the float 2^23 + n, so subtracting 2^23 leaves n. Why: integer-to-float conversions issue at
-    16 a clock per SM on an H200 (integer logic at 64, float adds at 128), and at one per nibble they bounded the
-    slab kernels (gate/up 10.4 us at 1 token x 10 routes against a 2.9 us HBM floor, 103 us at 16 tokens: the
-    conversions' own bound is ~5 and ~80 us; kernel_trace_decode_experts_h200_1c03f95.log)."""
-    qi = qb.astype(jnp.int32)
-    two23 = np.float32(2.0 ** 23)
-    lo = lax.bitcast_convert_type((qi & 0xF) | _F32_2_23, jnp.float32) - two23
-    hi = lax.bitcast_convert_type(((qi >> 4) & 0xF) | _F32_2_23, jnp.float32) - two23   # & 0xF: whether the
-    return lo, hi                                            # byte was widened signed or not (one LOP3 either way)
-
-
-def _slab_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, ve, vo, vs):
+def _slab_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, ve, vo):
     """The slab variant's matvec: rows `rows` [B] of int4 matrix m, whole, times v in one load of their bytes
-    (contiguous, B x cols/2) and no loop. ve, vo [NG, G/2]: v's even and odd columns by group; vs [NG]: v's sum by
-    group, so that a group's zero point is applied once: sum((q - z) v) = sum(q v) - z sum(v). -> f32 [B]."""
+    (contiguous, B x cols/2) and no loop. ve, vo [NG, G/2]: v's even and odd columns by group. Each nibble's q - z is
+    built from its bits (expert_grouped._nibble_planes: no integer-to-float conversion, which issues at 16 a clock
+    per SM on an H200 and bounded these kernels at 770b404's parent). -> f32 [B]."""
     _, cols = lay.shape_of(m)
     g = lay.group_of(m)
     ng, half = cols // g, g // 2
@@ -140,23 +125,21 @@ def _slab_dot(pool_ref, slot, rows, lay: BlobLayout, m: str, ve, vo, vs):
     byte = (lax.broadcasted_iota(jnp.int32, (1, ng, half), 1) * half
             + lax.broadcasted_iota(jnp.int32, (1, ng, half), 2))                   # [1, NG, G/2]
     qb = pool_ref[slot, q.offset + rows[:, None, None] * (cols // 2) + byte]        # uint8 [B, NG, G/2]
-    lo, hi = _nibbles_f32(qb)                                                       # even, odd columns
-    dots = jnp.sum(lo * ve[None] + hi * vo[None], axis=2)                           # [B, NG]
     at = rows[:, None] * ng + lax.broadcasted_iota(jnp.int32, (1, ng), 1)          # [B, NG] group index in s, z
+    zero = pool_ref[slot, z.offset + at]                                            # uint8 [B, NG]
+    lo, hi = _nibble_planes(qb, zero[:, :, None], jnp.float32)                      # q - z: even, odd columns
+    dots = jnp.sum(lo * ve[None] + hi * vo[None], axis=2)                           # [B, NG]
     scale = lax.bitcast_convert_type(tiles.u16_at(pool_ref, slot, s.offset + 2 * at), jnp.float16).astype(jnp.float32)
-    zero = pool_ref[slot, z.offset + at].astype(jnp.float32)
-    return jnp.sum((dots - zero * vs[None, :]) * scale, axis=1)
+    return jnp.sum(dots * scale, axis=1)
 
 
 def _even_odd_groups(v_ref, row, cols: int, g: int):
-    """Row `row` of v_ref [*, cols] as the slab variant reads it: (even columns [NG, G/2], odd [NG, G/2], sums by
-    group [NG]) in float32."""
+    """Row `row` of v_ref [*, cols] as the slab variant reads it: (even columns [NG, G/2], odd [NG, G/2]) in
+    float32."""
     ng, half = cols // g, g // 2
     col = (lax.broadcasted_iota(jnp.int32, (ng, half), 0) * g
            + 2 * lax.broadcasted_iota(jnp.int32, (ng, half), 1))                   # [NG, G/2] even columns
-    ve = v_ref[row, col].astype(jnp.float32)
-    vo = v_ref[row, col + 1].astype(jnp.float32)
-    return ve, vo, jnp.sum(ve + vo, axis=1)
+    return v_ref[row, col].astype(jnp.float32), v_ref[row, col + 1].astype(jnp.float32)
 
 
 def _route_block(slot, out_ref, block: int, compute):
