@@ -80,7 +80,8 @@ case "${1:-}" in
     TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 timeout 300 python3 bench/dispatch_probe.py \
       --layers 48 --batches 1 --ahead-only --out "$OUT/dispatch_probe_ahead_h200_48_layers.json" \
       2> "$OUT/dispatch_probe_ahead_xla.log" | grep -E "^ahead|wrote|Error"
-    awk '/^== ahead/ {v=$0} /Update command buffer/ {n[v]++} END {for (k in n) print k ": " n[k] " command buffer updates"}' \
+    awk '/^== ahead/ {v=$0} /Update command buffer/ {u[v]++} /Execute command buffer/ {x[v]++}
+         END {for (k in x) print k ": " x[k] " command buffer executions, " u[k] + 0 " updates"}' \
       "$OUT/dispatch_probe_ahead_xla.log"
     gzip -f "$OUT/dispatch_probe_ahead_xla.log"
     ;;
