@@ -19,9 +19,12 @@ results out), which the window also computes for its successor (every active row
 step + 1; inactive rows unchanged) into the same buffer (donated), with its next tokens and finite flags in the last
 two rows: when the next plan asks for exactly those rows, as steady decoding does, nothing is sent. So a compiled
 window's outputs are all its donated inputs, at the same addresses every window; the [2, S] result read by the host
-is peeled off by a second, tiny call. Why: XLA re-records a window's command buffer (CUDA graph) when an output's
-address changes, and with windows dispatched ahead each window's fresh result array took a new address
-(bench/dispatch_probe.py --ahead-only). The sampling settings and the active mask are sent only when they
+is peeled off by a second, tiny call. Why: XLA updates a window's command buffer (CUDA graph) when a buffer's
+address changes, and updating one still running made the call wait for it, so windows dispatched ahead ran no
+faster than one by one. With windows dispatched ahead each window's fresh result array took a new address, and so
+did XLA's temporary buffer unless XLA_FLAGS has --xla_gpu_command_buffer_update_mode=SKIP_TEMP: with both, the
+48-layer window at batch 1 took 3.62 ms ahead against 7.51 (bench/dispatch_probe.py --ahead-only, README). The
+sampling settings and the active mask are sent only when they
 change (engine.DeviceArgs). On the H200 (8 layers, batch 1) the window took ~2.2 ms of which the device was busy
 ~0.93; sending the rows cost ~0.2-0.3 ms and reading the result ~0.5-0.8 (bench/dispatch_probe.py), while windows
 dispatched back to back without reads ran at ~1.0 ms each.

@@ -55,7 +55,7 @@ PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "rout
 # Every Pallas kernel the backend has ("pallas"): auto's and the slower ones above.
 PALLAS_ALL = PALLAS_AUTO | {"gdn_chunked", "gdn_decode", "delta_decode"}
 DECODE_EXPERTS_MIN_TOKENS = 1
-# The formats "auto" computes decode rows of through the decode kernel: int4 (v1, measured above). Its tiles variant
+# The formats "auto" computes decode rows of through the decode kernel: int4 (slab, measured above). Its tiles variant
 # reads every format: int8 2.0x XLA at 16 tokens but 0.8x at 4, bf16 and NVFP4 0.3-0.6x (kernel_speed_decode_h200_
 # 35253ad.json), so "auto" leaves them to XLA; "pallas" takes it for all.
 DECODE_KERNEL_FORMATS_AUTO = frozenset({"int4"})

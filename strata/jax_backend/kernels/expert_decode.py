@@ -10,8 +10,8 @@ the measurements up to 35253ad below are against the former XLA form.
 
 The slab variant (the default for int4 since 59544fd): a program (route, 8 rows of gate and up, or 32 of down) loads
 its rows' packed bytes whole, [rows, groups, G/2] in one load of 16 (8) KB, with no K loop, and reduces once at the
-end. Why:
-v1 and v2 reduced every group (a barrier each), which kept each program's loads in a chain of DRAM latencies.
+end. Why: v1 and v2 reduced every group (a barrier each), which kept each program's loads in a chain of DRAM
+latencies.
 MEASURED at 59544fd (kernel_speed_decode_experts_h200_59544fd.json, other experts each call so that blobs come from
 HBM, not L2): 1 / 2 / 4 / 16 tokens x 10 routes, slab 27.4 / 42.0 / 66.7 / 172 us, XLA's blob_matvec form 33.2 /
 45.2 / 67.6 / 1757, v1 48.3 / 66.6 / 85.3 / 246, v2 (8 rows) 44.1 / 58.2 / 107 / 296; 16 rows or 8 warps no better.
@@ -298,8 +298,8 @@ def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: boo
     pool uint8 [N, >= nbytes], any size; x [T, H]; slots int32 [T, k] in [-1, N) (-1: skipped, contributes 0);
     weight [T, k]. -> [T, H] in x.dtype (computed in float32). A pool of MAX_KERNEL_POOL_BYTES or more is read
     through compacted copies of the routes' blobs (at most T*k of them; expert_grouped.pool_chunks), one run of the
-    kernels per chunk, the chunks' outputs summed. variant: "v1" or "v2" over int4 blobs, "tiles" over any format
-    (module docstring); None: slab for int4, tiles otherwise. block: rows of a weight matrix per program, a power of
+    kernels per chunk, the chunks' outputs summed. variant: "slab", "v1" or "v2" over int4 blobs, "tiles" over any
+    format (module docstring); None: slab for int4, tiles otherwise. block: rows of a weight matrix per program, a power of
     two (smaller: more programs of fewer bytes; at batch 1 the gate/up kernel runs routes x I / block programs, 160
     at 32 rows, for the 132 SMs of an H200); None: BLOCK_ROWS, or SLAB_ROWS for the slab variant, whose down kernel
     takes block x H / I rows (as many bytes a program as gate/up's). warps: Triton warps a program."""
