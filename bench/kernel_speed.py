@@ -54,22 +54,7 @@ def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None, loop: int
     fn(i, *args) for call i (a case that reads different data each call, so that its bytes come from HBM, not from
     the 50 MB L2 the previous call filled)."""
     import jax
-    import jax.numpy as jnp
-
-    def chain(out, a_dep):
-        first = jax.tree_util.tree_leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
-        return a_dep + (first * 0).astype(a_dep.dtype)
-
-    step = carry or chain
-
-    def looped(*a):
-        a_dep = a[dep]
-        for i in range(loop):
-            out = (fn(i, *a[:dep], a_dep, *a[dep + 1:]) if indexed else fn(*a[:dep], a_dep, *a[dep + 1:]))
-            a_dep = step(out, a_dep) if carry is None else carry(out)
-        return a_dep
-
-    run = jax.jit(looped)
+    run = chained(fn, dep, carry, loop, indexed)
     jax.block_until_ready(run(*args))
     times = []
     for _ in range(repeat):
@@ -79,20 +64,32 @@ def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None, loop: int
     return float(np.median(times)) / loop
 
 
+def chained(fn, dep: int, carry=None, loop: int = LOOP, indexed: bool = False):
+    """The jitted function of device_seconds: `loop` calls of fn written out, each taking the previous one's output
+    through args[dep] (carry, or args[dep] + 0 * its first element)."""
+    import jax
+    import jax.numpy as jnp
+
+    def chain(out, a_dep):
+        first = jax.tree_util.tree_leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
+        return a_dep + (first * 0).astype(a_dep.dtype)
+
+    def looped(*a):
+        a_dep = a[dep]
+        for i in range(loop):
+            out = (fn(i, *a[:dep], a_dep, *a[dep + 1:]) if indexed else fn(*a[:dep], a_dep, *a[dep + 1:]))
+            a_dep = carry(out) if carry is not None else chain(out, a_dep)
+        return a_dep
+
+    return jax.jit(looped)
+
+
 def kernel_trace(fn, args: tuple) -> dict:
     """fn(i, *args)'s LOOP chained calls (device_seconds' chain, args[0] carried) run under the profiler: per
     thread of the trace, its kernels by count and total time (trace_summary), printed."""
     import jax
     from trace_summary import print_summary, trace_summary
-
-    def looped(*a):
-        x = a[0]
-        for i in range(LOOP):
-            out = fn(i, x, *a[1:])
-            x = x + (out.reshape(-1)[0] * 0).astype(x.dtype)
-        return x
-
-    run = jax.jit(looped)
+    run = chained(fn, 0, indexed=True)
     summary = trace_summary(lambda: jax.block_until_ready(run(*args)), top=8)
     print_summary(summary, min_span_ms=0.0)
     return summary

@@ -35,7 +35,6 @@ is reduced to its callee here); Triton's debug info knows one file, the kernel's
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import re
@@ -59,11 +58,7 @@ def _expert_decode(args):
     from strata.weights import quant as Q
     if args.variant is not None and args.variant not in K.VARIANTS:
         sys.exit(f"--variant must be one of {', '.join(K.VARIANTS)}")
-    kw = dict(variant=args.variant, block=args.block)
-    if args.warps is not None:         # only where the kernel file takes it (it is being changed as this is written)
-        if "warps" not in inspect.signature(K.experts_decode).parameters:
-            sys.exit("experts_decode takes no warps argument: --warps is not available")
-        kw["warps"] = args.warps
+    kw = dict(variant=args.variant, block=args.block, warps=args.warps or K.WARPS)
     lay = Q.layout(args.fmt, 2048, 512)
     spec, t = jax.ShapeDtypeStruct, args.tokens
     fn = jax.jit(lambda p, x, s, w: K.experts_decode(lay, p, x, s, w, **kw))
@@ -234,7 +229,7 @@ def main() -> None:
     ap.add_argument("--fmt", default="int4", help="expert_decode: blob format (int4 for v1/v2/slab)")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--block", type=int, help="expert_decode: rows a program (default: the kernel's)")
-    ap.add_argument("--warps", type=int, help="expert_decode: Triton warps, where experts_decode takes `warps`")
+    ap.add_argument("--warps", type=int, help="expert_decode: Triton warps a program (default: the kernel's)")
     ap.add_argument("--out", default="/work/triton_probe/out", help="folder for the TTIR, PTX, SASS and report.json")
     ap.add_argument("--triton-python", default=TRITON_PYTHON, help="python of a venv with triton installed")
     args = ap.parse_args()

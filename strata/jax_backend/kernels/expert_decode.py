@@ -79,7 +79,7 @@ from jax.experimental import pallas as pl
 
 from strata.jax_backend.kernels import blob_tiles as tiles
 from strata.jax_backend.kernels import triton_params
-from strata.jax_backend.kernels.expert_grouped import _even_odd_columns, _nibble_planes, pool_chunks
+from strata.jax_backend.kernels.expert_grouped import _even_odd_columns, _nibble_planes, _pow2_divisor, pool_chunks
 from strata.weights import quant
 from strata.weights.quant import BlobLayout
 
@@ -327,7 +327,7 @@ def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: boo
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"warps must be a power of two, not {warps}")
     down_block = block * max(1, hidden // inter) if variant == "slab" else block
-    bi, bh = _pow2_part(math.gcd(inter, block)), _pow2_part(math.gcd(hidden, down_block))   # Triton blocks
+    bi, bh = math.gcd(inter, block), _pow2_divisor(hidden, down_block)    # powers of two (Triton blocks)
     if variant == "v2":             # each group's even columns, then its odd ones: contiguous loads in the kernel
         x = _even_odd_columns(x, layout.group_of("gate"))
     run = functools.partial(_decode, layout, x=x, weight=weight, bi=bi, bh=bh, interpret=interpret, variant=variant,
@@ -339,11 +339,6 @@ def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: boo
         part = run(sub_pool, slots=sub_slots)
         y = part if y is None else y + part
     return y.astype(x.dtype)
-
-
-def _pow2_part(n: int) -> int:
-    """The largest power of two dividing n."""
-    return n & -n
 
 
 def _decode(layout: BlobLayout, pool, x, slots, weight, *, bi: int, bh: int, interpret: bool, variant: str,

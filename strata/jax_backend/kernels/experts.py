@@ -90,8 +90,9 @@ def blob_matvec(layout: BlobLayout, blobs, m: str, v):
     """Quantised matrix m of each blob times a vector, decoded inside the product: blobs uint8 [R, >= nbytes] of an
     int8, int4 or nvfp4 layout, v float32 [R, cols] -> float32 [R, rows], every weight decoded in float32 (as
     decode_blobs) and multiplied there, in one multiply-and-reduce that XLA fuses with the decoding (no weights
-    written out). int4 and nvfp4 read each byte once for its two columns (v's even and odd columns), with the
-    group's scale (and int4's zero point) once per group; int8 the row's scale once per row."""
+    written out). int4 and nvfp4 read each byte once for its two columns (v's even and odd columns) and each group's
+    scale (and int4's zero point) once, broadcast over the group's elements; int8 applies the row's scale once per
+    row."""
     f32 = jnp.float32
     r = blobs.shape[0]
     rows, cols = layout.shape_of(m)
@@ -108,7 +109,7 @@ def blob_matvec(layout: BlobLayout, blobs, m: str, v):
     vo = v[:, 1::2].reshape(r, 1, n_g, half)
     s = _field(layout, blobs, f"{m}.s").astype(f32).reshape(r, rows, n_g, 1)
     lo, hi = q & 0xF, q >> 4
-    if fmt == "int4":                                         # sum (q - z) v s = s (sum q v - z sum v), per group
+    if fmt == "int4":                                         # sum over each row of (q - z) v s
         z = _field(layout, blobs, f"{m}.z").astype(f32).reshape(r, rows, n_g, 1)
         return jnp.sum(((lo.astype(f32) - z) * ve + (hi.astype(f32) - z) * vo) * s, axis=(-2, -1))
     lut = jnp.asarray(_E2M1_LUT)
@@ -151,18 +152,18 @@ def experts_from_pool(layout: BlobLayout, pool, x, slots, weight, max_distinct: 
         blobs = _take_blobs(pools, jnp.where(valid, flat, 0))                        # [T*k, nbytes]
         ok = valid.reshape(t, kk)
         if layout.fmt in ("f32", "bf16"):   # nothing to decode: the dense expert op's arithmetic (JaxBackend.experts)
-            gate, up, down = (w.reshape((t, kk) + w.shape[1:]) for w in decode_blobs(layout, blobs, x.dtype))
+            dt = x.dtype
+            gate, up, down = (w.reshape((t, kk) + w.shape[1:]) for w in decode_blobs(layout, blobs, dt))
             g = jnp.einsum("th,tkih->tki", x, gate, precision=hi)
             u = jnp.einsum("th,tkih->tki", x, up, precision=hi)
             y = jnp.einsum("tki,tkhi->tkh", jax.nn.silu(g) * u, down, precision=hi)
-            y = jnp.where(ok[..., None], y, 0)        # a skipped route's (garbage) expert never reaches the sum
-            return jnp.einsum("tkh,tk->th", y, jnp.where(ok, weight, 0).astype(x.dtype), precision=hi)
-        xr = jnp.repeat(x.astype(jnp.float32), kk, axis=0)                           # [T*k, H] route r: x[r // k]
-        h = jax.nn.silu(blob_matvec(layout, blobs, "gate", xr)) * blob_matvec(layout, blobs, "up", xr)   # [T*k, I]
-        y = blob_matvec(layout, blobs, "down", h).reshape(t, kk, -1)                 # [T, k, H]
-        y = jnp.where(ok[..., None], y, 0)
-        w = jnp.where(ok, weight, 0).astype(jnp.float32)
-        return jnp.einsum("tkh,tk->th", y, w, precision=hi).astype(x.dtype)
+        else:
+            dt = jnp.float32
+            xr = jnp.repeat(x.astype(dt), kk, axis=0)                                # [T*k, H] route r: x[r // k]
+            h = jax.nn.silu(blob_matvec(layout, blobs, "gate", xr)) * blob_matvec(layout, blobs, "up", xr)  # [T*k, I]
+            y = blob_matvec(layout, blobs, "down", h).reshape(t, kk, -1)             # [T, k, H]
+        y = jnp.where(ok[..., None], y, 0)            # a skipped route's (garbage) expert never reaches the sum
+        return jnp.einsum("tkh,tk->th", y, jnp.where(ok, weight, 0).astype(dt), precision=hi).astype(x.dtype)
     # prompt parts: sort routes by slot (skipped routes last) and lay each slot's group out padded to whole blocks
     # of EXPERT_BLOCK rows, so every block belongs to one slot; each block multiplies by its decoded blob.
     rows = t * kk
