@@ -112,7 +112,9 @@ def test_a_compiled_windows_outputs_are_its_donated_inputs(engine):
     sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
     stable = (a.get("active", plan.decode_active.astype(np.int32)),
               *(a.get(k, v) for k, v in zip(SAMPLING, sp)), a.get("seeds", plan.seeds))
-    rows = ops.to_device(np.zeros((5, 2), np.int32))
+    # rows XLA allocated: on the CPU a 64-byte-aligned numpy array is put on the device without a copy, and a
+    # buffer that aliases numpy memory cannot be donated (the output then moves, which the GPU never sees)
+    rows = ops.to_device(jax.numpy.zeros((5, 2), np.int32))
     before = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves((runner.states, rows))]
     states, rows_out = runner._decode(engine.params, engine.expert_args(), runner.states, rows, *stable, greedy=True)
     after = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves((states, rows_out))]
