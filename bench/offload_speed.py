@@ -107,8 +107,10 @@ def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: 
     return engine, store, hot, lines
 
 
-def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False) -> dict:
-    """n_rows sequences decoding together through the WindowRunner (a short prompt each, then `tokens` windows)."""
+def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False, ahead: bool = True) -> dict:
+    """n_rows sequences decoding together through the WindowRunner (a short prompt each, then `tokens` windows).
+    ahead: each timed window is dispatched before the last one is read, as the server's lookahead does when the
+    runner chains (every expert resident, or window fetch); otherwise one by one."""
     from strata.runner import WindowRunner, idle_plan
     from strata.sched.plan import PromptPart
     runner = WindowRunner(engine, n_rows, min(64, engine.options.prefill))
@@ -129,14 +131,25 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False)
         nxt, pos = r.decode_next.astype(np.int32), pos + 1
         return r
 
-    call_s = 0.0
-    for i in range(warm + tokens):
-        if i == warm:
-            st0 = dict(cache.stats.as_dict())
-            t0 = time.perf_counter()
-            call_s, between0 = 0.0, runner.between_s
-        r = window()
-        call_s += r.decode_s + r.part_s  # no prompt part here
+    for _ in range(warm):
+        window()
+    ahead = ahead and runner.chains
+    st0 = dict(cache.stats.as_dict())
+    t0 = time.perf_counter()
+    call_s, between0 = 0.0, runner.between_s
+    if ahead:         # the rows continue on the device: each plan's tokens are -1 (WindowPlan.continued)
+        cur = replace(plan, decode_tokens=nxt, decode_pos=pos)
+        w = runner.dispatch(cur)
+        for i in range(tokens):
+            following = cur.continued()
+            w_next = runner.dispatch(following, after=w) if i < tokens - 1 else None
+            r = runner.collect(w)
+            call_s += r.decode_s
+            w, cur = w_next, following
+        nxt, pos = r.decode_next.astype(np.int32), cur.decode_pos
+    else:
+        for _ in range(tokens):
+            call_s += window().decode_s                  # no prompt part here
     # the cache's host work between windows (refill, swaps): with window fetch it overlaps the next window's device
     # work, so it is part of runner.run's time but not necessarily of the window's
     between_s = runner.between_s - between0
@@ -148,7 +161,7 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False)
         print_summary(extra["trace"])
     hits, misses = st["hits"] - st0["hits"], st["misses"] - st0["misses"]
     copied = st["bytes_copied"] - st0["bytes_copied"]
-    return {"rows": n_rows, "windows": tokens, "seconds": dt, "tok_s": n_rows * tokens / dt,
+    return {"rows": n_rows, "windows": tokens, "dispatched_ahead": ahead, "seconds": dt, "tok_s": n_rows * tokens / dt,
             "window_ms": 1000 * dt / tokens, "hit_rate": hits / max(hits + misses, 1),
             "decode_call_ms": 1000 * call_s / tokens, "between_windows_host_ms": 1000 * between_s / tokens,
             "swaps_per_window": (st["swaps"] - st0["swaps"]) / tokens,
@@ -184,6 +197,8 @@ def main() -> int:
     ap.add_argument("--layer-by-layer", action="store_true",
                     help="decode windows layer by layer, misses copied between layers (window_fetch off)")
     ap.add_argument("--batches", default="1,4", help="decode batch sizes to time")
+    ap.add_argument("--one-by-one", action="store_true",
+                    help="read each decode window before dispatching the next (the server's --no-lookahead)")
     ap.add_argument("--trace", action="store_true",
                     help="after each decode run, profile one more window and print where its time went")
     ap.add_argument("--out", default=None)
@@ -217,10 +232,11 @@ def main() -> int:
                "slot_bytes": store.layout.nbytes, "experts_total": 48 * engine.cfg.num_experts,
                "decode": {}, "prompt": {}}
         for rows in [int(b) for b in args.batches.split(",")]:
-            r = decode_run(engine, rows, args.decode, args.warm, trace=args.trace)
+            r = decode_run(engine, rows, args.decode, args.warm, trace=args.trace, ahead=not args.one_by_one)
             run["decode"][f"b{rows}"] = r
             print(f"{name}: decode b{rows} {r['tok_s']:.1f} tok/s, {r['window_ms']:.1f} ms/window "
-                  f"({r['decode_call_ms']:.1f} in runner.run, of which {r['between_windows_host_ms']:.1f} the "
+                  f"({'dispatched ahead; ' if r['dispatched_ahead'] else ''}{r['decode_call_ms']:.1f} in the runner's "
+                  f"calls, of which {r['between_windows_host_ms']:.1f} the "
                   f"cache's host work between windows, {r['swaps_per_window']:.0f} swaps), hit rate "
                   f"{100 * r['hit_rate']:.1f}%, {r['bytes_copied_per_window'] / 1e6:.0f} MB copied per window "
                   f"({r['copy_bytes_per_s'] / 1e9:.1f} GB/s)", flush=True)

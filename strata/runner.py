@@ -101,9 +101,13 @@ class WindowRunner:
 
     @property
     def chains(self) -> bool:
-        """Whether a decode window can be dispatched before its predecessor is read (dispatch(plan, after=...)):
-        every expert resident (one compiled window, nothing decided on the host between layers), compiled backend."""
-        return self.engine.fused and not self.engine.backend.eager
+        """Whether a decode window can be dispatched before its predecessor is read (dispatch(plan, after=...)): a
+        compiled backend whose decode window is one compiled function, with nothing decided on the host between
+        layers: every expert resident, or window fetch (the window copies its misses itself). Either takes the pool
+        and the slot table by value, so the cache's work between windows, which may then run while two windows are
+        queued, cannot change what a dispatched window reads."""
+        e = self.engine
+        return not e.backend.eager and (e.fused or self._decode_fetch is not None)
 
     def run(self, plan: WindowPlan) -> WindowResult:
         return self.collect(self.dispatch(plan))
@@ -143,15 +147,16 @@ class WindowRunner:
                     args, table = e.experts.fetch_args()
                     self.states, counts, copied, rows_out = self._decode_fetch(e.params, args, self.states, rows_in,
                                                                                *stable, greedy=greedy)
+                    w.fetched = (table, counts, copied)
                 w.out = rows_out if e.backend.eager else self._peel(rows_out)                        # [2, S]
                 w.rows_next = None if e.backend.eager else rows_out
                 e.backend.start_to_host(w.out)          # before the host's cache work below
                 if not e.fused:
+                    for x in w.fetched[1:]:             # read by collect(), which records them
+                        e.backend.start_to_host(x)
                     # the last window's refills and swaps, on the host while the device runs this one (their
                     # copies queue behind it; this window holds the pool and table it was given, by value)
                     self._between_windows()
-                    e.experts.record_window(table, np.asarray(e.backend.to_host(counts)),
-                                            np.asarray(e.backend.to_host(copied)))
             else:
                 logits, self.states = e.stepped.rows(e.params, self.states, plan.decode_tokens, pos, active)
                 nxt, fin = self._sample(logits, *sp, plan.seeds, plan.steps)
@@ -198,6 +203,12 @@ class WindowRunner:
                     w.successor.rows = after
         elif w.decode_read is not None:
             decode_next, decode_finite = w.decode_read
+        if w.fetched is not None:
+            # a window-fetch decode's routing counts and copies, recorded once it is read (reading them at dispatch
+            # made the host wait for the whole window there, and no window could be dispatched ahead)
+            table, counts, copied = w.fetched
+            w.fetched = None
+            e.experts.record_window(table, np.asarray(to_host(counts)), np.asarray(to_host(copied)))
         t1 = time.perf_counter()
         part_next = part_finite = None
         if w.part_out is not None:
@@ -225,6 +236,8 @@ class Window:
     successor: "Window | None" = None    # the window that continues this one
     continues: bool = False              # dispatched to continue another (dispatch(plan, after=...))
     decode_read: tuple | None = None     # (next [S], finite [S]) already on the host (layer-by-layer decode)
+    fetched: tuple | None = None         # window fetch: (the slot table it got [Lp, E] (host), device routing counts
+                                         # [Lp, E], device experts copied [Lp]) until collect() records them
     part_out: tuple | None = None        # device (next, finite) of the prompt part
 
 
@@ -232,8 +245,8 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
     """plan may continue prev (its decode rows are the ones prev computes on the device): the same active rows, each
     one position and one step on, no prompt part, prev decode-only and not continued yet."""
     if not chains:
-        raise ValueError("this runner cannot continue a window before reading it (experts not all resident, or an "
-                         "eager backend)")
+        raise ValueError("this runner cannot continue a window before reading it (its decode is layer by layer: "
+                         "experts not all resident and no window fetch; or an eager backend)")
     if prev.plan.part is not None or plan.part is not None or prev.out is None or prev.rows_next is None:
         raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
     on, want = prev.plan.decode_active, prev.plan.continued()

@@ -91,3 +91,41 @@ def test_between_window_work_runs_in_the_next_run_after_its_decode_is_dispatched
     assert cache.free_slots() == [] and cache.stats.fills > fills, "the deferred refill did not run"
     assert not np.isin(returned, table_before).any(), "a FREE slot was in the table a window received"
     assert cache.verify() == []
+
+
+def test_windows_dispatched_ahead_over_a_partial_cache_give_the_tokens_of_windows_run_one_by_one():
+    """Each window dispatched before its predecessor is read (the scheduler's lookahead), with the cache's swaps
+    between windows (adapt_every=1) then running while two windows are queued: the same tokens as one by one,
+    every window's routes counted once (recorded when it is read), and every slot still holding what it claims."""
+    e = Engine.load("demo", max_context=256, prefill=PART, expert_cache=8, debug_slots=True, adapt_every=1,
+                    say=lambda line: None)
+    first = replace(idle_plan(SLOTS), decode_active=np.array([True, True]), decode_tokens=np.array([3, 9], np.int32),
+                    temperature=np.array([0.0, 0.8], np.float32), seeds=np.array([[0, 0], [5, 6]], np.uint32))
+    windows, routes_per_window = 10, SLOTS * e.cfg.num_experts_per_tok * e.experts.cache.n_layers
+
+    def routes():
+        st = e.experts.cache.stats
+        return st.hits + st.misses
+
+    one_by_one = WindowRunner(e, SLOTS, PART)
+    want, plan, r0 = [], first, routes()
+    for _ in range(windows):
+        res = one_by_one.run(plan)
+        want.append(res.decode_next.tolist())
+        plan = replace(plan.continued(), decode_tokens=res.decode_next.astype(np.int32))
+    assert routes() - r0 == windows * routes_per_window
+
+    ahead = WindowRunner(e, SLOTS, PART)
+    assert ahead.chains
+    got, plan, r0, swaps = [], first, routes(), e.experts.cache.stats.swaps
+    w = ahead.dispatch(plan)
+    for i in range(windows):
+        nxt = plan.continued()
+        w_next = ahead.dispatch(nxt, after=w) if i < windows - 1 else None     # before w is read
+        res = ahead.collect(w)
+        got.append(res.decode_next.tolist())
+        w, plan = w_next, nxt
+    assert got == want
+    assert routes() - r0 == windows * routes_per_window
+    assert e.experts.cache.stats.swaps > swaps, "no swap ran between windows: the test needs them"
+    assert e.experts.moe.uses_checked > 0 and e.experts.cache.verify() == []
