@@ -41,7 +41,6 @@ def per_call_ms(fn, n: int) -> float:
 def probe_batch(engine, batch: int, context: int, n: int) -> dict:
     import jax
 
-    from strata.engine import SAMPLING
     from strata.runner import WindowRunner, _with_result_rows, idle_plan
     from trace_summary import trace_summary
     runner = WindowRunner(engine, batch, 16)
@@ -61,10 +60,7 @@ def probe_batch(engine, batch: int, context: int, n: int) -> dict:
     r["runner_ms"] = per_call_ms(advance, n)
     e, ops = engine, engine.backend
     rows_np = _with_result_rows(np.stack([plan.decode_tokens, plan.decode_pos, plan.steps]))   # [ROWS, S]
-    a = runner._args
-    sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
-    stable = (a.get("active", plan.decode_active.astype(np.int32)), *(a.get(k, v) for k, v in zip(SAMPLING, sp)),
-              a.get("seeds", plan.seeds))
+    stable = runner.window_args(plan)
     rows_dev = ops.to_device(rows_np)
 
     def call(rows):             # rows are donated: each call gets its own copy
@@ -97,8 +93,6 @@ def probe_batch(engine, batch: int, context: int, n: int) -> dict:
     return r
 
 
-def _fresh_result(states, rows):
-    return rows[3:] + 0, states, rows
 
 
 def probe_ahead(engine, batch: int, context: int, n: int) -> dict:
@@ -109,8 +103,7 @@ def probe_ahead(engine, batch: int, context: int, n: int) -> dict:
     start_to_host (the result read when collected); and the bare compiled call chained with each window's result
     kept alive and read one window later (no runner). Markers on stderr ("== ahead: <variant>") let the XLA log
     (TF_CPP_VMODULE=command_buffer_thunk=3) be split by variant."""
-    from strata.engine import SAMPLING as SAMPLING_NAMES
-    from strata.runner import WindowRunner, _decode_rows, _with_result_rows, idle_plan
+    from strata.runner import WindowRunner, _decode_rows, _result_rows, _with_result_rows, idle_plan
     runner = WindowRunner(engine, batch, 16)
     ops = engine.backend
     plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool), decode_pos=np.full(batch, context, np.int32))
@@ -149,13 +142,12 @@ def probe_ahead(engine, batch: int, context: int, n: int) -> dict:
             runner._decode, ops.start_to_host = decode, start
         out[variant] = {"window_ms": 1000 * total / n, **{f"{k}_ms": 1000 * v / n for k, v in spent.items()}}
     e = engine
-    a = runner._args
-    sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
-    stable = (a.get("active", plan.decode_active.astype(np.int32)), *(a.get(k, v) for k, v in zip(SAMPLING_NAMES, sp)),
-              a.get("seeds", plan.seeds))
+    stable = runner.window_args(plan)
     # the window as it was before 770b404+: its result a fresh output array of the window itself (a new address
     # each window while the last one is still held), against the runner's form (results peeled by a second call)
-    fresh = ops.compile(lambda *args, greedy: _fresh_result(*_decode_rows(ops, e.cfg, e.layout, *args, greedy=greedy)),
+    def fresh_result(states, rows):
+        return _result_rows(rows), states, rows
+    fresh = ops.compile(lambda *args, greedy: fresh_result(*_decode_rows(ops, e.cfg, e.layout, *args, greedy=greedy)),
                         donate_argnums=(2, 3), static_argnames=("greedy",))
     peeled = lambda *args, greedy: (lambda st, r: (runner._peel(r), st, r))(  # noqa: E731
         *runner._decode(*args, greedy=greedy))
@@ -166,14 +158,11 @@ def probe_ahead(engine, batch: int, context: int, n: int) -> dict:
             spent.clear()
             t = time.perf_counter()
             prev = None
+            call, read = timed("call", fn), timed("read", np.asarray)
             for _ in range(n):
-                t0 = time.perf_counter()
-                res, runner.states, rows = fn(e.params, e.expert_args(), runner.states, rows, *stable, greedy=True)
-                spent["call"] = spent.get("call", 0.0) + time.perf_counter() - t0
+                res, runner.states, rows = call(e.params, e.expert_args(), runner.states, rows, *stable, greedy=True)
                 if prev is not None:
-                    t0 = time.perf_counter()
-                    np.asarray(prev)
-                    spent["read"] = spent.get("read", 0.0) + time.perf_counter() - t0
+                    read(prev)
                 prev = res
             np.asarray(prev)
             total = time.perf_counter() - t

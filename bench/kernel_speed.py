@@ -146,21 +146,21 @@ def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=
             slots = slots_all[0]
             weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
             x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
+            def call_i(op):         # call i of a chain: op over routes_i
+                return lambda i, x, p: op(p, x, slots_all[i], weight)
             xla = partial(experts_from_pool, lay, max_distinct=n)
-            t_xla = device_seconds(lambda i, x, p: xla(p, x, slots_all[i], weight), (x, pool), 0, repeat,
-                                   indexed=True)
+            t_xla = device_seconds(call_i(xla), (x, pool), 0, repeat, indexed=True)
             want = xla(pool, x, slots, weight).astype(jnp.float32)
             distinct = np.mean([len(np.unique(np.asarray(s))) for s in slots_all])
             if fmt == "int4" and trace:
-                traced[f"xla, {t} token(s)"] = kernel_trace(lambda i, x, p: xla(p, x, slots_all[i], weight), (x, pool))
+                traced[f"xla, {t} token(s)"] = kernel_trace(call_i(xla), (x, pool))
             for variant, block, warps in fmt_cases:
                 ker = partial(experts_decode, lay, interpret=interpret, variant=variant, block=block, warps=warps)
                 err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
-                t_ker = device_seconds(lambda i, x, p: ker(p, x, slots_all[i], weight), (x, pool), 0, repeat,
-                                       indexed=True)
+                t_ker = device_seconds(call_i(ker), (x, pool), 0, repeat, indexed=True)
                 if fmt == "int4" and (variant, block, warps) in trace:
-                    traced[f"{variant} block {block} warps {warps}, {t} token(s)"] = kernel_trace(
-                        lambda i, x, p: ker(p, x, slots_all[i], weight), (x, pool))
+                    traced[f"{variant} block {block} warps {warps}, {t} token(s)"] = kernel_trace(call_i(ker),
+                                                                                                 (x, pool))
                 rows.append(row(f"expert decode {fmt} {variant} block {block} warps {warps}, {t} token(s) x {k} "
                                 f"routes", t_ker, t_xla, distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err,
                                 fmt=fmt, tokens=t, routes=t * k, distinct_experts=distinct, variant=variant,

@@ -109,6 +109,14 @@ class WindowRunner:
         e = self.engine
         return not e.backend.eager and (e.fused or self._decode_fetch is not None)
 
+    def window_args(self, plan: WindowPlan) -> tuple:
+        """A compiled decode window's arguments after the rows: the active mask, the sampling settings (SAMPLING's
+        order) and the seeds, each sent to the device only when it changed (DeviceArgs)."""
+        a = self._args
+        sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
+        return (a.get("active", plan.decode_active.astype(np.int32)), *(a.get(k, v) for k, v in zip(SAMPLING, sp)),
+                a.get("seeds", plan.seeds))
+
     def run(self, plan: WindowPlan) -> WindowResult:
         return self.collect(self.dispatch(plan))
 
@@ -129,8 +137,7 @@ class WindowRunner:
             w.active = active = plan.decode_active.astype(np.int32)
             if e.fused or fetching:
                 a = self._args
-                stable = (a.get("active", active), *(a.get(k, v) for k, v in zip(SAMPLING, sp)),
-                          a.get("seeds", plan.seeds))
+                stable = self.window_args(plan)
                 if after is not None:            # the predecessor's rows, still on the device (donated to this one)
                     rows_in, after.rows_next, after.successor, w.continues = after.rows_next, None, w, True
                 else:
@@ -150,10 +157,11 @@ class WindowRunner:
                     w.fetched = (table, counts, copied)
                 w.out = rows_out if e.backend.eager else self._peel(rows_out)                        # [2, S]
                 w.rows_next = None if e.backend.eager else rows_out
-                e.backend.start_to_host(w.out)          # before the host's cache work below
+                # what collect() reads (the result; window fetch's counts, which it records), before the host's
+                # cache work below
+                for x in (w.out, *(w.fetched or ())[1:]):
+                    e.backend.start_to_host(x)
                 if not e.fused:
-                    for x in w.fetched[1:]:             # read by collect(), which records them
-                        e.backend.start_to_host(x)
                     # the last window's refills and swaps, on the host while the device runs this one (their
                     # copies queue behind it; this window holds the pool and table it was given, by value)
                     self._between_windows()

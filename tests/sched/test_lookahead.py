@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from strata import Engine
-from strata.engine import SAMPLING
-from strata.runner import WindowRunner, idle_plan
+from strata.runner import ROWS, WindowRunner, idle_plan
 from strata.sched.plan import PromptPart
 from strata.sched.request import Finished, Request, SamplingParams
 from tests.sched.test_scheduler import _prompts, _run
@@ -121,13 +120,11 @@ def test_a_compiled_windows_outputs_are_its_donated_inputs(engine):
     runner = WindowRunner(engine, 2, 16)
     plan = replace(idle_plan(2), decode_active=np.array([True, True]), decode_tokens=np.array([5, 6], np.int32))
     runner.run(plan)                                                      # compiles
-    a, ops = runner._args, engine.backend
-    sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
-    stable = (a.get("active", plan.decode_active.astype(np.int32)),
-              *(a.get(k, v) for k, v in zip(SAMPLING, sp)), a.get("seeds", plan.seeds))
+    ops = engine.backend
+    stable = runner.window_args(plan)
     # rows XLA allocated: on the CPU a 64-byte-aligned numpy array is put on the device without a copy, and a
     # buffer that aliases numpy memory cannot be donated (the output then moves, which the GPU never sees)
-    rows = ops.to_device(jax.numpy.zeros((5, 2), np.int32))
+    rows = ops.to_device(jax.numpy.zeros((ROWS, 2), np.int32))
     before = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves((runner.states, rows))]
     states, rows_out = runner._decode(engine.params, engine.expert_args(), runner.states, rows, *stable, greedy=True)
     after = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves((states, rows_out))]
