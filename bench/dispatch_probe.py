@@ -41,7 +41,8 @@ def per_call_ms(fn, n: int) -> float:
 def probe_batch(engine, batch: int, context: int, n: int) -> dict:
     import jax
 
-    from strata.runner import WindowRunner, _with_result_rows, idle_plan
+    from strata.engine.runner import WindowRunner, _with_result_rows
+    from strata.plan import idle_plan
     from trace_summary import trace_summary
     runner = WindowRunner(engine, batch, 16)
     t = time.perf_counter()
@@ -103,7 +104,8 @@ def probe_ahead(engine, batch: int, context: int, n: int) -> dict:
     start_to_host (the result read when collected); and the bare compiled call chained with each window's result
     kept alive and read one window later (no runner). Markers on stderr ("== ahead: <variant>") let the XLA log
     (TF_CPP_VMODULE=command_buffer_thunk=3) be split by variant."""
-    from strata.runner import WindowRunner, _decode_rows, _result_rows, _with_result_rows, idle_plan
+    from strata.engine.runner import WindowRunner, _decode_rows, _result_rows, _with_result_rows
+    from strata.plan import idle_plan
     runner = WindowRunner(engine, batch, 16)
     ops = engine.backend
     plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool), decode_pos=np.full(batch, context, np.int32))
@@ -187,7 +189,8 @@ def main() -> int:
 
     from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader
     from strata.backend import get_backend
-    from strata.engine import Engine, EngineOptions
+    from strata.config import EngineOptions
+    from strata.engine import Engine
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
     from synthetic_experts import SyntheticStore

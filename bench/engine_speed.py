@@ -97,7 +97,8 @@ def measure_batched(engine, batch: int, context: int, windows: int, ahead: bool 
     The rows' state is whatever warm-up left: timing does not depend on it."""
     from dataclasses import replace
 
-    from strata.runner import WindowRunner, idle_plan
+    from strata.engine.runner import WindowRunner
+    from strata.plan import idle_plan
     runner = WindowRunner(engine, batch, 16)
     plan = replace(idle_plan(batch), decode_active=np.ones(batch, bool),
                    decode_pos=np.full(batch, context, np.int32))
@@ -223,7 +224,8 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
     decode_min_tokens."""
     import ml_dtypes
 
-    from strata.engine import Engine, EngineOptions
+    from strata.config import EngineOptions
+    from strata.engine import Engine
     from strata.backend import get_backend
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader

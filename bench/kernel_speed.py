@@ -17,7 +17,7 @@ Kernels (strata/jax_backend/kernels/):
   P-term configurations, against the backend's XLA form;
 - expert_grouped_blocks: the grouped int4 v2 op at 4096 tokens with 64 and 128 rows per block;
 - delta_decode: the Gated DeltaNet mixer's decode step in one kernel (conv, norms, gates, the rule's step, the gated
-  RMSNorm) at batch 1, 4 and 16, against the composition it fuses (blocks.delta_block on XLA);
+  RMSNorm) at batch 1, 4 and 16, against the composition it fuses (ComposedOps.delta_block on XLA);
 - route: the router's softmax, top-k and renormalisation in one kernel at 1, 16 and 4096 rows, against the composition;
 - gated_delta: the recurrent decode step (batch 1, 4, 16), the verify form (4 positions) and the chunked prompt form
   (4096 tokens), against the XLA forms in JaxBackend.
@@ -246,7 +246,7 @@ def decode_attention(hq, hkv, hd, contexts, batches, queries, repeat, interpret)
     import jax.numpy as jnp
 
     from strata.jax_backend.kernels.decode_attention import decode_attention as ker, decode_attention_xla as xla
-    from strata.model.blocks import quantize_kv
+    from strata.backend import quantize_kv
     rows, rng = [], np.random.default_rng(2)
     for kv in ("int8", "bf16"):
         for ctx in contexts:
@@ -289,7 +289,7 @@ def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret):
 
     from strata.jax_backend.backend import JaxBackend
     from strata.jax_backend.kernels.decode_attention import prompt_attention as ker
-    from strata.model.blocks import quantize_kv
+    from strata.backend import quantize_kv
     rows, rng = [], np.random.default_rng(4)
     for t in tokens:
         cap = t + 64
@@ -368,7 +368,7 @@ def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret, forms=
 
 def delta_decode(hk, hv, dk, dv, taps, batches, repeat, interpret):
     """The Gated DeltaNet mixer's decode step as one kernel (kernels/delta_decode.py) against the composition it
-    fuses, blocks.delta_block in rows mode on the XLA backend (the path kernels "auto" runs), bfloat16 activations.
+    fuses, ComposedOps.delta_block in rows mode on the XLA backend (the path kernels "auto" runs), bfloat16 activations.
     Bytes: the fp32 state read and written, the conv state read and written, qkv, z and o."""
     import jax
     import jax.numpy as jnp
@@ -408,7 +408,7 @@ def delta_decode(hk, hv, dk, dv, taps, batches, repeat, interpret):
 
 def route(experts, k, tokens, repeat, interpret):
     """The router's softmax + top-k + renormalisation as one kernel (kernels/route.py) against the composition
-    (blocks.ComposedOps.route on XLA). Bytes: the logits read, the weights and ids written."""
+    (ComposedOps.route on XLA). Bytes: the logits read, the weights and ids written."""
     import jax.numpy as jnp
 
     from strata.jax_backend.backend import JaxBackend

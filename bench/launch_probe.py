@@ -46,7 +46,8 @@ def child(variant: str, layers: int, context: int, smoke: bool) -> dict:
 
     from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader, measure_batched
     from strata.backend import get_backend
-    from strata.engine import Engine, EngineOptions
+    from strata.config import EngineOptions
+    from strata.engine import Engine
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
     from synthetic_experts import SyntheticStore
@@ -86,7 +87,8 @@ def child(variant: str, layers: int, context: int, smoke: bool) -> dict:
     # the server's path at batch 1: one decode window of one row through the WindowRunner, timed and traced
     from dataclasses import replace
 
-    from strata.runner import WindowRunner, idle_plan
+    from strata.engine.runner import WindowRunner
+    from strata.plan import idle_plan
     runner = WindowRunner(engine, 1, 16)
     runner.warm_up()
     plan = replace(idle_plan(1), decode_active=np.ones(1, bool), decode_pos=np.full(1, context, np.int32),

@@ -82,7 +82,8 @@ def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: 
     import ml_dtypes
 
     from strata.backend import get_backend
-    from strata.engine import Engine, EngineOptions
+    from strata.config import EngineOptions
+    from strata.engine import Engine
     from strata.model.config import ModelConfig
     from strata.model.params import is_sparse, params_from_reader
     cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=48, **cfg_overrides), source="qwen3-next shapes")
@@ -111,8 +112,9 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False,
     """n_rows sequences decoding together through the WindowRunner (a short prompt each, then `tokens` windows).
     ahead: each timed window is dispatched before the last one is read, as the server's lookahead does when the
     runner chains (every expert resident, or window fetch); otherwise one by one."""
-    from strata.runner import WindowRunner, idle_plan
-    from strata.sched.plan import PromptPart
+    from strata.engine.runner import WindowRunner
+    from strata.plan import idle_plan
+    from strata.plan import PromptPart
     runner = WindowRunner(engine, n_rows, min(64, engine.options.prefill))
     rng = np.random.default_rng(1)
     nxt = np.zeros(n_rows, np.int32)

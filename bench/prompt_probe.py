@@ -254,7 +254,8 @@ def main() -> int:
 
     from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader, timed
     from strata.backend import get_backend
-    from strata.engine import Engine, EngineOptions
+    from strata.config import EngineOptions
+    from strata.engine import Engine
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
     from synthetic_experts import SyntheticStore
@@ -292,7 +293,8 @@ def main() -> int:
               floors(cfg, args.prompt, 0, store.layout.nbytes, prompt=True))]
     from dataclasses import replace
 
-    from strata.runner import WindowRunner, idle_plan
+    from strata.engine.runner import WindowRunner
+    from strata.plan import idle_plan
     for b in batches:
         runner = WindowRunner(engine, b, 16)
         plan = replace(idle_plan(b), decode_active=np.ones(b, bool), decode_pos=np.full(b, args.context, np.int32),

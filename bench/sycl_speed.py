@@ -9,7 +9,7 @@ backend (SyclBackend.count_launches: every task submitted to the queue, dpnp's a
 the host uploads it makes). It is split into the part outside the layers (embedding, final norm, lm_head, sampling:
 a forward pass with no layers) and the part per layer (per layer kind: a forward pass with only that layer), and
 broken down by op; the goal is fewer than 15 launches per layer per window. A window of S slots runs the decode
-rows together (strata/model/blocks.py's rows mode): projections, routing and experts over the S rows at once, and
+rows together (strata/backend.py's rows mode): projections, routing and experts over the S rows at once, and
 the state ops (attention, the gated delta rule) as one kernel over all S rows each, so a window costs about what one
 row costs. The window figures are counted on the WindowRunner, less the one-row count outside the layers.
 """
@@ -53,7 +53,7 @@ def machine(ops) -> str:
 
 def decode_fn(engine, cfg, params, n_tokens=1):
     """One decode step of a fresh sequence holding 8 tokens, for a model restricted to (cfg, params)."""
-    from strata.engine import _sample, _sampling_arrays
+    from strata.engine.core import _sample, _sampling_arrays
     from strata.model.forward import forward, init_state
     ops = engine.backend
     sp = _sampling_arrays(0.0, 0, 1.0, 0.0)
@@ -147,7 +147,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from strata import Engine
-    from strata.runner import WindowRunner, idle_plan
+    from strata.engine.runner import WindowRunner
+    from strata.plan import idle_plan
     t0 = time.perf_counter()
     engine = Engine.load("demo", backend="sycl", device=args.device, max_context=args.prompt + args.decode + 64,
                          prefill=args.prompt)

@@ -9,8 +9,11 @@ Shapes: T tokens of one prompt part (padded to a bucket; the first `n_valid` are
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any, Protocol
+
+import numpy as np
 
 from strata.errors import ConfigError
 
@@ -55,7 +58,7 @@ class Backend(Protocol):
 
     def scope(self, name: str) -> Any: ...                 # a context naming the ops inside it (profiles), or nothing
 
-    # --- fused ops (defined in strata/model/blocks.py as compositions of the ops above; a backend inherits
+    # --- fused ops (defined in strata/backend.py as compositions of the ops above; a backend inherits
     # ComposedOps or overrides an op with device code that matches the composition)
     def norm_linears(self, x: Array, scale: Array, eps: float, ws: list) -> tuple[Array, list]: ...
     def linears(self, x: Array, ws: list) -> list: ...
@@ -118,3 +121,166 @@ def _auto() -> str:
         pass
     from strata.sycl_backend.runtime import has_sycl_gpu  # imports dpctl only if it is installed
     return "sycl" if has_sycl_gpu() else "jax"
+
+
+# --- ComposedOps: the fused ops as compositions of the basic ops
+"""The Backend protocol's fused ops, defined as compositions of its basic ops (strata/backend.py).
+
+The forward pass (forward.py) calls these: each groups what one layer does between two points where a device kernel
+would naturally end (a normalised input feeding several projections, the attention mixer from projections to the
+gated output, the Gated DeltaNet mixer likewise, routing, the shared expert's down projection with its gate and the
+residual). This file is their definition. A backend inherits it when its compiler fuses the composition anyway
+(JAX: XLA inside one jitted window); a backend that runs ops eagerly overrides an op with device code, because there
+each op is at least one launch (SYCL: tests/sycl/test_fused_ops.py holds every override to this composition on the
+same device, with fresh inputs).
+
+Shapes: T rows, H hidden; projections are flat ([T, heads * head_dim]); states as in forward.py.
+
+Two modes, told apart by `start`: a scalar start means the T rows are consecutive tokens of ONE sequence (n_valid a
+scalar: the first n_valid rows are real); a vector start [S] means the rows are S sequences with one token each (a
+decode window: row s at position start[s], real when n_valid[s] > 0, its state at index s of a bank [S, ...]).
+"""
+
+
+def is_rows(start) -> bool:
+    """True when start is per row ([S]): one token of each of S sequences (a decode window)."""
+    return np.ndim(start) == 1
+
+
+class ComposedOps:
+    """Mixin: fused ops over the backend's basic ops (self.rms_norm, self.linear, ...)."""
+
+    def scope(self, name: str):
+        """A context naming the ops traced inside it (the JAX backend: jax.named_scope, so a profile of a compiled
+        window groups its kernels by the part of the layer they belong to: bench/prompt_probe.py); here nothing."""
+        return contextlib.nullcontext()
+
+    def norm_linears(self, x, scale, eps, ws):
+        """-> (h = rms_norm(x) [T, H], [h @ w.T for w in ws])."""
+        h = self.rms_norm(x, scale, eps)
+        return h, [self.linear(h, w) for w in ws]
+
+    def linears(self, x, ws):
+        """-> [x @ w.T for w in ws] (projections that share their input)."""
+        return [self.linear(x, w) for w in ws]
+
+    def linear_add(self, x, w, residual):
+        """-> residual + x @ w.T (an output projection into the residual stream)."""
+        return residual + self.linear(x, w)
+
+    def swiglu_out(self, g, u, w_down, residual, add=None, gate=None):
+        """-> residual + (add + sigmoid(gate) * (silu(g) * u) @ w_down.T): an MLP's down projection, with the shared
+        expert's scalar gate [T, 1] and the routed experts' sum [T, H] (`add`) when given."""
+        y = self.linear(self.silu(g) * u, w_down)
+        if gate is not None:
+            y = self.sigmoid(gate) * y
+        if add is not None:
+            y = add + y
+        return residual + y
+
+    def route(self, logits, k, renormalize):
+        """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]): softmax over all experts in fp32,
+        top-k (ties to the lower id), optionally renormalised to sum to 1."""
+        w, idx = self.topk(self.softmax(logits), k)
+        if renormalize:
+            w = w / self.xp.sum(w, axis=-1, keepdims=True)
+        return w, idx
+
+    def expert_slots(self, table_row, idx, n_valid):
+        """Expert ids [T, k] -> their slots in the pool (table_row [E] int32); padded rows -> -1."""
+        valid = n_valid > 0 if is_rows(n_valid) else self.valid_mask(idx.shape[0], n_valid)
+        return self.xp.where(valid[:, None], table_row[idx], -1)
+
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta):
+        """Gated attention from its projections to the gated output (before o_proj): q/k RMSNorm per head, partial
+        NeoX RoPE at positions start.., the new keys and values written at rows start.. of the layer's cache,
+        causal GQA attention, the output times sigmoid(gate) (gate None: ungated).
+        q [T, Hq * hd], k, v [T, Hkv * hd]; kv the layer's cache: {"k", "v": [Cap, Hkv, hd]}, plus
+        {"k_scale", "v_scale": [Cap, Hkv] fp32} when it is int8 (quantize_kv) -> (o [T, Hq * hd], kv)."""
+        if is_rows(start):
+            def one(q, k, v, g, kv, s, n):
+                o, kv = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
+                                             k_norm, eps, kv, s, n, rotary_dim, theta)
+                return o[0], kv
+            return self.vmap(one)(q, k, v, q if gate is None else gate, kv, start, n_valid)
+        xp = self.xp
+        t = q.shape[0]
+        _, hkv, hd = kv["k"].shape
+        hq = q.shape[1] // hd
+        positions = start + xp.arange(t)
+        valid = self.valid_mask(t, n_valid)
+        q = self.rope(self.rms_norm(q.reshape(t, hq, hd), q_norm, eps), positions, rotary_dim, theta)
+        k = self.rope(self.rms_norm(k.reshape(t, hkv, hd), k_norm, eps), positions, rotary_dim, theta)
+        kv = self.kv_store(kv, k, v.reshape(t, hkv, hd), start)
+        # padded rows look at key 0 only (their output is discarded), so the keys visited follow the real rows
+        o = self.attention(q, kv["k"], kv["v"], xp.where(valid, positions, 0), hd ** -0.5, kv.get("k_scale"),
+                           kv.get("v_scale")).reshape(t, hq * hd)
+        if gate is not None:
+            o = o * self.sigmoid(gate)
+        return o, kv
+
+    def kv_store(self, kv, k, v, start):
+        """The layer's cache with keys and values [T, Hkv, hd] written at rows start.. (int8: quantised, their
+        scales beside them)."""
+        if "k_scale" not in kv:
+            return {"k": self.kv_write(kv["k"], k, start), "v": self.kv_write(kv["v"], v, start)}
+        out = {}
+        for name, x in (("k", k), ("v", v)):
+            q8, scale = quantize_kv(self.xp, x)
+            out[name] = self.kv_write(kv[name], q8, start)
+            out[name + "_scale"] = self.kv_write(kv[name + "_scale"], scale, start)
+        return out
+
+    def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
+                    n_k_heads):
+        """The Gated DeltaNet mixer from its projections to the gated output (before out_proj): causal conv + SiLU
+        over [q|k|v], l2-normed q (times dk^-0.5) and k shared by r = Hv / Hk value heads, beta = sigmoid(b),
+        g = -exp(A_log) * softplus(a + dt_bias) (both 0 on padded rows, which leaves the state unchanged), the gated
+        delta rule, then a gated RMSNorm per head with z. A sequence at start 0 starts from empty states.
+        qkv [T, C]; z [T, Hv * dv]; b, a [T, Hv]; conv_state [K-1, C]; ssm [Hv, dk, dv] fp32
+        -> (o [T, Hv * dv], conv_state, ssm)."""
+        if is_rows(start):
+            def one(qkv, z, b, a, conv_state, ssm, s, n):
+                o, conv_state, ssm = self.delta_block(qkv[None], z[None], b[None], a[None], conv_state, conv_w, ssm,
+                                                      a_log, dt_bias, gnorm, eps, s, n, n_k_heads)
+                return o[0], conv_state, ssm
+            return self.vmap(one)(qkv, z, b, a, conv_state, ssm, start, n_valid)
+        xp = self.xp
+        t = qkv.shape[0]
+        f32 = xp.float32
+        conv_state = xp.where(start > 0, conv_state, xp.zeros_like(conv_state))
+        ssm = xp.where(start > 0, ssm, xp.zeros_like(ssm))
+        hv, dk, dv = ssm.shape
+        hk = n_k_heads
+        r = hv // hk
+        valid = self.valid_mask(t, n_valid)
+        qkv, conv_state = self.causal_conv(qkv, conv_state, conv_w, n_valid)                # [T, C]
+        q = qkv[:, :hk * dk].reshape(t, hk, dk).astype(f32)
+        k = qkv[:, hk * dk:2 * hk * dk].reshape(t, hk, dk).astype(f32)
+        v = qkv[:, 2 * hk * dk:].reshape(t, hv, dv).astype(f32)
+        q = _l2norm(xp, q) * (dk ** -0.5)
+        k = _l2norm(xp, k)
+        if r > 1:  # key head j serves value heads j*r .. j*r + r-1
+            q, k = xp.repeat(q, r, axis=1), xp.repeat(k, r, axis=1)
+        vmask = valid[:, None]
+        beta = xp.where(vmask, self.sigmoid(b).astype(f32), 0.0)                                # [T, Hv]
+        g = xp.where(vmask, -xp.exp(a_log) * self.softplus(a.astype(f32) + dt_bias), 0.0)      # [T, Hv], <= 0
+        rule = self.gated_delta_step if t == 1 else self.gated_delta_chunked
+        o, ssm = rule(q, k, v, g, beta, ssm)                                                   # [T, Hv, dv]
+        # gated RMSNorm per head: w * x_hat (in the activation dtype), times silu(z) in fp32
+        o = self.rms_norm(o.astype(z.dtype), gnorm, eps)
+        o = (o.astype(f32) * self.silu(z.reshape(t, hv, dv).astype(f32))).astype(z.dtype).reshape(t, hv * dv)
+        return o, conv_state, ssm
+
+
+def quantize_kv(xp, x):
+    """x [..., hd] -> (int8 [..., hd], float32 scale [...]): strata/reference.py quantize_kv, in xp. A row with
+    a NaN gets a NaN scale, so whatever reads it is non-finite (the numerics guard sees it)."""
+    x = x.astype(xp.float32)
+    scale = xp.max(xp.abs(x), axis=-1) / 127.0
+    div = xp.where(scale > 0, scale, 1.0)[..., None]
+    return xp.clip(xp.round(x / div), -127, 127).astype(xp.int8), scale
+
+
+def _l2norm(xp, x):
+    return x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + 1e-6)

@@ -13,6 +13,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+import ml_dtypes
+import numpy as np
+
 from strata.errors import ConfigError
 
 # Prompt parts are padded to strata.engine.PART_BUCKETS; the largest bucket bounds the part size.
@@ -230,3 +233,86 @@ def load_serve_config(path: str | os.PathLike | None = None, overrides: Mapping[
                 raise ConfigError(f"{flag_name(key)} {value} is not allowed; {key} must be {allowed}")
             values[key] = value
     return ServeConfig(**values)
+
+
+# The KV cache's formats (EngineOptions.kv): auto is the weights' dtype; int8 keeps a float32 scale per token and
+# KV head beside the values (strata/backend.py quantize_kv).
+KV_DTYPES = {"auto": None, "int8": np.int8, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+# Prompt parts are padded up to one of these token counts, so compilations are bounded (one per bucket used).
+PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    dtype: str = "auto"          # float32 | bfloat16 | auto (bfloat16 on a GPU, float32 on a CPU)
+    kv: str = "auto"             # the attention layers' KV cache: auto (the weights' dtype) | int8 | bfloat16 | float32
+    max_context: int = 4096      # tokens of one sequence (prompt + generated)
+    prefill: int = 1024          # prompt part size: a prompt is read in parts of at most this many tokens
+    device: str | None = None    # backend device kind ("cpu", "gpu"); None: the backend's default
+    kernels: str = "auto"        # jax: auto (Pallas where it measured faster, on a GPU) | xla | pallas
+    sequences: int = 1           # sequence states the memory plan makes room for (the server's parallel slots)
+    # --- experts (strata/experts/): where they live and how misses are served
+    expert_cache: int | str = "auto"     # device slots: "auto" (as many as fit) or a number of experts
+    resident_budget_gib: float | None = None   # host RAM for the expert mirror; None: every expert
+    stream_experts: bool = False         # no host mirror: misses are read from the pack
+    vram_reserve_mib: int = 0            # device memory the plan leaves untouched
+    miss_policy: str = "fetch"           # decode misses: "fetch" (copy into a slot) | "cpu" (compute on the CPU)
+    prefill_borrow: bool = True          # prompt parts stream experts through borrowed cache slots
+    window_fetch: bool = True            # decode windows copy misses from pinned host memory themselves
+    staging_slots: int = 0               # with prefill_borrow off: slots reserved for prompt parts (0: auto)
+    adapt_every: int = 1                 # windows between adaptive swaps (0: off)
+    adapt_swaps: int = 8                 # swaps at most per adaptation
+    adapt_decay: float = 0.99            # per-window decay of routing counts
+    profile: str | None = None           # routing profile (strata profile) for the initial placement
+    host_chunk_mib: int = 1024           # largest single host allocation of the mirror
+    debug_slots: bool = False            # check every slot a computation reads against the pack (slow)
+
+    @staticmethod
+    def from_kwargs(kw: dict) -> "EngineOptions":
+        known = {f.name for f in fields(EngineOptions)}
+        unknown = sorted(set(kw) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        opts = EngineOptions(**kw)
+        if opts.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"dtype {opts.dtype!r} is not allowed; allowed: auto, float32, bfloat16")
+        if opts.kv not in KV_DTYPES:
+            raise ConfigError(f"kv {opts.kv!r} is not allowed; allowed: {', '.join(KV_DTYPES)}")
+        for name in ("max_context", "prefill"):
+            v = getattr(opts, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, found {v!r}")
+        if opts.prefill > PART_BUCKETS[-1]:
+            raise ConfigError(f"prefill must be at most {PART_BUCKETS[-1]}, found {opts.prefill}")
+        _check_expert_options(opts)
+        return opts
+
+
+def bucket_for(n: int) -> int:
+    return next(b for b in PART_BUCKETS if b >= n)
+
+
+def _check_expert_options(o: EngineOptions) -> None:
+    def need(ok, msg):
+        if not ok:
+            raise ConfigError(msg)
+    ec = o.expert_cache
+    need(ec == "auto" or (isinstance(ec, int) and not isinstance(ec, bool) and ec >= 1),
+         f"expert_cache must be 'auto' or a positive number of experts, found {ec!r}")
+    need(o.resident_budget_gib is None or o.resident_budget_gib >= 0,
+         f"resident_budget_gib must be >= 0, found {o.resident_budget_gib!r}")
+    need(isinstance(o.vram_reserve_mib, int) and o.vram_reserve_mib >= 0,
+         f"vram_reserve_mib must be an integer >= 0, found {o.vram_reserve_mib!r}")
+    need(o.miss_policy in MISS_POLICIES, f"miss_policy {o.miss_policy!r} is not allowed; allowed: "
+         f"{', '.join(MISS_POLICIES)}")
+    for name in ("staging_slots", "adapt_every", "adapt_swaps"):
+        v = getattr(o, name)
+        need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} must be an integer >= 0, found {v!r}")
+    need(isinstance(o.sequences, int) and o.sequences >= 1, f"sequences must be an integer >= 1, found {o.sequences!r}")
+    need(isinstance(o.host_chunk_mib, int) and 1 <= o.host_chunk_mib <= 2047,
+         f"host_chunk_mib must be an integer in 1 .. 2047 (a window's copy kernel addresses a chunk with 32-bit "
+         f"offsets), found {o.host_chunk_mib!r}")
+    for name in ("stream_experts", "prefill_borrow", "window_fetch", "debug_slots"):
+        need(isinstance(getattr(o, name), bool), f"{name} must be true or false, found {getattr(o, name)!r}")
+    need(0.0 < o.adapt_decay <= 1.0, f"adapt_decay must be in (0, 1], found {o.adapt_decay!r}")

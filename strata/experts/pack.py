@@ -257,7 +257,7 @@ def write_pack(model, out, fmt: str, progress: Progress | None = None, force: bo
     in format `fmt` (one of strata.weights.quant.FORMATS). Resumes an interrupted write of the same source and
     format; `force` overwrites an existing or mismatched (partial) pack. `progress(done, total)` is called once at
     the start and after each blob is written. Returns the pack directory."""
-    from strata.engine import load_source
+    from strata.weights.source import load_source
     if fmt not in quant.FORMATS:
         raise ConfigError(f"unknown expert format {fmt!r}; allowed: {', '.join(quant.FORMATS)}")
     out = Path(out)

@@ -28,7 +28,7 @@ from strata.jax_backend.kernels import gated_delta as k_gated_delta
 from strata.jax_backend.kernels import route as k_route
 from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop, experts_fetching, experts_from_pool
 from strata.jax_backend.kernels.host_rows import copy_host_rows
-from strata.model.blocks import ComposedOps, is_rows
+from strata.backend import ComposedOps, is_rows
 
 GDN_CHUNK = 64
 GDN_SCAN_BLOCK = 16      # chunks per iteration of the chunked rule's scan, at most (gated_delta_chunked_xla)
@@ -247,7 +247,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         return o.reshape(t, hq, hd).astype(q.dtype)
 
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta):
-        """The composition (strata/model/blocks.py), but a decode window's attention (rows mode: one query per
+        """The composition (strata/backend.py), but a decode window's attention (rows mode: one query per
         sequence over its own cache in the bank) is one Pallas kernel over every row (kernels/decode_attention.py),
         whose cost follows each row's length rather than the cache's capacity."""
         if "attention" not in self.pallas_ops or not is_rows(start):
@@ -273,7 +273,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
 
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
                     n_k_heads):
-        """The composition (strata/model/blocks.py), but a decode token's mixer (a window's rows, or one sequence's
+        """The composition (strata/backend.py), but a decode token's mixer (a window's rows, or one sequence's
         single token) is one Pallas kernel (kernels/delta_decode.py) when chosen and the shapes suit it."""
         rows = is_rows(start)
         if "delta_decode" in self.pallas_ops and (rows or qkv.shape[0] == 1):
@@ -436,7 +436,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
                                 copy_rows=self.copy_rows)
 
     def route(self, logits, k, renormalize):
-        """The composition (blocks.ComposedOps.route), or its one-kernel form (kernels/route.py) when chosen and the
+        """The composition (ComposedOps.route), or its one-kernel form (kernels/route.py) when chosen and the
         expert count is a power of two."""
         if "route" in self.pallas_ops:
             try:

@@ -1,5 +1,5 @@
 """The forward pass of Qwen3-Next (hybrid Gated DeltaNet + gated attention, sparse MoE) and Qwen3-MoE, written once
-against the Backend ops (strata/backend.py; its fused ops are defined in blocks.py). See ../shared/notes/qwen3-next-reference.md for the equations.
+against the Backend ops (strata/backend.py; its fused ops are ComposedOps). See ../shared/notes/qwen3-next-reference.md for the equations.
 
 One call reads one part of one sequence: tokens [T] (padded to a bucket; the first n_valid are real) at positions
 start..start+T-1, and returns the logits and the sequence state after the part. Padded rows are harmless by
@@ -19,7 +19,7 @@ from strata.model.params import is_sparse, projections
 
 def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None) -> list[dict]:
     """Fresh (empty) sequence state, on the host; the engine moves it to the device. kv_dtype: the attention
-    layers' cache (None: dtype; int8: with a float32 scale per token and KV head, see blocks.quantize_kv)."""
+    layers' cache (None: dtype; int8: with a float32 scale per token and KV head, see backend.quantize_kv)."""
     kv_dtype = np.dtype(dtype if kv_dtype is None else kv_dtype)
     state = []
     for kind in cfg.layer_types:
@@ -71,7 +71,7 @@ def forward_rows(ops, cfg: ModelConfig, layout, params: dict, experts: dict, ban
 
     tokens, pos, active [S] int32 (a row with active 0 is padding: its key goes to the position given, beyond every
     real one, and its recurrent state is unchanged); bank: per layer the states of the S sequences, {name: [S, ...]}.
-    The same layers as forward(), in their rows mode (strata/model/blocks.py): projections, routing and experts run
+    The same layers as forward(), in their rows mode (strata/backend.py): projections, routing and experts run
     over the S rows together, the state ops per row."""
     x = embed(params, tokens)                                                     # [S, H]
     new_bank = []

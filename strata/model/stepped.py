@@ -4,7 +4,7 @@ The same building blocks as forward.py (layer_front, layer_back, head), each com
 shape; between a sparse layer's router and the rest of the layer the routes come to the host and the MoeRunner
 (strata/experts/moe.py) resolves them to slots, brings in what is missing and runs the expert op. Three shapes of
 call: one sequence's state (Engine sequences), one slot of the runner's bank (a prompt part), and all slots of the
-bank at once (decode rows, one token each: the layers' rows mode, strata/model/blocks.py).
+bank at once (decode rows, one token each: the layers' rows mode, strata/backend.py).
 
 When every expert is mirrored in pinned host memory, decode rows need no round trip at all: rows_fetching is the same
 loop as rows() inside one compiled function, the device copying each layer's misses itself.

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
-from strata.runner import WindowRunner
+from strata.engine.runner import WindowRunner
 from strata.sched.output import TextOutput
-from strata.sched.plan import PromptPart, WindowPlan, WindowResult
+from strata.plan import PromptPart, WindowPlan, WindowResult
 from strata.sched.request import Failed, Finished, QueueFull, Request
 
 log = logging.getLogger("strata.sched")

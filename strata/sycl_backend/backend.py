@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from strata.errors import ConfigError
-from strata.model.blocks import ComposedOps, is_rows
+from strata.backend import ComposedOps, is_rows
 from strata.sycl_backend import runtime
 
 runtime.prepare_environment()          # before dpctl is first imported
@@ -429,7 +429,7 @@ class SyclBackend(ComposedOps):
         dst[...] = self._dev(row)
         return x
 
-    # --- fused ops (strata/model/blocks.py defines them; here each is one or a few launches, because every launch
+    # --- fused ops (strata/backend.py defines them; here each is one or a few launches, because every launch
     # costs on this eager backend: tests/sycl/test_fused_ops.py holds each to the composition)
     def _fmt(self, ws) -> str | None:
         """The one stored format of the weights ("bf16" | "f32"), or None when they differ."""
@@ -507,7 +507,7 @@ class SyclBackend(ComposedOps):
         return a if a.flags.c_contiguous else dpnp.ascontiguousarray(a)
 
     def _rows(self, pos, active):
-        """A decode window's rows (strata/model/blocks.py's rows mode) as the device int32 [2, S] (positions,
+        """A decode window's rows (strata/backend.py's rows mode) as the device int32 [2, S] (positions,
         active) its kernels read. Every layer of a window passes the same host arrays, so the last upload is kept
         and reused while the values match: one upload per window, not one per layer. pos None: only `active` is
         read (expert_slots), and the positions of the last upload are taken when its `active` matches."""

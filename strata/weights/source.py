@@ -1,9 +1,14 @@
-"""Where tensors come from: one small interface for every reader (safetensors dir, GGUF, packs later)."""
+"""Where tensors come from: one small interface for every reader (safetensors dir, GGUF, packs), and load_source,
+which opens a model by path or name."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Iterable, Protocol
 
 import numpy as np
+
+from strata.errors import ModelLoadError
 
 
 class TensorSource(Protocol):
@@ -17,3 +22,22 @@ class TensorSource(Protocol):
 
     def where(self, name: str) -> str:
         """The file that holds `name` (or would hold it), for error messages."""
+
+
+def load_source(path_or_name: str | os.PathLike):
+    """-> (HF config dict, TensorSource, directory holding the tokenizer or None)."""
+    if str(path_or_name) == "demo":
+        from strata.demo import demo_model_dir
+        path_or_name = demo_model_dir()
+    path = Path(path_or_name)
+    if path.is_file() and path.suffix == ".gguf":
+        from strata.weights.gguf_reader import read_gguf
+        config, tensors = read_gguf(path)
+        return config, tensors, path.parent
+    if path.is_dir():
+        from strata.weights.hf_dir import read_hf_dir
+        config, tensors = read_hf_dir(path)
+        return config, tensors, path
+    what = "is a file but not a .gguf file" if path.is_file() else "not found"
+    raise ModelLoadError(f"model {str(path_or_name)!r} {what}: pass a Hugging Face checkpoint directory, "
+                         f"a .gguf file, or 'demo'")

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 
 from strata.cli import _ProgressBar, main
 from strata.demo import demo_model_dir
-from strata.engine import load_source
+from strata.weights.source import load_source
 from strata.errors import ConfigError, ModelLoadError, StrataError
 from strata.experts import pack as packmod
 from strata.experts.pack import PackIndexError, PackReader, is_pack, write_pack

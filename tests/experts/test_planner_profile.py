@@ -9,7 +9,8 @@ import pytest
 
 from strata import Engine
 from strata.cli import main
-from strata.engine import EngineOptions, load_source
+from strata.config import EngineOptions
+from strata.weights.source import load_source
 from strata.errors import ConfigError
 from strata.experts.planner import MIB, plan_memory
 from strata.experts.profile import load_profile

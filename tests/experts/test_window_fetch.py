@@ -10,8 +10,9 @@ import jax
 import numpy as np
 
 from strata import Engine
-from strata.runner import WindowRunner, idle_plan
-from strata.sched.plan import PromptPart
+from strata.engine.runner import WindowRunner
+from strata.plan import idle_plan
+from strata.plan import PromptPart
 
 SLOTS, PART = 2, 16
 

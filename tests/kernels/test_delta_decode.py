@@ -1,5 +1,5 @@
 """kernels/delta_decode (the Gated DeltaNet mixer's decode step as one kernel) against its float64 reference and
-against the definition it fuses, blocks.delta_block in rows mode run by the JAX backend's XLA ops, on fresh random
+against the definition it fuses, ComposedOps.delta_block in rows mode run by the JAX backend's XLA ops, on fresh random
 model-like inputs: rows at position 0 (empty states), inactive rows (states unchanged), one and two value heads per
 key head; float32 and bfloat16 activations. On the CPU in Pallas interpret mode, on the GPU compiled
 (STRATA_TEST_DEVICE=gpu); and exported for CUDA at Qwen3-Next-80B shapes (the Triton lowering's checks)."""
@@ -92,7 +92,7 @@ def test_matches_the_reference(hk, hv, dk, dv, dtype, interpret):
 
 @pytest.mark.parametrize("hk,hv,dk,dv", SHAPES[:2])
 def test_matches_the_composition_it_fuses(hk, hv, dk, dv, interpret):
-    """The same rows through blocks.delta_block (rows mode) on the XLA backend: the model's definition."""
+    """The same rows through ComposedOps.delta_block (rows mode) on the XLA backend: the model's definition."""
     rng = np.random.default_rng()
     d = inputs(rng, 3, hk, hv, dk, dv, "float32", start=[0, 5, 9], n_valid=[1, 0, 1])
     o, conv, ssm = run_kernel(d, hk, interpret)

@@ -13,8 +13,9 @@ import pytest
 
 from strata import Engine
 from strata.jax_backend import backend as jb
-from strata.runner import WindowRunner, idle_plan
-from strata.sched.plan import PromptPart
+from strata.engine.runner import WindowRunner
+from strata.plan import idle_plan
+from strata.plan import PromptPart
 
 TOL = 1e-4           # of the logit range, as the parity suite's float32 tolerance
 

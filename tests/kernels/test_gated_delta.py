@@ -1,5 +1,5 @@
 """kernels/gated_delta (the gated delta rule: decode with the state in place, speculative verify with the state after
-every position, chunked prompt parts) against the float64 references built on strata.model.reference.gated_delta;
+every position, chunked prompt parts) against the float64 references built on strata.reference.gated_delta;
 fresh random model-like inputs each run (l2-normed q and k, g = -exp(A_log) softplus(.), beta = sigmoid(.)); on the
 CPU in Pallas interpret mode, on the GPU compiled (STRATA_TEST_DEVICE=gpu). Interpret mode fills the outputs of a
 pallas_call with NaN before the kernel runs, so an element a kernel fails to write fails the finiteness checks.

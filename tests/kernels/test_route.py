@@ -1,5 +1,5 @@
 """kernels/route (the router's softmax + top-k + renormalisation as one kernel) against its float64 reference and the
-composition it replaces (blocks.ComposedOps.route on the XLA backend): the same expert ids, weights within fp32
+composition it replaces (ComposedOps.route on the XLA backend): the same expert ids, weights within fp32
 rounding; ties to the lower id; a row with a NaN logit gives non-finite weights and ids in range. On the CPU in
 Pallas interpret mode, on the GPU compiled (STRATA_TEST_DEVICE=gpu); exported for CUDA at Qwen3-Next-80B shapes."""
 from __future__ import annotations

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from strata.jax_backend import backend as jb
-from strata.model import reference
+from strata import reference
 from strata.weights import quant
 
 OPS = jb.JaxBackend()

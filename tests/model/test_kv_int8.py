@@ -9,8 +9,8 @@ import pytest
 
 from strata import Engine
 from strata.jax_backend.backend import JaxBackend
-from strata.model import blocks
-from strata.model.reference import dequantize_kv, quantize_kv
+from strata import backend
+from strata.reference import dequantize_kv, quantize_kv
 from strata.sycl_backend.kernels.attention import attention_reference
 
 ATT_REL = 2e-6      # fp32 attention over the same int8 values and scales (sums of a few hundred terms)
@@ -25,7 +25,7 @@ def test_quantizer_matches_the_reference_bit_for_bit():
     x[2, 1] = 0.0                                   # a zero row: scale 0, codes 0
     x[4, 0, :5] = [127.0, -127.0, 63.5, -0.5, 0.5]  # exact halves round to even
     x[4, 0, 5:] = 0.0
-    q, s = blocks.quantize_kv(jnp, jnp.asarray(x))
+    q, s = backend.quantize_kv(jnp, jnp.asarray(x))
     q0, s0 = quantize_kv(x)
     assert q.dtype == jnp.int8 and s.dtype == jnp.float32
     assert (np.asarray(q) == q0).all() and (np.asarray(s) == s0).all()
@@ -37,7 +37,7 @@ def test_quantizer_matches_the_reference_bit_for_bit():
 def test_a_non_finite_row_has_a_non_finite_scale():
     x = np.ones((2, 1, 8), np.float32)
     x[1, 0, 3] = np.nan
-    _, s = blocks.quantize_kv(jnp, jnp.asarray(x))
+    _, s = backend.quantize_kv(jnp, jnp.asarray(x))
     s = np.asarray(s)
     assert np.isfinite(s[0]).all() and not np.isfinite(s[1]).all()
 

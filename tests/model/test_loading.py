@@ -392,7 +392,7 @@ def test_demo_mtp_weights(demo_small):
     for name, parts in joined.items():
         assert tuple(layer[name].shape) == (sum(n for _, n in parts), H)
     # routed experts live in the expert pool, not the tree; the MTP layer's are read by prefix
-    from strata.engine import load_source
+    from strata.weights.source import load_source
     from strata.model.params import read_experts
     _, src, _ = load_source("demo")
     gate, up, down = read_experts(cfg, src, prefix="mtp.layers.0.mlp.")

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from oracle import build_hf_model  # noqa: E402
 from strata import Engine  # noqa: E402
 from strata.jax_backend.backend import JaxBackend  # noqa: E402
-from strata.model.blocks import quantize_kv  # noqa: E402
+from strata.backend import quantize_kv  # noqa: E402
 
 TOL = 1e-4           # of the logit range, float32
 NEAR_TIE = 1e-4      # router probability margin, and greedy logit margin relative to the range

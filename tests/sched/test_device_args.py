@@ -7,8 +7,9 @@ from dataclasses import replace
 import numpy as np
 
 from strata import Engine
-from strata.engine import DeviceArgs
-from strata.runner import WindowRunner, idle_plan
+from strata.engine.core import DeviceArgs
+from strata.engine.runner import WindowRunner
+from strata.plan import idle_plan
 
 
 class CountingOps:
@@ -72,7 +73,7 @@ def test_warm_up_compiles_greedy_and_sampled_windows():
     assert lowered == [], f"{len(lowered)} functions were compiled under load, after warm-up"
     # an inactive row's temperature does not make a window sampled; the greedy and general forms' tokens for greedy
     # rows are one and the same (tests/test_sampling.py)
-    from strata.engine import all_greedy
+    from strata.engine.core import all_greedy
     assert all_greedy(np.array([0.0, 0.0, 5.0], np.float32), base.decode_active)
     assert not all_greedy(np.array([0.0, 0.8, 0.0], np.float32), base.decode_active)
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from strata import Engine
-from strata.runner import ROWS, WindowRunner, idle_plan
-from strata.sched.plan import PromptPart
+from strata.engine.runner import ROWS, WindowRunner
+from strata.plan import idle_plan
+from strata.plan import PromptPart
 from strata.sched.request import Finished, Request, SamplingParams
 from tests.sched.test_scheduler import _prompts, _run
 

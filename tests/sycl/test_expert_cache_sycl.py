@@ -18,8 +18,9 @@ import pytest
 
 from strata import Engine
 from strata.experts.pack import write_pack
-from strata.runner import WindowRunner, idle_plan
-from strata.sched.plan import PromptPart
+from strata.engine.runner import WindowRunner
+from strata.plan import idle_plan
+from strata.plan import PromptPart
 
 PROMPT_LEN, PART, GEN = 40, 16, 12
 # Between arrangements only the order of float32 sums changes (a miss computed in its own pass, on the CPU through

@@ -1,4 +1,4 @@
-"""The SYCL backend's fused ops (strata/model/blocks.py defines them) against their definition, the composition of
+"""The SYCL backend's fused ops (strata/backend.py defines them) against their definition, the composition of
 basic ops run on the same device, and their new kernels against numpy references; on fresh random inputs, with
 weights stored in fp32 and in bfloat16. Also: how many launches each fused op takes at decode (one row)."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from strata.model.blocks import ComposedOps
-from strata.model.reference import quantize_kv
+from strata.backend import ComposedOps
+from strata.reference import quantize_kv
 from strata.sycl_backend.kernels import gated_delta as k_gdn
 from strata.sycl_backend.kernels import linear as k_linear
 from strata.sycl_backend.kernels import norms as k_norms

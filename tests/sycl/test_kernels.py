@@ -6,7 +6,7 @@ import dpnp
 import numpy as np
 import pytest
 
-from strata.model.reference import quantize_kv
+from strata.reference import quantize_kv
 
 from strata.sycl_backend.kernels import attention as k_attention
 from strata.sycl_backend.kernels import conv as k_conv
@@ -87,7 +87,7 @@ def test_attention(ops, rng, t, hq, hkv, hd, cap):
     kv = {"k": ops.to_device(kc), "v": ops.to_device(vc)}
     k_attention.attention(ops.kernels, ops.to_device(q), kv, ops.to_device(pos), hd ** -0.5, out=out)
     close(out, k_attention.attention_reference(q, kc, vc, pos, hd ** -0.5), rel=1e-5, what="attention")
-    # the int8 cache: codes and a scale per token and head (strata/model/reference.py quantize_kv)
+    # the int8 cache: codes and a scale per token and head (strata/reference.py quantize_kv)
     (kq, ks), (vq, vs) = quantize_kv(kc * 4), quantize_kv(vc)
     kv8 = {"k": ops.to_device(kq), "v": ops.to_device(vq), "k_scale": ops.to_device(ks), "v_scale": ops.to_device(vs)}
     out = poisoned(ops, q.shape)

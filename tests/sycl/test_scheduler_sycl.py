@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sched"))
 
 from strata import Engine  # noqa: E402
-from strata.runner import WindowRunner, idle_plan  # noqa: E402
+from strata.engine.runner import WindowRunner  # noqa: E402
+from strata.plan import idle_plan
 from strata.sched.request import Finished, Request, SamplingParams  # noqa: E402
 from test_scheduler import _prompts, _run  # noqa: E402
 
@@ -50,7 +51,7 @@ def test_window_runner_decode_rows_keep_the_slot_bank_in_place(engine):
     ops = engine.backend
     from dataclasses import replace
 
-    from strata.sched.plan import PromptPart
+    from strata.plan import PromptPart
     plan = idle_plan(2)
     runner.run(replace(plan, part=PromptPart(slot=0, tokens=np.arange(3, 12, dtype=np.int32), start=0, last=True)))
     bank = [dict(layer) for layer in runner.states]

@@ -1,6 +1,6 @@
 """The Gated DeltaNet mixer's decode step as ONE Pallas kernel: from the layer's projections (qkv before the causal
 conv, z, b, a) to the gated output before out_proj, for S sequences of one token each, the recurrent state updated
-in place. It is strata/model/blocks.py's delta_block in rows mode (the definition), fused.
+in place. It is strata/backend.py's delta_block in rows mode (the definition), fused.
 
 Why: in a decode window XLA runs that composition as a chain of small kernels per layer: the conv and its state
 shift, the l2 norms, the gates, the state's decay, the S^T k and S^T q reductions and the update, the gated RMSNorm.
@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 
 from strata.jax_backend.kernels import triton_params
 from strata.jax_backend.kernels.gated_delta import _pow2, _step
-from strata.model.reference import gated_delta as _gated_delta_reference
+from strata.reference import gated_delta as _gated_delta_reference
 
 _F32 = jnp.float32
 _PER_THREAD = 64         # fp32 state elements a thread holds (num_warps = dk * dv / (32 * this), at most 8)
@@ -99,7 +99,7 @@ def _kernel(start_ref, valid_ref, b_ref, a_ref, alog_ref, dtb_ref, qkv_ref, cs_r
     state = jnp.where(fresh, jnp.zeros((dk, dv), _F32), s_in_ref[...])
     state, o = _step(state, q, k, v, g, beta)                                          # [dk, dv], [dv]
     s_ref[...] = state
-    # gated RMSNorm per head: w * x_hat in the activation dtype, times silu(z) in fp32 (blocks.delta_block)
+    # gated RMSNorm per head: w * x_hat in the activation dtype, times silu(z) in fp32 (ComposedOps.delta_block)
     zt = z_ref.dtype
     o = o.astype(zt).astype(_F32)
     o = (o * lax.rsqrt(jnp.mean(o * o) + eps) * gnorm_ref[...].astype(_F32)).astype(zt).astype(_F32)
@@ -125,7 +125,7 @@ def check(qkv, conv_state, ssm, n_k_heads: int) -> None:
 @functools.partial(jax.jit, static_argnames=("n_k_heads", "eps", "interpret"))
 def delta_decode(qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, start, n_valid, *, n_k_heads: int,
                  eps: float, interpret: bool = False):
-    """One decode token of each of S sequences through the Gated DeltaNet mixer (blocks.delta_block, rows mode).
+    """One decode token of each of S sequences through the Gated DeltaNet mixer (ComposedOps.delta_block, rows mode).
 
     qkv [S, C] (the projection, before the conv; C = 2 Hk dk + Hv dv), z [S, Hv * dv], b, a [S, Hv] in the
     activation dtype; conv_state [S, K-1, C]; conv_w [C, K]; ssm [S, Hv, dk, dv] float32 (donate it: updated in

@@ -127,7 +127,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from strata.jax_backend.kernels import triton_params
-from strata.model.reference import gated_delta as _gated_delta_reference
+from strata.reference import gated_delta as _gated_delta_reference
 
 CHUNK = 64               # chunk of the chunked form (JaxBackend's GDN_CHUNK)
 BLOCK_V = 32             # dv columns of the state per program (a power of two: Triton block shapes must be)
@@ -610,7 +610,7 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, interpret: bool = False, blo
     return o[:t], state
 
 
-# --- float64 references (numpy), on strata.model.reference.gated_delta
+# --- float64 references (numpy), on strata.reference.gated_delta
 
 def _f64(*xs):
     return [np.asarray(x, np.float64) for x in xs]

@@ -1,5 +1,5 @@
 """The MoE router's routing as one Pallas kernel: router logits [T, E] -> the top-k experts of each row and their
-weights (blocks.ComposedOps.route, the definition: softmax over all experts in fp32, top-k with ties to the lower
+weights (ComposedOps.route, the definition: softmax over all experts in fp32, top-k with ties to the lower
 expert id, optionally renormalised to sum to 1).
 
 Why: XLA runs the composition as a softmax kernel, a top-k (a sort or XLA's top-k kernel) and the renormalisation,

@@ -1,7 +1,7 @@
 // Causal GQA attention over the KV cache (online softmax), and the fused forms attention_block uses.
 // Compiled once per KV format (kernels/__init__.py): KV_SUFFIX names the variant, KVT is the stored type and KV_Q8
 // says whether each stored row (one token, one KV head: hd values) carries a float scale (int8: value = q * scale,
-// scale = amax / 127 of the row; strata/model/reference.py quantize_kv). The f32 variant takes the same scale
+// scale = amax / 127 of the row; strata/reference.py quantize_kv). The f32 variant takes the same scale
 // arguments and never reads or writes them.
 // q, out [T, hq, hd] fp32; k, v [cap, hkv, hd] KVT; ks, vs [cap, hkv] fp32 (int8).  hd <= ATT_HD_MAX.
 #ifndef CAT

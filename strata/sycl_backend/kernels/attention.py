@@ -8,7 +8,7 @@ from __future__ import annotations
 import dpnp
 import numpy as np
 
-from strata.model.reference import dequantize_kv
+from strata.reference import dequantize_kv
 from strata.sycl_backend.kernels import Kernels, f32, i32, u32
 
 HD_MAX = 512

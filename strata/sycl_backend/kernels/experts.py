@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dpnp
 
-from strata.model.reference import experts as experts_reference  # noqa: F401 - the kernel's reference
+from strata.reference import experts as experts_reference  # noqa: F401 - the kernel's reference
 from strata.sycl_backend.kernels import Kernels, i32, u32
 
 

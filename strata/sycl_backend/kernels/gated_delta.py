@@ -5,7 +5,7 @@ from __future__ import annotations
 import dpnp
 import numpy as np
 
-from strata.model.reference import gated_delta as gated_delta_reference  # noqa: F401 - the kernel's reference
+from strata.reference import gated_delta as gated_delta_reference  # noqa: F401 - the kernel's reference
 from strata.sycl_backend.kernels import Kernels, f32, i32
 
 DK_MAX = 512

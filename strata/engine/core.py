@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -20,90 +19,15 @@ import ml_dtypes
 import numpy as np
 
 from strata.backend import get_backend
-from strata.errors import ConfigError, ModelLoadError, StrataError
+from strata.config import KV_DTYPES, EngineOptions, bucket_for
+from strata.errors import StrataError
 from strata.model.config import ModelConfig
 from strata.model.forward import forward, init_state
 from strata.model.stepped import rows_fetching
 from strata.model.params import build_params
+from strata.weights.source import load_source
 
 log = logging.getLogger("strata")
-
-# The KV cache's formats (EngineOptions.kv): auto is the weights' dtype; int8 keeps a float32 scale per token and
-# KV head beside the values (strata/model/blocks.py quantize_kv).
-KV_DTYPES = {"auto": None, "int8": np.int8, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-
-# Prompt parts are padded up to one of these token counts, so compilations are bounded (one per bucket used).
-PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    dtype: str = "auto"          # float32 | bfloat16 | auto (bfloat16 on a GPU, float32 on a CPU)
-    kv: str = "auto"             # the attention layers' KV cache: auto (the weights' dtype) | int8 | bfloat16 | float32
-    max_context: int = 4096      # tokens of one sequence (prompt + generated)
-    prefill: int = 1024          # prompt part size: a prompt is read in parts of at most this many tokens
-    device: str | None = None    # backend device kind ("cpu", "gpu"); None: the backend's default
-    kernels: str = "auto"        # jax: auto (Pallas where it measured faster, on a GPU) | xla | pallas
-    sequences: int = 1           # sequence states the memory plan makes room for (the server's parallel slots)
-    # --- experts (strata/experts/): where they live and how misses are served
-    expert_cache: int | str = "auto"     # device slots: "auto" (as many as fit) or a number of experts
-    resident_budget_gib: float | None = None   # host RAM for the expert mirror; None: every expert
-    stream_experts: bool = False         # no host mirror: misses are read from the pack
-    vram_reserve_mib: int = 0            # device memory the plan leaves untouched
-    miss_policy: str = "fetch"           # decode misses: "fetch" (copy into a slot) | "cpu" (compute on the CPU)
-    prefill_borrow: bool = True          # prompt parts stream experts through borrowed cache slots
-    window_fetch: bool = True            # decode windows copy misses from pinned host memory themselves
-    staging_slots: int = 0               # with prefill_borrow off: slots reserved for prompt parts (0: auto)
-    adapt_every: int = 1                 # windows between adaptive swaps (0: off)
-    adapt_swaps: int = 8                 # swaps at most per adaptation
-    adapt_decay: float = 0.99            # per-window decay of routing counts
-    profile: str | None = None           # routing profile (strata profile) for the initial placement
-    host_chunk_mib: int = 1024           # largest single host allocation of the mirror
-    debug_slots: bool = False            # check every slot a computation reads against the pack (slow)
-
-    @staticmethod
-    def from_kwargs(kw: dict) -> "EngineOptions":
-        known = {f.name for f in fields(EngineOptions)}
-        unknown = sorted(set(kw) - known)
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
-        opts = EngineOptions(**kw)
-        if opts.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"dtype {opts.dtype!r} is not allowed; allowed: auto, float32, bfloat16")
-        if opts.kv not in KV_DTYPES:
-            raise ConfigError(f"kv {opts.kv!r} is not allowed; allowed: {', '.join(KV_DTYPES)}")
-        for name in ("max_context", "prefill"):
-            v = getattr(opts, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, found {v!r}")
-        if opts.prefill > PART_BUCKETS[-1]:
-            raise ConfigError(f"prefill must be at most {PART_BUCKETS[-1]}, found {opts.prefill}")
-        _check_expert_options(opts)
-        return opts
-
-
-def bucket_for(n: int) -> int:
-    return next(b for b in PART_BUCKETS if b >= n)
-
-
-def load_source(path_or_name: str | os.PathLike):
-    """-> (HF config dict, TensorSource, directory holding the tokenizer or None)."""
-    if str(path_or_name) == "demo":
-        from strata.demo import demo_model_dir
-        path_or_name = demo_model_dir()
-    path = Path(path_or_name)
-    if path.is_file() and path.suffix == ".gguf":
-        from strata.weights.gguf_reader import read_gguf
-        config, tensors = read_gguf(path)
-        return config, tensors, path.parent
-    if path.is_dir():
-        from strata.weights.hf_dir import read_hf_dir
-        config, tensors = read_hf_dir(path)
-        return config, tensors, path
-    what = "is a file but not a .gguf file" if path.is_file() else "not found"
-    raise ModelLoadError(f"model {str(path_or_name)!r} {what}: pass a Hugging Face checkpoint directory, "
-                         f"a .gguf file, or 'demo'")
-
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, backend, options: EngineOptions, tokenizer=None):
@@ -431,30 +355,3 @@ def _is_pack(path_or_name) -> bool:
         return False
     from strata.experts.pack import is_pack
     return is_pack(Path(path_or_name))
-
-
-def _check_expert_options(o: EngineOptions) -> None:
-    from strata.experts.moe import MISS_POLICIES
-
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(msg)
-    ec = o.expert_cache
-    need(ec == "auto" or (isinstance(ec, int) and not isinstance(ec, bool) and ec >= 1),
-         f"expert_cache must be 'auto' or a positive number of experts, found {ec!r}")
-    need(o.resident_budget_gib is None or o.resident_budget_gib >= 0,
-         f"resident_budget_gib must be >= 0, found {o.resident_budget_gib!r}")
-    need(isinstance(o.vram_reserve_mib, int) and o.vram_reserve_mib >= 0,
-         f"vram_reserve_mib must be an integer >= 0, found {o.vram_reserve_mib!r}")
-    need(o.miss_policy in MISS_POLICIES, f"miss_policy {o.miss_policy!r} is not allowed; allowed: "
-         f"{', '.join(MISS_POLICIES)}")
-    for name in ("staging_slots", "adapt_every", "adapt_swaps"):
-        v = getattr(o, name)
-        need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} must be an integer >= 0, found {v!r}")
-    need(isinstance(o.sequences, int) and o.sequences >= 1, f"sequences must be an integer >= 1, found {o.sequences!r}")
-    need(isinstance(o.host_chunk_mib, int) and 1 <= o.host_chunk_mib <= 2047,
-         f"host_chunk_mib must be an integer in 1 .. 2047 (a window's copy kernel addresses a chunk with 32-bit "
-         f"offsets), found {o.host_chunk_mib!r}")
-    for name in ("stream_experts", "prefill_borrow", "window_fetch", "debug_slots"):
-        need(isinstance(getattr(o, name), bool), f"{name} must be true or false, found {getattr(o, name)!r}")
-    need(0.0 < o.adapt_decay <= 1.0, f"adapt_decay must be in (0, 1], found {o.adapt_decay!r}")

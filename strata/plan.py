@@ -1,4 +1,6 @@
-"""What one window computes, and what it returns: plain data (numpy), so the scheduler is testable without a device.
+"""What the scheduler and the engine share: the plan of one window, its result (plain numpy data), and the Executor
+protocol that runs plans. The scheduler plans and is given an Executor; the engine implements it. Neither imports the
+other.
 
 A window has one decode row per slot (S = the number of slots; rows of slots that are not generating are inactive)
 and at most one prompt part. Every slot's sampling parameters ride along in [S] arrays; the part uses its slot's.
@@ -6,6 +8,7 @@ and at most one prompt part. Every slot's sampling parameters ride along in [S] 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,3 +61,33 @@ class WindowResult:
     part_finite: bool | None
     decode_s: float              # device time of the decode rows
     part_s: float                # device time of the prompt part
+
+
+def idle_plan(n_slots: int) -> WindowPlan:
+    """A window in which no slot generates (the scheduler fills in what it needs)."""
+    z = lambda dt: np.zeros(n_slots, dt)  # noqa: E731
+    return WindowPlan(decode_active=z(bool), decode_tokens=z(np.int32), decode_pos=z(np.int32),
+                      temperature=z(np.float32), top_k=z(np.int32), top_p=np.ones(n_slots, np.float32),
+                      min_p=z(np.float32), seeds=np.zeros((n_slots, 2), np.uint32), steps=z(np.int32))
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What an Executor can hold: the scheduler plans within it."""
+    slots: int                   # S: decode rows of a window (the parallel slots)
+    part_size: int               # the largest prompt part a window carries
+    max_context: int             # tokens of one sequence: prompt + generated
+
+
+class Executor(Protocol):
+    """Runs WindowPlans. dispatch() starts a window and returns a handle; collect(handle) waits for it and reads its
+    WindowResult. Windows are collected in the order they were dispatched. When `chains` is true, a decode-only plan
+    that continues the last dispatched window (plan.continued(), nothing else changed) may be dispatched before that
+    window is collected: dispatch(plan, after=handle)."""
+    capacity: Capacity
+    chains: bool
+
+    def warm_up(self) -> float: ...                                     # compile every shape; -> seconds
+    def dispatch(self, plan: WindowPlan, after: Any = None) -> Any: ...
+    def collect(self, handle: Any) -> WindowResult: ...
+    def metrics(self) -> dict: ...                                      # counters for /metrics (flat, numeric)

@@ -25,7 +25,7 @@ faster than one by one. With windows dispatched ahead each window's fresh result
 did XLA's temporary buffer unless XLA_FLAGS has --xla_gpu_command_buffer_update_mode=SKIP_TEMP: with both, the
 48-layer window at batch 1 took 3.62 ms ahead against 7.51 (bench/dispatch_probe.py --ahead-only, README). The
 sampling settings and the active mask are sent only when they
-change (engine.DeviceArgs). On the H200 (8 layers, batch 1) the window took ~2.2 ms of which the device was busy
+change (strata/engine/core.py DeviceArgs). On the H200 (8 layers, batch 1) the window took ~2.2 ms of which the device was busy
 ~0.93; sending the rows cost ~0.2-0.3 ms and reading the result ~0.5-0.8 (bench/dispatch_probe.py), while windows
 dispatched back to back without reads ran at ~1.0 ms each.
 """
@@ -37,10 +37,11 @@ from functools import partial
 
 import numpy as np
 
-from strata.engine import PART_BUCKETS, SAMPLING, DeviceArgs, Engine, all_greedy, bucket_for
+from strata.config import PART_BUCKETS, bucket_for
+from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
 from strata.model.forward import forward, forward_rows
 from strata.model.stepped import rows_fetching
-from strata.sched.plan import PromptPart, WindowPlan, WindowResult
+from strata.plan import PromptPart, WindowPlan, WindowResult, idle_plan
 
 
 class WindowRunner:
@@ -263,14 +264,6 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
     if not (np.array_equal(plan.decode_pos[on], want.decode_pos[on])
             and np.array_equal(plan.steps[on], want.steps[on])):
         raise ValueError("a continuing plan's rows must be one position and one step past the window it continues")
-
-
-def idle_plan(n_slots: int) -> WindowPlan:
-    """A window in which no slot generates (the scheduler fills in what it needs)."""
-    z = lambda dt: np.zeros(n_slots, dt)  # noqa: E731
-    return WindowPlan(decode_active=z(bool), decode_tokens=z(np.int32), decode_pos=z(np.int32),
-                      temperature=z(np.float32), top_k=z(np.int32), top_p=np.ones(n_slots, np.float32),
-                      min_p=z(np.float32), seeds=np.zeros((n_slots, 2), np.uint32), steps=z(np.int32))
 
 
 ROWS = 5      # a window's rows array: tokens, positions, steps (in); next tokens, finite (out)
