@@ -41,7 +41,7 @@ from strata.config import PART_BUCKETS, bucket_for
 from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
 from strata.model.forward import forward, forward_rows
 from strata.model.stepped import rows_fetching
-from strata.plan import PromptPart, WindowPlan, WindowResult, idle_plan
+from strata.plan import Capacity, PromptPart, WindowPlan, WindowResult, idle_plan
 
 
 class WindowRunner:
@@ -49,6 +49,7 @@ class WindowRunner:
         if part_size > engine.options.prefill:
             raise ValueError(f"part size {part_size} exceeds the engine's prefill {engine.options.prefill}")
         self.engine, self.n_slots, self.part_size = engine, n_slots, part_size
+        self.capacity = Capacity(slots=n_slots, part_size=part_size, max_context=engine.options.max_context)
         ops, cfg = engine.backend, engine.cfg
         one = engine.init_state()
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
@@ -81,6 +82,17 @@ class WindowRunner:
             t = time.perf_counter()
             self.engine.experts.end_window(self.windows)
             self.between_s += time.perf_counter() - t
+
+    def metrics(self) -> dict:
+        """The expert cache's counters (none for a model without routed experts)."""
+        x = self.engine.experts
+        if x is None:
+            return {}
+        st = x.cache.stats
+        return dict(expert_hits=st.hits, expert_misses=st.misses, expert_fills=st.fills,
+                    expert_bytes_copied=st.bytes_copied, expert_copy_seconds=st.copy_seconds,
+                    expert_cpu_routes=st.cpu_routes, expert_cpu_seconds=st.cpu_seconds, expert_loans=st.loans,
+                    expert_swaps=st.swaps, expert_slots_resident=x.cache.n_resident)
 
     def buckets(self) -> list[int]:
         return [b for b in PART_BUCKETS if b <= bucket_for(self.part_size)]
