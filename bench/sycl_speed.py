@@ -60,15 +60,15 @@ def decode_fn(engine, cfg, params, n_tokens=1):
     seed = np.zeros(2, np.uint32)
     state = ops.to_device(init_state(cfg, engine.capacity, engine.dtype, engine.kv_dtype))
     prompt = np.arange(3, 11, dtype=np.int32)
-    experts = engine.expert_args()
-    _, state, _ = forward(ops, cfg, engine.layout, params, experts, state, prompt, np.int32(0), np.int32(8),
-                          all_logits=False)
+    args = engine.path.args()
+    _, state = forward(ops, cfg, params, state, prompt, np.int32(0), np.int32(8),
+                       engine.path.traced(engine.layout, args, np.int32(8)), all_logits=False)
     box = {"state": state, "pos": 8}
 
     def step():
-        logits, box["state"], _ = forward(ops, cfg, engine.layout, params, experts, box["state"],
-                                          np.array([7], np.int32), np.int32(box["pos"]), np.int32(1),
-                                          all_logits=False)
+        one = np.int32(1)
+        logits, box["state"] = forward(ops, cfg, params, box["state"], np.array([7], np.int32), np.int32(box["pos"]),
+                                       one, engine.path.traced(engine.layout, args, one), all_logits=False)
         nxt = _sample(ops, logits, *sp, seed, np.int32(box["pos"]))
         box["pos"] += 1
         return int(nxt[0])

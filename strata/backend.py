@@ -28,6 +28,10 @@ class Backend(Protocol):
     # matmul instead of two to four where each is a launch and a column slice of the product is free (JAX); a
     # backend whose fused ops take several weights in one launch and need contiguous inputs keeps them apart (SYCL)
     joins_projections: bool
+    device: Any          # the device it runs on; device.platform is "cpu" or "gpu" (picks the default dtype)
+    # the optional HostFetch capability (below): the backend itself when its compiled windows can read pinned host
+    # memory by themselves, else None. Declared by the backend, never probed.
+    host_fetch: "HostFetch | None"
 
     # --- placement and memory
     def to_device(self, tree: Any) -> Any: ...
@@ -92,6 +96,17 @@ class Backend(Protocol):
     # of the vocabulary); the result is the same as the general path's for such rows
     def sample(self, logits: Array, temperature: Array, top_k: Array, top_p: Array, min_p: Array,
                keys: Array, all_greedy: bool = False) -> Array: ...
+
+
+class HostFetch(Protocol):
+    """Compiled windows that copy from pinned host memory by themselves: the host mirror keeps its chunks there and
+    a decode window fetches its misses inside the window (strata/experts/path.py, window fetch)."""
+
+    def host_chunk(self, rows) -> Array: ...                       # uint8 [n, nbytes] -> one pinned host allocation
+    def host_rows(self, chunk: Array, rows) -> Any: ...            # rows of a chunk -> host uint8 [m, nbytes]
+    def pool_fill(self, pool: Array, slots, chunks, bounds, rows) -> Array: ...   # pool rows from chunk rows
+    def experts_fetch(self, x: Array, ids: Array, weight: Array, valid: Array, pool: Array, table_row: Array,
+                      chunks: list, starts: tuple, layout) -> tuple[Array, Array]: ...  # -> (y [T, H], copied)
 
 
 _BACKENDS = {"jax": "strata.jax_backend.backend:JaxBackend", "sycl": "strata.sycl_backend.backend:SyclBackend"}

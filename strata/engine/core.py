@@ -22,8 +22,8 @@ from strata.backend import get_backend
 from strata.config import KV_DTYPES, EngineOptions, bucket_for
 from strata.errors import StrataError
 from strata.model.config import ModelConfig
-from strata.model.forward import forward, init_state
-from strata.model.stepped import rows_fetching
+from strata.experts.path import ExpertPath
+from strata.model.forward import LayerByLayer, forward, init_state
 from strata.model.params import build_params
 from strata.weights.source import load_source
 
@@ -38,51 +38,46 @@ class Engine:
         # KV rows beyond max_context absorb the padding of the last part, so a write never runs off the cache
         self.capacity = options.max_context + bucket_for(min(options.prefill, options.max_context))
         ops = backend
-        self.experts = None          # an ExpertSet once attach_experts ran (models with routed experts)
-        self.stepped = None          # the layer-at-a-time forward, for a cache that does not hold every expert
-        self._empty_pool = ops.pool_alloc(1, 1)
-        self.record_routing = False  # fused windows report routing counts to the cache (strata profile)
         self._compiled: dict = {}
+        self.experts = None          # an ExpertSet once attach_experts ran (models with routed experts)
+        self.path = ExpertPath.no_experts(ops)          # chosen again by attach_experts
+        self.by_layer = LayerByLayer(ops, cfg, self.compiled)
+        self.record_routing = False  # compiled windows report routing counts to the cache (strata profile)
         self._sample = ops.compile(partial(_sample, ops), static_argnames=("greedy",))
 
     @property
     def layout(self):
         return self.experts.layout if self.experts is not None else None
 
-    @property
-    def fused(self) -> bool:
-        """True when windows run as one compiled function (every expert resident, or no experts)."""
-        return self.experts is None or self.experts.fused
-
-    def _fused(self, name: str, fn, **kw):
+    def _compile(self, name: str, fn, **kw):
+        """fn(ops, cfg, path, layout, ...) compiled once per engine and layout."""
         return self.compiled((name, self.layout), lambda: self.backend.compile(
-            partial(fn, self.backend, self.cfg, self.layout), **kw))
+            partial(fn, self.backend, self.cfg, self.path, self.layout), **kw))
 
     def read_part(self, state, tokens, start: int, n_valid: int, all_logits: bool):
-        """One part of one sequence -> (logits, new state), fused or layer by layer."""
-        if self.fused:
-            f = self._fused("read", forward, donate_argnums=(2,), static_argnames=("all_logits", "with_counts"))
+        """One part of one sequence -> (logits, new state): one compiled function when every expert is resident, a
+        window-fetch row for one decoded token on that path, else layer by layer."""
+        if self.path.compiled_parts:
+            f = self._compile("read", _read, donate_argnums=(2,), static_argnames=("all_logits", "with_counts"))
             record = self.record_routing and self.experts is not None
-            logits, state, counts = f(self.params, self.expert_args(), state, tokens, np.int32(start),
+            logits, state, counts = f(self.params, self.path.args(), state, tokens, np.int32(start),
                                       np.int32(n_valid), all_logits=all_logits, with_counts=record)
             if record:
                 self.experts.cache.observe_all(np.asarray(self.backend.to_host(counts)))
             return logits, state
-        if self.experts.window_fetch and len(tokens) == 1 and not all_logits:
+        if self.path.compiled_rows and len(tokens) == 1 and not all_logits:
             return self._read_one_fetching(state, tokens, start)
-        return self.stepped.sequence(self.params, state, tokens, start, n_valid, all_logits)
+        experts = self.path.on_host(np.arange(len(tokens)) < n_valid, part=len(tokens) > 1, owner="sequence")
+        return self.by_layer.sequence(self.params, state, tokens, start, n_valid, all_logits, experts)
 
     def _read_one_fetching(self, state, tokens, start: int):
-        """One decoded token of one sequence as a window-fetch decode row (strata/model/stepped.py rows_fetching)
-        over a bank of one: the path a runner's decode window takes."""
-        x = self.experts
-        starts = x.window_starts
-        f = self.compiled(("read_one_fetching", self.layout, starts), lambda: self.backend.compile(
-            partial(_read_one_fetching, self.backend, self.cfg, self.layout, starts), donate_argnums=(2,)))
-        args, table = x.fetch_args()
-        logits, state, counts, copied = f(self.params, args, state, np.asarray(tokens, np.int32),
-                                          np.int32(start))
-        x.record_window(table, np.asarray(self.backend.to_host(counts)), np.asarray(self.backend.to_host(copied)))
+        """One decoded token of one sequence as a window-fetch decode row over a bank of one: the path a runner's
+        decode window takes."""
+        f = self._compile("read_one_fetching", _read_one_fetching, donate_argnums=(2,))
+        args, table = self.experts.fetch_args()
+        logits, state, counts, copied = f(self.params, args, state, np.asarray(tokens, np.int32), np.int32(start))
+        self.experts.record_window(table, np.asarray(self.backend.to_host(counts)),
+                                   np.asarray(self.backend.to_host(copied)))
         return logits, state
 
     def compiled(self, name: str, make):
@@ -135,10 +130,11 @@ class Engine:
         if store is None:
             return
         from strata.experts.setup import build_experts
-        from strata.model.stepped import SteppedForward
-        self.experts = build_experts(self.backend, self.cfg, store, self.options, self.state_bytes(),
-                                     self.work_bytes(), self.compiled, say=say)
-        self.stepped = SteppedForward(self.backend, self.cfg, self.experts.moe, self.compiled)
+        # misses computed on the CPU run through a CPU backend's expert op (XLA's, the reference form)
+        cpu_ops = get_backend("jax", device="cpu", kernels="xla") if self.options.miss_policy == "cpu" else None
+        self.path = build_experts(self.backend, self.cfg, store, self.options, self.state_bytes(), self.work_bytes(),
+                                  self.compiled, cpu_ops=cpu_ops, say=say)
+        self.experts = self.path.experts
 
     def state_bytes(self) -> int:
         """Device bytes of the sequence state of `options.sequences` sequences (plus one for Engine sequences)."""
@@ -156,12 +152,6 @@ class Engine:
         t = bucket_for(min(self.options.prefill, self.options.max_context))
         per_token = 8 * c.hidden_size + 2 * c.num_experts_per_tok * c.moe_intermediate_size + c.vocab_size
         return t * per_token * 4
-
-    def expert_args(self) -> dict:
-        """The pool and slot table for a fused window (an empty pool for a model without experts)."""
-        if self.experts is None:
-            return {"pool": self._empty_pool, "table": np.zeros((0, 1), np.int32)}
-        return self.experts.args()
 
     # --- sequences
     def sequence(self) -> "Sequence":
@@ -248,13 +238,13 @@ class Sequence:
         e = self.engine
         if self.pos + 1 > e.options.max_context:
             raise StrataError(f"{self.pos + 1} tokens exceed max_context {e.options.max_context}")
-        if e.fused and not e.record_routing:
+        if e.path.compiled_parts and not e.record_routing:
             # one compiled call per token, with one small transfer in (token, position, step) and one out (strata
             # profile records routing counts through read_part instead)
-            f = e._fused("decode_step", _decode_step, donate_argnums=(2,), static_argnames=("greedy",))
+            f = e._compile("decode_step", _decode_step, donate_argnums=(2,), static_argnames=("greedy",))
             a = self._args
             stable = [a.get(name, v) for name, v in zip(SAMPLING, sp)]
-            nxt, self.state = f(e.params, e.expert_args(), self.state, np.array([token, self.pos, step], np.int32),
+            nxt, self.state = f(e.params, e.path.args(), self.state, np.array([token, self.pos, step], np.int32),
                                 *stable, a.get("seed", seed_arr), greedy=all_greedy(sp[0]))
             self.pos += 1
             return int(nxt)
@@ -264,12 +254,26 @@ class Sequence:
         return int(nxt[0])
 
 
-def _read_one_fetching(ops, cfg, layout, starts, params, experts, state, tokens, start):
-    """tokens [1] at position start -> (logits [1, V], state, routing counts, experts copied)."""
+def _read(ops, cfg, path, layout, params, args, state, tokens, start, n_valid, all_logits: bool,
+          with_counts: bool = False):
+    """One part of one sequence, every expert resident -> (logits, state, routing counts [Lp, E] or None)."""
+    counts = [] if with_counts else None
+    logits, state = forward(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid, counts),
+                            all_logits)
+    if with_counts:
+        counts = ops.xp.stack(counts) if counts else ops.xp.zeros((0, path.n_experts), ops.xp.int32)
+    return logits, state, counts
+
+
+def _read_one_fetching(ops, cfg, path, layout, params, args, state, tokens, start):
+    """tokens [1] at position start, as a window-fetch decode row over a bank of one -> (logits [1, V], state,
+    routing counts [Lp, E], experts copied [Lp])."""
     bank = [{k: v[None] for k, v in layer.items()} for layer in state]
-    logits, bank, counts, copied = rows_fetching(ops, cfg, layout, starts, params, experts, bank, tokens,
-                                                 start[None], ops.xp.ones((1,), ops.xp.int32))
-    return logits, [{k: v[0] for k, v in layer.items()} for layer in bank], counts, copied
+    active = ops.xp.ones((1,), ops.xp.int32)
+    counts, copied = [], []
+    logits, bank = forward(ops, cfg, params, bank, tokens, start[None], active,
+                           path.traced(layout, args, active, counts, copied), all_logits=True)
+    return logits, [{k: v[0] for k, v in layer.items()} for layer in bank], ops.xp.stack(counts), ops.xp.stack(copied)
 
 
 SAMPLING = ("temperature", "top_k", "top_p", "min_p")      # the per-row sampling settings, in the samplers' order
@@ -308,12 +312,13 @@ class DeviceArgs:
         self._sent[name] = (np.array(value), device_value)
 
 
-def _decode_step(ops, cfg, layout, params, experts, state, ints, temperature, top_k, top_p, min_p, seed,
+def _decode_step(ops, cfg, path, layout, params, args, state, ints, temperature, top_k, top_p, min_p, seed,
                  greedy: bool = False):
-    """One decoded token of one sequence, fused: ints int32 [3] = (token, position, sampling step) -> (the sampled
-    token, int32 scalar; the new state)."""
-    logits, state, _ = forward(ops, cfg, layout, params, experts, state, ints[0:1], ints[1], np.int32(1),
-                               all_logits=False)
+    """One decoded token of one sequence, every expert resident: ints int32 [3] = (token, position, sampling step)
+    -> (the sampled token, int32 scalar; the new state)."""
+    n_valid = np.int32(1)
+    logits, state = forward(ops, cfg, params, state, ints[0:1], ints[1], n_valid,
+                            path.traced(layout, args, n_valid), all_logits=False)
     nxt = _sample(ops, logits, temperature, top_k, top_p, min_p, seed, ints[2], greedy)
     return nxt[0].astype(ops.xp.int32), state
 

@@ -1,33 +1,18 @@
-"""WindowRunner: runs WindowPlans on the backend over a bank of per-slot sequence states.
+"""WindowRunner: the Executor (strata/plan.py) over a bank of per-slot sequence states.
 
-The states of all slots are stacked on a leading [S] axis and threaded through every call as one value (donated),
-so device order follows data. Decode rows are the single-sequence forward pass mapped over the slots; a prompt part
-runs the same forward pass on one slot's state. Inactive decode rows write their key/value into the scratch row
-(capacity - 1, beyond max_context, never visible to a real query) and leave the recurrent state unchanged (n_valid 0).
-Compilation: one decode function for S, one prompt-part function per bucket; all of them at warm-up.
+The states of all slots are stacked on a leading [S] axis and threaded through every call as one value (donated), so
+device order follows data. Decode rows are one token of each slot; a prompt part runs on one slot's state. Inactive
+decode rows write their key/value into the scratch row (capacity - 1, beyond max_context, never visible to a real
+query) and leave the recurrent state unchanged. Compilation: one decode function for S, one prompt-part function
+per bucket, all of them at warm-up.
 
-When the expert cache holds every expert, each call is one compiled function over the slot table (fused). Otherwise
-decode rows are still one compiled function when every expert is mirrored in pinned host memory (the device copies
-each layer's misses itself: window fetch), and the rest runs the layers one at a time, the routed experts resolved
-on the host between them (strata/model/stepped.py); between windows the cache refills loaned slots and makes its
-adaptive swaps (at the start of the next run, or, with window fetch, right after its decode is dispatched, so the
-host's work overlaps the device's).
-
-Host <-> device traffic per decode window: one int32 [2, S] array (next tokens, finite) comes back, its copy queued
-when the window is dispatched. In: one int32 [ROWS, S] array (tokens, positions, steps, and two rows that only carry
-results out), which the window also computes for its successor (every active row continued: its token, position + 1,
-step + 1; inactive rows unchanged) into the same buffer (donated), with its next tokens and finite flags in the last
-two rows: when the next plan asks for exactly those rows, as steady decoding does, nothing is sent. So a compiled
-window's outputs are all its donated inputs, at the same addresses every window; the [2, S] result read by the host
-is peeled off by a second, tiny call. Why: XLA updates a window's command buffer (CUDA graph) when a buffer's
-address changes, and updating one still running made the call wait for it, so windows dispatched ahead ran no
-faster than one by one. With windows dispatched ahead each window's fresh result array took a new address, and so
-did XLA's temporary buffer unless XLA_FLAGS has --xla_gpu_command_buffer_update_mode=SKIP_TEMP: with both, the
-48-layer window at batch 1 took 3.62 ms ahead against 7.51 (bench/dispatch_probe.py --ahead-only, README). The
-sampling settings and the active mask are sent only when they
-change (strata/engine/core.py DeviceArgs). On the H200 (8 layers, batch 1) the window took ~2.2 ms of which the device was busy
-~0.93; sending the rows cost ~0.2-0.3 ms and reading the result ~0.5-0.8 (bench/dispatch_probe.py), while windows
-dispatched back to back without reads ran at ~1.0 ms each.
+How a window runs is the engine's ExpertPath's choice, made at load: decode rows by CompiledRows (one compiled
+function: every expert resident, or window fetch) or HostRows (layer by layer), prompt parts by CompiledPart or
+HostPart. A compiled decode window's outputs are all its donated inputs (the slot states, and the rows [ROWS, S] it
+hands its successor with its next tokens and finite flags in the last two rows), so its buffers keep their addresses
+from window to window (XLA re-records a CUDA graph whose addresses change); the host reads a copy of the result,
+peeled off by a second, tiny call. When the next plan asks for exactly the rows a window computed (steady decoding),
+nothing is sent, and the next window can be dispatched before this one is read (chains).
 """
 from __future__ import annotations
 
@@ -39,8 +24,8 @@ import numpy as np
 
 from strata.config import PART_BUCKETS, bucket_for
 from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
-from strata.model.forward import forward, forward_rows
-from strata.model.stepped import rows_fetching
+from strata.experts.path import PathKind
+from strata.model.forward import forward
 from strata.plan import Capacity, PromptPart, WindowPlan, WindowResult, idle_plan
 
 
@@ -50,7 +35,7 @@ class WindowRunner:
             raise ValueError(f"part size {part_size} exceeds the engine's prefill {engine.options.prefill}")
         self.engine, self.n_slots, self.part_size = engine, n_slots, part_size
         self.capacity = Capacity(slots=n_slots, part_size=part_size, max_context=engine.options.max_context)
-        ops, cfg = engine.backend, engine.cfg
+        ops = engine.backend
         one = engine.init_state()
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
         self.states = ops.zeros_like(bank)                    # per layer {name: [S, ...]}; init_state is zeros
@@ -59,20 +44,14 @@ class WindowRunner:
         self._pending_between = False
         self.between_s = 0.0              # host seconds spent on the cache's work between windows, in total
         self._args = DeviceArgs(ops)
-        lay = engine.layout
-        self._decode = engine.compiled(("decode_rows", lay), lambda: ops.compile(
-            partial(_decode_rows, ops, cfg, lay), donate_argnums=(2, 3), static_argnames=("greedy",)))
-        self._part = engine.compiled(("prompt_part", lay), lambda: ops.compile(
-            partial(_prompt_part, ops, cfg, lay), donate_argnums=(2,)))
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
-        # a window's result rows, copied out of the rows it hands its successor (a fresh [2, S] array)
-        self._peel = engine.compiled("peel_result", lambda: ops.compile(_result_rows))
-        self._decode_fetch = None
-        if engine.experts is not None and engine.experts.window_fetch:
-            starts = engine.experts.window_starts
-            self._decode_fetch = engine.compiled(("decode_rows_fetching", lay, starts), lambda: ops.compile(
-                partial(_decode_rows_fetching, ops, cfg, lay, starts), donate_argnums=(2, 3),
-                static_argnames=("greedy",)))
+        path = engine.path
+        self.rows = CompiledRows(self) if path.compiled_rows else HostRows(self)
+        self.part = CompiledPart(self) if path.compiled_parts else HostPart(self)
+        # a decode window can be dispatched before its predecessor is read: a compiled backend whose decode window
+        # is one compiled function taking the pool and the slot table by value, so the cache's work between
+        # windows, which may then run while two windows are queued, cannot change what a dispatched window reads
+        self.chains = isinstance(self.rows, CompiledRows) and not ops.eager
 
     def _between_windows(self) -> None:
         """The cache's work between windows (refill loaned slots, adaptive swaps) for the window that ended last.
@@ -112,16 +91,6 @@ class WindowRunner:
             st.hits = st.misses = st.cpu_routes = st.window_copies = 0
         return time.perf_counter() - t
 
-    @property
-    def chains(self) -> bool:
-        """Whether a decode window can be dispatched before its predecessor is read (dispatch(plan, after=...)): a
-        compiled backend whose decode window is one compiled function, with nothing decided on the host between
-        layers: every expert resident, or window fetch (the window copies its misses itself). Either takes the pool
-        and the slot table by value, so the cache's work between windows, which may then run while two windows are
-        queued, cannot change what a dispatched window reads."""
-        e = self.engine
-        return not e.backend.eager and (e.fused or self._decode_fetch is not None)
-
     def window_args(self, plan: WindowPlan) -> tuple:
         """A compiled decode window's arguments after the rows: the active mask, the sampling settings (SAMPLING's
         order) and the seeds, each sent to the device only when it changed (DeviceArgs)."""
@@ -137,99 +106,35 @@ class WindowRunner:
         """Start a window; collect() reads its result. With `after` (a decode-only window dispatched last and not
         yet continued), plan continues it (Scheduler._continuation): its rows are the ones `after` computes on
         the device, so it is dispatched before `after`'s tokens reach the host. Windows are collected in order."""
-        e = self.engine
-        sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
         w = Window(plan, time.perf_counter())
-        fetching = bool(plan.n_decode) and not e.fused and e.experts.window_fetch    # the decode copies its misses
         if after is not None:
             _check_continues(after, plan, self.chains)
-        if not fetching:
+        # with window fetch the last window's refills and swaps run on the host while the device runs this one
+        # (their copies queue behind it; this window holds the pool and table it was given, by value)
+        overlap = bool(plan.n_decode) and self.rows.overlaps_cache_work
+        if not overlap:
             self._between_windows()
         if plan.n_decode:
-            pos = np.where(plan.decode_active, plan.decode_pos, self.scratch_pos).astype(np.int32)
-            w.active = active = plan.decode_active.astype(np.int32)
-            if e.fused or fetching:
-                a = self._args
-                stable = self.window_args(plan)
-                if after is not None:            # the predecessor's rows, still on the device (donated to this one)
-                    rows_in, after.rows_next, after.successor, w.continues = after.rows_next, None, w, True
-                else:
-                    w.rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos,
-                                       np.asarray(plan.steps, np.int32)])                     # [3, S]
-                    # a compiled window takes the rows its predecessor computed (donated) when they are these
-                    # (an eager backend gets them on the host: DeviceArgs)
-                    rows_in = a.take("rows", _with_result_rows(w.rows))
-                greedy = all_greedy(plan.temperature, plan.decode_active)
-                if e.fused:
-                    self.states, rows_out = self._decode(e.params, e.expert_args(), self.states, rows_in, *stable,
-                                                         greedy=greedy)
-                else:
-                    args, table = e.experts.fetch_args()
-                    self.states, counts, copied, rows_out = self._decode_fetch(e.params, args, self.states, rows_in,
-                                                                               *stable, greedy=greedy)
-                    w.fetched = (table, counts, copied)
-                w.out = rows_out if e.backend.eager else self._peel(rows_out)                        # [2, S]
-                w.rows_next = None if e.backend.eager else rows_out
-                # what collect() reads (the result; window fetch's counts, which it records), before the host's
-                # cache work below
-                for x in (w.out, *(w.fetched or ())[1:]):
-                    e.backend.start_to_host(x)
-                if not e.fused:
-                    # the last window's refills and swaps, on the host while the device runs this one (their
-                    # copies queue behind it; this window holds the pool and table it was given, by value)
-                    self._between_windows()
-            else:
-                logits, self.states = e.stepped.rows(e.params, self.states, plan.decode_tokens, pos, active)
-                nxt, fin = self._sample(logits, *sp, plan.seeds, plan.steps)
-                w.decode_read = (np.asarray(e.backend.to_host(nxt)), np.asarray(e.backend.to_host(fin)))
+            w.decode = self.rows.dispatch(plan, after.decode if after is not None else None)
+        if overlap:
+            self._between_windows()
         if plan.part is not None:
-            p = plan.part
-            n = len(p.tokens)
-            padded = np.zeros(bucket_for(n), np.int32)
-            padded[:n] = p.tokens
-            i = p.slot
-            one = [x[i:i + 1] for x in sp]
-            if e.fused:
-                nxt, fin, self.states = self._part(e.params, e.expert_args(), self.states, np.int32(i), padded,
-                                                   np.int32(p.start), np.int32(n), *one, plan.seeds[i],
-                                                   plan.steps[i])
-            else:
-                logits, self.states = e.stepped.slot_part(e.params, self.states, i, padded, p.start, n)
-                nxt, fin = self._sample(logits, *one, plan.seeds[i:i + 1], plan.steps[i:i + 1])
-            w.part_out = (nxt, fin)
+            w.part_out = self.part.dispatch(plan)
         self.windows += 1
-        if e.experts is not None:
-            if e.fused:     # every expert resident: every route of the window's real rows was a hit
-                rows = plan.n_decode + (len(plan.part.tokens) if plan.part is not None else 0)
-                e.experts.cache.stats.hits += rows * e.cfg.num_experts_per_tok * e.experts.cache.n_layers
+        if self.engine.experts is not None:
+            self.engine.path.count_resident_routes(plan.tokens)
             self._pending_between = True
+        w.continues = after is not None
         return w
 
     def collect(self, w: "Window") -> WindowResult:
         """Wait for a dispatched window and read its result (the decode rows' first, then the part's)."""
         t_collect = time.perf_counter()
-        e, to_host = self.engine, self.engine.backend.to_host
+        to_host = self.engine.backend.to_host
         decode_next = np.zeros(self.n_slots, np.int32)
         decode_finite = np.ones(self.n_slots, bool)
-        if w.out is not None:
-            if w.rows is None:
-                raise RuntimeError("a continuing window was collected before the window it continues")
-            out = np.asarray(to_host(w.out))                                                 # [2, S]
-            decode_next, decode_finite = out[0], out[1].astype(bool)
-            if not e.backend.eager:
-                after = _rows_after(np, w.rows, decode_next, w.active)       # what w.rows_next holds
-                if w.rows_next is not None:
-                    self._args.known("rows", _with_result_rows(after), w.rows_next)
-                if w.successor is not None:
-                    w.successor.rows = after
-        elif w.decode_read is not None:
-            decode_next, decode_finite = w.decode_read
-        if w.fetched is not None:
-            # a window-fetch decode's routing counts and copies, recorded once it is read (reading them at dispatch
-            # made the host wait for the whole window there, and no window could be dispatched ahead)
-            table, counts, copied = w.fetched
-            w.fetched = None
-            e.experts.record_window(table, np.asarray(to_host(counts)), np.asarray(to_host(copied)))
+        if w.decode is not None:
+            decode_next, decode_finite = self.rows.collect(w.decode)
         t1 = time.perf_counter()
         part_next = part_finite = None
         if w.part_out is not None:
@@ -248,18 +153,154 @@ class Window:
     """A dispatched window, not yet read back (WindowRunner.dispatch -> collect)."""
     plan: WindowPlan
     t0: float                            # when it was dispatched (perf_counter)
-    active: np.ndarray | None = None     # [S] int32
-    rows: np.ndarray | None = None       # [3, S] its rows on the host; a continuing window's, once its
-                                         # predecessor is collected
-    out: object = None                   # device int32 [2, S]: next tokens, finite (compiled decode rows)
-    rows_next: object = None             # device int32 [3, S]: the rows of a window continuing this one; None once
-                                         # a continuing window took them
-    successor: "Window | None" = None    # the window that continues this one
-    continues: bool = False              # dispatched to continue another (dispatch(plan, after=...))
-    decode_read: tuple | None = None     # (next [S], finite [S]) already on the host (layer-by-layer decode)
-    fetched: tuple | None = None         # window fetch: (the slot table it got [Lp, E] (host), device routing counts
-                                         # [Lp, E], device experts copied [Lp]) until collect() records them
+    decode: object = None                # the decode rows' handle (the rows strategy's)
     part_out: tuple | None = None        # device (next, finite) of the prompt part
+    continues: bool = False              # dispatched to continue another (dispatch(plan, after=...))
+
+
+@dataclass(eq=False)
+class DeviceRows:
+    """A compiled decode window's rows in flight (CompiledRows)."""
+    active: np.ndarray                   # [S] int32
+    rows: np.ndarray | None              # [3, S] its rows on the host; a continuing window's once its predecessor
+                                         # is collected
+    out: object                          # device int32 [2, S]: next tokens, finite
+    rows_next: object                    # device int32 [ROWS, S]: the rows of a window continuing this one; None
+                                         # once a continuing window took them (or on an eager backend)
+    fetched: tuple | None = None         # window fetch: (the slot table it got (host), device routing counts
+                                         # [Lp, E], device experts copied [Lp]) until collect() records them
+    successor: "DeviceRows | None" = None
+
+
+class CompiledRows:
+    """Decode rows as one compiled function over the slot table: every expert resident, or window fetch (the
+    window copies each layer's misses from pinned host chunks itself; its counts are recorded when it is read)."""
+
+    def __init__(self, runner: WindowRunner):
+        self.runner = r = runner
+        e, ops = r.engine, r.engine.backend
+        self.fetching = e.path.kind is PathKind.WINDOW_FETCH
+        self.overlaps_cache_work = self.fetching
+        self._decode = e._compile("decode_rows", _decode_rows, donate_argnums=(2, 3), static_argnames=("greedy",))
+        # a window's result rows, copied out of the rows it hands its successor (a fresh [2, S] array)
+        self._peel = e.compiled("peel_result", lambda: ops.compile(_result_rows))
+
+    def dispatch(self, plan: WindowPlan, after: DeviceRows | None) -> DeviceRows:
+        r = self.runner
+        e, ops = r.engine, r.engine.backend
+        pos = np.where(plan.decode_active, plan.decode_pos, r.scratch_pos).astype(np.int32)
+        active = plan.decode_active.astype(np.int32)
+        stable = r.window_args(plan)
+        rows = None
+        if after is not None:          # the predecessor's rows, still on the device (donated to this one)
+            rows_in, after.rows_next = after.rows_next, None
+        else:
+            rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos, np.asarray(plan.steps, np.int32)])
+            # a compiled window takes the rows its predecessor computed (donated) when they are these (an eager
+            # backend gets them on the host: DeviceArgs)
+            rows_in = r._args.take("rows", _with_result_rows(rows))
+        greedy = all_greedy(plan.temperature, plan.decode_active)
+        fetched = None
+        if self.fetching:
+            args, table = e.experts.fetch_args()
+            r.states, counts, copied, rows_out = self._decode(e.params, args, r.states, rows_in, *stable,
+                                                              greedy=greedy)
+            fetched = (table, counts, copied)
+        else:
+            r.states, rows_out = self._decode(e.params, e.path.args(), r.states, rows_in, *stable, greedy=greedy)
+        out = rows_out if ops.eager else self._peel(rows_out)                               # [2, S]
+        d = DeviceRows(active, rows, out, None if ops.eager else rows_out, fetched)
+        if after is not None:
+            after.successor = d
+        for x in (out, *(fetched or ())[1:]):                  # what collect() reads, its copy queued now
+            ops.start_to_host(x)
+        return d
+
+    def collect(self, d: DeviceRows) -> tuple[np.ndarray, np.ndarray]:
+        r = self.runner
+        e = r.engine
+        if d.rows is None:
+            raise RuntimeError("a continuing window was collected before the window it continues")
+        out = np.asarray(e.backend.to_host(d.out))                                           # [2, S]
+        nxt, finite = out[0], out[1].astype(bool)
+        if not e.backend.eager:
+            rows_after = _rows_after(np, d.rows, nxt, d.active)          # what d.rows_next holds
+            if d.rows_next is not None:
+                r._args.known("rows", _with_result_rows(rows_after), d.rows_next)
+            if d.successor is not None:
+                d.successor.rows = rows_after
+        if d.fetched is not None:
+            # recorded once read (reading them at dispatch made the host wait for the whole window there)
+            table, counts, copied = d.fetched
+            d.fetched = None
+            e.experts.record_window(table, np.asarray(e.backend.to_host(counts)), np.asarray(e.backend.to_host(copied)))
+        return nxt, finite
+
+
+class HostRows:
+    """Decode rows layer by layer, each layer's routes resolved on the host (strata/experts/moe.py); read at once."""
+
+    overlaps_cache_work = False
+
+    def __init__(self, runner: WindowRunner):
+        self.runner = runner
+
+    def dispatch(self, plan: WindowPlan, after=None) -> tuple[np.ndarray, np.ndarray]:
+        r = self.runner
+        e = r.engine
+        pos = np.where(plan.decode_active, plan.decode_pos, r.scratch_pos).astype(np.int32)
+        active = plan.decode_active.astype(np.int32)
+        experts = e.path.on_host(active > 0, part=False)
+        logits, r.states = e.by_layer.rows(e.params, r.states, plan.decode_tokens, pos, active, experts)
+        nxt, fin = r._sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.min_p, plan.seeds, plan.steps)
+        return np.asarray(e.backend.to_host(nxt)), np.asarray(e.backend.to_host(fin))
+
+    def collect(self, read: tuple) -> tuple[np.ndarray, np.ndarray]:
+        return read
+
+
+class CompiledPart:
+    """A prompt part as one compiled function on one slot's state (every expert resident)."""
+
+    def __init__(self, runner: WindowRunner):
+        self.runner = runner
+        self._part = runner.engine._compile("prompt_part", _prompt_part, donate_argnums=(2,))
+
+    def dispatch(self, plan: WindowPlan) -> tuple:
+        r, p = self.runner, plan.part
+        e = r.engine
+        i = p.slot
+        nxt, fin, r.states = self._part(e.params, e.path.args(), r.states, np.int32(i), _padded(p.tokens),
+                                        np.int32(p.start), np.int32(len(p.tokens)), *_sampling_of(plan, i),
+                                        plan.seeds[i], plan.steps[i])
+        return nxt, fin
+
+
+class HostPart:
+    """A prompt part layer by layer, its misses streamed through staging slots (strata/experts/moe.py)."""
+
+    def __init__(self, runner: WindowRunner):
+        self.runner = runner
+
+    def dispatch(self, plan: WindowPlan) -> tuple:
+        r, p = self.runner, plan.part
+        e = r.engine
+        i, n = p.slot, len(p.tokens)
+        padded = _padded(p.tokens)
+        experts = e.path.on_host(np.arange(len(padded)) < n, part=len(padded) > 1, owner=f"prompt part of slot {i}")
+        logits, r.states = e.by_layer.slot_part(e.params, r.states, i, padded, p.start, n, experts)
+        return r._sample(logits, *_sampling_of(plan, i), plan.seeds[i:i + 1], plan.steps[i:i + 1])
+
+
+def _padded(tokens) -> np.ndarray:
+    out = np.zeros(bucket_for(len(tokens)), np.int32)
+    out[:len(tokens)] = tokens
+    return out
+
+
+def _sampling_of(plan: WindowPlan, i: int) -> tuple:
+    """Slot i's sampling settings, each [1] (SAMPLING's order)."""
+    return tuple(x[i:i + 1] for x in (plan.temperature, plan.top_k, plan.top_p, plan.min_p))
 
 
 def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
@@ -268,7 +309,8 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
     if not chains:
         raise ValueError("this runner cannot continue a window before reading it (its decode is layer by layer: "
                          "experts not all resident and no window fetch; or an eager backend)")
-    if prev.plan.part is not None or plan.part is not None or prev.out is None or prev.rows_next is None:
+    d = prev.decode
+    if prev.plan.part is not None or plan.part is not None or not isinstance(d, DeviceRows) or d.rows_next is None:
         raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
     on, want = prev.plan.decode_active, prev.plan.continued()
     if not np.array_equal(on, plan.decode_active):
@@ -292,14 +334,20 @@ def _result_rows(rows):
     return rows[3:] + 0
 
 
-def _decode_rows(ops, cfg, layout, params, experts, states, rows, active, temperature, top_k, top_p, min_p, seeds,
+def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, temperature, top_k, top_p, min_p, seeds,
                  greedy: bool = False):
     """rows int32 [ROWS, S]: (tokens, positions, steps) of S rows of one token each (rows 3, 4 ignored) -> (states,
     rows [ROWS, S]: the successor's rows, then this window's next tokens and finite flags; an eager backend's: the
-    result [2, S] alone). greedy (static): every active row is greedy (ops.sample's all_greedy)."""
-    logits, states = forward_rows(ops, cfg, layout, params, experts, states, rows[0], rows[1], active)   # [S, V]
-    out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy)
-    return states, _rows_out(ops, rows, out, active)
+    result [2, S] alone); window fetch: (states, routing counts [Lp, E], experts copied [Lp], rows).
+    greedy (static): every active row is greedy (ops.sample's all_greedy)."""
+    counts, copied = [], []
+    logits, states = forward(ops, cfg, params, states, rows[0], rows[1], active,
+                             path.traced(layout, args, active, counts, copied), all_logits=True)      # [S, V]
+    rows = _rows_out(ops, rows, _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy),
+                     active)
+    if path.kind is PathKind.WINDOW_FETCH:
+        return states, ops.xp.stack(counts), ops.xp.stack(copied), rows
+    return states, rows
 
 
 def _rows_out(ops, rows, out, active):
@@ -309,16 +357,6 @@ def _rows_out(ops, rows, out, active):
         return out
     xp = ops.xp
     return xp.concatenate([_rows_after(xp, rows, out[0], active), out]).astype(xp.int32)
-
-
-def _decode_rows_fetching(ops, cfg, layout, starts, params, experts, states, rows, active, temperature, top_k,
-                          top_p, min_p, seeds, greedy: bool = False):
-    """_decode_rows over a partial cache, in one compiled function (strata/model/stepped.py, rows_fetching)
-    -> (states, routing counts [Lp, E], experts copied [Lp], rows [ROWS, S] as _decode_rows returns them)."""
-    logits, states, counts, copied = rows_fetching(ops, cfg, layout, starts, params, experts, states, rows[0],
-                                                   rows[1], active)
-    out = _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy)
-    return states, counts, copied, _rows_out(ops, rows, out, active)
 
 
 def _rows_after(xp, rows, nxt, active):
@@ -343,13 +381,13 @@ def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, gr
     return nxt, ops.xp.all(ops.xp.isfinite(logits), axis=-1)
 
 
-def _prompt_part(ops, cfg, layout, params, experts, states, slot, tokens, start, n_valid, temperature, top_k, top_p,
-                 min_p, seed, step):
+def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, temperature, top_k,
+                 top_p, min_p, seed, step):
     """One prompt part on one slot's state -> (token sampled after its last row, finite, states)."""
     xp = ops.xp
     state = [{k: v[slot] for k, v in layer.items()} for layer in states]
-    logits, state, _ = forward(ops, cfg, layout, params, experts, state, tokens, start, n_valid,
-                               all_logits=False)                                            # [1, V]
+    logits, state = forward(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
+                            all_logits=False)                                               # [1, V]
     states = [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)]
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))
     return nxt[0], xp.all(xp.isfinite(logits)), states

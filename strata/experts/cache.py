@@ -52,10 +52,6 @@ _CODES = (SlotState.FREE, SlotState.FILLING, SlotState.RESIDENT, SlotState.LOANE
 # steady state; 81.8% with the former (1, 0) and decay 0.97, which copied more); z = 2 stalls it at batch 1.
 SWAP_MARGIN = 1.0
 SWAP_Z = 1.0
-# experts written to the pool per call, from a source without its own copies: the bytes bound the device memory a
-# call stacks, the count bounds its arguments (each blob is one; thousands of small blobs compile for minutes)
-WRITE_BATCH_BYTES = 256 << 20
-WRITE_BATCH_BLOBS = 256
 
 
 class SlotStateError(RuntimeError):
@@ -289,15 +285,7 @@ class ExpertCache:
     # --- bytes
     def _write(self, slots: list[int], pairs) -> object:
         t = time.perf_counter()
-        if hasattr(self.source, "write_pool"):                               # the host mirror copies its own
-            pool = self.source.write_pool(self.ops, self.pool, slots, pairs)
-        else:
-            # in batches: pool_write stacks its blobs on the device, which must stay small beside the pool
-            pool = self.pool
-            per = max(1, min(WRITE_BATCH_BLOBS, WRITE_BATCH_BYTES // self.nbytes))
-            for a in range(0, len(pairs), per):
-                blobs = [self.source.blob(p, e) for p, e in pairs[a:a + per]]  # uint8 [nbytes] each, views if any
-                pool = self.ops.pool_write(pool, np.asarray(slots[a:a + per], np.int32), blobs)
+        pool = self.source.write_pool(self.ops, self.pool, slots, pairs)
         self.stats.bytes_copied += len(pairs) * self.nbytes
         self.stats.copy_seconds += time.perf_counter() - t
         return pool

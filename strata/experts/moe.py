@@ -1,6 +1,7 @@
 """Routed experts with a partial cache: resolve one layer's routes to slots, bring in what is missing, compute.
 
-Called between a layer's router and the rest of the layer (strata/model/stepped.py), with the routes on the host.
+Called between a layer's router and the rest of the layer (LayerByLayer in strata/model/forward.py), with the routes
+on the host.
 For each call:
 - hits: routes whose expert is RESIDENT in the table the call took (by value) at its start;
 - decode misses (miss_policy "fetch"): copied into cache slots, evicting the least valuable experts; they stay
@@ -10,8 +11,8 @@ For each call:
 When the misses do not fit at once, the call runs in passes; each pass is one call of the same expert op, and the
 passes' outputs are summed.
 
-Every expert computation goes through `ops.experts_pool` (or the same function on the CPU), so a format's scales are
-applied the same way on every path. With `check_uses` on (tests, --debug-slots), every pass first checks that each
+Every expert computation goes through `ops.experts_pool` (on the CPU: a CPU backend's experts_pool), so a format's
+scales are applied the same way on every path. With `check_uses` on (tests, --debug-slots), every pass first checks that each
 slot it reads holds exactly the (layer, expert) it is read as, in the very pool value the pass computes with.
 """
 from __future__ import annotations
@@ -32,12 +33,16 @@ class SlotMismatch(AssertionError):
 
 class MoeRunner:
     def __init__(self, ops, cache: ExpertCache, source, layout, n_experts: int, compiled, miss_policy: str = "fetch",
-                 borrow: bool = True, staging: int = 0, check_uses: bool = False, verify_fills: bool = False):
+                 cpu_ops=None, borrow: bool = True, staging: int = 0, check_uses: bool = False,
+                 verify_fills: bool = False):
         """source: where misses' bytes come from on the host (the mirror, else the store).
+        cpu_ops: a backend on the CPU, where miss_policy "cpu" computes the misses.
         staging: with borrow off, how many slots are reserved for prompt parts at start.
         compiled(name, make): the engine's memo of compiled functions."""
         if miss_policy not in MISS_POLICIES:
             raise ValueError(f"miss policy {miss_policy!r}; allowed: {', '.join(MISS_POLICIES)}")
+        if miss_policy == "cpu" and cpu_ops is None:
+            raise ValueError("miss policy 'cpu' needs a CPU backend (cpu_ops) to compute the misses on")
         self.ops, self.cache, self.source, self.layout = ops, cache, source, layout
         self.n_experts = n_experts
         self.miss_policy, self.borrow = miss_policy, borrow
@@ -45,7 +50,8 @@ class MoeRunner:
         self.staging = cache.reserve(staging, "staging") if (not borrow and staging) else []
         self.borrow_limit = max(1, cache.n_slots // 2)
         self._op = compiled(("experts_pool", layout), lambda: ops.compile(partial(_op, ops, layout, n_experts)))
-        self._cpu_op = None
+        self.cpu_ops = cpu_ops
+        self._cpu_op = cpu_ops.compile(partial(_cpu_op, cpu_ops, layout, n_experts)) if cpu_ops is not None else None
         self.uses_checked = 0
 
     # --- one layer
@@ -141,10 +147,7 @@ class MoeRunner:
         y = self._run(h, slots, w, p, ids)
         lut = np.full(self.n_experts, -1, np.int32)
         lut[missing] = np.arange(len(missing))                        # expert -> row of the host blobs
-        if hasattr(self.source, "blobs"):                             # the mirror reads its chunks in bulk
-            blobs = self.source.blobs(p, missing)
-        else:
-            blobs = np.stack([self.source.blob(p, int(e)) for e in missing])
+        blobs = self.source.blobs(p, missing)
         sel = (ids >= 0) & (slots < 0)
         s = np.where(sel, lut[np.maximum(ids, 0)], -1).astype(np.int32)
         h_host = np.asarray(self.ops.to_host(h))
@@ -154,13 +157,8 @@ class MoeRunner:
         return y + self.ops.to_device(y_cpu.astype(h_host.dtype))
 
     def _cpu_compute(self, h, s, w, blobs):
-        import jax
-        from strata.jax_backend.kernels.experts import experts_from_pool
-        cpu = jax.devices("cpu")[0]
-        if self._cpu_op is None:
-            self._cpu_op = jax.jit(partial(experts_from_pool, self.layout), static_argnames=("max_distinct",))
-        args = jax.device_put((blobs, np.asarray(h), s, np.asarray(w)), cpu)
-        return np.asarray(self._cpu_op(*args, max_distinct=self.n_experts))
+        c = self.cpu_ops
+        return np.asarray(c.to_host(self._cpu_op(*c.to_device((np.asarray(h), s, np.asarray(w), blobs)))))
 
     # --- every device pass
     def _run(self, h, slots, w, p: int, ids):
@@ -180,3 +178,8 @@ class MoeRunner:
 
 def _op(ops, layout, n_experts, h, slots, w, pool):
     return ops.experts_pool(h, slots, w.astype(h.dtype), pool, layout, n_experts)
+
+
+def _cpu_op(ops, layout, n_experts, h, slots, w, blobs):
+    """The misses' pass on the CPU: w as the host gave it (the device passes cast it to h's dtype)."""
+    return ops.experts_pool(h, slots, w, blobs, layout, n_experts)

@@ -1,5 +1,5 @@
 """Putting the tiers together at load: plan the device's memory, fill the host mirror, open the cache, place experts
-(by profile when one is given), verify, and hand the engine an ExpertSet.
+(by profile when one is given), verify, choose the ExpertPath and hand it to the engine.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 
 from strata.experts.cache import ExpertCache
 from strata.experts.moe import MoeRunner
+from strata.experts.path import ExpertPath, fetch_possible
 from strata.experts.planner import GIB, MIB, MemoryPlan, plan_memory
 from strata.experts.profile import load_profile
 from strata.experts.tiers import HostMirror
@@ -27,30 +28,17 @@ class ExpertSet:
     mirror: HostMirror | None
     adapt_every: int
     adapt_swaps: int
-    enabled_window_fetch: bool = True
     _table_dev: tuple | None = None
-    _window_chunks: list | None = None
+    window_chunks: list | None = None     # per MoE layer (pinned host chunks, their first experts), when every
+                                          # expert is mirrored in pinned memory (HostMirror.window_chunks)
 
     def __post_init__(self):
-        self._window_chunks = self.mirror.window_chunks() if self.mirror is not None else None
-
-    @property
-    def fused(self) -> bool:
-        """Every expert resident: windows run as one compiled function over the slot table (no host round trips)."""
-        return self.cache.all_resident()
-
-    @property
-    def window_fetch(self) -> bool:
-        """Decode windows run as one compiled function that copies its misses from pinned host memory by itself
-        (every expert mirrored there, misses fetched): the layers need no round trip to the host. Prompt parts, and
-        every other arrangement, run layer by layer."""
-        return (self.enabled_window_fetch and not self.fused and self.moe.miss_policy == "fetch"
-                and self._window_chunks is not None)
+        self.window_chunks = self.mirror.window_chunks() if self.mirror is not None else None
 
     @property
     def window_starts(self) -> tuple:
         """Per MoE layer, the first expert of each host chunk (static for compilation)."""
-        return tuple(starts for _, starts in self._window_chunks)
+        return tuple(starts for _, starts in self.window_chunks)
 
     def fetch_args(self) -> tuple[dict, np.ndarray]:
         """-> (the pool, the slot table and the host chunks for a window-fetch decode, the table it got (host)).
@@ -66,7 +54,7 @@ class ExpertSet:
                                    "names")
             self.moe.uses_checked += len(used)
         args = dict(self.args())
-        args["chunks"] = [chunks for chunks, _ in self._window_chunks]
+        args["chunks"] = [chunks for chunks, _ in self.window_chunks]
         return args, table
 
     def record_window(self, table: np.ndarray, counts: np.ndarray, copied: np.ndarray) -> None:
@@ -92,29 +80,31 @@ class ExpertSet:
         swap up to adapt_swaps experts."""
         c = self.cache
         c.end_window()
-        if self.fused:
+        if c.all_resident():
             return
         c.refill(verify=self.moe.verify_fills)
         if self.adapt_every and window % self.adapt_every == 0:
             c.adapt(self.adapt_swaps, verify=self.moe.verify_fills)
 
 
-def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, compiled, say=print) -> ExpertSet:
+def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, compiled, cpu_ops=None,
+                  say=print) -> ExpertPath:
+    """cpu_ops: a CPU backend for miss_policy "cpu" (the misses' expert op runs there)."""
     total = store.n_layers * store.n_experts
     slot_bytes = store.layout.nbytes
     staging = 0
     if not opts.prefill_borrow:
         staging = opts.staging_slots or min(cfg.num_experts, 64)
     budget = None if opts.resident_budget_gib is None else int(opts.resident_budget_gib * GIB)
-    pinned = getattr(ops, "fetches_from_host", False)
-    if pinned and opts.window_fetch and opts.miss_policy == "fetch" and not opts.stream_experts:
+    fetching = fetch_possible(ops, opts)
+    if fetching:
         # a window-fetch decode window's staging rows: k experts for each of the runner's rows
         work_bytes += opts.sequences * cfg.num_experts_per_tok * slot_bytes
     plan = plan_memory(ops.free_memory_bytes(), slot_bytes=slot_bytes, total_experts=total,
                        state_bytes=state_bytes, work_bytes=work_bytes, expert_cache=opts.expert_cache,
                        vram_reserve_mib=opts.vram_reserve_mib, staging=staging,
                        min_slots=cfg.num_experts_per_tok, host_budget_bytes=budget, stream=opts.stream_experts,
-                       device=str(getattr(ops, "device", "the device")))
+                       device=str(ops.device))
     for line in plan.lines():
         say(line)
     priority = None
@@ -124,38 +114,26 @@ def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, comp
     source = store
     # a checkpoint's experts in RAM are their own host tier, but when the cache cannot hold them all, copying them
     # into pinned chunks lets decode windows fetch their misses themselves (at the price of a second copy in RAM)
-    fetching = pinned and opts.window_fetch and opts.miss_policy == "fetch"
-    if plan.mirrored and (not _is_memory(store) or (fetching and plan.slots < total and plan.mirrored == total)):
+    if plan.mirrored and (not store.in_memory or (fetching and plan.slots < total and plan.mirrored == total)):
         order = _order(priority, store.n_layers, store.n_experts)
         mirror = HostMirror(store, plan.mirror_bytes, chunk_bytes=opts.host_chunk_mib * MIB, order=order,
-                            device=ops)
+                            device=ops.host_fetch)
         source = mirror
     cache = ExpertCache(ops, source, plan.slots, store.n_layers, store.n_experts, decay=opts.adapt_decay)
     moe = MoeRunner(ops, cache, source, store.layout, store.n_experts, compiled, miss_policy=opts.miss_policy,
-                    borrow=opts.prefill_borrow, staging=plan.staging, check_uses=opts.debug_slots,
+                    cpu_ops=cpu_ops, borrow=opts.prefill_borrow, staging=plan.staging, check_uses=opts.debug_slots,
                     verify_fills=opts.debug_slots)
     placed = cache.place(priority)
     bad = cache.verify([0])
     if bad:
         raise RuntimeError(f"slot {bad[0]} does not match the pack after it was filled: the copy to the device is "
                            f"broken (checksum mismatch)")
-    experts = ExpertSet(store.layout, cache, moe, plan, store, mirror, opts.adapt_every, opts.adapt_swaps,
-                        opts.window_fetch)
-    if experts.fused:
-        misses = "none (every expert resident)"
-    elif experts.window_fetch:
-        misses = "decode windows copy them from pinned host memory themselves"
-    else:
-        misses = "copied in layer by layer" if opts.miss_policy == "fetch" else "run on the CPU"
+    experts = ExpertSet(store.layout, cache, moe, plan, store, mirror, opts.adapt_every, opts.adapt_swaps)
+    path = ExpertPath.choose(ops, experts, cfg.num_experts_per_tok, opts)
     say(f"strata experts: {placed} of {total} experts placed in the cache "
-        f"({'by profile' if priority is not None else 'in order'}), slot 0 verified; misses: {misses}; prompt "
-        f"parts {'borrow cache slots' if opts.prefill_borrow else f'use {plan.staging} staging slots'}")
-    return experts
-
-
-def _is_memory(store) -> bool:
-    """A store already in RAM (a checkpoint's experts) is its own host tier: no mirror to fill."""
-    return bool(getattr(store, "in_memory", False))
+        f"({'by profile' if priority is not None else 'in order'}), slot 0 verified; misses: {path.describe()}; "
+        f"prompt parts {'borrow cache slots' if opts.prefill_borrow else f'use {plan.staging} staging slots'}")
+    return path
 
 
 def _order(priority, n_layers: int, n_experts: int):

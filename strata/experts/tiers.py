@@ -1,9 +1,9 @@
 """The two host tiers experts come from: the store (the pack on SSD, or a checkpoint's experts encoded in memory) and
 the host mirror (a RAM copy of as many experts as the resident budget allows).
 
-Every source answers `blob(p, e)` (the expert's bytes, uint8 [nbytes], exactly as in the pack) and
-`checksum(p, e)` (zlib.crc32 of those bytes, recorded when the pack was written), where p is the MoE layer's
-position (0..Lp-1) and e the expert.
+Every source is an ExpertSource: `blob(p, e)` (the expert's bytes, uint8 [nbytes], exactly as in the pack),
+`checksum(p, e)` (zlib.crc32 of those bytes, recorded when the pack was written), `blobs(p, experts)` and
+`write_pool(ops, pool, slots, pairs)`, where p is the MoE layer's position (0..Lp-1) and e the expert.
 """
 from __future__ import annotations
 
@@ -16,9 +16,37 @@ from strata.errors import ConfigError
 from strata.weights.quant import BlobLayout, encode_expert
 
 GIB = 1 << 30
+# experts written to the pool per pool_write call: the bytes bound the device memory a call stacks, the count bounds
+# its arguments (each blob is one; thousands of small blobs compile for minutes)
+WRITE_BATCH_BYTES = 256 << 20
+WRITE_BATCH_BLOBS = 256
 
 
-class MemoryStore:
+class ExpertSource:
+    """The host tiers' common answers, built on blob(p, e) and checksum(p, e), which each source defines."""
+
+    in_memory = False          # the experts are already in RAM (a checkpoint's): a host mirror would be a copy
+
+    def blob(self, p: int, e: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def checksum(self, p: int, e: int) -> int:
+        raise NotImplementedError
+
+    def blobs(self, p: int, experts) -> np.ndarray:
+        """Experts `experts` of MoE layer p -> uint8 [m, nbytes] on the host."""
+        return np.stack([self.blob(p, int(e)) for e in experts])
+
+    def write_pool(self, ops, pool, slots, pairs):
+        """pool with `slots` [m] filled with experts `pairs` [(p, e)] -> the new pool (the old one donated)."""
+        per = max(1, min(WRITE_BATCH_BLOBS, WRITE_BATCH_BYTES // self.layout.nbytes))
+        for a in range(0, len(pairs), per):
+            blobs = [self.blob(p, e) for p, e in pairs[a:a + per]]          # uint8 [nbytes] each, views if any
+            pool = ops.pool_write(pool, np.asarray(slots[a:a + per], np.int32), blobs)
+        return pool
+
+
+class MemoryStore(ExpertSource):
     """A checkpoint's experts encoded into blobs in RAM (format f32 or bf16: the checkpoint's own numbers)."""
 
     in_memory = True
@@ -43,11 +71,9 @@ class MemoryStore:
         return int(self._crc[p, e])
 
 
-class PackStore:
+class PackStore(ExpertSource):
     """Experts read from a pack (strata/experts/pack.py) on SSD: by explicit reads (`stream=True`, the
     --stream-experts path: every miss is one pread of one blob) or through the page cache via mmap."""
-
-    in_memory = False
 
     def __init__(self, reader, stream: bool = False):
         self.reader, self.stream = reader, stream
@@ -74,12 +100,12 @@ class PackStore:
         return int(self.reader.checksum(self.layers[p], e))
 
 
-class HostMirror:
+class HostMirror(ExpertSource):
     """A RAM copy of experts, allocated in chunks of at most `chunk_bytes` each: one huge host allocation fails on
     some drivers (../shared/seeds/002_*.txt, part 1). Experts not mirrored come from the store. A chunk holds
     experts of one layer only, in expert order, so a layer's complete set is a few chunks of consecutive experts.
 
-    With `device` (a backend whose compiled windows read pinned host memory: `fetches_from_host`), every chunk is
+    With `device` (a backend's HostFetch capability: its compiled windows read pinned host memory), every chunk is
     one pinned allocation, which the device copies from by DMA (pageable memory goes through the driver's staging
     copy, several times slower: bench/results/offload_speed_*.json), and, when every expert is mirrored, which a
     decode window copies its misses from by itself (`window_chunks`)."""
@@ -99,7 +125,7 @@ class HostMirror:
         chosen = np.zeros((self.n_layers, self.n_experts), bool)
         for p, e in order[:n]:
             chosen[p, e] = True
-        self.device = device if device is not None and getattr(device, "fetches_from_host", False) else None
+        self.device = device                        # HostFetch or None
         per_chunk = max(1, chunk_bytes // nb)
         self.chunks: list = []                      # uint8 [n_c, nbytes]: numpy, or pinned host arrays
         self.chunk_at: list[tuple[int, int]] = []   # per chunk (layer, first expert)

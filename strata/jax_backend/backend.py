@@ -471,9 +471,10 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         return _pool_write(pool, jax.device_put(slots, self.device), jax.device_put(blobs, on_device))
 
     @property
-    def fetches_from_host(self) -> bool:
-        """Whether a compiled window can read host chunks (pinned host memory) by itself: experts_fetch."""
-        return "pinned_host" in {m.kind for m in self.device.addressable_memories()}
+    def host_fetch(self) -> "JaxBackend | None":
+        """The HostFetch capability (strata/backend.py): this backend when its device has pinned host memory, which
+        a compiled window reads by itself (experts_fetch); else None."""
+        return self if "pinned_host" in {m.kind for m in self.device.addressable_memories()} else None
 
     def host_chunk(self, rows):
         """A host chunk: uint8 [n, nbytes] rows copied into pinned host memory (one allocation)."""

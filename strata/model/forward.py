@@ -1,15 +1,17 @@
 """The forward pass of Qwen3-Next (hybrid Gated DeltaNet + gated attention, sparse MoE) and Qwen3-MoE, written once
-against the Backend ops (strata/backend.py; its fused ops are ComposedOps). See ../shared/notes/qwen3-next-reference.md for the equations.
+against the Backend ops (strata/backend.py), with ONE layer loop (run_layers) whose routed experts are a function the
+caller passes. Equations: ../shared/notes/qwen3-next-reference.md.
 
-One call reads one part of one sequence: tokens [T] (padded to a bucket; the first n_valid are real) at positions
-start..start+T-1, and returns the logits and the sequence state after the part. Padded rows are harmless by
-construction: their keys land beyond the real ones (overwritten before any real query can see them), their delta-rule
-gates are zeroed (g = beta = 0 leaves the recurrent state unchanged), and the conv state is taken at n_valid.
+Padded rows are harmless by construction: their keys land beyond the real ones (overwritten before any real query
+can see them), their delta-rule gates are zeroed (g = beta = 0 leaves the recurrent state unchanged), and the conv
+state is taken at n_valid.
 
 State per layer: FULL {"k", "v": [Cap, Hkv, hd]} (int8 KV: plus {"k_scale", "v_scale": [Cap, Hkv] fp32});
 LINEAR {"conv": [K-1, C], "ssm": [Hv, dk, dv] fp32}.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
@@ -38,55 +40,87 @@ def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None) -> list[di
     return state
 
 
-def forward(ops, cfg: ModelConfig, layout, params: dict, experts: dict, state: list, tokens, start, n_valid,
-            all_logits: bool, with_counts: bool = False):
-    """-> (logits [T, V] fp32 if all_logits else [1, V] at row n_valid - 1, new state, routing counts [Lp, E] if
-    with_counts else None).
+def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, back):
+    """THE layer loop, for prompt parts and decode rows on every expert path. x [T, H]; for each layer
+    front(lp, st, x, kind) -> layer_front's tuple; for a sparse layer y = experts(p, h, w, idx) (p: the MoE layer's
+    position, counted from 0) and x = back(lp, x, shared, y). -> (x, new states).
+    Traced inside one compiled window (front/back/experts traced), or driven from the host with each half compiled
+    on its own and the routed experts resolved between them (LayerByLayer; strata/experts/path.py)."""
+    states = list(states)
+    p = 0
+    for i, (kind, lp) in enumerate(zip(cfg.layer_types, params["layers"])):
+        x, h, w, idx, shared, states[i] = front(lp, states[i], x, kind)
+        if h is not None:
+            x = back(lp, x, shared, experts(p, h, w, idx))
+            p += 1
+    return x, states
 
-    tokens [T] int32; start, n_valid: int32 scalars (traced: one compilation per bucket T). Every routed expert is
-    resident: experts = {"pool": uint8 [N, layout.nbytes], "table": int32 [Lp, E] slot of (MoE layer p, expert)}.
-    (With a partial cache the layers run one at a time instead: strata/model/stepped.py.)"""
+
+def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, all_logits: bool):
+    """Traced: one part of one sequence, or a decode window, through run_layers -> (logits, new state).
+
+    One sequence: tokens [T] int32 at positions start..start+T-1 (start, n_valid int32 scalars: one compilation per
+    bucket T), state its state; logits [T, V] fp32 if all_logits else [1, V] at row n_valid - 1.
+    A decode window: tokens, start (positions), n_valid (active, 0 = padding) [S] int32, state the bank of S
+    sequences ({name: [S, ...]} per layer); all_logits True: logits [S, V]. (A padding row's key goes to the
+    position given, beyond every real one, and its recurrent state is unchanged.)
+    experts(p, h, w, idx) -> y: the routed experts of MoE layer p (strata/experts/path.py)."""
     x = embed(params, tokens)                                                     # [T, H]
-    new_state, counts = [], []
-    p = 0
-    for lp, st, kind in zip(params["layers"], state, cfg.layer_types):
-        x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
-        if h is not None:
-            with ops.scope("routed_experts"):
-                slots = ops.expert_slots(experts["table"][p], idx, n_valid)       # [T, k]; padded rows: -1
-                w = w if w.dtype == h.dtype else w.astype(h.dtype)  # (an eager backend copies on a no-op astype)
-                y = ops.experts_pool(h, slots, w, experts["pool"], layout, cfg.num_experts)
-            x = layer_back(ops, cfg, lp, x, shared, y)
-            if with_counts:
-                counts.append(ops.route_counts(idx, ops.valid_mask(tokens.shape[0], n_valid), cfg.num_experts))
-            p += 1
-        new_state.append(st)
-    if with_counts:
-        counts = ops.xp.stack(counts) if counts else ops.xp.zeros((0, cfg.num_experts), ops.xp.int32)
-    return head(ops, cfg, params, x, n_valid, all_logits), new_state, counts if with_counts else None
+
+    def front(lp, st, x, kind):
+        return layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+    x, state = run_layers(cfg, params, state, x, front, experts, partial(layer_back, ops, cfg))
+    return head(ops, cfg, params, x, n_valid, all_logits), state
 
 
-def forward_rows(ops, cfg: ModelConfig, layout, params: dict, experts: dict, bank: list, tokens, pos, active):
-    """A decode window: one token of each of S sequences -> (logits [S, V] fp32, new bank).
+class LayerByLayer:
+    """run_layers driven from the host, for an expert cache that does not hold every expert: each layer's halves
+    compiled once per kind and shape, the routes brought to the host between them and resolved by
+    experts(p, h, w, idx) (strata/experts/moe.py). Three shapes of state: one sequence's (Engine sequences), one
+    slot of a runner's bank (a prompt part), all slots of the bank (decode rows, one token each)."""
 
-    tokens, pos, active [S] int32 (a row with active 0 is padding: its key goes to the position given, beyond every
-    real one, and its recurrent state is unchanged); bank: per layer the states of the S sequences, {name: [S, ...]}.
-    The same layers as forward(), in their rows mode (strata/backend.py): projections, routing and experts run
-    over the S rows together, the state ops per row."""
-    x = embed(params, tokens)                                                     # [S, H]
-    new_bank = []
-    p = 0
-    for lp, st, kind in zip(params["layers"], bank, cfg.layer_types):
-        x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, pos, active)
-        if h is not None:
-            with ops.scope("routed_experts"):
-                slots = ops.expert_slots(experts["table"][p], idx, active)        # [S, k]; padding rows: -1
-                w = w if w.dtype == h.dtype else w.astype(h.dtype)
-                y = ops.experts_pool(h, slots, w, experts["pool"], layout, cfg.num_experts)
-            x = layer_back(ops, cfg, lp, x, shared, y)
-            p += 1
-        new_bank.append(st)
-    return head(ops, cfg, params, x, tokens.shape[0], all_logits=True), new_bank
+    def __init__(self, ops, cfg: ModelConfig, compiled):
+        self.ops, self.cfg = ops, cfg
+        c = ops.compile
+        self._embed = compiled("st_embed", lambda: c(embed))
+        self._front = compiled("st_front", lambda: c(partial(_front, ops, cfg), donate_argnums=(1,),
+                                                     static_argnames=("kind",)))
+        self._front_slot = compiled("st_front_slot", lambda: c(partial(_front_slot, ops, cfg), donate_argnums=(1,),
+                                                               static_argnames=("kind",)))
+        self._back = compiled("st_back", lambda: c(partial(layer_back, ops, cfg)))
+        self._head = compiled("st_head", lambda: c(partial(head, ops, cfg), static_argnames=("all_logits",)))
+
+    def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool, experts):
+        """One sequence's part (T tokens, the first n_valid real) -> (logits, new state)."""
+        def front(lp, st, x, kind):
+            return self._front(lp, st, x, np.int32(start), np.int32(n_valid), kind=kind)
+        return self._run(params, state, tokens, front, experts, np.int32(n_valid), all_logits)
+
+    def slot_part(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts):
+        """A prompt part on one slot of a bank -> (logits [1, V] of its last real row, new bank)."""
+        def front(lp, st, x, kind):
+            return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), kind=kind)
+        return self._run(params, bank, tokens, front, experts, np.int32(n_valid), False)
+
+    def rows(self, params, bank: list, tokens, pos, active, experts):
+        """One token for each slot of the bank (tokens, pos, active [S]) -> (logits [S, V], new bank)."""
+        def front(lp, st, x, kind):
+            return self._front(lp, st, x, pos, active, kind=kind)
+        return self._run(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), True)
+
+    def _run(self, params, states, tokens, front, experts, n_valid, all_logits):
+        x, states = run_layers(self.cfg, params, states, self._embed(params, tokens), front, experts, self._back)
+        return self._head(params, x, n_valid, all_logits=all_logits), states
+
+
+def _front(ops, cfg, lp, st, x, start, n_valid, kind):
+    return layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+
+
+def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, kind):
+    st = {k: v[slot] for k, v in bank.items()}
+    x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+    return x, h, w, idx, shared, {k: ops.set_row(bank[k], slot, v) for k, v in st.items()}
 
 
 def embed(params: dict, tokens):

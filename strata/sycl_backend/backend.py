@@ -151,6 +151,7 @@ class _Namespace:
 class SyclBackend(ComposedOps):
     name = "sycl"
     eager = True
+    host_fetch = None                    # no compiled windows: misses are copied into slots between layers
     joins_projections = False            # norm_linears / linears take several weights in one launch; a column slice
                                          # of a joined product is strided, which these kernels would copy first
 

@@ -16,6 +16,7 @@ import pytest
 from servers import running_server
 
 from strata import Engine
+from strata.experts.path import PathKind
 
 RUNS = 20
 TWO_CLIENTS = Path(__file__).resolve().parents[2].parent / "shared" / "clients" / "two_clients.py"
@@ -63,6 +64,6 @@ def test_two_clients_twenty_times_with_a_tiny_expert_cache(tiny_cache_engine, ca
     cache = e.experts.cache
     assert not any(cache.slot(i).state.name == "LOANED" for i in range(cache.n_slots))   # every loan came back
     assert cache.verify() == []                                                    # and every resident slot is intact
-    assert e.experts.moe.uses_checked > 0 and not e.fused
+    assert e.experts.moe.uses_checked > 0 and e.path.kind is not PathKind.RESIDENT
     parts = [m for m in caplog.messages if m.startswith("strata batch: the prompt was read in ")]
     assert len(parts) >= RUNS and all(int(m.split(" parts,")[0].rsplit(" ", 1)[1]) > 1 for m in parts)

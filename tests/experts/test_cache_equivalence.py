@@ -15,6 +15,7 @@ import pytest
 
 from strata import Engine
 from strata.experts.pack import write_pack
+from strata.experts.path import PathKind
 
 torch = pytest.importorskip("torch")
 from oracle import build_hf_model, save_hf_model  # noqa: E402
@@ -77,7 +78,7 @@ def _compare(ref, got, what):
 def test_checkpoint_arrangements_match_all_resident(model, tiny64):
     src = "demo" if model == "demo" else tiny64
     ref = _run(src)
-    assert ref[0].fused and ref[0].experts.cache.all_resident()
+    assert ref[0].path.kind is PathKind.RESIDENT and ref[0].experts.cache.all_resident()
     c = ref[0].cfg
     layers = ref[0].experts.cache.n_layers
     for name, opts in _arrangements(c.num_experts * layers, layers).items():
@@ -85,13 +86,13 @@ def test_checkpoint_arrangements_match_all_resident(model, tiny64):
             continue                                   # a checkpoint has no pack to stream from (see below)
         e = _compare(ref, _run(src, **opts), f"{model} {name}")
         st = e.experts.cache.stats
-        assert not e.fused and st.misses > 0, f"{name}: the arrangement never missed, so it tested nothing"
+        assert e.path.kind is not PathKind.RESIDENT and st.misses > 0, f"{name}: the arrangement never missed, so it tested nothing"
         assert e.experts.moe.uses_checked > 0
         if opts.get("miss_policy") == "cpu":
             assert st.cpu_routes > 0
         # decode misses: copied by the compiled window itself, unless it is off or misses run on the CPU
         fetching = opts.get("window_fetch", True) and opts.get("miss_policy", "fetch") == "fetch"
-        assert e.experts.window_fetch == fetching and (st.window_copies > 0) == fetching, name
+        assert (e.path.kind is PathKind.WINDOW_FETCH) == fetching and (st.window_copies > 0) == fetching, name
         if opts.get("prefill_borrow") is False:
             assert st.loans == 3                       # only the staging slots, reserved once
         else:

@@ -13,6 +13,7 @@ from strata import Engine
 from strata.engine.runner import WindowRunner
 from strata.plan import idle_plan
 from strata.plan import PromptPart
+from strata.experts.path import PathKind
 
 SLOTS, PART = 2, 16
 
@@ -49,7 +50,7 @@ def _drive(runner: WindowRunner, vocab: int) -> list[np.ndarray]:
 def test_runner_tokens_equal_all_resident_and_nothing_compiles_under_load():
     ref = Engine.load("demo", max_context=256, prefill=PART, say=lambda line: None)
     e = Engine.load("demo", max_context=256, prefill=PART, expert_cache=8, debug_slots=True, say=lambda line: None)
-    assert ref.fused and e.experts.window_fetch
+    assert ref.path.kind is PathKind.RESIDENT and e.path.kind is PathKind.WINDOW_FETCH
     want = _drive(WindowRunner(ref, SLOTS, PART), ref.cfg.vocab_size)
 
     runner = WindowRunner(e, SLOTS, PART)

@@ -12,6 +12,7 @@ from strata.engine.runner import ROWS, WindowRunner
 from strata.plan import idle_plan
 from strata.plan import PromptPart
 from strata.sched.request import Finished, Request, SamplingParams
+from strata.experts.path import PathKind
 from tests.sched.test_scheduler import _prompts, _run
 
 
@@ -25,7 +26,7 @@ def fetching_engine():
     """8 of the demo's experts in device slots, the rest in pinned host memory: decode windows copy their misses
     themselves (window fetch); every slot a window may read is checked against the pack first (debug_slots)."""
     e = Engine.load("demo", max_context=2048, prefill=64, expert_cache=8, debug_slots=True, say=lambda line: None)
-    assert not e.fused and e.experts.window_fetch
+    assert e.path.kind is PathKind.WINDOW_FETCH
     return e
 
 
@@ -127,10 +128,10 @@ def test_a_compiled_windows_outputs_are_its_donated_inputs(engine):
     # buffer that aliases numpy memory cannot be donated (the output then moves, which the GPU never sees)
     rows = ops.to_device(jax.numpy.zeros((ROWS, 2), np.int32))
     before = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves((runner.states, rows))]
-    states, rows_out = runner._decode(engine.params, engine.expert_args(), runner.states, rows, *stable, greedy=True)
+    states, rows_out = runner.rows._decode(engine.params, engine.path.args(), runner.states, rows, *stable, greedy=True)
     after = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves((states, rows_out))]
     assert after == before
     runner.states = states
-    result = runner._peel(rows_out)
+    result = runner.rows._peel(rows_out)
     assert result.shape == (2, 2) and result.unsafe_buffer_pointer() != rows_out.unsafe_buffer_pointer()
     np.testing.assert_array_equal(np.asarray(result), np.asarray(rows_out)[3:])

@@ -70,8 +70,9 @@ def test_bf16_weights_stored_as_uint16_compute_as_their_fp32_values(sycl_device,
     outs = []
     for params in (e16.params, p32):
         state = ops.to_device(init_state(e16.cfg, e16.capacity, np.float32))
-        logits, _, _ = forward(ops, e16.cfg, e16.layout, params, e16.expert_args(), state, tokens, np.int32(0),
-                               np.int32(len(tokens)), all_logits=True)
+        n = np.int32(len(tokens))
+        experts = e16.path.traced(e16.layout, e16.path.args(), n)
+        logits, _ = forward(ops, e16.cfg, params, state, tokens, np.int32(0), n, experts, all_logits=True)
         outs.append(ops.to_host(logits))
     assert np.abs(outs[0] - outs[1]).max() <= 1e-5 * np.ptp(outs[1])
     # and decode (the gathered expert op and the row kernels read the uint16 bits directly)

@@ -21,6 +21,7 @@ from strata.experts.pack import write_pack
 from strata.engine.runner import WindowRunner
 from strata.plan import idle_plan
 from strata.plan import PromptPart
+from strata.experts.path import PathKind
 
 PROMPT_LEN, PART, GEN = 40, 16, 12
 # Between arrangements only the order of float32 sums changes (a miss computed in its own pass, on the CPU through
@@ -70,7 +71,7 @@ def _compare(ref, got, what):
 
 def _missed(e, name):
     st = e.experts.cache.stats
-    assert not e.fused and st.misses > 0, f"{name}: the arrangement never missed, so it tested nothing"
+    assert e.path.kind is not PathKind.RESIDENT and st.misses > 0, f"{name}: the arrangement never missed, so it tested nothing"
     assert e.experts.moe.uses_checked > 0, f"{name}: no slot read was checked against the pack"
     return st
 
@@ -79,7 +80,7 @@ def _missed(e, name):
 def checkpoint_ref(sycl_device):
     ref = _run("demo", sycl_device)
     assert ref[0].backend.name == "sycl"
-    assert ref[0].fused and ref[0].experts.cache.all_resident()
+    assert ref[0].path.kind is PathKind.RESIDENT and ref[0].experts.cache.all_resident()
     return ref
 
 
@@ -108,7 +109,7 @@ def test_checkpoint_staging_slots_match_all_resident(checkpoint_ref, sycl_device
 
 def test_int4_pack_arrangements_match_all_resident(int4_pack, sycl_device):
     ref = _run(int4_pack, sycl_device)
-    assert ref[0].fused and ref[0].layout.fmt == "int4"
+    assert ref[0].path.kind is PathKind.RESIDENT and ref[0].layout.fmt == "int4"
     layers = ref[0].experts.cache.n_layers
     arr = _arrangements(ref[0].cfg.num_experts * layers, layers)
     for name in ("two-per-layer", "stream"):
@@ -137,7 +138,7 @@ def test_blocked_expert_op_arrangements_match_all_resident(sycl_device):
         return e, e.logits(prompt), e.generate(prompt, GEN, stop_token_ids=[])
 
     ref = run()
-    assert ref[0].fused
+    assert ref[0].path.kind is PathKind.RESIDENT
     for name, opts in (("two-per-layer", dict(expert_cache=8)),
                        ("no-borrow", dict(expert_cache=8, prefill_borrow=False, staging_slots=3))):
         _missed(_compare(ref, run(**opts), f"demo sycl blocked {name}"), name)
@@ -182,7 +183,7 @@ def _drive_runner(path, device, backend="sycl", **options):
 
 def test_window_runner_with_a_dense_layer_matches_all_resident(dense_between, sycl_device):
     ref, want = _drive_runner(dense_between, sycl_device)
-    assert ref.fused and ref.experts.cache.n_layers == 3
+    assert ref.path.kind is PathKind.RESIDENT and ref.experts.cache.n_layers == 3
     e, got = _drive_runner(dense_between, sycl_device, expert_cache=4)
     _missed(e, "dense-between, 4 slots")
     assert got == want, "the stepped runner (slot parts, vmapped decode rows) differs from the fused one"
