@@ -99,7 +99,8 @@ class ExpertSet:
             c.adapt(self.adapt_swaps, verify=self.moe.verify_fills)
 
 
-def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, compiled, say=print) -> ExpertSet:
+def build_experts(ops, cfg, store, settings, state_bytes: int, work_bytes: int, compiled, say=print) -> ExpertSet:
+    opts = settings.experts
     total = store.n_layers * store.n_experts
     slot_bytes = store.layout.nbytes
     staging = 0
@@ -109,7 +110,7 @@ def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, comp
     pinned = getattr(ops, "fetches_from_host", False)
     if pinned and opts.window_fetch and opts.miss_policy == "fetch" and not opts.stream_experts:
         # a window-fetch decode window's staging rows: k experts for each of the runner's rows
-        work_bytes += opts.sequences * cfg.num_experts_per_tok * slot_bytes
+        work_bytes += settings.sched.parallel * cfg.num_experts_per_tok * slot_bytes
     plan = plan_memory(ops.free_memory_bytes(), slot_bytes=slot_bytes, total_experts=total,
                        state_bytes=state_bytes, work_bytes=work_bytes, expert_cache=opts.expert_cache,
                        vram_reserve_mib=opts.vram_reserve_mib, staging=staging,
