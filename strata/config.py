@@ -1,16 +1,18 @@
 """Settings, declared once: frozen, typed groups (model, experts, sched, serve, backend) gathered in `Settings`.
 
 Each field is a `setting(default, rule, help)`: its one name, default, allowed values and help. From the fields come
-the flat TOML keys (the field's name), the CLI flags (`max_context` -> `--max-context`) and Engine.load's keywords.
-`check` is the one validation: an unknown key, or a value of the wrong type or outside its range, is a ConfigError
-naming the key (or flag), the value and what is allowed. Precedence: flag > config file > STRATA_API_KEY (api_key
-only) > default.
+the flat TOML keys (the field's name), the CLI flags (`max_context` -> `--max-context`), Engine.load's keywords,
+configs/demo.toml and docs/configuration.md (`python -m strata.config --toml | --markdown`). `check` is the one
+validation: an unknown key, or a value of the wrong type or outside its range, is a ConfigError naming the key (or
+flag), the value and what is allowed. Precedence: flag > config file > STRATA_API_KEY (api_key only) > default.
 """
 from __future__ import annotations
 
 import difflib
 import json
 import os
+import sys
+import textwrap
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -388,3 +390,79 @@ def load_settings(path: str | os.PathLike | None = None, flags: Mapping[str, Any
             check(key, value, as_flag=True)
             values[key] = value
     return Settings().with_values(values)
+
+
+# --- generated files: configs/demo.toml and docs/configuration.md
+
+_TOML_HEAD = """\
+# strata serve --config configs/demo.toml
+# Generated from the settings in strata/config.py by `python -m strata.config --toml`: edit them there.
+# Every key is also a flag of `strata serve` (max_context <-> --max-context); a flag given on the command line wins
+# over the file. An unknown key or a bad value stops the server with exit code 2 and a line naming the key.
+# The values below are the defaults; a commented-out key is unset by default and shows an example.
+"""
+
+_MD_HEAD = """\
+# Configuration
+
+<!-- Generated from the settings in strata/config.py by `python -m strata.config --markdown`; a test keeps this
+file equal to it, so edit the fields there. -->
+
+Every setting has one name: the key in a TOML file given to `strata serve --config FILE.toml` (configs/demo.toml sets
+each), the flag of `strata serve` (the key with `-` for `_`; a boolean also has its `--no-` form), and the keyword of
+`Engine.load`. `strata generate` and `strata profile` take the flags of the model and backend groups.
+
+Precedence: command-line flag > config file > environment variable (STRATA_API_KEY, for api_key only) > default. An
+unknown key, or a value of the wrong type or outside its range, stops `strata serve` with exit code 2 and one line
+naming the key (or flag), the value and what is allowed.
+"""
+
+
+def _comment(text: str) -> list[str]:
+    return textwrap.wrap(text, width=118, initial_indent="# ", subsequent_indent="# ", break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def demo_toml() -> str:
+    """configs/demo.toml: every setting at its default (or an example, commented out), its help as the comment."""
+    lines = [_TOML_HEAD.rstrip("\n")]
+    for group, cls in GROUPS.items():
+        lines += [""] + _comment(f"--- {group}: {cls.__doc__}")
+        for spec in (s for s in SPECS.values() if s.group == group):
+            lines += [""] + _comment(f"{spec.help} Allowed: {spec.rule.allowed}.")
+            if spec.default is None:
+                lines.append(f"# {spec.key} = {_toml(spec.example)}")
+            else:
+                lines.append(f"{spec.key} = {_toml(spec.default)}")
+    return "\n".join(lines) + "\n"
+
+
+def markdown() -> str:
+    """docs/configuration.md: a table of every setting per group."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = [_MD_HEAD.rstrip("\n")]
+    for group, cls in GROUPS.items():
+        lines += ["", f"## {group}", "", cls.__doc__, "", "| key | flag | default | allowed | help |",
+                  "|---|---|---|---|---|"]
+        for spec in (s for s in SPECS.values() if s.group == group):
+            flag = f"`{spec.flag}`" + (f", `--no-{spec.flag[2:]}`" if spec.types == (bool,) else "")
+            default = f"`{spec.shown_default}`" if spec.default is not None else spec.shown_default
+            lines.append(f"| `{spec.key}` | {flag} | {default} | {cell(spec.rule.allowed)} | {cell(spec.help)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    makers = {"--toml": demo_toml, "--markdown": markdown}
+    if len(argv) != 1 or argv[0] not in makers:
+        print("usage: python -m strata.config --toml | --markdown  (writes configs/demo.toml or "
+              "docs/configuration.md's text to stdout)", file=sys.stderr)
+        return 2
+    sys.stdout.write(makers[argv[0]]())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

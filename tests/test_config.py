@@ -1,14 +1,19 @@
 """Settings declared once (strata/config.py): one name per setting across the groups, defaults and examples that pass
-their own rule, flat keys into groups through the one validation, and flag text typed from the field."""
+their own rule, flat keys into groups through the one validation, flag text typed from the field, and the generated
+files (configs/demo.toml, docs/configuration.md) equal to what the fields generate."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from strata import config as C
 from strata.config import SPECS, Settings, check, load_settings
 from strata.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def test_every_setting_has_one_group_a_help_and_a_default_its_rule_allows():
     names = [f.name for cls in C.GROUPS.values() for f in dataclasses.fields(cls)]
@@ -65,3 +70,18 @@ def test_a_bad_environment_value_is_overridden_by_the_flag_not_refused_first():
     assert load_settings(None, {"api_key": "k"}, env={"STRATA_API_KEY": " spaced "}).serve.api_key == "k"
     with pytest.raises(ConfigError, match="api_key"):
         load_settings(None, {}, env={"STRATA_API_KEY": " spaced "})
+
+
+def test_demo_toml_is_generated_from_the_fields():
+    text = (ROOT / "configs" / "demo.toml").read_text()
+    assert text == C.demo_toml(), "configs/demo.toml differs: python -m strata.config --toml > configs/demo.toml"
+    for spec in SPECS.values():                  # each help is the comment above its key
+        assert " ".join(spec.help.split()[:6]) in " ".join(text.replace("# ", " ").split()), spec.key
+
+
+def test_configuration_docs_are_generated_from_the_fields():
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    assert text == C.markdown(), ("docs/configuration.md differs: python -m strata.config --markdown > "
+                                  "docs/configuration.md")
+    for spec in SPECS.values():
+        assert f"| `{spec.key}` | `{spec.flag}`" in text and spec.help in text, spec.key
