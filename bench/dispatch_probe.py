@@ -189,7 +189,7 @@ def main() -> int:
 
     from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader
     from strata.backend import get_backend
-    from strata.config import EngineOptions
+    from strata.config import Settings
     from strata.engine import Engine
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
@@ -198,8 +198,8 @@ def main() -> int:
     cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=args.layers, **over), source="dispatch probe")
     backend = get_backend("jax", kernels="auto")
     params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
-    engine = Engine(cfg, params, backend, EngineOptions(dtype="bfloat16", max_context=args.context + 64, prefill=16,
-                                                        sequences=4, kernels="auto"))
+    engine = Engine(cfg, params, backend, Settings.build(dtype="bfloat16", max_context=args.context + 64,
+                                                         prefill=16, parallel=4, kernels="auto"))
     n_moe = sum(cfg.is_sparse_layer(i) for i in range(args.layers))
     engine.attach_experts(SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, n_moe,
                                          cfg.num_experts), say=lambda line: None)

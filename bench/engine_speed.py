@@ -51,7 +51,7 @@ def measure(engine, prompt_len: int, decode_tokens: int, repeat: int) -> dict:
 
     def read():
         seq = engine.sequence()
-        seq.read(ids, part_size=engine.options.prefill)
+        seq.read(ids, part_size=engine.settings.sched.prefill)
         return seq
 
     t = time.perf_counter()
@@ -224,7 +224,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
     decode_min_tokens."""
     import ml_dtypes
 
-    from strata.config import EngineOptions
+    from strata.config import Settings
     from strata.engine import Engine
     from strata.backend import get_backend
     from strata.model.config import ModelConfig
@@ -250,9 +250,9 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
         build_s = time.perf_counter() - t
         say(f"{n} layers: dense weights drawn in {build_s:.1f} s")
-        engine = Engine(cfg, params, backend, EngineOptions(dtype="bfloat16", max_context=prompt_len + 2 * decode_tokens
-                                                            + 8, prefill=min(prompt_len, 4096),
-                                                            sequences=max(BATCHES), kernels=kernels, kv=kv))
+        engine = Engine(cfg, params, backend, Settings.build(
+            dtype="bfloat16", max_context=prompt_len + 2 * decode_tokens + 8, prefill=min(prompt_len, 4096),
+            parallel=max(BATCHES), kernels=kernels, kv=kv))
         from synthetic_experts import SyntheticStore         # bench/, beside this script
         n_moe = sum(cfg.is_sparse_layer(i) for i in range(n))
         store = SyntheticStore(experts, cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)

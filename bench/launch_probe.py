@@ -46,7 +46,7 @@ def child(variant: str, layers: int, context: int, smoke: bool) -> dict:
 
     from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader, measure_batched
     from strata.backend import get_backend
-    from strata.config import EngineOptions
+    from strata.config import Settings
     from strata.engine import Engine
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
@@ -57,8 +57,8 @@ def child(variant: str, layers: int, context: int, smoke: bool) -> dict:
     cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=layers, **over), source="probe")
     backend = get_backend("jax", kernels=kernels)
     params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
-    engine = Engine(cfg, params, backend, EngineOptions(dtype="bfloat16", max_context=context + 64, prefill=16,
-                                                        sequences=4, kernels=kernels))
+    engine = Engine(cfg, params, backend, Settings.build(dtype="bfloat16", max_context=context + 64, prefill=16,
+                                                         parallel=4, kernels=kernels))
     n_moe = sum(cfg.is_sparse_layer(i) for i in range(layers))
     engine.attach_experts(SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, n_moe,
                                          cfg.num_experts), say=lambda line: None)

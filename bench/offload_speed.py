@@ -82,7 +82,7 @@ def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: 
     import ml_dtypes
 
     from strata.backend import get_backend
-    from strata.config import EngineOptions
+    from strata.config import Settings
     from strata.engine import Engine
     from strata.model.config import ModelConfig
     from strata.model.params import is_sparse, params_from_reader
@@ -99,9 +99,9 @@ def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: 
             lp["router_bias"] = jnp.asarray(b)
     store = SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, 48, cfg.num_experts)
     slots = cache_slots or int(cache_gib * GIB // store.layout.nbytes)
-    opts = EngineOptions(dtype="bfloat16", max_context=max_context, prefill=prefill, sequences=4,
-                         expert_cache=min(slots, 48 * cfg.num_experts), adapt_swaps=adapt_swaps,
-                         window_fetch=window_fetch)
+    opts = Settings.build(dtype="bfloat16", max_context=max_context, prefill=prefill, parallel=4,
+                          expert_cache=min(slots, 48 * cfg.num_experts), adapt_swaps=adapt_swaps,
+                          window_fetch=window_fetch)
     engine = Engine(cfg, params, ops, opts)
     lines = []
     engine.attach_experts(store, say=lines.append)
@@ -115,7 +115,7 @@ def decode_run(engine, n_rows: int, tokens: int, warm: int, trace: bool = False,
     from strata.engine.runner import WindowRunner
     from strata.plan import idle_plan
     from strata.plan import PromptPart
-    runner = WindowRunner(engine, n_rows, min(64, engine.options.prefill))
+    runner = WindowRunner(engine, n_rows, min(64, engine.settings.sched.prefill))
     rng = np.random.default_rng(1)
     nxt = np.zeros(n_rows, np.int32)
     base = idle_plan(n_rows)
@@ -176,7 +176,7 @@ def prompt_run(engine, n: int) -> dict:
     st0 = dict(cache.stats.as_dict())
     ids = np.random.default_rng(2).integers(0, engine.cfg.vocab_size, n).tolist()
     t = time.perf_counter()
-    engine.sequence().read(ids, part_size=engine.options.prefill)
+    engine.sequence().read(ids, part_size=engine.settings.sched.prefill)
     dt = time.perf_counter() - t
     st = cache.stats.as_dict()
     return {"tokens": n, "seconds": dt, "tok_s": n / dt, "bytes_copied": st["bytes_copied"] - st0["bytes_copied"],

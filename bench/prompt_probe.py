@@ -254,7 +254,7 @@ def main() -> int:
 
     from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader, timed
     from strata.backend import get_backend
-    from strata.config import EngineOptions
+    from strata.config import Settings
     from strata.engine import Engine
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
@@ -267,9 +267,9 @@ def main() -> int:
     backend = get_backend("jax", kernels=args.kernels)
     params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
     batches = [int(b) for b in args.batches.split(",") if b]
-    engine = Engine(cfg, params, backend, EngineOptions(
+    engine = Engine(cfg, params, backend, Settings.build(
         dtype="bfloat16", max_context=max(args.prompt, args.context) + 64, prefill=args.prompt,
-        sequences=max(batches + [1]), kernels=args.kernels))
+        parallel=max(batches + [1]), kernels=args.kernels))
     n_moe = sum(cfg.is_sparse_layer(i) for i in range(args.layers))
     store = SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
     engine.attach_experts(store, say=lambda line: None)

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from strata.config import GROUPS, KEYS, SPECS, Settings, load_settings
 from strata.errors import StrataError
 
 
@@ -14,22 +15,26 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _flag_settings(args: argparse.Namespace, keys) -> dict:
+    """The settings among `keys` given on the command line (a flag left out is None)."""
+    return {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
+
+
+# generate and profile run one sequence: the memory plan makes no room for the server's parallel slots
+ONE_SEQUENCE = {"parallel": 1}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from strata import Engine
     from strata.demo import DEMO_NOTE
-    if args.model == "demo":
+    settings = Settings.build(**ONE_SEQUENCE).with_values(_flag_settings(args, ENGINE_FLAGS), as_flag=True)
+    if settings.model.model == "demo":
         _log(f"strata generate: {DEMO_NOTE}")
     t0 = time.perf_counter()
-    options = {"max_context": args.max_context}
-    if args.dtype:
-        options["dtype"] = args.dtype
-    if args.kv:
-        options["kv"] = args.kv
-    if args.device:
-        options["device"] = args.device
-    engine = Engine.load(args.model, backend=args.backend, **options)
+    engine = Engine.load(settings=settings)
     if engine.tokenizer is None:
-        raise StrataError(f"{args.model} has no tokenizer.json beside it; generate needs one to encode the prompt")
+        raise StrataError(f"{settings.model.model} has no tokenizer.json beside it; generate needs one to encode the "
+                          f"prompt")
     tok = engine.tokenizer
     text = args.prompt
     if not args.raw:
@@ -60,51 +65,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from strata.config import load_serve_config
-    overrides = {key: getattr(args, key) for key in SERVE_FLAGS}
-    config = load_serve_config(args.config, overrides)
+    settings = load_settings(args.config, {key: getattr(args, key) for key in KEYS})
     from strata.serve.server import serve_forever
-    return serve_forever(config)
+    return serve_forever(settings)
 
 
-# `strata serve` flags; each has a config-file key of the same name with - written as _
-SERVE_FLAGS = {
-    "model": (str, "checkpoint directory, .gguf file, or 'demo' (default)"),
-    "host": (str, "address to listen on (default 127.0.0.1: this machine only)"),
-    "port": (int, "port to listen on (default 8080; 0 picks a free one)"),
-    "parallel": (int, "sequences decoded together, 1..64 (default 2)"),
-    "prefill": (int, "prompt part size: prompts are read in parts of at most this many tokens (default 512)"),
-    "max_context": (int, "tokens of one sequence, prompt + generated (default 32768)"),
-    "queue_limit": (int, "requests waiting for a slot; beyond it requests get 503 + Retry-After (default 16)"),
-    "max_body_bytes": (int, "largest request body accepted; larger ones get 413 (default 16 MiB)"),
-    "api_key": (str, "require 'Authorization: Bearer KEY' on every route but /health (or set STRATA_API_KEY)"),
-    "backend": (str, "jax (default) | sycl | auto"),
-    "dtype": (str, "auto (default) | float32 | bfloat16"),
-    "kv": (str, "the attention layers' KV cache: auto (default: the weights' dtype) | int8 (a float32 scale per "
-                "token and head; a quarter of float32's bytes) | bfloat16 | float32"),
-    "device": (str, "the backend's device: gpu, cpu (jax); level_zero:gpu:0, opencl:cpu (sycl)"),
-    "kernels": (str, "jax backend: auto (default: the Pallas kernels that measured faster, on a GPU) | xla | pallas "
-                     "(every Pallas kernel; interpreted on a CPU)"),
-    "expert_cache": ("cache", "device expert slots: auto (default: as many as fit) or a number of experts"),
-    "resident_budget_gib": (float, "host RAM for the expert mirror in GiB (default: every expert)"),
-    "stream_experts": (bool, "no host mirror: misses are read from the pack on SSD"),
-    "vram_reserve_mib": (int, "device memory the memory plan leaves untouched (default 0)"),
-    "miss_policy": (str, "decode misses: fetch (default: copy into a slot) | cpu (compute on the CPU)"),
-    "prefill_borrow": (bool, "prompt parts stream experts through borrowed cache slots (default on)"),
-    "lookahead": (bool, "steady decoding dispatches the next window before the last one's tokens are read "
-                        "(default on; every expert resident, jax)"),
-    "window_fetch": (bool, "decode windows copy their misses from pinned host memory themselves, in one compiled "
-                           "function (default on; off: layer by layer)"),
-    "adapt_every": (int, "windows between adaptive expert swaps (default 1; 0 = off)"),
-    "adapt_swaps": (int, "experts swapped at most per adaptation (default 8)"),
-    "adapt_decay": (float, "per-window decay of routing counts (default 0.99)"),
-    "profile": (str, "routing profile from strata profile, for the initial placement"),
-    "host_chunk_mib": (int, "largest single pinned host allocation of the expert mirror, MiB (default 1024, at most "
-                            "2047); lower it where the driver refuses large pinned allocations"),
-    "debug_slots": (bool, "check every expert slot a computation reads against the pack (slow)"),
-    "compile_cache": (str, "jax backend: a directory for JAX's persistent compilation cache; a restart with the same "
-                           "model and shapes loads the warm-up's compiled windows from it (default off)"),
-}
+# The settings flags of generate and profile: the model and backend groups
+ENGINE_FLAGS = ("model", "dtype", "kv", "max_context", "backend", "device", "kernels")
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser, keys, required=()) -> None:
+    """A flag per setting, made from its field in strata/config.py: the name from the key, the type and help from
+    the field; every flag defaults to None (unset), so a config file or the field's default applies. A value the
+    field's type does not take is kept as text, for the one validation to refuse naming the flag."""
+    for group, cls in GROUPS.items():
+        specs = [SPECS[k] for k in keys if SPECS[k].group == group]
+        if not specs:
+            continue
+        g = parser.add_argument_group(f"{group} settings", cls.__doc__)
+        for spec in specs:
+            help_text = spec.flag_help.replace("%", "%%")
+            if spec.types == (bool,):
+                g.add_argument(spec.flag, dest=spec.key, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+            else:
+                g.add_argument(spec.flag, dest=spec.key, type=spec.from_text, default=None,
+                               required=spec.key in required, help=help_text,
+                               metavar="N" if set(spec.types) & {int, float} else spec.key.upper())
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -118,8 +105,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if not lines:
         raise StrataError(f"prompts file {args.prompts} has no prompts (one prompt per non-empty line)")
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, backend=args.backend, max_context=args.max_context, say=_log,
-                         **({"device": args.device} if args.device else {}))
+    settings = Settings.build(**ONE_SEQUENCE).with_values(_flag_settings(args, ENGINE_FLAGS), as_flag=True)
+    engine = Engine.load(settings=settings, say=_log)
     if engine.experts is None:
         raise StrataError(f"{args.model} has no routed experts to profile")
     if engine.tokenizer is None:
@@ -129,7 +116,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for text in lines:
         text = text.replace("\\n", "\n")
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-        ids = ids[:max(1, args.max_context - args.max_tokens)]
+        ids = ids[:max(1, settings.model.max_context - args.max_tokens)]
         out = engine.generate(ids, args.max_tokens)
         tokens += len(ids) + len(out) - 1                  # the last generated token is not read back
     counts = engine.experts.cache.routed
@@ -141,10 +128,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
          f"{counts.shape[0]} layers x {counts.shape[1]} experts in {time.perf_counter() - t0:.1f} s; the top 20% of "
          f"each layer's experts took {100 * frac:.0f}% of its routes; written to {args.out}")
     return 0
-
-
-def _cache_size(v: str):
-    return v if v == "auto" else int(v)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -217,7 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout",
                        description="Generate text from a prompt and stream it to stdout (logs go to stderr).")
-    g.add_argument("--model", default="demo", help="checkpoint directory, .gguf file, or 'demo' (default)")
     g.add_argument("--prompt", required=True, help="the user message (rendered with the model's chat template)")
     g.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -226,13 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     g.add_argument("--seed", type=int, default=None, help="a seeded request is reproducible")
-    g.add_argument("--max-context", type=int, default=4096)
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
-    g.add_argument("--kv", choices=["auto", "int8", "bfloat16", "float32"], default=None,
-                   help="the KV cache's format (default auto: the weights' dtype)")
-    g.add_argument("--backend", default="jax", help="jax (default) | sycl | auto")
-    g.add_argument("--device", default=None, help="the backend's device: gpu, cpu (jax); level_zero:gpu:0, opencl:cpu "
-                                                  "(sycl)")
+    _add_setting_flags(g, ENGINE_FLAGS)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -241,13 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "config-file key of the same name (--max-context -> max_context); flags override "
                                    "the file. With no arguments it serves the demo model on 127.0.0.1:8080.")
     s.add_argument("--config", default=None, metavar="FILE.toml", help="TOML file of settings (see configs/demo.toml)")
-    for key, (typ, help_text) in SERVE_FLAGS.items():
-        flag = "--" + key.replace("_", "-")
-        if typ is bool:
-            s.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            s.add_argument(flag, dest=key, type=_cache_size if typ == "cache" else typ, default=None,
-                           metavar=key.upper() if typ is str else "N", help=help_text)
+    _add_setting_flags(s, KEYS)
     s.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("pack", help="write a model's pack: experts as aligned, checksummed blobs for SSD streaming",
@@ -267,13 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the model with every expert resident, generating --max-tokens after each, and "
                                    "write the routing counts per (layer, expert) to a profile file that "
                                    "`strata serve --profile` places experts by.")
-    f.add_argument("--model", required=True, help="checkpoint directory, .gguf file, pack directory, or 'demo'")
     f.add_argument("--prompts", required=True, metavar="FILE", help="text file, one prompt per line")
     f.add_argument("--out", required=True, metavar="FILE.json", help="the profile to write")
     f.add_argument("--max-tokens", type=int, default=32, help="tokens generated after each prompt (default 32)")
-    f.add_argument("--max-context", type=int, default=4096)
-    f.add_argument("--backend", default="jax", help="jax (default) | sycl | auto")
-    f.add_argument("--device", default=None)
+    _add_setting_flags(f, ENGINE_FLAGS, required=("model",))
     f.set_defaults(func=cmd_profile)
 
     d = sub.add_parser("doctor", help="list the devices each backend sees, and why one is missing",

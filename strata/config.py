@@ -1,170 +1,324 @@
-"""Typed, frozen configuration: `ServeConfig` for `strata serve`, loaded from a TOML file with CLI flags on top.
+"""Settings, declared once: frozen, typed groups (model, experts, sched, serve, backend) gathered in `Settings`.
 
-Every `strata serve` flag has a config-file key of the same name with `-` written as `_` (`--max-context` ->
-`max_context`). Precedence: command-line flag > config file > STRATA_* environment variable (only STRATA_API_KEY) >
-default. A key that is unknown, or a value of the wrong type or outside its range, is a ConfigError that names the key
-and what is allowed.
+Each field is a `setting(default, rule, help)`: its one name, default, allowed values and help. From the fields come
+the flat TOML keys (the field's name), the CLI flags (`max_context` -> `--max-context`), Engine.load's keywords,
+configs/demo.toml and docs/configuration.md (`python -m strata.config --toml | --markdown`). `check` is the one
+validation: an unknown key, or a value of the wrong type or outside its range, is a ConfigError naming the key (or
+flag), the value and what is allowed. Precedence: flag > config file > STRATA_API_KEY (api_key only) > default.
 """
 from __future__ import annotations
 
+import difflib
+import json
 import os
+import sys
+import textwrap
 import tomllib
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import ml_dtypes
 import numpy as np
 
 from strata.errors import ConfigError
 
-# Prompt parts are padded to strata.engine.PART_BUCKETS; the largest bucket bounds the part size.
-MAX_PREFILL = 16384
-MAX_CONTEXT_LIMIT = 1 << 22
-BACKENDS = ("auto", "jax", "sycl")
-DTYPES = ("auto", "float32", "bfloat16")
-KV_FORMATS = ("auto", "int8", "bfloat16", "float32")
-KERNELS = ("auto", "xla", "pallas")
-MISS_POLICIES = ("fetch", "cpu")
+# The KV cache's formats (ModelSettings.kv): auto is the weights' dtype; int8 keeps a float32 scale per token and
+# KV head beside the values (strata/backend.py quantize_kv).
+KV_DTYPES = {"auto": None, "int8": np.int8, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
-# Environment variables the serve config reads (the STRATA_* registry of this group).
-ENV_VARS = {"api_key": "STRATA_API_KEY"}
+# Prompt parts are padded up to one of these token counts, so compilations are bounded (one per bucket used).
+PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def bucket_for(n: int) -> int:
+    return next(b for b in PART_BUCKETS if b >= n)
+
+
+MAX_PREFILL = PART_BUCKETS[-1]
+MAX_CONTEXT_LIMIT = 1 << 22
 
 
 @dataclass(frozen=True)
-class ServeConfig:
-    model: str = "demo"                  # checkpoint directory, .gguf file, or "demo"
-    host: str = "127.0.0.1"              # loopback unless told otherwise
-    port: int = 8080                     # 0 picks a free port (the startup line names it)
-    parallel: int = 2                    # sequences decoded together (slots)
-    prefill: int = 512                   # prompt part size: prompts are read in parts of at most this many tokens
-    max_context: int = 32768             # tokens of one sequence: prompt + generated
-    queue_limit: int = 16                # requests waiting for a slot; beyond it: 503 with Retry-After
-    lookahead: bool = True               # steady decoding dispatches the next window before reading this one
-    max_body_bytes: int = 16 * 1024 * 1024  # request bodies larger than this get 413
-    api_key: str | None = None           # when set, every route but /health needs `Authorization: Bearer KEY`
-    backend: str = "jax"                 # jax | sycl | auto
-    dtype: str = "auto"                  # auto | float32 | bfloat16
-    kv: str = "auto"                     # the KV cache: auto (the weights' dtype) | int8 (+ a scale per token, head)
-    device: str | None = None            # the backend's device: e.g. "gpu", "cpu" (jax); "level_zero:gpu:0" (sycl)
-    kernels: str = "auto"                # jax: auto (Pallas where it measured faster, on a GPU) | xla | pallas
-    # experts (see strata/experts/): device slots, host mirror, misses, prompt-part staging, adaptive placement
-    expert_cache: int | str = "auto"     # device slots: "auto" (as many as fit) or a number of experts
-    resident_budget_gib: float | None = None  # host RAM for the expert mirror (None: all experts)
-    stream_experts: bool = False         # no host mirror: misses are read from the pack on SSD
-    vram_reserve_mib: int = 0            # device memory the memory plan leaves untouched
-    miss_policy: str = "fetch"           # decode misses: fetch (copy into a slot) | cpu (compute on the CPU)
-    prefill_borrow: bool = True          # prompt parts stream experts through borrowed cache slots
-    window_fetch: bool = True            # decode windows copy misses from pinned host memory themselves
-    adapt_every: int = 1                 # windows between adaptive swaps (0: off)
-    adapt_swaps: int = 8                 # experts swapped at most per adaptation
-    adapt_decay: float = 0.99            # per-window decay of the routing counts
-    profile: str | None = None           # routing profile (strata profile) for the initial placement
-    host_chunk_mib: int = 1024           # largest single pinned allocation of the host mirror (seed 002)
-    debug_slots: bool = False            # check every slot a computation reads against the pack (slow)
-    compile_cache: str | None = None     # jax: directory of the persistent compilation cache (restarts load from it)
+class Rule:
+    """What a setting allows: ok(value) and the same in words ("an integer in [1, 64]")."""
+    ok: Callable[[Any], bool]
+    allowed: str
 
-    def engine_options(self) -> dict:
-        """The Engine.load options this config sets."""
-        keys = ("max_context", "prefill", "dtype", "kv", "kernels", "expert_cache", "resident_budget_gib", "stream_experts",
-                "vram_reserve_mib", "miss_policy", "prefill_borrow", "window_fetch", "adapt_every", "adapt_swaps", "adapt_decay",
-                "profile", "host_chunk_mib", "debug_slots")
-        out = {k: getattr(self, k) for k in keys}
-        out["sequences"] = self.parallel
-        if self.device:
-            out["device"] = self.device
-        return out
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_range(lo: int, hi: int) -> Rule:
+    return Rule(lambda v: _is_int(v) and lo <= v <= hi, f"an integer in [{lo}, {hi}]")
+
+
+def _choice(*values: str) -> Rule:
+    return Rule(lambda v: isinstance(v, str) and v in values, "one of " + ", ".join(values))
+
+
+def _text(what: str, optional: bool = False) -> Rule:
+    return Rule(lambda v: (optional and v is None) or (isinstance(v, str) and v.strip() != "" and "\n" not in v), what)
+
+
+_BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
+
+
+def setting(default: Any, rule: Rule, help: str, *, example: Any = None, env: str | None = None):
+    """A settings field: its default, what it allows, its help (a sentence or more: flag help, TOML comment and docs
+    row alike), an example value where the default is unset (configs/demo.toml shows it commented out), and the
+    environment variable that fills it below the config file."""
+    return field(default=default, metadata={"rule": rule, "help": help, "example": example, "env": env})
+
+
+class _Group:
     def __post_init__(self):
         for f in fields(self):
-            _check(f.name, getattr(self, f.name))
+            check(f.name, getattr(self, f.name))
+
+
+@dataclass(frozen=True)
+class ModelSettings(_Group):
+    """What to serve, in which dtype, and how long one sequence may grow."""
+    model: str = setting(
+        "demo", _text("a checkpoint directory, a .gguf file, a pack directory, or \"demo\""),
+        "What to serve: a Hugging Face checkpoint directory, a .gguf file, a pack directory (strata pack), or \"demo\" "
+        "(a tiny built-in model with random weights: its text is gibberish by design). Responses and /v1/models name "
+        "the model by the path's basename.")
+    dtype: str = setting(
+        "auto", _choice("auto", "float32", "bfloat16"),
+        "The weights' dtype: auto is bfloat16 on a GPU and float32 on a CPU.")
+    kv: str = setting(
+        "auto", _choice(*KV_DTYPES),
+        "The attention layers' KV cache: auto is the weights' dtype; int8 keeps one float32 scale per token and KV "
+        "head beside the int8 values (about a quarter of float32's bytes, half of bfloat16's).")
+    max_context: int = setting(
+        32768, _int_range(16, MAX_CONTEXT_LIMIT),
+        "Tokens of one sequence, prompt and generated together; the sequence state is sized by it. A longer prompt "
+        "gets 400 naming both numbers; a request's max_tokens defaults to what is left of it.")
+
+
+@dataclass(frozen=True)
+class ExpertSettings(_Group):
+    """A model's routed experts: device slots, the host mirror in RAM, the pack on SSD, and how misses are served."""
+    expert_cache: int | str = setting(
+        "auto", Rule(lambda v: v == "auto" or (_is_int(v) and 1 <= v <= 1 << 24),
+                     "\"auto\" or a number of experts in [1, 16777216]"),
+        "Device expert slots: auto (as many as fit beside the sequence state and working buffers) or a number of "
+        "experts.")
+    resident_budget_gib: float | None = setting(
+        None, Rule(lambda v: v is None or (_is_number(v) and 0 <= v <= 1 << 20), "a number of GiB in [0, 1048576]"),
+        "Host RAM for the expert mirror in GiB (pinned on a GPU); unset: every expert. Experts beyond it are read "
+        "from the pack on demand.", example=48.0)
+    stream_experts: bool = setting(
+        False, _BOOL, "No host mirror at all: every miss is one read of one blob from the pack on SSD.")
+    vram_reserve_mib: int = setting(
+        0, _int_range(0, 1 << 24), "Device memory in MiB that the memory plan leaves untouched.")
+    miss_policy: str = setting(
+        "fetch", _choice("fetch", "cpu"),
+        "A decode row's expert that is not in a slot: fetch copies it in (evicting the lowest decayed routing "
+        "count); cpu computes it on the CPU from the host copy.")
+    prefill_borrow: bool = setting(
+        True, _BOOL,
+        "Prompt parts stream the experts they miss through cache slots lent to them (true), or through reserved "
+        "staging slots (false: a smaller cache, the same results).")
+    window_fetch: bool = setting(
+        True, _BOOL,
+        "With every expert mirrored in pinned host memory and miss_policy fetch, a decode window copies the experts "
+        "it misses by itself, in one compiled function (true); false runs such windows layer by layer (the same "
+        "results).")
+    staging_slots: int = setting(
+        0, _int_range(0, 1 << 16),
+        "With prefill_borrow off: the device slots reserved for prompt parts' experts; 0 takes one layer's experts, "
+        "at most 64.")
+    adapt_every: int = setting(
+        1, _int_range(0, 1 << 20),
+        "Windows between adaptive swaps: an absent expert replaces a resident one when its decayed routing count "
+        "beats the resident's by more than the counts' noise; 0: never.")
+    adapt_swaps: int = setting(8, _int_range(0, 1 << 20), "Experts swapped at most per adaptation.")
+    adapt_decay: float = setting(
+        0.99, Rule(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "Per-window decay of the routing counts that adaptation follows (1: no decay).")
+    profile: str | None = setting(
+        None, _text("the path of a profile file", optional=True),
+        "A routing profile written by `strata profile`: the initial placement puts the most-routed experts in the "
+        "slots. Unset: (layer, expert) order.", example="profile.json")
+    host_chunk_mib: int = setting(
+        1024, _int_range(1, 2047),
+        "The host mirror's largest single pinned allocation in MiB: the mirror is made of chunks of one layer's "
+        "experts each, below this (a window's copy kernel addresses a chunk with 32-bit offsets). Lower it where the "
+        "driver refuses large pinned allocations.")
+    debug_slots: bool = setting(
+        False, _BOOL, "Check every slot a computation reads against the pack's checksum (slow: for debugging).")
+
+
+@dataclass(frozen=True)
+class SchedSettings(_Group):
+    """The scheduler: how many sequences decode together, and how prompts share windows with them."""
+    parallel: int = setting(
+        2, _int_range(1, 64),
+        "Sequences decoded together (slots); the memory plan makes room for this many sequence states.")
+    prefill: int = setting(
+        512, _int_range(1, MAX_PREFILL),
+        "Prompt part size in tokens: a long prompt is read in parts of at most this many tokens, with the other "
+        "slots decoding between the parts.")
+    queue_limit: int = setting(
+        16, _int_range(1, 65536), "Requests waiting for a free slot; beyond it requests get 503 with Retry-After.")
+    lookahead: bool = setting(
+        True, _BOOL,
+        "Steady decoding (no prompt to read, nobody waiting) dispatches the next window before the last one's tokens "
+        "reach the host: the tokens stay on the device. A request that stops is computed one token further, then "
+        "dropped. Applies when every expert is on the device, on the jax backend.")
+
+
+@dataclass(frozen=True)
+class ServeSettings(_Group):
+    """The HTTP server: where it listens, what it accepts, and what it keeps across restarts."""
+    host: str = setting(
+        "127.0.0.1", _text("an IP address or host name, e.g. 127.0.0.1 or 0.0.0.0"),
+        "Address to listen on: 127.0.0.1 is this machine only; 0.0.0.0 is every interface (set api_key then).")
+    port: int = setting(
+        8080, _int_range(0, 65535), "Port to listen on; 0 picks a free port (the startup line names it).")
+    max_body_bytes: int = setting(
+        16 * 1024 * 1024, _int_range(1024, 1 << 31), "Largest request body in bytes; larger ones get 413.")
+    api_key: str | None = setting(
+        None, Rule(lambda v: v is None or (isinstance(v, str) and v != "" and v == v.strip() and v.isprintable()),
+                   "a non-empty printable string without surrounding spaces"),
+        "When set, every route except /health needs the header `Authorization: Bearer <api_key>` (401 otherwise). "
+        "The environment variable STRATA_API_KEY fills it when neither the config file nor --api-key sets it.",
+        example="change-me", env="STRATA_API_KEY")
+    compile_cache: str | None = setting(
+        None, _text("the path of a directory", optional=True),
+        "jax: a directory for JAX's persistent compilation cache; a restart with the same model and shapes loads the "
+        "warm-up's compiled windows from it instead of compiling them. Unset: off.", example="~/.cache/strata/jax")
+
+
+@dataclass(frozen=True)
+class BackendSettings(_Group):
+    """The compute backend, its device and its kernels."""
+    backend: str = setting(
+        "jax", _choice("auto", "jax", "sycl"),
+        "The compute backend: jax, sycl (Intel GPUs, through dpnp) or auto.")
+    device: str | None = setting(
+        None, _text("a device string such as gpu, cpu (jax) or level_zero:gpu:0, opencl:cpu (sycl)", optional=True),
+        "The backend's device: gpu or cpu for jax; level_zero:gpu:0, opencl:gpu, opencl:cpu for sycl (strata doctor "
+        "lists them). Unset: the backend's default.", example="gpu")
+    kernels: str = setting(
+        "auto", _choice("auto", "xla", "pallas"),
+        "The jax backend's kernels: auto (on a GPU, the Pallas kernels that measured faster than XLA; plain XLA on a "
+        "CPU), xla (plain XLA everywhere) or pallas (every Pallas kernel; interpreted on a CPU, which is slow: tests "
+        "use it).")
+
+
+GROUPS: dict[str, type] = {"model": ModelSettings, "experts": ExpertSettings, "sched": SchedSettings,
+                           "serve": ServeSettings, "backend": BackendSettings}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One setting as the generators and the validation see it."""
+    key: str
+    group: str
+    default: Any
+    rule: Rule
+    help: str
+    example: Any
+    env: str | None
+    types: tuple[type, ...]      # the field's types but None, in the annotation's order
+
+    @property
+    def flag(self) -> str:
+        return flag_name(self.key)
+
+    @property
+    def shown_default(self) -> str:
+        return _toml(self.default)
+
+    @property
+    def flag_help(self) -> str:
+        return f"{self.help} Allowed: {self.rule.allowed}; default: {self.shown_default}."
+
+    def from_text(self, text: str) -> Any:
+        """A flag's text as the field's type; text no type takes stays text, for `check` to refuse in words."""
+        for t in self.types:
+            if t is str:
+                return text
+            try:
+                return t(text)
+            except ValueError:
+                pass
+        return text
+
+
+def _specs() -> dict[str, Spec]:
+    out: dict[str, Spec] = {}
+    for group, cls in GROUPS.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            assert f.name not in out, f"setting {f.name} is declared twice"
+            types = tuple(t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None))
+            m = f.metadata
+            out[f.name] = Spec(f.name, group, f.default, m["rule"], m["help"], m["example"], m["env"], types)
+    return out
+
+
+SPECS = _specs()
+KEYS = tuple(SPECS)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, by group: `settings.sched.parallel`, `settings.experts.miss_policy`."""
+    model: ModelSettings = field(default_factory=ModelSettings)
+    experts: ExpertSettings = field(default_factory=ExpertSettings)
+    sched: SchedSettings = field(default_factory=SchedSettings)
+    serve: ServeSettings = field(default_factory=ServeSettings)
+    backend: BackendSettings = field(default_factory=BackendSettings)
+
+    @classmethod
+    def build(cls, **flat) -> "Settings":
+        """The defaults with flat settings on top: Settings.build(max_context=2048, prefill=64)."""
+        return cls().with_values(flat)
+
+    def with_values(self, values: Mapping[str, Any], where: str = "", as_flag: bool = False) -> "Settings":
+        """A copy with the flat key -> value pairs set, each checked first (`where` prefixes an error; as_flag:
+        errors name the flag, as the command line wrote it)."""
+        by_group: dict[str, dict[str, Any]] = {}
+        for key, value in values.items():
+            check(key, value, where, as_flag)
+            by_group.setdefault(SPECS[key].group, {})[key] = value
+        return replace(self, **{g: replace(getattr(self, g), **kv) for g, kv in by_group.items()})
 
     @property
     def model_name(self) -> str:
         """The name responses and /v1/models carry: the model path's basename, or "demo"."""
-        if self.model == "demo":
+        if self.model.model == "demo":
             return "demo"
-        return Path(self.model).name or str(self.model)
-
-    def describe(self) -> str:
-        return ", ".join(f"{f.name}={'***' if f.name == 'api_key' and self.api_key else getattr(self, f.name)!r}"
-                         for f in fields(self))
+        return Path(self.model.model).name or str(self.model.model)
 
 
-# key -> (type description, check(value) -> bool, allowed description)
-def _int_range(lo: int, hi: int):
-    return ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
-            f"an integer in [{lo}, {hi}]")
-
-
-def _choice(values: tuple[str, ...]):
-    return ("a string", lambda v: isinstance(v, str) and v in values, "one of " + ", ".join(values))
-
-
-def _nonempty_str(what: str):
-    return ("a string", lambda v: isinstance(v, str) and v.strip() != "" and "\n" not in v, what)
-
-
-def _bool():
-    return ("a boolean", lambda v: isinstance(v, bool), "true or false")
-
-
-def _nonempty_str_or_none(what: str):
-    return ("a string", lambda v: v is None or (isinstance(v, str) and v.strip() != "" and "\n" not in v), what)
-
-
-_RULES: dict[str, tuple[str, Any, str]] = {
-    "model": _nonempty_str("a checkpoint directory, a .gguf file, or 'demo'"),
-    "host": _nonempty_str("an IP address or host name to listen on, e.g. 127.0.0.1 or 0.0.0.0"),
-    "port": _int_range(0, 65535),
-    "parallel": _int_range(1, 64),
-    "prefill": _int_range(1, MAX_PREFILL),
-    "max_context": _int_range(16, MAX_CONTEXT_LIMIT),
-    "queue_limit": _int_range(1, 65536),
-    "max_body_bytes": _int_range(1024, 1 << 31),
-    "api_key": ("a string", lambda v: v is None or (isinstance(v, str) and v != "" and v == v.strip()
-                                                     and v.isprintable()),
-                "a non-empty printable string without surrounding spaces"),
-    "backend": _choice(BACKENDS),
-    "dtype": _choice(DTYPES),
-    "kv": _choice(KV_FORMATS),
-    "kernels": _choice(KERNELS),
-    "device": ("a string", lambda v: v is None or (isinstance(v, str) and v.strip() != "" and "\n" not in v),
-               "a device string such as gpu, cpu (jax) or level_zero:gpu:0, opencl:cpu (sycl)"),
-    "expert_cache": ("an integer or \"auto\"", lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool)
-                                                                          and 1 <= v <= 1 << 24),
-                     "\"auto\" or a number of experts in [1, 16777216]"),
-    "resident_budget_gib": ("a number", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                                and 0 <= v <= 1 << 20),
-                            "a number of GiB >= 0"),
-    "stream_experts": _bool(),
-    "vram_reserve_mib": _int_range(0, 1 << 24),
-    "miss_policy": _choice(MISS_POLICIES),
-    "prefill_borrow": _bool(),
-    "lookahead": _bool(),
-    "window_fetch": _bool(),
-    "adapt_every": _int_range(0, 1 << 20),
-    "adapt_swaps": _int_range(0, 1 << 20),
-    "adapt_decay": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
-                    "a number in (0, 1]"),
-    "profile": _nonempty_str_or_none("a profile file written by strata profile"),
-    "host_chunk_mib": _int_range(1, 2047),
-    "debug_slots": _bool(),
-    "compile_cache": _nonempty_str_or_none("a directory for JAX's persistent compilation cache"),
-}
-KEYS = tuple(f.name for f in fields(ServeConfig))
-assert set(KEYS) == set(_RULES)
-
-
-def _check(key: str, value: Any, where: str = "") -> None:
-    _, ok, allowed = _RULES[key]
-    if not ok(value):
-        raise ConfigError(f"{where}{key} = {_toml_value(value)} is not allowed; {key} must be {allowed}")
+def check(key: str, value: Any, where: str = "", as_flag: bool = False) -> None:
+    """The one validation of a setting's value: a ConfigError naming the key (or its flag), the value and what the
+    setting allows."""
+    spec = SPECS.get(key)
+    if spec is None:
+        raise ConfigError(f"{where}unknown key {key!r}{_close_key(key)}; allowed keys: {', '.join(KEYS)}")
+    if not spec.rule.ok(value):
+        if as_flag:
+            shown = f"{flag_name(key)} {value if isinstance(value, str) else _toml(value)}"
+        else:
+            shown = f"{key} = {_toml_value(value)}"
+        raise ConfigError(f"{where}{shown} is not allowed; {key} must be {spec.rule.allowed}")
 
 
 def _toml_value(v: Any) -> str:
     """The value as it is written in TOML, with its type where that is the problem."""
-    import json
     if isinstance(v, bool):
         return f"{str(v).lower()} (a boolean)"
     if isinstance(v, str):
@@ -180,12 +334,31 @@ def _toml_value(v: Any) -> str:
     return f"{v!r} ({type(v).__name__})"
 
 
+def _toml(v: Any) -> str:
+    """A value as TOML writes it (None: unset)."""
+    if v is None:
+        return "unset"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):
+        return json.dumps(v)
+    return repr(v)
+
+
+def _close_key(key: str) -> str:
+    norm = key.replace("-", "_")
+    if norm in SPECS:
+        return f" (did you mean {norm!r}? keys use underscores)"
+    close = difflib.get_close_matches(norm, KEYS, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
 def load_toml(path: str | os.PathLike) -> dict[str, Any]:
-    """The key/value pairs of a serve config file; unknown keys and wrong types are ConfigErrors naming the key."""
+    """The key/value pairs of a config file; unknown keys and wrong types are ConfigErrors naming the key."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -196,123 +369,100 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    where = f"{path}: "
     for key, value in data.items():
-        if key not in _RULES:
-            hint = _close_key(key)
-            raise ConfigError(f"{where}unknown key {key!r}{hint}; allowed keys: {', '.join(KEYS)}")
-        _check(key, value, where)
+        check(key, value, f"{path}: ")
     return data
 
 
-def _close_key(key: str) -> str:
-    import difflib
-    norm = key.replace("-", "_")
-    if norm in _RULES:
-        return f" (did you mean {norm!r}? keys use underscores)"
-    close = difflib.get_close_matches(norm, KEYS, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def load_serve_config(path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
-                      env: Mapping[str, str] | None = None) -> ServeConfig:
-    """Defaults <- STRATA_API_KEY <- the TOML file at `path` <- `overrides` (CLI flags; None values are ignored)."""
+def load_settings(path: str | os.PathLike | None = None, flags: Mapping[str, Any] | None = None,
+                  env: Mapping[str, str] | None = None) -> Settings:
+    """Defaults <- environment variables (STRATA_API_KEY) <- the TOML file at `path` <- `flags` (the command line's
+    values; None values are ignored)."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
-    for key, var in ENV_VARS.items():
-        if env.get(var):
-            values[key] = env[var]
+    for key, spec in SPECS.items():
+        if spec.env and env.get(spec.env):
+            values[key] = env[spec.env]
     if path is not None:
         values.update(load_toml(path))
-    for key, value in (overrides or {}).items():
-        if key not in _RULES:
-            raise ConfigError(f"unknown setting {key!r}; allowed: {', '.join(KEYS)}")
+    for key, value in (flags or {}).items():
         if value is not None:
-            _, ok, allowed = _RULES[key]
-            if not ok(value):
-                raise ConfigError(f"{flag_name(key)} {value} is not allowed; {key} must be {allowed}")
+            check(key, value, as_flag=True)
             values[key] = value
-    return ServeConfig(**values)
+    return Settings().with_values(values)
 
 
-# The KV cache's formats (EngineOptions.kv): auto is the weights' dtype; int8 keeps a float32 scale per token and
-# KV head beside the values (strata/backend.py quantize_kv).
-KV_DTYPES = {"auto": None, "int8": np.int8, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+# --- generated files: configs/demo.toml and docs/configuration.md
 
-# Prompt parts are padded up to one of these token counts, so compilations are bounded (one per bucket used).
-PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_TOML_HEAD = """\
+# strata serve --config configs/demo.toml
+# Generated from the settings in strata/config.py by `python -m strata.config --toml`: edit them there.
+# Every key is also a flag of `strata serve` (max_context <-> --max-context); a flag given on the command line wins
+# over the file. An unknown key or a bad value stops the server with exit code 2 and a line naming the key.
+# The values below are the defaults; a commented-out key is unset by default and shows an example.
+"""
 
+_MD_HEAD = """\
+# Configuration
 
-@dataclass(frozen=True)
-class EngineOptions:
-    dtype: str = "auto"          # float32 | bfloat16 | auto (bfloat16 on a GPU, float32 on a CPU)
-    kv: str = "auto"             # the attention layers' KV cache: auto (the weights' dtype) | int8 | bfloat16 | float32
-    max_context: int = 4096      # tokens of one sequence (prompt + generated)
-    prefill: int = 1024          # prompt part size: a prompt is read in parts of at most this many tokens
-    device: str | None = None    # backend device kind ("cpu", "gpu"); None: the backend's default
-    kernels: str = "auto"        # jax: auto (Pallas where it measured faster, on a GPU) | xla | pallas
-    sequences: int = 1           # sequence states the memory plan makes room for (the server's parallel slots)
-    # --- experts (strata/experts/): where they live and how misses are served
-    expert_cache: int | str = "auto"     # device slots: "auto" (as many as fit) or a number of experts
-    resident_budget_gib: float | None = None   # host RAM for the expert mirror; None: every expert
-    stream_experts: bool = False         # no host mirror: misses are read from the pack
-    vram_reserve_mib: int = 0            # device memory the plan leaves untouched
-    miss_policy: str = "fetch"           # decode misses: "fetch" (copy into a slot) | "cpu" (compute on the CPU)
-    prefill_borrow: bool = True          # prompt parts stream experts through borrowed cache slots
-    window_fetch: bool = True            # decode windows copy misses from pinned host memory themselves
-    staging_slots: int = 0               # with prefill_borrow off: slots reserved for prompt parts (0: auto)
-    adapt_every: int = 1                 # windows between adaptive swaps (0: off)
-    adapt_swaps: int = 8                 # swaps at most per adaptation
-    adapt_decay: float = 0.99            # per-window decay of routing counts
-    profile: str | None = None           # routing profile (strata profile) for the initial placement
-    host_chunk_mib: int = 1024           # largest single host allocation of the mirror
-    debug_slots: bool = False            # check every slot a computation reads against the pack (slow)
+<!-- Generated from the settings in strata/config.py by `python -m strata.config --markdown`; a test keeps this
+file equal to it, so edit the fields there. -->
 
-    @staticmethod
-    def from_kwargs(kw: dict) -> "EngineOptions":
-        known = {f.name for f in fields(EngineOptions)}
-        unknown = sorted(set(kw) - known)
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
-        opts = EngineOptions(**kw)
-        if opts.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"dtype {opts.dtype!r} is not allowed; allowed: auto, float32, bfloat16")
-        if opts.kv not in KV_DTYPES:
-            raise ConfigError(f"kv {opts.kv!r} is not allowed; allowed: {', '.join(KV_DTYPES)}")
-        for name in ("max_context", "prefill"):
-            v = getattr(opts, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, found {v!r}")
-        if opts.prefill > PART_BUCKETS[-1]:
-            raise ConfigError(f"prefill must be at most {PART_BUCKETS[-1]}, found {opts.prefill}")
-        _check_expert_options(opts)
-        return opts
+Every setting has one name: the key in a TOML file given to `strata serve --config FILE.toml` (configs/demo.toml sets
+each), the flag of `strata serve` (the key with `-` for `_`; a boolean also has its `--no-` form), and the keyword of
+`Engine.load`. `strata generate` and `strata profile` take the flags of the model and backend groups.
+
+Precedence: command-line flag > config file > environment variable (STRATA_API_KEY, for api_key only) > default. An
+unknown key, or a value of the wrong type or outside its range, stops `strata serve` with exit code 2 and one line
+naming the key (or flag), the value and what is allowed.
+"""
 
 
-def bucket_for(n: int) -> int:
-    return next(b for b in PART_BUCKETS if b >= n)
+def _comment(text: str) -> list[str]:
+    return textwrap.wrap(text, width=118, initial_indent="# ", subsequent_indent="# ", break_long_words=False,
+                         break_on_hyphens=False)
 
 
-def _check_expert_options(o: EngineOptions) -> None:
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(msg)
-    ec = o.expert_cache
-    need(ec == "auto" or (isinstance(ec, int) and not isinstance(ec, bool) and ec >= 1),
-         f"expert_cache must be 'auto' or a positive number of experts, found {ec!r}")
-    need(o.resident_budget_gib is None or o.resident_budget_gib >= 0,
-         f"resident_budget_gib must be >= 0, found {o.resident_budget_gib!r}")
-    need(isinstance(o.vram_reserve_mib, int) and o.vram_reserve_mib >= 0,
-         f"vram_reserve_mib must be an integer >= 0, found {o.vram_reserve_mib!r}")
-    need(o.miss_policy in MISS_POLICIES, f"miss_policy {o.miss_policy!r} is not allowed; allowed: "
-         f"{', '.join(MISS_POLICIES)}")
-    for name in ("staging_slots", "adapt_every", "adapt_swaps"):
-        v = getattr(o, name)
-        need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} must be an integer >= 0, found {v!r}")
-    need(isinstance(o.sequences, int) and o.sequences >= 1, f"sequences must be an integer >= 1, found {o.sequences!r}")
-    need(isinstance(o.host_chunk_mib, int) and 1 <= o.host_chunk_mib <= 2047,
-         f"host_chunk_mib must be an integer in 1 .. 2047 (a window's copy kernel addresses a chunk with 32-bit "
-         f"offsets), found {o.host_chunk_mib!r}")
-    for name in ("stream_experts", "prefill_borrow", "window_fetch", "debug_slots"):
-        need(isinstance(getattr(o, name), bool), f"{name} must be true or false, found {getattr(o, name)!r}")
-    need(0.0 < o.adapt_decay <= 1.0, f"adapt_decay must be in (0, 1], found {o.adapt_decay!r}")
+def demo_toml() -> str:
+    """configs/demo.toml: every setting at its default (or an example, commented out), its help as the comment."""
+    lines = [_TOML_HEAD.rstrip("\n")]
+    for group, cls in GROUPS.items():
+        lines += [""] + _comment(f"--- {group}: {cls.__doc__}")
+        for spec in (s for s in SPECS.values() if s.group == group):
+            lines += [""] + _comment(f"{spec.help} Allowed: {spec.rule.allowed}.")
+            if spec.default is None:
+                lines.append(f"# {spec.key} = {_toml(spec.example)}")
+            else:
+                lines.append(f"{spec.key} = {_toml(spec.default)}")
+    return "\n".join(lines) + "\n"
+
+
+def markdown() -> str:
+    """docs/configuration.md: a table of every setting per group."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = [_MD_HEAD.rstrip("\n")]
+    for group, cls in GROUPS.items():
+        lines += ["", f"## {group}", "", cls.__doc__, "", "| key | flag | default | allowed | help |",
+                  "|---|---|---|---|---|"]
+        for spec in (s for s in SPECS.values() if s.group == group):
+            flag = f"`{spec.flag}`" + (f", `--no-{spec.flag[2:]}`" if spec.types == (bool,) else "")
+            default = f"`{spec.shown_default}`" if spec.default is not None else spec.shown_default
+            lines.append(f"| `{spec.key}` | {flag} | {default} | {cell(spec.rule.allowed)} | {cell(spec.help)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    makers = {"--toml": demo_toml, "--markdown": markdown}
+    if len(argv) != 1 or argv[0] not in makers:
+        print("usage: python -m strata.config --toml | --markdown  (writes configs/demo.toml or "
+              "docs/configuration.md's text to stdout)", file=sys.stderr)
+        return 2
+    sys.stdout.write(makers[argv[0]]())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

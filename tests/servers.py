@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from strata.config import ServeConfig
+from strata.config import Settings
 from strata.serve.app import create_app
 from strata.serve.server import bind_socket, run_app, socket_url
 
@@ -31,7 +31,7 @@ class Server:
     url: str
     app: object
     scheduler: object
-    config: ServeConfig
+    config: Settings
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 60.0), **kw)
@@ -40,11 +40,11 @@ class Server:
 @contextmanager
 def running_server(engine, scheduler=None, **overrides):
     """-> Server with .url; `scheduler` defaults to the real Scheduler over `engine` built from the config."""
-    cfg = ServeConfig(**{**DEFAULTS, **overrides})
+    cfg = Settings.build(**{**DEFAULTS, **overrides})
     if scheduler is None:
         from strata.sched.scheduler import Scheduler
-        scheduler = Scheduler(engine, parallel=cfg.parallel, prefill=cfg.prefill, max_context=cfg.max_context,
-                              queue_limit=cfg.queue_limit)
+        scheduler = Scheduler(engine, parallel=cfg.sched.parallel, prefill=cfg.sched.prefill,
+                              max_context=cfg.model.max_context, queue_limit=cfg.sched.queue_limit)
     app = create_app(engine, scheduler, cfg)
     sock = bind_socket("127.0.0.1", 0)
     url = socket_url(sock)

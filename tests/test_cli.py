@@ -67,3 +67,26 @@ def test_unknown_flag_is_an_argparse_error():
     r = strata("generate", "--prompt", "hi", "--no-such-flag")
     assert r.returncode == 2
     assert "--no-such-flag" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_help_is_generated_from_the_settings():
+    from strata.config import SPECS
+    from strata.cli import ENGINE_FLAGS
+    r = strata("serve", "--help")
+    assert r.returncode == 0, r.stderr
+    squeezed = "".join(r.stdout.split())                 # argparse rewraps (and may split words at hyphens)
+    for spec in SPECS.values():
+        assert spec.flag in r.stdout and "".join(spec.flag_help.split()) in squeezed, spec.key
+    g = strata("generate", "--help")
+    assert all(SPECS[key].flag in g.stdout for key in ENGINE_FLAGS) and "--parallel" not in g.stdout
+
+
+def test_a_bad_setting_flag_names_the_flag_in_its_own_words():
+    r = strata("generate", "--prompt", "hi", "--max-context", "lots")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == ("strata generate: error: --max-context lots is not allowed; max_context must be an "
+                                "integer in [16, 4194304]"), r.stderr
+    r = strata("serve", "--expert-cache", "lots")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == ('strata serve: error: --expert-cache lots is not allowed; expert_cache must be "auto" '
+                                'or a number of experts in [1, 16777216]'), r.stderr

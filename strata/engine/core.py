@@ -1,7 +1,7 @@
 """Engine: load a model, own the backend and the sequence state, read prompts in parts, decode.
 
 The facade tests and the CLI use:
-    engine = Engine.load("demo" | checkpoint_dir | file.gguf | pack_dir, backend="jax", **options)
+    engine = Engine.load("demo" | checkpoint_dir | file.gguf | pack_dir, settings=None, **flat_settings)
     engine.logits(token_ids) -> np.float32 [T, vocab]
     engine.generate(token_ids, max_tokens, temperature=0.0, seed=None) -> list[int]
     engine.tokenizer
@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from strata.backend import get_backend
-from strata.config import KV_DTYPES, EngineOptions, bucket_for
+from strata.config import KV_DTYPES, Settings, bucket_for
 from strata.errors import StrataError
 from strata.model.config import ModelConfig
 from strata.experts.path import ExpertPath
@@ -30,13 +30,14 @@ from strata.weights.source import load_source
 log = logging.getLogger("strata")
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: dict, backend, options: EngineOptions, tokenizer=None):
-        self.cfg, self.params, self.backend, self.options = cfg, params, backend, options
+    def __init__(self, cfg: ModelConfig, params: dict, backend, settings: Settings, tokenizer=None):
+        self.cfg, self.params, self.backend, self.settings = cfg, params, backend, settings
         self.tokenizer = tokenizer
         self.dtype = params["embed"].dtype
-        self.kv_dtype = np.dtype(KV_DTYPES[options.kv] or self.dtype)
+        self.kv_dtype = np.dtype(KV_DTYPES[settings.model.kv] or self.dtype)
         # KV rows beyond max_context absorb the padding of the last part, so a write never runs off the cache
-        self.capacity = options.max_context + bucket_for(min(options.prefill, options.max_context))
+        self.capacity = settings.model.max_context + bucket_for(min(settings.sched.prefill,
+                                                                    settings.model.max_context))
         ops = backend
         self._compiled: dict = {}
         self.experts = None          # an ExpertSet once attach_experts ran (models with routed experts)
@@ -88,11 +89,18 @@ class Engine:
         return self._compiled[name]
 
     @classmethod
-    def load(cls, path_or_name: str | os.PathLike = "demo", backend: str = "jax", say=None, **options) -> "Engine":
-        """say(line): where the load's log lines go (default: the "strata" logger at info)."""
-        opts = EngineOptions.from_kwargs(options)
+    def load(cls, path_or_name: str | os.PathLike | None = None, settings: Settings | None = None, say=None,
+             **flat) -> "Engine":
+        """path_or_name: the model (default: settings.model.model); flat: settings by key on top of `settings`
+        (max_context=2048, backend="jax"), checked by strata.config; say(line): where the load's log lines go
+        (default: the "strata" logger at info)."""
+        if path_or_name is not None:
+            flat = {"model": os.fspath(path_or_name), **flat}
+        settings = (settings or Settings()).with_values(flat)
+        path_or_name = settings.model.model
+        opts = settings.backend
         say = say or (lambda line: log.info(line))
-        ops = get_backend(backend, **({"device": opts.device} if opts.device else {}),
+        ops = get_backend(opts.backend, **({"device": opts.device} if opts.device else {}),
                           **({"kernels": opts.kernels} if opts.kernels != "auto" else {}))
         pack = None
         if _is_pack(path_or_name):
@@ -102,7 +110,7 @@ class Engine:
         else:
             config, tensors, tok_dir = load_source(path_or_name)
         cfg = ModelConfig.from_hf(config, source=f"{path_or_name} config")
-        dtype = opts.dtype
+        dtype = settings.model.dtype
         if dtype == "auto":
             dtype = "float32" if getattr(getattr(ops, "device", None), "platform", "cpu") == "cpu" else "bfloat16"
         np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
@@ -111,10 +119,10 @@ class Engine:
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
             from strata.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_dir(Path(tok_dir))
-        engine = cls(cfg, params, ops, opts, tokenizer)
+        engine = cls(cfg, params, ops, settings, tokenizer)
         if pack is not None:
             from strata.experts.tiers import PackStore
-            store = PackStore(pack, stream=opts.stream_experts)
+            store = PackStore(pack, stream=settings.experts.stream_experts)
         else:
             from strata.experts.tiers import MemoryStore
             from strata.model.params import read_experts
@@ -131,15 +139,17 @@ class Engine:
             return
         from strata.experts.setup import build_experts
         # misses computed on the CPU run through a CPU backend's expert op (XLA's, the reference form)
-        cpu_ops = get_backend("jax", device="cpu", kernels="xla") if self.options.miss_policy == "cpu" else None
-        self.path = build_experts(self.backend, self.cfg, store, self.options, self.state_bytes(), self.work_bytes(),
+        cpu = self.settings.experts.miss_policy == "cpu"
+        cpu_ops = get_backend("jax", device="cpu", kernels="xla") if cpu else None
+        self.path = build_experts(self.backend, self.cfg, store, self.settings, self.state_bytes(), self.work_bytes(),
                                   self.compiled, cpu_ops=cpu_ops, say=say)
         self.experts = self.path.experts
 
     def state_bytes(self) -> int:
-        """Device bytes of the sequence state of `options.sequences` sequences (plus one for Engine sequences)."""
+        """Device bytes of the sequence state of `settings.sched.parallel` sequences (plus one for Engine
+        sequences)."""
         one = self.init_state()
-        return (self.options.sequences + 1) * sum(a.nbytes for layer in one for a in layer.values())
+        return (self.settings.sched.parallel + 1) * sum(a.nbytes for layer in one for a in layer.values())
 
     def init_state(self) -> list[dict]:
         """A fresh sequence state on the host, with this engine's capacity, dtype and KV format."""
@@ -149,7 +159,7 @@ class Engine:
         """Activations of the largest prompt part, estimated: per token the residual stream and its temporaries
         (8 x hidden), the routed experts' intermediate (2 x k x moe_intermediate), and the logits."""
         c = self.cfg
-        t = bucket_for(min(self.options.prefill, self.options.max_context))
+        t = bucket_for(min(self.settings.sched.prefill, self.settings.model.max_context))
         per_token = 8 * c.hidden_size + 2 * c.num_experts_per_tok * c.moe_intermediate_size + c.vocab_size
         return t * per_token * 4
 
@@ -170,9 +180,9 @@ class Engine:
             return
         stops = set(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         seq = self.sequence()
-        if len(token_ids) + max_tokens > self.options.max_context:
+        if len(token_ids) + max_tokens > self.settings.model.max_context:
             raise StrataError(f"prompt of {len(token_ids)} tokens plus max_tokens {max_tokens} exceeds "
-                              f"max_context {self.options.max_context}")
+                              f"max_context {self.settings.model.max_context}")
         seed = secrets.randbits(63) if seed is None else seed
         sp = _sampling_arrays(temperature, top_k, top_p, min_p)
         seed_arr = np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF], np.uint32)
@@ -214,9 +224,9 @@ class Sequence:
         if ids.min() < 0 or ids.max() >= e.cfg.vocab_size:
             bad = int(ids[(ids < 0) | (ids >= e.cfg.vocab_size)][0])
             raise StrataError(f"token id {bad} is outside the vocabulary 0..{e.cfg.vocab_size - 1}")
-        if self.pos + n > e.options.max_context:
-            raise StrataError(f"{self.pos + n} tokens exceed max_context {e.options.max_context}")
-        part = min(part_size or e.options.prefill, e.options.prefill)
+        if self.pos + n > e.settings.model.max_context:
+            raise StrataError(f"{self.pos + n} tokens exceed max_context {e.settings.model.max_context}")
+        part = min(part_size or e.settings.sched.prefill, e.settings.sched.prefill)
         if part < 1:
             raise StrataError(f"part_size must be >= 1, found {part_size}")
         out = []
@@ -236,8 +246,8 @@ class Sequence:
     def decode(self, token: int, sp, seed_arr, step: int) -> int:
         """Feed one token, sample the next (on the device); -> the sampled token id."""
         e = self.engine
-        if self.pos + 1 > e.options.max_context:
-            raise StrataError(f"{self.pos + 1} tokens exceed max_context {e.options.max_context}")
+        if self.pos + 1 > e.settings.model.max_context:
+            raise StrataError(f"{self.pos + 1} tokens exceed max_context {e.settings.model.max_context}")
         if e.path.compiled_parts and not e.record_routing:
             # one compiled call per token, with one small transfer in (token, position, step) and one out (strata
             # profile records routing counts through read_part instead)

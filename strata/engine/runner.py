@@ -31,10 +31,10 @@ from strata.plan import Capacity, PromptPart, WindowPlan, WindowResult, idle_pla
 
 class WindowRunner:
     def __init__(self, engine: Engine, n_slots: int, part_size: int):
-        if part_size > engine.options.prefill:
-            raise ValueError(f"part size {part_size} exceeds the engine's prefill {engine.options.prefill}")
+        if part_size > engine.settings.sched.prefill:
+            raise ValueError(f"part size {part_size} exceeds the engine's prefill {engine.settings.sched.prefill}")
         self.engine, self.n_slots, self.part_size = engine, n_slots, part_size
-        self.capacity = Capacity(slots=n_slots, part_size=part_size, max_context=engine.options.max_context)
+        self.capacity = Capacity(slots=n_slots, part_size=part_size, max_context=engine.settings.model.max_context)
         ops = engine.backend
         one = engine.init_state()
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]

@@ -87,9 +87,10 @@ class ExpertSet:
             c.adapt(self.adapt_swaps, verify=self.moe.verify_fills)
 
 
-def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, compiled, cpu_ops=None,
+def build_experts(ops, cfg, store, settings, state_bytes: int, work_bytes: int, compiled, cpu_ops=None,
                   say=print) -> ExpertPath:
     """cpu_ops: a CPU backend for miss_policy "cpu" (the misses' expert op runs there)."""
+    opts = settings.experts
     total = store.n_layers * store.n_experts
     slot_bytes = store.layout.nbytes
     staging = 0
@@ -99,7 +100,7 @@ def build_experts(ops, cfg, store, opts, state_bytes: int, work_bytes: int, comp
     fetching = fetch_possible(ops, opts)
     if fetching:
         # a window-fetch decode window's staging rows: k experts for each of the runner's rows
-        work_bytes += opts.sequences * cfg.num_experts_per_tok * slot_bytes
+        work_bytes += settings.sched.parallel * cfg.num_experts_per_tok * slot_bytes
     plan = plan_memory(ops.free_memory_bytes(), slot_bytes=slot_bytes, total_experts=total,
                        state_bytes=state_bytes, work_bytes=work_bytes, expert_cache=opts.expert_cache,
                        vram_reserve_mib=opts.vram_reserve_mib, staging=staging,

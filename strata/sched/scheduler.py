@@ -70,8 +70,8 @@ class Slot:
 class Scheduler:
     def __init__(self, engine, *, parallel: int, prefill: int, max_context: int, queue_limit: int,
                  lookahead: bool = True):
-        if max_context > engine.options.max_context:
-            raise ValueError(f"max_context {max_context} exceeds the engine's {engine.options.max_context}")
+        if max_context > engine.settings.model.max_context:
+            raise ValueError(f"max_context {max_context} exceeds the engine's {engine.settings.model.max_context}")
         self.engine, self.max_context, self.queue_limit = engine, max_context, queue_limit
         self.prefill = prefill
         self.runner = WindowRunner(engine, parallel, prefill)

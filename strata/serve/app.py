@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from strata.config import ServeConfig
+from strata.config import Settings
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, SamplingParams
 from strata.serve import openai_api as oa
 from strata.serve.openai_api import ApiError
@@ -156,7 +156,7 @@ class ServeMetrics:
 
 
 class ServeState:
-    def __init__(self, engine, scheduler, config: ServeConfig, on_scheduler_exit: Callable[[], None] | None = None):
+    def __init__(self, engine, scheduler, config: Settings, on_scheduler_exit: Callable[[], None] | None = None):
         if engine.tokenizer is None:
             raise ValueError("strata serve needs the model's tokenizer (tokenizer.json beside the weights)")
         self.engine, self.scheduler, self.config = engine, scheduler, config
@@ -171,7 +171,7 @@ class ServeState:
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.scheduler, "max_context", None) or self.config.max_context)
+        return int(getattr(self.scheduler, "max_context", None) or self.config.model.max_context)
 
     @property
     def vocab_size(self) -> int:
@@ -307,7 +307,7 @@ def ends_inside_think(text: str) -> bool:
 
 async def chat_completions(request: HttpRequest):
     state: ServeState = request.app.state.strata
-    body = oa.parse_json_body(await read_body(request, state.config.max_body_bytes))
+    body = oa.parse_json_body(await read_body(request, state.config.serve.max_body_bytes))
     params = oa.parse_chat(body)
     kwargs = {k: v for k, v in params.template_kwargs.items() if k not in _RESERVED_TEMPLATE_ARGS}
     tools = list(params.tools) if params.tools else None
@@ -326,7 +326,7 @@ async def chat_completions(request: HttpRequest):
 
 async def completions(request: HttpRequest):
     state: ServeState = request.app.state.strata
-    body = oa.parse_json_body(await read_body(request, state.config.max_body_bytes))
+    body = oa.parse_json_body(await read_body(request, state.config.serve.max_body_bytes))
     params = oa.parse_completion(body)
     if isinstance(params.prompt, str):
         if params.prompt == "":
@@ -659,7 +659,7 @@ async def _http_exception(request: HttpRequest, exc: HTTPException):
         msg, code = str(exc.detail), None
     log.info("%d %s %s: %s", exc.status_code, request.method, request.url.path, msg)
     headers = dict(exc.headers or {})
-    headers.update(await drain_body(request, request.app.state.strata.config.max_body_bytes))
+    headers.update(await drain_body(request, request.app.state.strata.config.serve.max_body_bytes))
     return error_response(exc.status_code, msg, code=code, headers=headers)
 
 
@@ -672,7 +672,7 @@ class _Gate:
 
     def __init__(self, app, state: ServeState):
         self.app, self.state = app, state
-        key = state.config.api_key
+        key = state.config.serve.api_key
         self.key = key.encode() if key else None
 
     def _authorized(self, scope) -> bool:
@@ -700,7 +700,7 @@ class _Gate:
             if self.key is not None and path != "/health" and not self._authorized(scope):
                 log.info("401 %s %s: missing or wrong API key", scope.get("method"), path)
                 self.state.metrics.rejected.labels("unauthorized").inc()
-                drained = await drain_body(HttpRequest(scope, receive), self.state.config.max_body_bytes)
+                drained = await drain_body(HttpRequest(scope, receive), self.state.config.serve.max_body_bytes)
                 resp = error_response(401, "missing or wrong API key: send the header 'Authorization: Bearer "
                                            "<key>' with the key the server was started with (--api-key or "
                                            "STRATA_API_KEY)", code="invalid_api_key",
@@ -716,7 +716,7 @@ class _Gate:
 # the app
 
 
-def create_app(engine, scheduler, config: ServeConfig, *,
+def create_app(engine, scheduler, config: Settings, *,
                on_scheduler_exit: Callable[[], None] | None = None,
                on_ready: Callable[[], None] | None = None) -> Starlette:
     """The Starlette app serving `engine` through `scheduler`; its lifespan runs `scheduler.run` (warm-up included)
@@ -735,7 +735,7 @@ def create_app(engine, scheduler, config: ServeConfig, *,
                 raise
             state.ready = True
             log.info("ready: scheduler warmed up in %.0f ms (%d slots, prompt parts of %d tokens, max_context %d)",
-                     (time.perf_counter() - t0) * 1000, config.parallel, config.prefill, state.max_context)
+                     (time.perf_counter() - t0) * 1000, config.sched.parallel, config.sched.prefill, state.max_context)
             if on_ready is not None:
                 on_ready()
             try:

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Awaitable, Callable
 
-from strata.config import ServeConfig
+from strata.config import Settings
 from strata.errors import StrataError
 
 log = logging.getLogger("strata.serve")
@@ -95,7 +95,7 @@ async def run_app(app, sock: socket.socket, shutdown_trigger: Callable[[], Await
     await hypercorn_serve(app, hypercorn_config(sock), shutdown_trigger=shutdown_trigger)
 
 
-async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None) -> int:
+async def serve(config: Settings, shutdown_event: asyncio.Event | None = None) -> int:
     """Load the model, build the scheduler and app, serve until `shutdown_event` is set (SIGINT/SIGTERM set it
     when run through serve_forever). Returns the exit code: 0 after a shutdown, 1 when the scheduler stopped."""
     from strata.engine import Engine
@@ -106,28 +106,27 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
         raise StrataError(f"the scheduler is not available in this build ({e})") from None
 
     shutdown_event = shutdown_event or asyncio.Event()
-    sock = bind_socket(config.host, config.port)
+    sock = bind_socket(config.serve.host, config.serve.port)
     try:
         url = socket_url(sock)
-        if config.model == "demo":
+        if config.model.model == "demo":
             from strata.demo import DEMO_NOTE
             log.info(DEMO_NOTE)
-        on_ready = _compile_cache(config) if config.compile_cache else None
+        on_ready = _compile_cache(config) if config.serve.compile_cache else None
         t0 = time.perf_counter()
-        engine = await asyncio.to_thread(
-            lambda: Engine.load(config.model, backend=config.backend, **config.engine_options()))
-        if config.compile_cache and engine.backend.name != "jax":
-            log.warning("compile_cache = %s is unused: it applies to the jax backend, not %s", config.compile_cache,
-                        engine.backend.name)
+        engine = await asyncio.to_thread(lambda: Engine.load(settings=config))
+        if config.serve.compile_cache and engine.backend.name != "jax":
+            log.warning("compile_cache = %s is unused: it applies to the jax backend, not %s",
+                        config.serve.compile_cache, engine.backend.name)
         if engine.tokenizer is None:
-            raise StrataError(f"{config.model} has no tokenizer.json beside it; strata serve needs one to render "
+            raise StrataError(f"{config.model.model} has no tokenizer.json beside it; strata serve needs one to render "
                               f"chat prompts")
         log.info("model %s loaded in %.0f ms (%s, %d layers, %d experts, %s)", config.model_name,
                  (time.perf_counter() - t0) * 1000, engine.cfg.model_type, engine.cfg.num_layers,
                  engine.cfg.num_experts, engine.dtype)
-        scheduler = Scheduler(engine, parallel=config.parallel, prefill=config.prefill,
-                              max_context=config.max_context, queue_limit=config.queue_limit,
-                              lookahead=config.lookahead)
+        scheduler = Scheduler(engine, parallel=config.sched.parallel, prefill=config.sched.prefill,
+                              max_context=config.model.max_context, queue_limit=config.sched.queue_limit,
+                              lookahead=config.sched.lookahead)
         failed = []
 
         def on_scheduler_exit():
@@ -136,12 +135,12 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
 
         app = create_app(engine, scheduler, config, on_scheduler_exit=on_scheduler_exit, on_ready=on_ready)
         log.info("serving %s on %s: %d parallel, prompt parts of %d tokens, max_context %d, queue limit %d, "
-                 "bodies up to %d bytes, API key %s (warming up first)", config.model_name, url, config.parallel,
-                 config.prefill, config.max_context, config.queue_limit, config.max_body_bytes,
-                 "required" if config.api_key else "off")
-        if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+                 "bodies up to %d bytes, API key %s (warming up first)", config.model_name, url, config.sched.parallel,
+                 config.sched.prefill, config.model.max_context, config.sched.queue_limit,
+                 config.serve.max_body_bytes, "required" if config.serve.api_key else "off")
+        if config.serve.host not in ("127.0.0.1", "localhost", "::1") and not config.serve.api_key:
             log.warning("listening on %s without an API key: anyone who can reach this address can use the model "
-                        "(pass --api-key or set STRATA_API_KEY)", config.host)
+                        "(pass --api-key or set STRATA_API_KEY)", config.serve.host)
         try:
             await run_app(app, sock, shutdown_event.wait)
         except Exception:
@@ -158,11 +157,11 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
             sock.close()
 
 
-def _compile_cache(config: ServeConfig) -> Callable[[], None]:
+def _compile_cache(config: Settings) -> Callable[[], None]:
     """Enable JAX's persistent compilation cache before anything compiles (strata/jax_backend/compile_cache.py) and
     log what it holds. -> the callback that logs, once the warm-up is done, how many compilations it served."""
     from strata.jax_backend.compile_cache import CacheCounter, enable
-    info = enable(config.compile_cache)
+    info = enable(config.serve.compile_cache)
     log.info("compile cache %s: %d entries, %.1f MB before start-up", info["path"], info["entries"],
              info["bytes"] / 1e6)
     counter = CacheCounter().start()
@@ -179,7 +178,7 @@ def _compile_cache(config: ServeConfig) -> Callable[[], None]:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-def serve_forever(config: ServeConfig) -> int:
+def serve_forever(config: Settings) -> int:
     """Run `serve` until SIGINT or SIGTERM; -> the exit code."""
     configure_logging()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)

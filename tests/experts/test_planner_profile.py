@@ -9,7 +9,7 @@ import pytest
 
 from strata import Engine
 from strata.cli import main
-from strata.config import EngineOptions
+from strata.config import Settings
 from strata.weights.source import load_source
 from strata.errors import ConfigError
 from strata.experts.planner import MIB, plan_memory
@@ -39,8 +39,8 @@ class FixedMemoryDevice(JaxBackend):
 def _engine_on(ops, **options):
     config, tensors, _ = load_source("demo")
     cfg = ModelConfig.from_hf(config)
-    engine = Engine(cfg, ops.to_device(build_params(cfg, tensors)), ops, EngineOptions.from_kwargs(
-        {"max_context": 256, "prefill": 64, **options}))
+    engine = Engine(cfg, ops.to_device(build_params(cfg, tensors)), ops, Settings.build(
+        **{"max_context": 256, "prefill": 64, **options}))
     lines = []
     lay = layout("f32", cfg.hidden_size, cfg.moe_intermediate_size)
     engine.attach_experts(MemoryStore(lay, read_experts(cfg, tensors)), say=lines.append)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from strata import Engine
+from strata.errors import ConfigError
 from strata.jax_backend import backend as jb
 from strata.engine.runner import WindowRunner
 from strata.plan import idle_plan
@@ -30,7 +31,8 @@ def test_the_options_choose_the_kernels():
     assert jb.JaxBackend(kernels="xla").pallas_ops == frozenset()
     assert jb.JaxBackend(kernels="pallas").pallas_ops >= jb.PALLAS_AUTO
     assert jb.JaxBackend().pallas_ops == (jb.PALLAS_AUTO if jb.JaxBackend().device.platform == "gpu" else frozenset())
-    with pytest.raises(Exception, match="kernels 'cuda' is not allowed; allowed: auto, xla, pallas"):
+    with pytest.raises(ConfigError, match=r'kernels = "cuda" \(a string\) is not allowed; kernels must be one of '
+                                          r'auto, xla, pallas'):
         Engine.load("demo", kernels="cuda")
 
 

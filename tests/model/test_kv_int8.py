@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from strata import Engine
+from strata.errors import ConfigError
 from strata.jax_backend.backend import JaxBackend
 from strata import backend
 from strata.reference import dequantize_kv, quantize_kv
@@ -72,5 +73,6 @@ def test_int8_engine_near_the_float32_one_and_a_quarter_of_its_kv_bytes():
 
 
 def test_a_bad_kv_format_names_the_allowed_ones():
-    with pytest.raises(Exception, match="kv 'int4' is not allowed; allowed: auto, int8, bfloat16, float32"):
+    with pytest.raises(ConfigError, match=r'kv = "int4" \(a string\) is not allowed; kv must be one of auto, int8, '
+                                          r'bfloat16, float32'):
         Engine.load("demo", kv="int4")

@@ -201,7 +201,7 @@ def test_health_slots_metrics(server, client):
     assert h.status_code == 200 and h.json() == {"status": "ok"}
     client.chat.completions.create(model="demo", messages=HI, max_tokens=2, temperature=0)
     slots = httpx.get(server.url + "/slots").json()
-    assert isinstance(slots, list) and len(slots) == server.config.parallel
+    assert isinstance(slots, list) and len(slots) == server.config.sched.parallel
     for s in slots:
         assert {"id", "state", "read", "generated", "prompt_tokens", "request"} <= set(s)
         assert s["state"] in ("free", "reading", "generating")

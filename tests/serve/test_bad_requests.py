@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from strata.config import ServeConfig, load_serve_config
+from strata.config import SchedSettings, Settings, load_settings
 from strata.demo_tokenizer import DEMO_VOCAB_SIZE
 from strata.errors import ConfigError
 
@@ -250,20 +250,21 @@ def test_bad_flag_missing_file_and_taken_port_exit_2(tmp_path):
 def test_config_precedence(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('parallel = 4\nport = 9000\nmax_context = 4096\n')
-    c = load_serve_config(cfg, {"port": 9100, "parallel": None}, env={"STRATA_API_KEY": "from-env"})
-    assert (c.parallel, c.port, c.max_context, c.host, c.api_key) == (4, 9100, 4096, "127.0.0.1", "from-env")
+    c = load_settings(cfg, {"port": 9100, "parallel": None}, env={"STRATA_API_KEY": "from-env"})
+    assert (c.sched.parallel, c.serve.port, c.model.max_context, c.serve.host, c.serve.api_key) == \
+        (4, 9100, 4096, "127.0.0.1", "from-env")
     cfg.write_text('api_key = "from-file"\n')
-    assert load_serve_config(cfg, {}, env={"STRATA_API_KEY": "from-env"}).api_key == "from-file"
-    assert load_serve_config(cfg, {"api_key": "flag"}, env={}).api_key == "flag"
-    assert load_serve_config(None, {}, env={}) == ServeConfig()
-    d = ServeConfig()
-    assert (d.model, d.host, d.port, d.parallel, d.prefill, d.max_context, d.queue_limit, d.max_body_bytes,
-            d.api_key, d.backend, d.dtype) == ("demo", "127.0.0.1", 8080, 2, 512, 32768, 16, 16 << 20, None, "jax",
-                                               "auto")
-    with pytest.raises(ConfigError, match="parallel"):
-        ServeConfig(parallel=0)
+    assert load_settings(cfg, {}, env={"STRATA_API_KEY": "from-env"}).serve.api_key == "from-file"
+    assert load_settings(cfg, {"api_key": "flag"}, env={}).serve.api_key == "flag"
+    assert load_settings(None, {}, env={}) == Settings()
+    d = Settings()
+    assert (d.model.model, d.serve.host, d.serve.port, d.sched.parallel, d.sched.prefill, d.model.max_context,
+            d.sched.queue_limit, d.serve.max_body_bytes, d.serve.api_key, d.backend.backend, d.model.dtype) == \
+        ("demo", "127.0.0.1", 8080, 2, 512, 32768, 16, 16 << 20, None, "jax", "auto")
+    with pytest.raises(ConfigError, match="parallel = 0 is not allowed; parallel must be an integer in"):
+        SchedSettings(parallel=0)
     with pytest.raises(dataclasses_frozen_error()):
-        d.port = 1
+        d.serve.port = 1
 
 
 def test_demo_config_file_sets_every_key():
@@ -273,7 +274,7 @@ def test_demo_config_file_sets_every_key():
     text_ = open(path).read()
     for key in KEYS:
         assert re.search(rf"^#? ?{key} = ", text_, re.M), f"{key} missing from configs/demo.toml"
-    assert load_serve_config(path, {}, env={}) == ServeConfig(**data)
+    assert load_settings(path, {}, env={}) == Settings.build(**data)
 
 
 def dataclasses_frozen_error():
