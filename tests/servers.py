@@ -42,8 +42,10 @@ def running_server(engine, scheduler=None, **overrides):
     """-> Server with .url; `scheduler` defaults to the real Scheduler over `engine` built from the config."""
     cfg = ServeConfig(**{**DEFAULTS, **overrides})
     if scheduler is None:
+        from strata.engine.runner import WindowRunner
         from strata.sched.scheduler import Scheduler
-        scheduler = Scheduler(engine, parallel=cfg.parallel, prefill=cfg.prefill, max_context=cfg.max_context,
+        scheduler = Scheduler(WindowRunner(engine, cfg.parallel, cfg.prefill), tokenizer=engine.tokenizer,
+                              eos_token_ids=engine.eos_token_ids, max_context=cfg.max_context,
                               queue_limit=cfg.queue_limit)
     app = create_app(engine, scheduler, cfg)
     sock = bind_socket("127.0.0.1", 0)

@@ -99,6 +99,7 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
     """Load the model, build the scheduler and app, serve until `shutdown_event` is set (SIGINT/SIGTERM set it
     when run through serve_forever). Returns the exit code: 0 after a shutdown, 1 when the scheduler stopped."""
     from strata.engine import Engine
+    from strata.engine.runner import WindowRunner
     from strata.serve.app import create_app
     try:
         from strata.sched.scheduler import Scheduler
@@ -125,9 +126,10 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
         log.info("model %s loaded in %.0f ms (%s, %d layers, %d experts, %s)", config.model_name,
                  (time.perf_counter() - t0) * 1000, engine.cfg.model_type, engine.cfg.num_layers,
                  engine.cfg.num_experts, engine.dtype)
-        scheduler = Scheduler(engine, parallel=config.parallel, prefill=config.prefill,
-                              max_context=config.max_context, queue_limit=config.queue_limit,
-                              lookahead=config.lookahead)
+        # the server owns the engine; the scheduler is given its runner (the Executor) and the model's values
+        scheduler = Scheduler(WindowRunner(engine, config.parallel, config.prefill), tokenizer=engine.tokenizer,
+                              eos_token_ids=engine.eos_token_ids, queue_limit=config.queue_limit,
+                              lookahead=config.lookahead, max_context=config.max_context)
         failed = []
 
         def on_scheduler_exit():

@@ -7,6 +7,7 @@ import anyio
 import pytest
 
 from strata import Engine
+from strata.engine.runner import WindowRunner
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, SamplingParams
 from strata.sched.scheduler import Scheduler
 
@@ -33,10 +34,14 @@ async def _collect(receive):
     return text, final
 
 
+def _scheduler(engine, parallel, prefill, **kw):
+    return Scheduler(WindowRunner(engine, parallel, prefill), tokenizer=engine.tokenizer,
+                     eos_token_ids=engine.eos_token_ids, **kw)
+
+
 def _run(engine, requests, parallel, prefill, concurrent=True, lookahead=True):
     """Serve `requests` (all at once, or one after another) -> {id: (text, final event)}."""
-    sched = Scheduler(engine, parallel=parallel, prefill=prefill, max_context=2048, queue_limit=16,
-                      lookahead=lookahead)
+    sched = _scheduler(engine, parallel, prefill, max_context=2048, queue_limit=16, lookahead=lookahead)
     results = {}
 
     async def main():
@@ -93,7 +98,7 @@ def test_stop_string_ends_the_request_without_showing_it(engine):
 def test_queue_bound_and_log_lines(engine, caplog):
     caplog.set_level(logging.INFO, logger="strata.sched")
     prompt = _prompts(engine, 3)[2]                   # long enough for several parts of 16
-    sched = Scheduler(engine, parallel=1, prefill=16, max_context=2048, queue_limit=1)
+    sched = _scheduler(engine, 1, 16, max_context=2048, queue_limit=1)
     out = {}
 
     async def main():
@@ -114,7 +119,7 @@ def test_queue_bound_and_log_lines(engine, caplog):
 
 def test_cancel_frees_the_slot_and_ends_the_stream(engine):
     prompt = _prompts(engine, 1)[0]
-    sched = Scheduler(engine, parallel=2, prefill=64, max_context=2048, queue_limit=4)
+    sched = _scheduler(engine, 2, 64, max_context=2048, queue_limit=4)
     out = {}
 
     async def main():
@@ -138,7 +143,7 @@ def test_cancel_frees_the_slot_and_ends_the_stream(engine):
 
 
 def test_submit_refuses_what_cannot_fit(engine):
-    sched = Scheduler(engine, parallel=1, prefill=64, max_context=64, queue_limit=4)
+    sched = _scheduler(engine, 1, 64, max_context=64, queue_limit=4)
     for prompt, max_tokens in (((), 4), ((1, 2), 0), (tuple(range(60)), 5)):
         with pytest.raises(ValueError, match="must fit max_context 64"):
             sched.submit(Request(id="x", prompt_ids=prompt, max_tokens=max_tokens))
