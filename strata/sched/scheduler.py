@@ -134,6 +134,7 @@ class Scheduler:
             self._send_pending()
             for req, send in self.queue:
                 _send(send, Failed("the server is shutting down", 503))
+                send.close()                      # its stream ends after its one final event, as every other's
 
     async def _loop(self):
         ahead = None                              # (plan, window) dispatched ahead and not yet read
