@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Awaitable, Callable
 
+from strata.backend import compile_cache_backends, enable_compile_cache, resolve_backend
 from strata.config import ServeConfig
 from strata.errors import StrataError
 
@@ -113,13 +114,11 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
         if config.model == "demo":
             from strata.demo import DEMO_NOTE
             log.info(DEMO_NOTE)
-        on_ready = _compile_cache(config) if config.compile_cache else None
+        backend = await asyncio.to_thread(resolve_backend, config.backend)      # "auto" imports JAX to look
+        on_ready = _compile_cache(backend, config.compile_cache) if config.compile_cache else None
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(
-            lambda: Engine.load(config.model, backend=config.backend, **config.engine_options()))
-        if config.compile_cache and engine.backend.name != "jax":
-            log.warning("compile_cache = %s is unused: it applies to the jax backend, not %s", config.compile_cache,
-                        engine.backend.name)
+            lambda: Engine.load(config.model, backend=backend, **config.engine_options()))
         if engine.tokenizer is None:
             raise StrataError(f"{config.model} has no tokenizer.json beside it; strata serve needs one to render "
                               f"chat prompts")
@@ -160,19 +159,20 @@ async def serve(config: ServeConfig, shutdown_event: asyncio.Event | None = None
             sock.close()
 
 
-def _compile_cache(config: ServeConfig) -> Callable[[], None]:
-    """Enable JAX's persistent compilation cache before anything compiles (strata/jax_backend/compile_cache.py) and
-    log what it holds. -> the callback that logs, once the warm-up is done, how many compilations it served."""
-    from strata.jax_backend.compile_cache import CacheCounter, enable
-    info = enable(config.compile_cache)
-    log.info("compile cache %s: %d entries, %.1f MB before start-up", info["path"], info["entries"],
-             info["bytes"] / 1e6)
-    counter = CacheCounter().start()
+def _compile_cache(backend: str, path: str) -> Callable[[], None] | None:
+    """Enable the backend's persistent compilation cache before anything compiles (strata/backend.py) and log what
+    it holds. -> the callback that logs, once the warm-up is done, how many compilations it served; None (after a
+    warning) when the backend has no such cache."""
+    if backend not in compile_cache_backends():
+        log.warning("compile_cache = %s is unused: the %s backend has no persistent compilation cache "
+                    "(backends with one: %s)", path, backend, ", ".join(compile_cache_backends()))
+        return None
+    cache = enable_compile_cache(backend, path)
+    log.info("compile cache %s: %d entries, %.1f MB before start-up", cache.path, cache.entries, cache.bytes / 1e6)
 
     def on_ready():
-        counter.stop()
-        log.info("compile cache: %d of %d compilations at start-up loaded from %s", counter.hits, counter.requests,
-                 info["path"])
+        hits, requests = cache.stop()
+        log.info("compile cache: %d of %d compilations at start-up loaded from %s", hits, requests, cache.path)
     return on_ready
 
 
