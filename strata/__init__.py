@@ -5,7 +5,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # the engine (and JAX) load on first use, so `python -m strata.config` runs without importing itself twice
+    # `from strata import Engine` imports the engine on first use, so importing a part that does not need it (the
+    # scheduler, the plan, the config) does not load the engine, the model code and their libraries
     if name == "Engine":
         from strata.engine import Engine
         return Engine

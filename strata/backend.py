@@ -111,19 +111,55 @@ class HostFetch(Protocol):
 
 _BACKENDS = {"jax": "strata.jax_backend.backend:JaxBackend", "sycl": "strata.sycl_backend.backend:SyclBackend"}
 
+# The backends that can keep their compiled functions across restarts: name -> "module:function", where
+# function(path) enables that cache before anything compiles and returns a CompileCache. Declared here rather than
+# probed on a backend, and imported only when enabled.
+_COMPILE_CACHES = {"jax": "strata.jax_backend.compile_cache:open_cache"}
+
+
+class CompileCache(Protocol):
+    """A backend's persistent compilation cache, enabled at start-up (enable_compile_cache)."""
+    path: str
+    entries: int                                  # files the directory held before start-up
+    bytes: int
+
+    def stop(self) -> tuple[int, int]: ...        # stop counting -> (compilations loaded from it, compilations
+                                                  # that asked it) since it was enabled
+
 
 def available_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def get_backend(name: str = "auto", **options) -> Backend:
-    """Backends are imported lazily, so a backend's library is only imported when chosen."""
+def resolve_backend(name: str = "auto") -> str:
+    """The backend `name` stands for ("auto" picks one: _auto); ConfigError for a name that is not known."""
     if name == "auto":
         name = _auto()
     if name not in _BACKENDS:
         raise ConfigError(f"backend {name!r} is not known; allowed: auto, {', '.join(_BACKENDS)}")
-    module, cls = _BACKENDS[name].split(":")
+    return name
+
+
+def get_backend(name: str = "auto", **options) -> Backend:
+    """Backends are imported lazily, so a backend's library is only imported when chosen."""
+    module, cls = _BACKENDS[resolve_backend(name)].split(":")
     return getattr(importlib.import_module(module), cls)(**options)
+
+
+def compile_cache_backends() -> tuple[str, ...]:
+    """The backends with a persistent compilation cache (enable_compile_cache)."""
+    return tuple(_COMPILE_CACHES)
+
+
+def enable_compile_cache(name: str, path: str) -> CompileCache:
+    """Point backend `name`'s persistent compilation cache at the directory `path`; call it before anything compiles.
+    ConfigError when that backend has none, or when the directory cannot be used."""
+    name = resolve_backend(name)
+    if name not in _COMPILE_CACHES:
+        raise ConfigError(f"compile_cache = {path!r}: the {name} backend has no persistent compilation cache "
+                          f"(backends with one: {', '.join(_COMPILE_CACHES)})")
+    module, fn = _COMPILE_CACHES[name].split(":")
+    return getattr(importlib.import_module(module), fn)(path)
 
 
 def _auto() -> str:

@@ -42,9 +42,11 @@ def running_server(engine, scheduler=None, **overrides):
     """-> Server with .url; `scheduler` defaults to the real Scheduler over `engine` built from the config."""
     cfg = Settings.build(**{**DEFAULTS, **overrides})
     if scheduler is None:
+        from strata.engine.runner import WindowRunner
         from strata.sched.scheduler import Scheduler
-        scheduler = Scheduler(engine, parallel=cfg.sched.parallel, prefill=cfg.sched.prefill,
-                              max_context=cfg.model.max_context, queue_limit=cfg.sched.queue_limit)
+        scheduler = Scheduler(WindowRunner(engine, cfg.sched.parallel, cfg.sched.prefill), tokenizer=engine.tokenizer,
+                              eos_token_ids=engine.eos_token_ids, max_context=cfg.model.max_context,
+                              queue_limit=cfg.sched.queue_limit)
     app = create_app(engine, scheduler, cfg)
     sock = bind_socket("127.0.0.1", 0)
     url = socket_url(sock)

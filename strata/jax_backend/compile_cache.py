@@ -7,12 +7,13 @@ that takes tens of seconds (one runner's warm-up took 46 s at 8 layers on the H2
 window's compile grows ~0.33 s per layer). JAX keys each entry by the computation, its shapes, the backend and the
 compiler version, so a changed model or JAX compiles afresh; nothing stale is loaded.
 
-The cache is process-wide state in JAX: enable() is called once, by the server at start-up, before anything compiles.
-CacheCounter counts what JAX reports (compilations that asked the cache, and hits) for the start-up log line.
+The cache is process-wide state in JAX: the server enables it once (open_cache, through strata/backend.py), before
+anything compiles; CacheCounter counts what JAX reports (compilations that asked the cache, and hits) for its log.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from strata.errors import ConfigError
@@ -65,3 +66,22 @@ class CacheCounter:
     def stop(self) -> None:
         import jax.monitoring
         jax.monitoring.unregister_event_listener(self._on_event)
+
+
+@dataclass
+class PersistentCache:
+    """JAX's persistent compilation cache as the server holds it (strata/backend.py CompileCache)."""
+    path: str
+    entries: int                 # files the directory held before start-up
+    bytes: int
+    counter: CacheCounter
+
+    def stop(self) -> tuple[int, int]:
+        """Stop counting -> (compilations loaded from the cache, compilations that asked it)."""
+        self.counter.stop()
+        return self.counter.hits, self.counter.requests
+
+
+def open_cache(path: str) -> PersistentCache:
+    """enable(path), and count from now on what the cache serves."""
+    return PersistentCache(**enable(path), counter=CacheCounter().start())

@@ -1,18 +1,13 @@
-"""The scheduler: admits requests into slots and runs windows over all of them, continuously.
+"""The scheduler: admits requests into slots and plans windows over all of them, continuously; an Executor runs them.
 
-One engine task owns the device. Each window holds one decode row per generating slot and at most one prompt part
-(of up to `prefill` tokens) of the earliest-admitted slot still reading its prompt: a long prompt is read in parts
-while the other slots keep decoding. Device work runs in a worker thread, so the event loop (and /health, /slots)
-stays responsive. The next window is dispatched before the previous window's text is sent to its clients, and in
-steady decoding (lookahead: nothing to read, nobody waiting, every expert resident) before the previous window's
-tokens are even read: the next window continues its rows on the device (WindowRunner.dispatch(plan, after=...)).
-A slot whose request ended on the previous window's token is then computed one token further and that result is
-dropped, so a slot's device state may run one token past its request's end: whatever snapshots a slot's state (the
-prompt cache's checkpoints, a later issue) must take it from a window applied to a live request.
-
-Slots are explicit states: FREE -> READING (prompt parts) -> GENERATING -> FREE. Every request ends with exactly one
-Finished or Failed event: a window that raises fails the requests in it (and only those), a non-finite row fails its
-request naming the position, a client that goes away has its slot freed before the next window is planned.
+It is given the Executor (strata/plan.py) and what it needs of the model as plain values, and builds neither. Each
+window holds one decode row per generating slot and at most one prompt part (of up to the executor's part size) of
+the earliest-admitted slot still reading its prompt. Executor calls run in a worker thread, so the event loop stays
+responsive; the next window is dispatched before the previous window's text is sent, and in steady decoding
+(lookahead, when the executor chains) before its tokens are even read: dispatch(plan.continued(), after=...). A slot
+whose request ended on that token is then computed one token further and the result dropped. Slots go FREE -> READING
+-> GENERATING -> FREE; every request ends with exactly one Finished or Failed event: a window that raises fails the
+requests in it (only those), a non-finite row fails its request naming the position, a cancelled request frees its slot.
 """
 from __future__ import annotations
 
@@ -27,9 +22,8 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
-from strata.engine.runner import WindowRunner
+from strata.plan import Executor, PromptPart, WindowPlan, WindowResult
 from strata.sched.output import TextOutput
-from strata.plan import PromptPart, WindowPlan, WindowResult
 from strata.sched.request import Failed, Finished, QueueFull, Request
 
 log = logging.getLogger("strata.sched")
@@ -68,16 +62,20 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, engine, *, parallel: int, prefill: int, max_context: int, queue_limit: int,
-                 lookahead: bool = True):
-        if max_context > engine.settings.model.max_context:
-            raise ValueError(f"max_context {max_context} exceeds the engine's {engine.settings.model.max_context}")
-        self.engine, self.max_context, self.queue_limit = engine, max_context, queue_limit
-        self.prefill = prefill
-        self.runner = WindowRunner(engine, parallel, prefill)
+    def __init__(self, executor: Executor, *, tokenizer, eos_token_ids, queue_limit: int, lookahead: bool = True,
+                 max_context: int | None = None):
+        """tokenizer: decode_stream and token_to_id (strata/tokenizer.py); eos_token_ids: a request's stop tokens
+        unless it names its own; max_context: tokens of one sequence, at most (and by default) the executor's."""
+        cap = executor.capacity
+        max_context = cap.max_context if max_context is None else max_context
+        if max_context > cap.max_context:
+            raise ValueError(f"max_context {max_context} exceeds the executor's {cap.max_context}")
+        self.executor, self.max_context, self.queue_limit = executor, max_context, queue_limit
+        self.tokenizer, self.eos_token_ids = tokenizer, tuple(eos_token_ids)
+        self.prefill = cap.part_size
         # steady decoding dispatches the next window before reading this one (_continuation)
-        self.lookahead = lookahead and self.runner.chains
-        self.slots_ = [Slot(i) for i in range(parallel)]
+        self.lookahead = lookahead and executor.chains
+        self.slots_ = [Slot(i) for i in range(cap.slots)]
         self.queue: deque[tuple[Request, object]] = deque()
         self.cancelled: set[str] = set()
         self._wake = anyio.Event()
@@ -118,18 +116,12 @@ class Scheduler:
         toks = sum(n for n, _ in self._recent)
         secs = sum(t for _, t in self._recent)
         out = dict(self.stats, queue_depth=len(self.queue), tokens_per_s=toks / secs if secs > 0 else 0.0)
-        experts = getattr(self.runner.engine, "experts", None)
-        if experts is not None:
-            st = experts.cache.stats
-            out.update(expert_hits=st.hits, expert_misses=st.misses, expert_fills=st.fills,
-                       expert_bytes_copied=st.bytes_copied, expert_copy_seconds=st.copy_seconds,
-                       expert_cpu_routes=st.cpu_routes, expert_cpu_seconds=st.cpu_seconds, expert_loans=st.loans,
-                       expert_swaps=st.swaps, expert_slots_resident=experts.cache.n_resident)
+        out.update(self.executor.metrics())
         return out
 
     # --- the engine task
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED):
-        seconds = await anyio.to_thread.run_sync(self.runner.warm_up)
+        seconds = await anyio.to_thread.run_sync(self.executor.warm_up)
         log.info(f"strata batch: {len(self.slots_)} slots, prompt parts of up to {self.prefill} tokens, "
                  f"compiled at warm-up in {seconds * 1000:.0f} ms")
         task_status.started()
@@ -142,6 +134,7 @@ class Scheduler:
             self._send_pending()
             for req, send in self.queue:
                 _send(send, Failed("the server is shutting down", 503))
+                send.close()                      # its stream ends after its one final event, as every other's
 
     async def _loop(self):
         ahead = None                              # (plan, window) dispatched ahead and not yet read
@@ -178,15 +171,15 @@ class Scheduler:
         t = time.perf_counter()
 
         def work():
-            w = window if window is not None else self.runner.dispatch(plan)
+            w = window if window is not None else self.executor.dispatch(plan)
             if following is not None:
                 try:
-                    box["following"] = self.runner.dispatch(following, after=w)
+                    box["following"] = self.executor.dispatch(following, after=w)
                     self.stats["windows_ahead"] += 1
                 except Exception as exc:           # noqa: BLE001 - planned afresh next turn instead
                     log.warning(f"strata batch: a window could not be dispatched ahead ({type(exc).__name__}: "
                                 f"{exc}); the next one is planned after this one's tokens")
-            return self.runner.collect(w)
+            return self.executor.collect(w)
         try:
             box["result"] = await anyio.to_thread.run_sync(work)
         except Exception as exc:                  # noqa: BLE001 - a failed window fails its requests, not the server
@@ -198,7 +191,9 @@ class Scheduler:
         """The window after plan when nothing can change between them but the tokens, which stay on the device:
         every generating slot is in plan, none can end by length after plan's token, no prompt part, no request
         waiting or cancelled. A row that ends on plan's token (a stop token or string) is computed once more and
-        its result dropped (its slot is free by then; a new sequence clears the state). Otherwise None."""
+        its result dropped (its slot is free by then; a new sequence clears the state), so a slot's state may run
+        one token past its request's end: whatever snapshots a slot's state (prompt-cache checkpoints) must take it
+        from a window applied to a live request. Otherwise None."""
         if not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled:
             return None
         for s in self.slots_:
@@ -220,12 +215,12 @@ class Scheduler:
             req, send = self.queue.popleft()
             self._admissions += 1
             seed = secrets.randbits(63) if req.sampling.seed is None else req.sampling.seed
-            stops = req.stop_token_ids if req.stop_token_ids is not None else self.engine.eos_token_ids
+            stops = req.stop_token_ids if req.stop_token_ids is not None else self.eos_token_ids
             slot.reset()
             slot.state, slot.req, slot.send, slot.admitted = SlotState.READING, req, send, self._admissions
             slot.seed = (seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF)
             slot.stops = frozenset(stops)
-            slot.output = TextOutput(self.engine.tokenizer, req.prompt_ids, req.stop, req.reasoning)
+            slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning)
 
     def _drop_cancelled(self):
         if not self.cancelled:

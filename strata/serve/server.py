@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Awaitable, Callable
 
+from strata.backend import compile_cache_backends, enable_compile_cache, resolve_backend
 from strata.config import Settings
 from strata.errors import StrataError
 
@@ -99,6 +100,7 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None) -
     """Load the model, build the scheduler and app, serve until `shutdown_event` is set (SIGINT/SIGTERM set it
     when run through serve_forever). Returns the exit code: 0 after a shutdown, 1 when the scheduler stopped."""
     from strata.engine import Engine
+    from strata.engine.runner import WindowRunner
     from strata.serve.app import create_app
     try:
         from strata.sched.scheduler import Scheduler
@@ -112,21 +114,21 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None) -
         if config.model.model == "demo":
             from strata.demo import DEMO_NOTE
             log.info(DEMO_NOTE)
-        on_ready = _compile_cache(config) if config.serve.compile_cache else None
+        backend = await asyncio.to_thread(resolve_backend, config.backend.backend)      # "auto" imports JAX to look
+        on_ready = _compile_cache(backend, config.serve.compile_cache) if config.serve.compile_cache else None
         t0 = time.perf_counter()
-        engine = await asyncio.to_thread(lambda: Engine.load(settings=config))
-        if config.serve.compile_cache and engine.backend.name != "jax":
-            log.warning("compile_cache = %s is unused: it applies to the jax backend, not %s",
-                        config.serve.compile_cache, engine.backend.name)
+        engine = await asyncio.to_thread(lambda: Engine.load(settings=config.with_values({"backend": backend})))
         if engine.tokenizer is None:
             raise StrataError(f"{config.model.model} has no tokenizer.json beside it; strata serve needs one to render "
                               f"chat prompts")
         log.info("model %s loaded in %.0f ms (%s, %d layers, %d experts, %s)", config.model_name,
                  (time.perf_counter() - t0) * 1000, engine.cfg.model_type, engine.cfg.num_layers,
                  engine.cfg.num_experts, engine.dtype)
-        scheduler = Scheduler(engine, parallel=config.sched.parallel, prefill=config.sched.prefill,
-                              max_context=config.model.max_context, queue_limit=config.sched.queue_limit,
-                              lookahead=config.sched.lookahead)
+        # the server owns the engine; the scheduler is given its runner (the Executor) and the model's values
+        sched = config.sched
+        scheduler = Scheduler(WindowRunner(engine, sched.parallel, sched.prefill), tokenizer=engine.tokenizer,
+                              eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
+                              lookahead=sched.lookahead, max_context=config.model.max_context)
         failed = []
 
         def on_scheduler_exit():
@@ -157,19 +159,20 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None) -
             sock.close()
 
 
-def _compile_cache(config: Settings) -> Callable[[], None]:
-    """Enable JAX's persistent compilation cache before anything compiles (strata/jax_backend/compile_cache.py) and
-    log what it holds. -> the callback that logs, once the warm-up is done, how many compilations it served."""
-    from strata.jax_backend.compile_cache import CacheCounter, enable
-    info = enable(config.serve.compile_cache)
-    log.info("compile cache %s: %d entries, %.1f MB before start-up", info["path"], info["entries"],
-             info["bytes"] / 1e6)
-    counter = CacheCounter().start()
+def _compile_cache(backend: str, path: str) -> Callable[[], None] | None:
+    """Enable the backend's persistent compilation cache before anything compiles (strata/backend.py) and log what
+    it holds. -> the callback that logs, once the warm-up is done, how many compilations it served; None (after a
+    warning) when the backend has no such cache."""
+    if backend not in compile_cache_backends():
+        log.warning("compile_cache = %s is unused: the %s backend has no persistent compilation cache "
+                    "(backends with one: %s)", path, backend, ", ".join(compile_cache_backends()))
+        return None
+    cache = enable_compile_cache(backend, path)
+    log.info("compile cache %s: %d entries, %.1f MB before start-up", cache.path, cache.entries, cache.bytes / 1e6)
 
     def on_ready():
-        counter.stop()
-        log.info("compile cache: %d of %d compilations at start-up loaded from %s", counter.hits, counter.requests,
-                 info["path"])
+        hits, requests = cache.stop()
+        log.info("compile cache: %d of %d compilations at start-up loaded from %s", hits, requests, cache.path)
     return on_ready
 
 

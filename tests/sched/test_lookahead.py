@@ -12,22 +12,12 @@ from strata.engine.runner import ROWS, WindowRunner
 from strata.plan import idle_plan
 from strata.plan import PromptPart
 from strata.sched.request import Finished, Request, SamplingParams
-from strata.experts.path import PathKind
 from tests.sched.test_scheduler import _prompts, _run
 
 
 @pytest.fixture(scope="module")
 def engine():
     return Engine.load("demo", max_context=2048, prefill=64)
-
-
-@pytest.fixture(scope="module")
-def fetching_engine():
-    """8 of the demo's experts in device slots, the rest in pinned host memory: decode windows copy their misses
-    themselves (window fetch); every slot a window may read is checked against the pack first (debug_slots)."""
-    e = Engine.load("demo", max_context=2048, prefill=64, expert_cache=8, debug_slots=True, say=lambda line: None)
-    assert e.path.kind is PathKind.WINDOW_FETCH
-    return e
 
 
 def _steady(plan, res=None):
@@ -84,13 +74,11 @@ def test_only_a_steady_plan_continues_a_window(engine):
     runner.collect(with_part)
 
 
-@pytest.mark.parametrize("kind", ["resident", "window fetch"])
-def test_lookahead_changes_nothing_a_client_sees(request, kind):
+def test_lookahead_changes_nothing_a_client_sees(engine):
     """Lengths, stop tokens, stop strings, greedy and sampled rows, more requests than slots: the same text, finish
-    reasons and token counts with the lookahead on and off, and the lookahead did dispatch windows ahead; with every
-    expert resident, and over a partial cache whose decode windows fetch their misses (the cache's swaps between
-    windows then run while two windows are queued)."""
-    engine = request.getfixturevalue("engine" if kind == "resident" else "fetching_engine")
+    reasons and token counts with the lookahead on and off, and the lookahead did dispatch windows ahead. (Windows
+    dispatched ahead over a partial cache: tests/experts/test_window_fetch.py; the scheduler's lookahead itself:
+    test_scheduler_fake.py.)"""
     prompts = _prompts(engine, 5)
     ids = engine.generate(list(prompts[1]), 20, stop_token_ids=[])
     text = engine.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,16 +1,20 @@
 """compile_cache: `strata serve` with JAX's persistent compilation cache, as a user restarts it: the first start
 writes the warm-up's compilations to the directory, the second loads them (its start-up log says how many) and
-answers as the first did; a directory that cannot be used is refused with a message naming it."""
+answers as the first did; a directory that cannot be used is refused with a message naming it, and a backend without
+such a cache says so."""
 from __future__ import annotations
 
+import logging
 import re
 
 import httpx
 import pytest
 
 from servers import serve_command
+from strata.backend import compile_cache_backends, enable_compile_cache
 from strata.errors import ConfigError
 from strata.jax_backend.compile_cache import enable
+from strata.serve.server import _compile_cache
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -51,3 +55,22 @@ def test_an_unusable_directory_is_refused(tmp_path):
     for path in (blocker, blocker / "below"):
         with pytest.raises(ConfigError, match=r"compile_cache = .*must be a writable directory"):
             enable(str(path))
+
+
+def test_the_backends_declare_their_compile_caches(tmp_path, caplog):
+    """The registry in strata/backend.py: jax has one; sycl has none, which enabling it says, and the server warns
+    that the setting is unused and carries on."""
+    assert compile_cache_backends() == ("jax",)
+    with pytest.raises(ConfigError, match=r"compile_cache = .*: the sycl backend has no persistent compilation "
+                                          r"cache \(backends with one: jax\)"):
+        enable_compile_cache("sycl", str(tmp_path / "cache"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"compile_cache = .*must be a writable directory"):
+        enable_compile_cache("jax", str(blocker))
+    caplog.set_level(logging.WARNING, logger="strata.serve")
+    assert _compile_cache("sycl", str(tmp_path / "cache")) is None
+    warning = (f"compile_cache = {tmp_path / 'cache'} is unused: the sycl backend has no persistent compilation "
+               f"cache (backends with one: jax)")
+    assert caplog.messages == [warning]
+    assert not (tmp_path / "cache").exists()

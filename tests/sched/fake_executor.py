@@ -1,0 +1,146 @@
+"""FakeExecutor: the Executor protocol (strata/plan.py) in plain numpy, with tokens a test computes by hand.
+
+The next token after a row that feeds token t at position p is next_token(t, p) = 32 + (7 t + p) % 95, a printable
+ASCII byte (the demo tokenizer decodes ids 32..126 to that one character), for decode rows and for a prompt part
+(from its last token and position) alike; sampling settings are ignored. It checks what a real executor relies on
+(each row continues its slot's sequence, a continuing plan continues the window it names, windows are collected in
+order), records every plan it is given, and can be told to raise in a given window or to report the row at a slot's
+given position non-finite.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata.plan import Capacity, WindowPlan, WindowResult
+
+FIRST, SPAN = 32, 95
+
+
+def next_token(token: int, pos: int) -> int:
+    """The token the fake samples after `token` at position `pos`."""
+    return FIRST + (7 * int(token) + int(pos)) % SPAN
+
+
+def expected_tokens(prompt, n: int) -> list[int]:
+    """The first n tokens a request with this prompt generates."""
+    out, last, pos = [], prompt[-1], len(prompt) - 1
+    for _ in range(n):
+        last = next_token(last, pos)
+        out.append(last)
+        pos += 1
+    return out
+
+
+def text_of(tokens) -> str:
+    return "".join(chr(t) for t in tokens)
+
+
+@dataclass(eq=False)
+class Handle:
+    index: int                   # dispatch order, from 0
+    plan: WindowPlan
+    result: WindowResult
+    after: Handle | None = None
+    continued: bool = False      # a later plan was dispatched after this one
+
+
+@dataclass
+class Dispatched:
+    """One dispatched window as the fake saw it: its plan, the decode tokens it resolved (a continuing plan's -1 is
+    the token the window it continues sampled) and whether it was dispatched ahead (after=)."""
+    plan: WindowPlan
+    tokens: np.ndarray
+    ahead: bool
+
+
+@dataclass
+class FakeExecutor:
+    slots: int = 2
+    part_size: int = 4
+    max_context: int = 256
+    chains: bool = True
+    raise_at: dict = field(default_factory=dict)      # window index (from 0) -> exception raised at its collect()
+    refuse_ahead: list = field(default_factory=list)  # exceptions the next dispatches ahead (after=) raise, in turn
+    nonfinite: set = field(default_factory=set)       # (slot, position): that row's logits are reported non-finite
+    observe: object = None                            # called as observe(index, plan) at each dispatch
+
+    def __post_init__(self):
+        self.capacity = Capacity(self.slots, self.part_size, self.max_context)
+        self.windows: list[Dispatched] = []
+        self.warmed = 0
+        self.collected: list[int] = []
+        self.length = [0] * self.slots                # tokens in each slot's sequence state
+
+    # --- the Executor protocol
+    def warm_up(self) -> float:
+        self.warmed += 1
+        return 0.0
+
+    def dispatch(self, plan: WindowPlan, after: Handle | None = None) -> Handle:
+        index = len(self.windows)
+        if self.observe is not None:
+            self.observe(index, plan)
+        tokens = np.array(plan.decode_tokens, np.int32)
+        if after is not None:
+            self._check_continues(after, plan)
+            if self.refuse_ahead:
+                raise self.refuse_ahead.pop(0)
+            after.continued = True
+            on = plan.decode_active
+            tokens[on] = after.result.decode_next[on]
+        elif (tokens[plan.decode_active] < 0).any():
+            raise ValueError("a plan with token -1 must be dispatched after the window that samples it")
+        nxt = np.zeros(self.slots, np.int32)
+        fin = np.ones(self.slots, bool)
+        for s in np.flatnonzero(plan.decode_active):
+            pos = int(plan.decode_pos[s])
+            if pos != self.length[s] or pos >= self.max_context:
+                raise ValueError(f"slot {s}: a decode row at position {pos} but its sequence holds {self.length[s]} "
+                                 f"(of at most {self.max_context})")
+            nxt[s] = next_token(tokens[s], pos)
+            fin[s] = (s, pos) not in self.nonfinite
+            self.length[s] += 1
+        part_next = part_finite = None
+        if plan.part is not None:
+            p = plan.part
+            if not 1 <= len(p.tokens) <= self.part_size:
+                raise ValueError(f"a prompt part of {len(p.tokens)} tokens (1 to {self.part_size})")
+            if plan.decode_active[p.slot]:
+                raise ValueError(f"slot {p.slot} has a decode row and a prompt part in one window")
+            if p.start != 0 and p.start != self.length[p.slot]:
+                raise ValueError(f"slot {p.slot}: a part at {p.start} but its sequence holds {self.length[p.slot]}")
+            end = p.start + len(p.tokens)
+            if end > self.max_context:
+                raise ValueError(f"slot {p.slot}: a part up to position {end - 1} beyond max_context {self.max_context}")
+            part_next = next_token(p.tokens[-1], end - 1) if p.last else 0
+            part_finite = not any((p.slot, q) in self.nonfinite for q in range(p.start, end))
+            self.length[p.slot] = end
+        self.windows.append(Dispatched(plan, tokens, after is not None))
+        return Handle(index, plan, WindowResult(nxt, fin, part_next, part_finite, 0.0, 0.0), after)
+
+    def collect(self, handle: Handle) -> WindowResult:
+        if self.collected and handle.index <= self.collected[-1]:
+            raise ValueError(f"window {handle.index} collected after window {self.collected[-1]}")
+        if handle.after is not None and handle.after.index not in self.collected:
+            raise ValueError("a continuing window was collected before the window it continues")
+        self.collected.append(handle.index)
+        if handle.index in self.raise_at:
+            raise self.raise_at[handle.index]
+        return handle.result
+
+    def metrics(self) -> dict:
+        return {"fake_windows": len(self.windows)}
+
+    # --- what a continuing plan must be (as WindowRunner checks it)
+    def _check_continues(self, prev: Handle, plan: WindowPlan) -> None:
+        if not self.chains:
+            raise ValueError("this executor does not chain windows")
+        if prev.plan.part is not None or plan.part is not None or prev.continued:
+            raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
+        want = prev.plan.continued()
+        on = prev.plan.decode_active
+        if not (np.array_equal(on, plan.decode_active) and np.array_equal(plan.decode_pos, want.decode_pos)
+                and np.array_equal(plan.steps, want.steps) and (plan.decode_tokens[on] == -1).all()):
+            raise ValueError("a continuing plan must be the window it continues, continued")
