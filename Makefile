@@ -16,7 +16,9 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/strata serve
 
+# lint-imports: ARCHITECTURE.md's layer order (pyproject.toml's [tool.importlinter]) before the tests
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
 
 bench: $(STAMP)

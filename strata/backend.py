@@ -110,6 +110,7 @@ class HostFetch(Protocol):
 
 
 _BACKENDS = {"jax": "strata.jax_backend.backend:JaxBackend", "sycl": "strata.sycl_backend.backend:SyclBackend"}
+_SYCL_GPU_PROBE = "strata.sycl_backend.runtime:has_sycl_gpu"       # "auto": whether a SYCL GPU is present
 
 # The backends that can keep their compiled functions across restarts: name -> "module:function", where
 # function(path) enables that cache before anything compiles and returns a CompileCache. Declared here rather than
@@ -142,8 +143,7 @@ def resolve_backend(name: str = "auto") -> str:
 
 def get_backend(name: str = "auto", **options) -> Backend:
     """Backends are imported lazily, so a backend's library is only imported when chosen."""
-    module, cls = _BACKENDS[resolve_backend(name)].split(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    return _load(_BACKENDS[resolve_backend(name)])(**options)
 
 
 def compile_cache_backends() -> tuple[str, ...]:
@@ -158,8 +158,13 @@ def enable_compile_cache(name: str, path: str) -> CompileCache:
     if name not in _COMPILE_CACHES:
         raise ConfigError(f"compile_cache = {path!r}: the {name} backend has no persistent compilation cache "
                           f"(backends with one: {', '.join(_COMPILE_CACHES)})")
-    module, fn = _COMPILE_CACHES[name].split(":")
-    return getattr(importlib.import_module(module), fn)(path)
+    return _load(_COMPILE_CACHES[name])(path)
+
+
+def _load(spec: str):
+    """"module:attribute" -> the attribute, importing the module now (a backend's library loads only when chosen)."""
+    module, attr = spec.split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _auto() -> str:
@@ -170,27 +175,24 @@ def _auto() -> str:
             return "jax"
     except RuntimeError:
         pass
-    from strata.sycl_backend.runtime import has_sycl_gpu  # imports dpctl only if it is installed
-    return "sycl" if has_sycl_gpu() else "jax"
+    return "sycl" if _load(_SYCL_GPU_PROBE)() else "jax"          # imports dpctl only if it is installed
 
 
-# --- ComposedOps: the fused ops as compositions of the basic ops
-"""The Backend protocol's fused ops, defined as compositions of its basic ops (strata/backend.py).
-
-The forward pass (forward.py) calls these: each groups what one layer does between two points where a device kernel
-would naturally end (a normalised input feeding several projections, the attention mixer from projections to the
-gated output, the Gated DeltaNet mixer likewise, routing, the shared expert's down projection with its gate and the
-residual). This file is their definition. A backend inherits it when its compiler fuses the composition anyway
-(JAX: XLA inside one jitted window); a backend that runs ops eagerly overrides an op with device code, because there
-each op is at least one launch (SYCL: tests/sycl/test_fused_ops.py holds every override to this composition on the
-same device, with fresh inputs).
-
-Shapes: T rows, H hidden; projections are flat ([T, heads * head_dim]); states as in forward.py.
-
-Two modes, told apart by `start`: a scalar start means the T rows are consecutive tokens of ONE sequence (n_valid a
-scalar: the first n_valid rows are real); a vector start [S] means the rows are S sequences with one token each (a
-decode window: row s at position start[s], real when n_valid[s] > 0, its state at index s of a bank [S, ...]).
-"""
+# --- ComposedOps: the protocol's fused ops, defined as compositions of its basic ops.
+# The forward pass (strata/model/forward.py) calls these: each groups what one layer does between two points where a
+# device kernel would naturally end (a normalised input feeding several projections, the attention mixer from
+# projections to the gated output, the Gated DeltaNet mixer likewise, routing, the shared expert's down projection
+# with its gate and the residual). This is their definition. A backend inherits it when its compiler fuses the
+# composition anyway
+# (JAX: XLA inside one jitted window); a backend that runs ops eagerly overrides an op with device code, because there
+# each op is at least one launch (SYCL: tests/sycl/test_fused_ops.py holds every override to this composition on the
+# same device, with fresh inputs).
+#
+# Shapes: T rows, H hidden; projections are flat ([T, heads * head_dim]); states as in forward.py.
+#
+# Two modes, told apart by `start`: a scalar start means the T rows are consecutive tokens of ONE sequence (n_valid a
+# scalar: the first n_valid rows are real); a vector start [S] means the rows are S sequences with one token each (a
+# decode window: row s at position start[s], real when n_valid[s] > 0, its state at index s of a bank [S, ...]).
 
 
 def is_rows(start) -> bool:

@@ -320,10 +320,10 @@ def write_pack(model, out, fmt: str, progress: Progress | None = None, force: bo
 
 
 def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from strata import __version__
-        return __version__
-    except ImportError:  # pragma: no cover
+        return version("strata")
+    except PackageNotFoundError:  # pragma: no cover - a source tree that was never installed
         return "unknown"
 
 
