@@ -1,5 +1,5 @@
 """Random experts at real shapes for benchmarks, without writing tens of GB: an expert source (blob(p, e),
-checksum(p, e), like strata/experts/tiers.py's) over `distinct` genuinely encoded random experts, expert (p, e)
+checksum(p, e): strata/experts/tiers.py's ExpertSource) over `distinct` genuinely encoded random experts, expert (p, e)
 being distinct blob (p * E + e) % distinct. Bytes moved per expert are the real format's; only the number of
 different contents is small, which no timing depends on."""
 from __future__ import annotations
@@ -8,10 +8,11 @@ import zlib
 
 import numpy as np
 
+from strata.experts.tiers import ExpertSource
 from strata.weights.quant import encode_expert, layout
 
 
-class SyntheticStore:
+class SyntheticStore(ExpertSource):
     in_memory = True            # it is the host tier itself
 
     def __init__(self, fmt: str, hidden: int, inter: int, n_layers: int, n_experts: int, distinct: int = 64,

@@ -112,7 +112,7 @@ class Engine:
         cfg = ModelConfig.from_hf(config, source=f"{path_or_name} config")
         dtype = settings.model.dtype
         if dtype == "auto":
-            dtype = "float32" if getattr(getattr(ops, "device", None), "platform", "cpu") == "cpu" else "bfloat16"
+            dtype = "float32" if ops.device.platform == "cpu" else "bfloat16"
         np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
         params = ops.to_device(build_params(cfg, tensors, np_dtype, ops.joins_projections))
         tokenizer = None

@@ -171,7 +171,7 @@ class ServeState:
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.scheduler, "max_context", None) or self.config.model.max_context)
+        return int(self.scheduler.max_context)
 
     @property
     def vocab_size(self) -> int:
