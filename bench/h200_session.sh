@@ -7,7 +7,6 @@
 #   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
 #   bash bench/h200_session.sh decode-kernels  # decode expert op variants and formats, mixer and routing kernels
 #   bash bench/h200_session.sh decode-experts  # the int4 decode expert op: XLA's form, v1, v2, slab (rows, warps)
-#   bash bench/h200_session.sh ahead     # 48 layers, batch 1: windows dispatched ahead, the host's time split
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
 #                                        # 12 layers (~170 s; the .partial file keeps what ends). Not 4: its 3.4 GB
@@ -20,8 +19,7 @@
 #   bash bench/h200_session.sh probe     # bench/launch_probe.py: where a decode token's time goes (traces, XLA flags)
 #   bash bench/h200_session.sh copies    # bench/launch_probe.py's copy probes (device_put, kernel, kernel on stream 1)
 #   bash bench/h200_session.sh offload   # bench/offload_speed.py, uniform routing, decode at batch 1 and 4
-#   bash bench/h200_session.sh dispatch  # bench/dispatch_probe.py: a window's host and device time, batch 1 and 4
-#   bash bench/h200_session.sh probe48   # dispatch_probe (batch 1) and prompt_probe (with the stream's gaps) at 48 layers
+#   bash bench/h200_session.sh probe48   # prompt_probe (with the stream's gaps) at 48 layers
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -74,17 +72,6 @@ case "${1:-}" in
       --trace-decode slab:8:4 --out "$OUT/kernel_trace_decode_experts_h200.json" 2>&1 \
       | grep -E "^(expert|wrote|trace|  )|FAILED" | grep -v "0.000 ms" | tee "$OUT/kernel_trace_decode_experts.log"
     ;;
-  ahead)      # at 48 layers, batch 1: the runner's windows dispatched ahead with the host's time split (call,
-              # start_to_host, collect), without start_to_host, and the bare call chained with results read a window
-              # late; XLA's command-buffer log kept to count its updates per variant
-    TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 timeout 300 python3 bench/dispatch_probe.py \
-      --layers 48 --batches 1 --ahead-only --out "$OUT/dispatch_probe_ahead_h200_48_layers.json" \
-      2> "$OUT/dispatch_probe_ahead_xla.log" | grep -E "^ahead|wrote|Error"
-    awk '/^== ahead/ {v=$0} /Update command buffer/ {u[v]++} /Execute command buffer/ {x[v]++}
-         END {for (k in x) print k ": " x[k] " command buffer executions, " u[k] + 0 " updates"}' \
-      "$OUT/dispatch_probe_ahead_xla.log"
-    gzip -f "$OUT/dispatch_probe_ahead_xla.log"
-    ;;
   kernel-tests)
     STRATA_TEST_DEVICE=gpu timeout 400 python3 -m pytest -q -n 8 tests/kernels -p no:cacheprovider -o addopts="" \
       2>&1 | tee "$OUT/gpu_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -40
@@ -135,24 +122,17 @@ case "${1:-}" in
     timeout 540 python3 bench/offload_speed.py --runs uniform --batches 1,4 --prompts "" \
       --out "$OUT/offload_speed_h200_int4.json" 2>&1 | grep -vi warning | tail -20
     ;;
-  dispatch)
-    timeout 200 python3 bench/dispatch_probe.py --batches 1,4 --out "$OUT/dispatch_probe_h200.json" 2>&1 \
-      | grep -E "^\||wrote|Error"
-    ;;
   scopes)
     timeout 300 python3 bench/prompt_probe.py --layers 8 --out "$OUT/prompt_probe_h200.json" 2>&1 \
       | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
     ;;
-  probe48)    # at all 48 layers: where a decode window's host time goes (dispatch_probe, batch 1: 240 s covered
-              # batch 1 alone at 35253ad) and the scopes probe with the compute stream's idle gaps (timeline), for the
-              # prompt part (wall 302.7 ms against 234.4 ms of kernels at da9d40d) and decode windows of 1 and 4 rows
-    timeout 230 python3 bench/dispatch_probe.py --layers 48 --batches 1 --out "$OUT/dispatch_probe_h200_48_layers.json" \
-      2>&1 | grep -E "^\||wrote|Error"
+  probe48)    # at all 48 layers: the scopes probe with the compute stream's idle gaps (timeline), for the prompt
+              # part and decode windows of 1 and 4 rows
     timeout 330 python3 bench/prompt_probe.py --layers 48 --out "$OUT/prompt_probe_h200_48_layers.json" 2>&1 \
       | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|ahead|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|scopes" >&2
     exit 2
     ;;
 esac

@@ -53,10 +53,9 @@ def machine(ops) -> str:
 
 def decode_fn(engine, cfg, params, n_tokens=1):
     """One decode step of a fresh sequence holding 8 tokens, for a model restricted to (cfg, params)."""
-    from strata.engine.core import _sample, _sampling_arrays
     from strata.model.forward import forward, init_state
     ops = engine.backend
-    sp = _sampling_arrays(0.0, 0, 1.0, 0.0)
+    sp = (np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32), np.zeros(1, np.float32))
     seed = np.zeros(2, np.uint32)
     state = ops.to_device(init_state(cfg, engine.capacity, engine.dtype, engine.kv_dtype))
     prompt = np.arange(3, 11, dtype=np.int32)
@@ -69,7 +68,7 @@ def decode_fn(engine, cfg, params, n_tokens=1):
         one = np.int32(1)
         logits, box["state"] = forward(ops, cfg, params, box["state"], np.array([7], np.int32), np.int32(box["pos"]),
                                        one, engine.path.traced(engine.layout, args, one), all_logits=False)
-        nxt = _sample(ops, logits, *sp, seed, np.int32(box["pos"]))
+        nxt = ops.sample(logits, *sp, ops.prng_keys(seed[None], np.int32(box["pos"])[None]))
         box["pos"] += 1
         return int(nxt[0])
     return step
