@@ -236,8 +236,8 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
             raise ValueError(f"the JAX backend has no setting {k!r}")
         setattr(backend, k, v)
     out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth(), "kernels": kernels,
-           "pallas_ops": sorted(backend.pallas_ops), "gdn_variant": backend.gdn_variant,
-           "gdn_dots": backend.gdn_dots, "gdn_chunk": backend.gdn_chunk, "gdn_xla_dots": backend.gdn_xla_dots,
+           "pallas_ops": sorted(backend.pallas_ops), "gdn_chunk": backend.gdn_chunk,
+           "gdn_xla_dots": backend.gdn_xla_dots,
            "decode_experts": {k: getattr(backend, k) for k in ("decode_variant", "decode_block", "decode_warps",
                                                                "decode_min_tokens")},
            "kv": kv}

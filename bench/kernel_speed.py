@@ -16,11 +16,9 @@ Kernels (strata/jax_backend/kernels/):
 - prompt_attention: the flash kernel for a prompt part of 4096 tokens over an int8 cache, in several block / warp /
   P-term configurations, against the backend's XLA form;
 - expert_grouped_blocks: the grouped int4 v2 op at 4096 tokens with 64 and 128 rows per block;
-- delta_decode: the Gated DeltaNet mixer's decode step in one kernel (conv, norms, gates, the rule's step, the gated
-  RMSNorm) at batch 1, 4 and 16, against the composition it fuses (ComposedOps.delta_block on XLA);
-- route: the router's softmax, top-k and renormalisation in one kernel at 1, 16 and 4096 rows, against the composition;
-- gated_delta: the recurrent decode step (batch 1, 4, 16), the verify form (4 positions) and the chunked prompt form
-  (4096 tokens), against the XLA forms in JaxBackend.
+- route: the router's softmax, top-k and renormalisation in one kernel at 1, 16 and 4096 rows, against the composition.
+And the backend's XLA form of the gated delta rule for a prompt part (gated_delta_chunked: 4096 tokens) at other
+chunks and matmul precisions than its defaults, against those.
 
 Times are device time per call: the call runs `LOOP` times inside one jitted loop (each iteration's input depends on
 the last output, so nothing is hoisted), so dispatch does not hide a kernel of a few microseconds.
@@ -49,8 +47,8 @@ CHUNKED_LOOP = 3
 def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None, loop: int = LOOP, indexed: bool = False) -> float:
     """Seconds per call of fn(*args), from `loop` chained calls inside one jitted function, written out (a while loop
     would read its predicate back to the host every iteration). Call i + 1 takes carry(output of call i) as
-    args[dep]; by default args[dep] + 0 * (the output's first element), for a float args[dep]. A kernel that updates
-    its input in place (the gated delta rule's state) passes carry = its new state, so no copy is forced. indexed:
+    args[dep]; by default args[dep] + 0 * (the output's first element), for a float args[dep]. A call that returns
+    a new state (the gated delta rule's) passes carry = that state, so the chain runs the recurrence on. indexed:
     fn(i, *args) for call i (a case that reads different data each call, so that its bytes come from HBM, not from
     the 50 MB L2 the previous call filled)."""
     import jax
@@ -315,94 +313,44 @@ def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret):
     return rows
 
 
-# the chunked cases: (variant, dots, recurrence stages), or ("xla", chunk, dots) for the backend's XLA form at another
-# chunk or dot precision. The XLA cases first: the Pallas ones' compiles outlasted a 300 s run at a112ed3
-CHUNKED_CASES = (("xla", 64, "tf32x3"), ("xla", 128, "tf32x3"), ("xla", 64, "bf16x6"), ("xla", 128, "ieee"),
-                 ("xla_intra", "tf32x3", 1), ("xla_intra", "bf16x6", 1), ("v2", "tf32x3", 1),
-                 ("xla_intra", "tf32x3", 2))
+# the XLA chunked form's (chunk, dots) cases, each timed against the defaults (64, "ieee"); tf32x3 needs a GPU
+CHUNKED_CASES = ((64, "tf32x3"), (128, "tf32x3"), (64, "bf16x6"), (128, "ieee"))
 
 
-def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret, forms=("decode", "verify", "chunked"),
-                cases=CHUNKED_CASES):
-    import jax
+def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CASES):
+    """The backend's XLA form of the gated delta rule (JaxBackend.gated_delta_chunked_xla) over a prompt part of one
+    sequence, at each (chunk, dots) case against its defaults. FLOPs: the intra-chunk products and the recurrence;
+    bytes: q, k, v, o in fp32 and the state read and written."""
     import jax.numpy as jnp
 
     from strata.jax_backend.backend import JaxBackend
-    from strata.jax_backend.kernels import gated_delta as K
     rng = np.random.default_rng(3)
-
-    def inputs(lead):
-        n = lambda *s: rng.standard_normal(lead + s).astype(np.float32)  # noqa: E731
-        q, k = n(hv, dk), n(hv, dk)
-        q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
-        g = -np.exp(np.log(rng.uniform(1, 16, hv))) * np.log1p(np.exp(n(hv)))
-        beta = 1 / (1 + np.exp(-n(hv)))
-        return [jnp.asarray(a) for a in (q, k, n(hv, dv), g.astype(np.float32), beta.astype(np.float32))]
-
+    n = lambda *s: rng.standard_normal((prompt,) + s).astype(np.float32)  # noqa: E731
+    q, k = n(hv, dk), n(hv, dk)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = -np.exp(np.log(rng.uniform(1, 16, hv))) * np.log1p(np.exp(n(hv)))
+    beta = 1 / (1 + np.exp(-n(hv)))
+    q, k, v, g, beta = (jnp.asarray(a) for a in (q, k, n(hv, dv), g.astype(np.float32), beta.astype(np.float32)))
+    st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
+    xla_chunked = JaxBackend.gated_delta_chunked_xla
+    # a chunked call takes milliseconds: CHUNKED_LOOP calls in a row hide dispatch, and LOOP written-out scans of
+    # 64 chunks each kept XLA compiling past a 200 s run
+    t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
+                           loop=CHUNKED_LOOP)
+    c = 64
+    flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
+    nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * hv * dk * dv * 4
     rows = []
-    state_bytes = hv * dk * dv * 4
-    step_xla = jax.vmap(JaxBackend.gated_delta_step_xla)
-    for variant in ("v1", "v2") if "decode" in forms else ():
-        for s in batches:
-            q, k, v, g, beta = (a[:, None] for a in inputs((s,)))                       # [S, 1, ...] for the step
-            st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
-            ker = partial(K.gated_delta_decode, interpret=interpret, variant=variant)
-            o_k, _ = ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st)
-            o_x, _ = step_xla(q, k, v, g, beta, st)
-            err = rel_err(o_k, o_x[:, 0])
-            t_ker = device_seconds(lambda st: ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st), (st,), 0,
-                                   repeat, carry=lambda out: out[1])              # the new state feeds the next
-            t_xla = device_seconds(lambda st: step_xla(q, k, v, g, beta, st), (st,), 0, repeat,
-                                   carry=lambda out: out[1])
-            rows.append(row(f"gated delta decode {variant}, batch {s}", t_ker, t_xla, 2 * s * state_bytes,
-                            s * hv * dk * dv * 6, err, form="decode", variant=variant, batch=s))
-    if "verify" in forms:
-        rows.append(_gated_delta_verify(K, inputs, step_xla, hv, dk, dv, batches, verify_q, state_bytes, rng,
-                                        repeat, interpret))
-    if "chunked" in forms:
-        rows += _gated_delta_chunked(K, JaxBackend, inputs, hv, dk, dv, prompt, state_bytes, rng, repeat, interpret,
-                                     cases)
-    return rows
-
-
-def delta_decode(hk, hv, dk, dv, taps, batches, repeat, interpret):
-    """The Gated DeltaNet mixer's decode step as one kernel (kernels/delta_decode.py) against the composition it
-    fuses, ComposedOps.delta_block in rows mode on the XLA backend (the path kernels "auto" runs), bfloat16 activations.
-    Bytes: the fp32 state read and written, the conv state read and written, qkv, z and o."""
-    import jax
-    import jax.numpy as jnp
-
-    from strata.jax_backend.backend import JaxBackend
-    from strata.jax_backend.kernels.delta_decode import delta_decode as kernel
-    rng = np.random.default_rng(5)
-    ops = JaxBackend(kernels="xla")
-    c = 2 * hk * dk + hv * dv
-    bf = jnp.bfloat16
-    rows = []
-    for s in batches:
-        act = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32), bf)  # noqa: E731
-        f = dict(qkv=act(s, c), z=act(s, hv * dv), b=act(s, hv), a=act(s, hv), conv_state=act(s, taps - 1, c),
-                 conv_w=act(c, taps), a_log=jnp.asarray(np.log(rng.uniform(1, 16, hv)).astype(np.float32)),
-                 dt_bias=jnp.asarray(rng.standard_normal(hv).astype(np.float32)), gnorm=act(dv),
-                 start=jnp.full((s,), 100, jnp.int32), n_valid=jnp.ones((s,), jnp.int32))
-        st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
-
-        def ker(st):
-            return kernel(f["qkv"], f["z"], f["b"], f["a"], f["conv_state"], f["conv_w"], st, f["a_log"],
-                          f["dt_bias"], f["gnorm"], f["start"], f["n_valid"], n_k_heads=hk, eps=1e-6,
-                          interpret=interpret)
-
-        def xla(st):
-            return ops.delta_block(f["qkv"], f["z"], f["b"], f["a"], f["conv_state"], f["conv_w"], st, f["a_log"],
-                                   f["dt_bias"], f["gnorm"], 1e-6, f["start"], f["n_valid"], hk)
-
-        err = rel_err(ker(st)[0].astype(jnp.float32), jax.jit(xla)(st)[0].astype(jnp.float32))
-        t_ker = device_seconds(ker, (st,), 0, repeat, carry=lambda out: out[2])      # the new state feeds the next
-        t_xla = device_seconds(xla, (st,), 0, repeat, carry=lambda out: out[2])
-        nbytes = s * (2 * hv * dk * dv * 4 + 2 * (taps - 1) * c * 2 + c * 2 + 2 * hv * dv * 2)
-        rows.append(row(f"delta decode (the mixer in one kernel), batch {s}", t_ker, t_xla, nbytes,
-                        s * hv * dk * dv * 6, err, batch=s))
+    for chunk, dots in cases:
+        if interpret and dots == "tf32x3":        # XLA's CPU has no TF32
+            continue
+        ker = partial(xla_chunked, chunk=chunk, dots=dots)
+        err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
+        t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
+                               loop=CHUNKED_LOOP)
+        rows.append(row(f"gated delta chunked XLA, chunk {chunk}, {dots}, {prompt} tokens", t_ker, t_xla, nbytes,
+                        flops, err, form="chunked", tokens=prompt, chunk=chunk, dots=dots))
     return rows
 
 
@@ -427,69 +375,11 @@ def route(experts, k, tokens, repeat, interpret):
     return rows
 
 
-def _gated_delta_verify(K, inputs, step_xla, hv, dk, dv, batches, verify_q, state_bytes, rng, repeat, interpret):
-    import jax
-    import jax.numpy as jnp
-    s, nq = batches[1] if len(batches) > 1 else batches[0], verify_q
-    q, k, v, g, beta = inputs((s, nq))
-    st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
-    ker = partial(K.gated_delta_verify, interpret=interpret)
-
-    def xla_verify(q, k, v, g, beta, st):          # the XLA baseline keeps every state too: one step at a time
-        def one(st, xs):
-            o, st = step_xla(*(a[:, None] for a in xs), st)
-            return st, (o[:, 0], st)
-        _, (o, sts) = jax.lax.scan(one, st, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
-        return jnp.moveaxis(o, 0, 1), jnp.moveaxis(sts, 0, 1)
-    err = rel_err(ker(q, k, v, g, beta, st)[1], xla_verify(q, k, v, g, beta, st)[1])
-    t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1][:, -1])
-    t_xla = device_seconds(lambda st: xla_verify(q, k, v, g, beta, st), (st,), 0, repeat,
-                           carry=lambda out: out[1][:, -1])
-    return row(f"gated delta verify, batch {s} x {nq} positions", t_ker, t_xla, (1 + nq) * s * state_bytes,
-               s * nq * hv * dk * dv * 6, err, form="verify", batch=s, positions=nq)
-
-
-def _gated_delta_chunked(K, JaxBackend, inputs, hv, dk, dv, prompt, state_bytes, rng, repeat, interpret, cases):
-    import jax.numpy as jnp
-    rows = []
-    q, k, v, g, beta = inputs((prompt,))
-    st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
-    xla_chunked = JaxBackend.gated_delta_chunked_xla
-    # a chunked call takes milliseconds: CHUNKED_LOOP calls in a row hide dispatch, and LOOP written-out scans of
-    # 64 chunks each kept XLA compiling past a 200 s run
-    t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
-                           loop=CHUNKED_LOOP)
-    c = 64
-    flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
-    nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * state_bytes
-    # v1: 31.3 ms at 733f897, kernel_speed_gated_delta_h200.json; v2 ieee 5.45 ms at b3d2b6f. tf32x3 needs a GPU
-    # (interpret mode refuses it)
-    for case in cases:
-        if interpret and "tf32x3" in case:
-            continue
-        if case[0] == "xla":                      # the XLA form at another chunk or precision, against its default
-            _, chunk, dots = case
-            ker = partial(xla_chunked, chunk=chunk, dots=dots)
-            name, extra = f"gated delta chunked XLA, chunk {chunk}, {dots}", dict(variant="xla", chunk=chunk,
-                                                                                   dots=dots)
-        else:
-            variant, dots, stages = case
-            ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant, dots=dots, stages=stages)
-            name, extra = f"gated delta chunked {variant} {dots} x{stages}", dict(variant=variant, dots=dots,
-                                                                                  stages=stages)
-        err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
-        t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
-                               loop=CHUNKED_LOOP)
-        rows.append(row(f"{name}, {prompt} tokens", t_ker, t_xla, nbytes, flops, err, form="chunked",
-                        tokens=prompt, **extra))
-    return rows
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU, kernels interpreted")
     ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--only", default="expert_decode,expert_grouped,decode_attention,gated_delta")
+    ap.add_argument("--only", default="expert_decode,expert_grouped,decode_attention")
     ap.add_argument("--out", default=None)
     ap.add_argument("--formats", default=None, help="expert_decode's formats, comma-separated (default: all)")
     ap.add_argument("--decode-cases", default=None,
@@ -505,11 +395,8 @@ def main() -> int:
             "expert_grouped": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4),
             "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
-            "gated_delta": dict(hv=2, dk=16, dv=16, batches=[1, 2], verify_q=3, prompt=70),
-            "gated_delta_chunked": dict(hv=2, dk=16, dv=16, batches=[1], verify_q=1, prompt=70,
-                                        forms=("chunked",)),
+            "gated_delta_chunked": dict(hv=2, dk=16, dv=16, prompt=70),
             "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
-            "delta_decode": dict(hk=2, hv=4, dk=16, dv=16, taps=4, batches=[1, 2]),
             "route": dict(experts=16, k=4, tokens=[1, 8]),
             "expert_grouped_blocks": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
@@ -522,12 +409,9 @@ def main() -> int:
             "pool_over_4gib": dict(hidden=2048, inter=512, n_experts=512, tokens=[1, 512], k=10),
             "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 16],
                                      queries=[1, 4]),
-            "gated_delta": dict(hv=32, dk=128, dv=128, batches=[1, 4, 16], verify_q=4, prompt=4096),
-            "gated_delta_chunked": dict(hv=32, dk=128, dv=128, batches=[1], verify_q=1, prompt=4096,
-                                        forms=("chunked",)),
+            "gated_delta_chunked": dict(hv=32, dk=128, dv=128, prompt=4096),
             "expert_grouped_blocks": dict(hidden=2048, inter=512, n_experts=512, tokens=[4096], k=10,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
-            "delta_decode": dict(hk=16, hv=32, dk=128, dv=128, taps=4, batches=[1, 4, 16]),
             "route": dict(experts=512, k=10, tokens=[1, 16, 4096]),
             "prompt_attention": dict(hq=16, hkv=2, hd=256, tokens=[4096],
                                      configs=[(8, 4, 3), (8, 8, 3), (16, 8, 3), (8, 4, 1), (16, 8, 1)]),
@@ -543,8 +427,8 @@ def main() -> int:
     if args.trace_decode:
         shapes["expert_decode"] = dict(shapes["expert_decode"], trace=decode_cases(args.trace_decode))
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
-           "gated_delta": gated_delta, "gated_delta_chunked": gated_delta, "pool_over_4gib": pool_over_4gib,
-           "prompt_attention": prompt_attention, "delta_decode": delta_decode, "route": route,
+           "gated_delta_chunked": gated_delta_chunked, "pool_over_4gib": pool_over_4gib,
+           "prompt_attention": prompt_attention, "route": route,
            "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}

@@ -21,7 +21,6 @@ from jax import lax
 
 from strata.errors import ConfigError
 from strata.jax_backend.kernels import decode_attention as k_attention
-from strata.jax_backend.kernels import delta_decode as k_delta_decode
 from strata.jax_backend.kernels import expert_decode as k_expert_decode
 from strata.jax_backend.kernels import expert_grouped as k_expert_grouped
 from strata.jax_backend.kernels import gated_delta as k_gated_delta
@@ -44,16 +43,10 @@ KERNELS = ("auto", "xla", "pallas")
 # its slab variant (8 rows, 4 warps), with other experts each call: 27.4 us against XLA's 33.2 at 1 token, 42.0 / 45.2
 # at 2, 66.7 / 67.6 at 4, 172 / 1757 at 16, and faster than v1 and v2 at each (kernel_speed_decode_experts_h200_
 # 59544fd.json), so from 1 token (DECODE_EXPERTS_MIN_TOKENS); the routing in one kernel,
-# 1.7x at 1 row (9.5 us against 15.8), 3.3x at 4096 (kernel_speed_decode_h200_35253ad.json). The gated delta rule's
-# kernels are not in it: decode v1 / v2 level with XLA (1.0-1.2x), chunked at 4096 tokens v2 5.45 ms, xla_intra
-# (XLA's intra-chunk products + the v2 recurrence kernel) 2.60 ms against XLA's 1.67 ms
-# (kernel_speed_gated_delta_h200_733f897.json), at a112ed3 with tf32x3 dots 2.09 ms against XLA's 1.29
-# (kernel_speed_gated_delta_h200_a112ed3.log); nor the Gated DeltaNet mixer's decode step in one kernel, 0.6x XLA's
-# composition at 1 row (18.8 us against 10.9) and 0.4x at 16 (kernel_speed_decode_h200_35253ad.json); "pallas" runs
-# them.
+# 1.7x at 1 row (9.5 us against 15.8), 3.3x at 4096 (kernel_speed_decode_h200_35253ad.json).
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "route"})
-# Every Pallas kernel the backend has ("pallas"): auto's and the slower ones above.
-PALLAS_ALL = PALLAS_AUTO | {"gdn_chunked", "gdn_decode", "delta_decode"}
+# Every Pallas kernel the backend has ("pallas"): auto's.
+PALLAS_ALL = PALLAS_AUTO
 DECODE_EXPERTS_MIN_TOKENS = 1
 # The formats "auto" computes decode rows of through the decode kernel: int4 (slab, measured above). Its tiles variant
 # reads every format: int8 2.0x XLA at 16 tokens but 0.8x at 4, bf16 and NVFP4 0.3-0.6x (kernel_speed_decode_h200_
@@ -85,11 +78,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         self.decode_block: int | None = None
         self.decode_warps = k_expert_decode.WARPS
         self.decode_min_tokens = DECODE_EXPERTS_MIN_TOKENS
-        self.gdn_variant = "xla_intra"
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
-        # the chunked kernels' data dots: on a GPU fp32 split over the tensor cores (TF32 x3, within the IEEE
-        # tests' 1e-6 limits; 15% faster than IEEE dots on the FMA units at a112ed3); interpret mode has no TF32
-        self.gdn_dots = "ieee" if self.interpret else "tf32x3"
         # the XLA chunked form's chunk (the kernels' is theirs: CHUNK). 128 measured 1.12 ms against 1.29 at 4096
         # tokens but moved no engine prompt (f2417c9), with less margin to the 1e-6 limits: it stays 64
         self.gdn_chunk = GDN_CHUNK
@@ -271,24 +260,6 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             o = o * self.sigmoid(gate)
         return o, kv
 
-    def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
-                    n_k_heads):
-        """The composition (strata/backend.py), but a decode token's mixer (a window's rows, or one sequence's
-        single token) is one Pallas kernel (kernels/delta_decode.py) when chosen and the shapes suit it."""
-        rows = is_rows(start)
-        if "delta_decode" in self.pallas_ops and (rows or qkv.shape[0] == 1):
-            # one sequence's token: its [1, ...] rows are a window of one, its states a bank of one
-            one = lambda x: x if rows else jnp.reshape(x, (1,) + jnp.shape(x))        # noqa: E731
-            try:
-                o, conv_state_new, ssm_new = k_delta_decode.delta_decode(
-                    qkv, z, b, a, one(conv_state), conv_w, one(ssm), a_log, dt_bias, gnorm, one(start), one(n_valid),
-                    n_k_heads=n_k_heads, eps=float(eps), interpret=self.interpret)
-                return (o, conv_state_new, ssm_new) if rows else (o, conv_state_new[0], ssm_new[0])
-            except ValueError:               # shapes the kernel does not take
-                pass
-        return super().delta_block(qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
-                                   n_k_heads)
-
     @staticmethod
     def causal_conv(u, conv_state, w, n_valid):
         # u [T, C]; conv_state [K-1, C] = the last K-1 inputs before this part; w [C, K]
@@ -300,13 +271,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         return jax.nn.silu(y), new_state.astype(conv_state.dtype)
 
     def gated_delta_chunked(self, q, k, v, g, beta, state):
-        """Prompt parts' gated delta rule: the Pallas kernel (kernels/gated_delta.py) when chosen, else XLA's."""
-        if "gdn_chunked" in self.pallas_ops:
-            try:
-                return k_gated_delta.gated_delta_chunked(q, k, v, g, beta, state, interpret=self.interpret,
-                                                         variant=self.gdn_variant, dots=self.gdn_dots)
-            except ValueError:               # shapes the kernel does not take
-                pass
+        """Prompt parts' gated delta rule: gated_delta_chunked_xla at the backend's chunk and matmul precision."""
         return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state, chunk=self.gdn_chunk,
                                                   dots=self.gdn_xla_dots)
 
@@ -366,19 +331,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         out = out.transpose(0, 2, 1, 3).reshape(n * c, hv, dv)[:t]
         return out, state
 
-    def gated_delta_step(self, q, k, v, g, beta, state):
-        """Decode's gated delta rule: the Pallas kernel (kernels/gated_delta.py) when chosen, else XLA's. Under a
-        decode window's vmap over the bank's rows the kernel is batched into one call over every row."""
-        if "gdn_decode" in self.pallas_ops:
-            try:
-                o, new = k_gated_delta.gated_delta_decode(q, k, v, g, beta, state[None], interpret=self.interpret)
-                return o, new[0]
-            except ValueError:               # shapes the kernel does not take
-                pass
-        return JaxBackend.gated_delta_step_xla(q, k, v, g, beta, state)
-
     @staticmethod
-    def gated_delta_step_xla(q, k, v, g, beta, state):
+    def gated_delta_step(q, k, v, g, beta, state):
         """Recurrent form for one token: q, k [1, Hv, dk], v [1, Hv, dv], g, beta [1, Hv]; state [Hv, dk, dv]."""
         hi = lax.Precision.HIGHEST
         q, k, v, g, beta = (x[0].astype(jnp.float32) for x in (q, k, v, g, beta))

@@ -1,9 +1,8 @@
 """The engine with the JAX backend's Pallas kernels (kernels="pallas": interpreted on the CPU, compiled on a GPU with
 STRATA_TEST_DEVICE=gpu) against plain XLA (kernels="xla"): the same greedy tokens and logits within float32's
 rounding, through Engine sequences (prompt parts: the grouped expert op) and through the WindowRunner's decode rows
-(the decode attention kernel over the bank, the Gated DeltaNet mixer's decode kernel over the rows, the decode
-expert kernel, the routing kernel), for float and int8 KV caches; the engine API's one-token decode through the
-mixer's kernel too."""
+(the decode attention kernel over the bank, the decode expert kernel, the routing kernel), for float and int8 KV
+caches."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -52,22 +51,18 @@ def counting(monkeypatch, module, name):
 def test_prompt_parts_and_decode_match_xla(engines, monkeypatch):
     xla, pallas = engines
     grouped = counting(monkeypatch, jb.k_expert_grouped, "experts_grouped")
-    gdn = counting(monkeypatch, jb.k_gated_delta, "gated_delta_chunked")
-    ids = list(range(3, 140))                          # parts of 64: the grouped expert op and chunked delta rule
+    ids = list(range(3, 140))                          # parts of 64: the grouped expert op
     ref, got = xla.logits(ids), pallas.logits(ids)
-    assert grouped and gdn, "the pallas engine's prompt parts did not go through the kernels"
+    assert grouped, "the pallas engine's prompt parts did not go through the grouped expert kernels"
     assert np.abs(got - ref).max() <= TOL * (ref.max() - ref.min())
-    mixer = counting(monkeypatch, jb.k_delta_decode, "delta_decode")
     assert pallas.generate(ids[:30], 10, stop_token_ids=[]) == xla.generate(ids[:30], 10, stop_token_ids=[])
-    assert mixer, "the pallas engine's one-token decode did not go through the mixer's kernel"
 
 
 def test_runner_decode_rows_match_xla(engines, monkeypatch):
     """Decode windows of 8 slots at different lengths (some inactive in turn) through the decode attention kernel,
-    the Gated DeltaNet mixer's decode kernel and the decode expert kernel (8 rows: at least DECODE_EXPERTS_MIN_TOKENS; the
-    demo's float experts by its tiles variant)."""
+    the decode expert kernel (8 rows: at least DECODE_EXPERTS_MIN_TOKENS; the demo's float experts by its tiles
+    variant) and the routing kernel."""
     calls = counting(monkeypatch, jb.k_attention, "decode_attention")
-    gdn = counting(monkeypatch, jb.k_delta_decode, "delta_decode")
     experts = counting(monkeypatch, jb.k_expert_decode, "experts_decode")
     routes = counting(monkeypatch, jb.k_route, "route")
     lengths = np.array([5, 16, 9, 3, 12, 7, 20, 4], np.int32)
@@ -91,4 +86,4 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
             pos = pos + active
         out.append(np.stack(seen))
     assert (out[0] == out[1]).all()
-    assert calls and gdn and experts and routes, "the pallas engine's decode rows did not go through the kernels"
+    assert calls and experts and routes, "the pallas engine's decode rows did not go through the kernels"
