@@ -220,8 +220,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
                 partial=None, backend_settings: dict | None = None) -> dict:
     """partial(out): called after each layer count with what is measured so far (a run cut short keeps it).
     backend_settings: backend attributes that are not its defaults (a comparison run): the XLA chunked gated delta
-    rule's gdn_chunk and gdn_xla_dots, the decode expert kernel's decode_variant, decode_block, decode_warps and
-    decode_min_tokens."""
+    rule's gdn_chunk and gdn_xla_dots, the decode expert kernel's decode_block, decode_warps and decode_min_tokens."""
     import ml_dtypes
 
     from strata.config import EngineOptions
@@ -238,8 +237,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
     out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth(), "kernels": kernels,
            "pallas_ops": sorted(backend.pallas_ops), "gdn_chunk": backend.gdn_chunk,
            "gdn_xla_dots": backend.gdn_xla_dots,
-           "decode_experts": {k: getattr(backend, k) for k in ("decode_variant", "decode_block", "decode_warps",
-                                                               "decode_min_tokens")},
+           "decode_experts": {k: getattr(backend, k) for k in ("decode_block", "decode_warps", "decode_min_tokens")},
            "kv": kv}
     if changed:                                        # never a headline (bench/summary.py)
         out["comparison"] = ", ".join(f"{k} {v}" for k, v in changed.items())
@@ -319,9 +317,8 @@ def main() -> int:
                     help="real shapes: the XLA chunked gated delta rule's chunk (a comparison, never a headline)")
     ap.add_argument("--gdn-xla-dots", default=None, choices=("ieee", "tf32x3", "bf16x6"),
                     help="real shapes: the XLA chunked gated delta rule's matmuls (a comparison, never a headline)")
-    ap.add_argument("--decode-variant", default=None, choices=("v1", "v2", "slab", "tiles"),
-                    help="real shapes: the decode expert kernel's variant (a comparison, never a headline)")
-    ap.add_argument("--decode-block", type=int, default=None, help="real shapes: its rows a program")
+    ap.add_argument("--decode-block", type=int, default=None,
+                    help="real shapes: the decode expert kernel's rows a program (a comparison, never a headline)")
     ap.add_argument("--decode-warps", type=int, default=None, help="real shapes: its warps a program")
     ap.add_argument("--decode-min-tokens", type=int, default=None,
                     help="real shapes: the tokens a window from which it replaces XLA's form")
@@ -343,7 +340,7 @@ def main() -> int:
                                     {"bench": "engine_speed_partial", **stamp, **out},
                                     (args.out or "engine_speed") + ".partial", ""),
                                 backend_settings={k: getattr(args, k) for k in (
-                                    "gdn_chunk", "gdn_xla_dots", "decode_variant", "decode_block", "decode_warps",
+                                    "gdn_chunk", "gdn_xla_dots", "decode_block", "decode_warps",
                                     "decode_min_tokens")})}
         name = "engine_speed_real_shapes" + ("" if args.experts == "bf16" else f"_{args.experts}") + \
             f"_{args.kernels}" + ("" if args.kv == "auto" else f"_kv{args.kv}") + ("_smoke" if args.smoke else "")

@@ -4,9 +4,8 @@
 #   bash bench/h200_session.sh gdn       # the XLA chunked delta rule at other chunks and precisions, and its GPU tests
 #   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_XLA_DOTS (tf32x3), GDN_CHUNK (64)
 #   bash bench/h200_session.sh engine48  # engine_speed at all 48 layers, kernels auto (~39 GB of int4 experts)
-#   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
-#   bash bench/h200_session.sh decode-kernels  # decode expert op variants and formats, the routing kernel
-#   bash bench/h200_session.sh decode-experts  # the int4 decode expert op: XLA's form, v1, v2, slab (rows, warps)
+#   bash bench/h200_session.sh decode-kernels  # the decode expert op (rows, warps) and the routing kernel
+#   bash bench/h200_session.sh decode-experts  # the int4 decode expert op against XLA's form (rows, warps)
 #   bash bench/h200_session.sh ahead     # 48 layers, batch 1: windows dispatched ahead, the host's time split
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
@@ -47,7 +46,7 @@ case "${1:-}" in
       -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_gated_delta_tests.log" | grep -E "passed|failed|Error" \
       | head -20
     ;;
-  decode-kernels) # the decode path's kernels: the expert op (every variant, block and format) and the routing;
+  decode-kernels) # the decode path's kernels: the expert op (rows and warps a program) and the routing;
               # then their tests and the engine's, compiled on the GPU
     timeout 330 python3 bench/kernel_speed.py --only route,expert_decode \
       --out "$OUT/kernel_speed_decode_h200.json" 2>&1 | grep -E "^(expert|route|wrote)|FAILED" \
@@ -57,20 +56,20 @@ case "${1:-}" in
       -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_decode_kernel_tests.log" \
       | grep -E "passed|failed|FAILED|Error" | head -20
     ;;
-  decode-experts) # the int4 decode expert op alone: XLA's form (blob_matvec) against v1, v2 and the slab variant over
-              # rows and warps, at 1, 2, 4 and 16 tokens, each call of the chain reading other experts (from HBM);
-              # then the op's tests and the engine's kernel tests compiled on the GPU
-    timeout 300 python3 bench/kernel_speed.py --only expert_decode --formats int4 \
+  decode-experts) # the int4 decode expert op alone: XLA's form (blob_matvec) against the kernel over rows and warps,
+              # at 1, 2, 4 and 16 tokens, each call of the chain reading other experts (from HBM); then the op's
+              # tests and the engine's kernel tests compiled on the GPU
+    timeout 300 python3 bench/kernel_speed.py --only expert_decode \
       --out "$OUT/kernel_speed_decode_experts_h200.json" 2>&1 | grep -E "^(expert|wrote)|FAILED" \
       | tee "$OUT/kernel_speed_decode_experts.log"
     STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_expert_decode.py \
       tests/kernels/test_engine_kernels.py -p no:cacheprovider -o addopts="" 2>&1 \
       | tee "$OUT/gpu_decode_expert_tests.log" | grep -E "passed|failed|FAILED|Error" | head -20
     ;;
-  trace-experts) # the decode expert op's kernels under the profiler: XLA's form and the slab variant (8 rows, 4 warps)
-              # at 1 and 4 tokens, each kernel's count and time
-    timeout 200 python3 bench/kernel_speed.py --only expert_decode --formats int4 --decode-cases slab:8:4 \
-      --trace-decode slab:8:4 --out "$OUT/kernel_trace_decode_experts_h200.json" 2>&1 \
+  trace-experts) # the decode expert op's kernels under the profiler: XLA's form and the kernel (8 rows, 4 warps)
+              # at 1, 2, 4 and 16 tokens, each kernel's count and time
+    timeout 200 python3 bench/kernel_speed.py --only expert_decode --decode-cases 8:4 \
+      --trace-decode 8:4 --out "$OUT/kernel_trace_decode_experts_h200.json" 2>&1 \
       | grep -E "^(expert|wrote|trace|  )|FAILED" | grep -v "0.000 ms" | tee "$OUT/kernel_trace_decode_experts.log"
     ;;
   ahead)      # at 48 layers, batch 1: the runner's windows dispatched ahead with the host's time split (call,
@@ -96,12 +95,6 @@ case "${1:-}" in
               # carry the clock (compile times); the .partial file is rewritten after each figure
     timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 48 --prompt 4096 --repeat 3 \
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers.json" 2>&1 \
-      | grep -E "layers:|\] |\| |wrote|Error"
-    ;;
-  engine-pallas) # kernels pallas: auto's kernels and the decode expert op's tiles variant for every format; LAYERS=48
-                 # for all layers
-    timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 \
-      --repeat 3 --kernels pallas --out "$OUT/engine_speed_real_shapes_int4_pallas.json" 2>&1 \
       | grep -E "layers:|\] |\| |wrote|Error"
     ;;
   engine-gdn) # the XLA chunked rule at other settings, a comparison run: GDN_XLA_DOTS (default tf32x3) and GDN_CHUNK
@@ -151,7 +144,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|ahead|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|ahead|kernel-tests|engine|engine48|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|dispatch|scopes" >&2
     exit 2
     ;;
 esac

@@ -7,8 +7,8 @@ where one is cheap) on the same inputs before it is timed.
     python bench/kernel_speed.py --smoke    # the same code on a CPU in Pallas interpret mode, tiny shapes
 
 Kernels (strata/jax_backend/kernels/):
-- expert_decode: the decode expert op (blobs dequantized in the kernel: int4 by each variant, bf16, int8 and nvfp4 by
-  the tiles variant) at 1, 2, 4 and 16 tokens of 10 routes, against experts.experts_from_pool's gather form;
+- expert_decode: the decode expert op over int4 blobs (dequantized in the kernel) at 1, 2, 4 and 16 tokens of 10
+  routes, over rows and warps a program, against experts.experts_from_pool's gather form;
 - expert_grouped: the prompt-part expert op (a grouped GEMM over routes sorted by expert, weights dequantized in the
   kernel) at 512 and 4096 tokens, int4 and bf16 blobs, against experts_from_pool's grouped form;
 - decode_attention: attention of 1 (decode) or 4 (verify) query positions per row over int8 and bf16 KV caches at
@@ -113,56 +113,49 @@ def row(name: str, t_ker: float, t_xla: float, nbytes: float, flops: float, err:
     return r
 
 
-def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=("int4", "bf16", "int8", "nvfp4"),
-                  cases=None, trace=()):
-    """int4 by v1, v2 and the slab variant (over rows and warps), the other formats by the tiles variant; each
-    format's pool capped under 2^31 bytes (a larger one is read through compacted copies, timed elsewhere).
-    cases: int4's (variant, block, warps) list instead of the default. trace: (variant, block, warps) cases whose
-    chained calls are also run under the profiler, with XLA's form: each kernel's count and time (trace_summary)."""
+def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, cases=None, trace=()):
+    """int4 over (rows, warps) a program; the pool capped under 2^31 bytes (a larger one is read through compacted
+    copies, timed elsewhere). cases: the (block, warps) list instead of the default. trace: (block, warps) cases
+    whose chained calls are also run under the profiler, with XLA's form: each kernel's count and time
+    (trace_summary)."""
     import jax
     import jax.numpy as jnp
 
-    from strata.jax_backend.kernels.expert_decode import BLOCK_ROWS, MAX_KERNEL_POOL_BYTES, WARPS, experts_decode
+    from strata.jax_backend.kernels.expert_decode import MAX_KERNEL_POOL_BYTES, experts_decode
     from strata.jax_backend.kernels.experts import experts_from_pool
     rows, traced = [], {}
-    for fmt in formats:
-        store = SyntheticStore(fmt, hidden, inter, 1, n_slots, distinct=min(64, n_slots))
-        lay = store.layout
-        n = min(n_slots, MAX_KERNEL_POOL_BYTES // lay.nbytes)
-        pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n)]))
-        # (variant, block, warps): v1 measured 41.4 us at 1 token, v2 33.0 at 8 rows (35253ad: L2-warm, below);
-        # the slab variant (whole rows in one load) over rows and warps
-        fmt_cases = ((cases or [("v1", BLOCK_ROWS, WARPS), ("v2", 8, WARPS)]
-                      + [("slab", b, w) for b, w in ((4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8))])
-                     if fmt == "int4" else [("tiles", BLOCK_ROWS, WARPS)])
-        rng = np.random.default_rng(0)
-        for t in tokens:
-            # call i of the chain reads routes_i: LOOP draws, so that the blobs come from HBM as in an engine's
-            # window (48 layers, different experts each); at 35253ad every call read the same 16.5 MB, L2-resident
-            slots_all = [jnp.asarray(np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32))
-                         for _ in range(LOOP)]
-            slots = slots_all[0]
-            weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
-            x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
-            def call_i(op):         # call i of a chain: op over routes_i
-                return lambda i, x, p: op(p, x, slots_all[i], weight)
-            xla = partial(experts_from_pool, lay, max_distinct=n)
-            t_xla = device_seconds(call_i(xla), (x, pool), 0, repeat, indexed=True)
-            want = xla(pool, x, slots, weight).astype(jnp.float32)
-            distinct = np.mean([len(np.unique(np.asarray(s))) for s in slots_all])
-            if fmt == "int4" and trace:
-                traced[f"xla, {t} token(s)"] = kernel_trace(call_i(xla), (x, pool))
-            for variant, block, warps in fmt_cases:
-                ker = partial(experts_decode, lay, interpret=interpret, variant=variant, block=block, warps=warps)
-                err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
-                t_ker = device_seconds(call_i(ker), (x, pool), 0, repeat, indexed=True)
-                if fmt == "int4" and (variant, block, warps) in trace:
-                    traced[f"{variant} block {block} warps {warps}, {t} token(s)"] = kernel_trace(call_i(ker),
-                                                                                                 (x, pool))
-                rows.append(row(f"expert decode {fmt} {variant} block {block} warps {warps}, {t} token(s) x {k} "
-                                f"routes", t_ker, t_xla, distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err,
-                                fmt=fmt, tokens=t, routes=t * k, distinct_experts=distinct, variant=variant,
-                                block=block, warps=warps, routes_vary_per_call=True))
+    store = SyntheticStore("int4", hidden, inter, 1, n_slots, distinct=min(64, n_slots))
+    lay = store.layout
+    n = min(n_slots, MAX_KERNEL_POOL_BYTES // lay.nbytes)
+    pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n)]))
+    cases = cases or [(4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8)]
+    rng = np.random.default_rng(0)
+    for t in tokens:
+        # call i of the chain reads routes_i: LOOP draws, so that the blobs come from HBM as in an engine's window
+        # (48 layers, different experts each), not from the L2 the previous call filled
+        slots_all = [jnp.asarray(np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32))
+                     for _ in range(LOOP)]
+        slots = slots_all[0]
+        weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
+        x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
+        def call_i(op):         # call i of a chain: op over routes_i
+            return lambda i, x, p: op(p, x, slots_all[i], weight)
+        xla = partial(experts_from_pool, lay, max_distinct=n)
+        t_xla = device_seconds(call_i(xla), (x, pool), 0, repeat, indexed=True)
+        want = xla(pool, x, slots, weight).astype(jnp.float32)
+        distinct = np.mean([len(np.unique(np.asarray(s))) for s in slots_all])
+        if trace:
+            traced[f"xla, {t} token(s)"] = kernel_trace(call_i(xla), (x, pool))
+        for block, warps in cases:
+            ker = partial(experts_decode, lay, interpret=interpret, block=block, warps=warps)
+            err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
+            t_ker = device_seconds(call_i(ker), (x, pool), 0, repeat, indexed=True)
+            if (block, warps) in trace:
+                traced[f"block {block} warps {warps}, {t} token(s)"] = kernel_trace(call_i(ker), (x, pool))
+            rows.append(row(f"expert decode int4 block {block} warps {warps}, {t} token(s) x {k} routes", t_ker,
+                            t_xla, distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err, fmt="int4", tokens=t,
+                            routes=t * k, distinct_experts=distinct, block=block, warps=warps,
+                            routes_vary_per_call=True))
     return {"cases": rows, "traces": traced} if trace else rows
 
 
@@ -204,8 +197,8 @@ def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret,
 
 
 def pool_over_4gib(hidden, inter, n_experts, tokens, k, repeat, interpret):
-    """Whether the kernels read a pool over 4 GiB directly (no compaction): JAX's Triton lowering computes a ref's
-    offsets in 64 bits above 2^32 bytes, in int32 below (so 2^31 .. 2^32 is the range that needs compaction)."""
+    """Whether the kernels read a pool over 4 GiB directly (they do not compact it): JAX's Triton lowering computes a
+    ref's offsets in 64 bits above 2^32 bytes, in int32 below (so 2^31 .. 2^32 is the range that needs compaction)."""
     import jax
     import jax.numpy as jnp
 
@@ -216,26 +209,22 @@ def pool_over_4gib(hidden, inter, n_experts, tokens, k, repeat, interpret):
     lay = store.layout
     n = (4 << 30) // lay.nbytes + 64                                           # just over 4 GiB of int4 blobs
     pool = jax.device_put(np.concatenate([np.stack([store.blob(0, e) for e in range(64)])] * (-(-n // 64)))[:n])
+    assert not K.needs_compaction(pool.size)
     rng = np.random.default_rng(5)
-    saved = K.MAX_KERNEL_POOL_BYTES
-    K.MAX_KERNEL_POOL_BYTES = 1 << 62                                          # read the pool directly
     out = {"pool_bytes": int(pool.size)}
-    try:
-        for t in tokens:
-            # slots near the end of the pool: offsets past 2^32 bytes
-            slots = jnp.asarray(np.stack([rng.choice(np.arange(n - 512, n), k, replace=False)
-                                          for _ in range(t)]).astype(np.int32))
-            weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
-            x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
-            ref = experts_from_pool(lay, pool, x, slots, weight, 512).astype(jnp.float32)
-            fn = (partial(experts_decode, lay, interpret=interpret) if t * k <= 64 else
-                  partial(K.experts_grouped, lay, interpret=interpret, max_distinct=512))
-            err = rel_err(fn(pool, x, slots, weight).astype(jnp.float32), ref)
-            out[f"{t}_tokens_rel_err"] = err
-            print(f"pool of {pool.size / 2 ** 30:.2f} GiB read directly, {t} tokens: kernel vs XLA relative error "
-                  f"{err:.1e}", flush=True)
-    finally:
-        K.MAX_KERNEL_POOL_BYTES = saved
+    for t in tokens:
+        # slots near the end of the pool: offsets past 2^32 bytes
+        slots = jnp.asarray(np.stack([rng.choice(np.arange(n - 512, n), k, replace=False)
+                                      for _ in range(t)]).astype(np.int32))
+        weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
+        x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
+        ref = experts_from_pool(lay, pool, x, slots, weight, 512).astype(jnp.float32)
+        fn = (partial(experts_decode, lay, interpret=interpret) if t * k <= 64 else
+              partial(K.experts_grouped, lay, interpret=interpret, max_distinct=512))
+        err = rel_err(fn(pool, x, slots, weight).astype(jnp.float32), ref)
+        out[f"{t}_tokens_rel_err"] = err
+        print(f"pool of {pool.size / 2 ** 30:.2f} GiB read directly, {t} tokens: kernel vs XLA relative error "
+              f"{err:.1e}", flush=True)
     return out
 
 
@@ -381,17 +370,16 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--only", default="expert_decode,expert_grouped,decode_attention")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--formats", default=None, help="expert_decode's formats, comma-separated (default: all)")
     ap.add_argument("--decode-cases", default=None,
-                    help="expert_decode's int4 cases instead of its default: variant:block:warps, comma-separated")
+                    help="expert_decode's cases instead of its default: block:warps, comma-separated")
     ap.add_argument("--trace-decode", default=None,
-                    help="expert_decode: also trace these cases (variant:block:warps, comma-separated) and XLA's form")
+                    help="expert_decode: also trace these cases (block:warps, comma-separated) and XLA's form")
     args = ap.parse_args()
     import jax
     interpret = jax.devices()[0].platform != "gpu"
     if args.smoke:
         shapes = {
-            "expert_decode": dict(hidden=256, inter=128, n_slots=16, tokens=[1, 2], k=4, formats=("int4", "bf16")),
+            "expert_decode": dict(hidden=256, inter=128, n_slots=16, tokens=[1, 2], k=4),
             "expert_grouped": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4),
             "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
@@ -418,10 +406,8 @@ def main() -> int:
         }
         repeat = args.repeat
     def decode_cases(text):
-        return [(v, int(b), int(w)) for v, b, w in (c.split(":") for c in text.split(","))]
+        return [(int(b), int(w)) for b, w in (c.split(":") for c in text.split(","))]
 
-    if args.formats:
-        shapes["expert_decode"] = dict(shapes["expert_decode"], formats=tuple(args.formats.split(",")))
     if args.decode_cases:
         shapes["expert_decode"] = dict(shapes["expert_decode"], cases=decode_cases(args.decode_cases))
     if args.trace_decode:

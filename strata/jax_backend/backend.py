@@ -48,10 +48,6 @@ PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "rout
 # Every Pallas kernel the backend has ("pallas"): auto's.
 PALLAS_ALL = PALLAS_AUTO
 DECODE_EXPERTS_MIN_TOKENS = 1
-# The formats "auto" computes decode rows of through the decode kernel: int4 (slab, measured above). Its tiles variant
-# reads every format: int8 2.0x XLA at 16 tokens but 0.8x at 4, bf16 and NVFP4 0.3-0.6x (kernel_speed_decode_h200_
-# 35253ad.json), so "auto" leaves them to XLA; "pallas" takes it for all.
-DECODE_KERNEL_FORMATS_AUTO = frozenset({"int4"})
 
 
 class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses them in the jitted window
@@ -71,11 +67,9 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             (frozenset() if kernels == "xla" else PALLAS_ALL)
         # the grouped kernel's variant: v2, the faster on the H200 (above); the chunked rule's under "pallas"
         self.grouped_variant = "v2"
-        # the decode expert op's kernel: its variant (None: the kernel's default for the format), rows and warps a
-        # program, and the tokens a window from which it replaces XLA's form (bench/engine_speed.py sets them for
-        # comparison runs)
-        self.decode_variant: str | None = None
-        self.decode_block: int | None = None
+        # the decode expert op's kernel: its rows and warps a program, and the tokens a window from which it replaces
+        # XLA's form (bench/engine_speed.py sets them for comparison runs)
+        self.decode_block = k_expert_decode.BLOCK_ROWS
         self.decode_warps = k_expert_decode.WARPS
         self.decode_min_tokens = DECODE_EXPERTS_MIN_TOKENS
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
@@ -364,9 +358,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     def experts_pool(self, x, slots, weight, pool, layout, max_distinct):
         """The expert op over the slot pool: x [T, H]; slots, weight [T, k] (slot -1: not computed here); pool uint8
         [N, layout.nbytes]. Prompt parts (more than GATHER_ROUTES_MAX routes) through the grouped Pallas kernel,
-        decode rows of decode_min_tokens tokens or more through the decode kernel, when chosen (int4 under
-        "auto", every format under "pallas"); otherwise (and for shapes a kernel does not take)
-        strata/jax_backend/kernels/experts.py in XLA."""
+        decode rows of int4 blobs, decode_min_tokens tokens or more, through the decode kernel, when chosen;
+        otherwise (and for shapes a kernel does not take) strata/jax_backend/kernels/experts.py in XLA."""
         t, kk = slots.shape
         single = not isinstance(pool, (tuple, list))
         try:
@@ -374,11 +367,9 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
                 return k_expert_grouped.experts_grouped(layout, pool, x, slots, weight, interpret=self.interpret,
                                                         max_distinct=max_distinct, variant=self.grouped_variant)
             if (single and t >= self.decode_min_tokens and t * kk <= GATHER_ROUTES_MAX
-                    and "experts_decode" in self.pallas_ops
-                    and (self.kernels == "pallas" or layout.fmt in DECODE_KERNEL_FORMATS_AUTO)):
+                    and "experts_decode" in self.pallas_ops and layout.fmt in k_expert_decode.FORMATS):
                 return k_expert_decode.experts_decode(layout, pool, x, slots, weight, interpret=self.interpret,
-                                                      variant=self.decode_variant, block=self.decode_block,
-                                                      warps=self.decode_warps)
+                                                      block=self.decode_block, warps=self.decode_warps)
         except ValueError:                   # shapes or a format the kernel does not take
             pass
         return experts_from_pool(layout, pool, x, slots, weight, max_distinct)

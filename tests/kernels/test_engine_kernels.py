@@ -1,8 +1,8 @@
 """The engine with the JAX backend's Pallas kernels (kernels="pallas": interpreted on the CPU, compiled on a GPU with
 STRATA_TEST_DEVICE=gpu) against plain XLA (kernels="xla"): the same greedy tokens and logits within float32's
 rounding, through Engine sequences (prompt parts: the grouped expert op) and through the WindowRunner's decode rows
-(the decode attention kernel over the bank, the decode expert kernel, the routing kernel), for float and int8 KV
-caches."""
+(the decode attention kernel over the bank, the routing kernel), for float and int8 KV caches; and the backend's
+expert op sending int4 decode rows to the decode expert kernel."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -59,15 +59,13 @@ def test_prompt_parts_and_decode_match_xla(engines, monkeypatch):
 
 
 def test_runner_decode_rows_match_xla(engines, monkeypatch):
-    """Decode windows of 8 slots at different lengths (some inactive in turn) through the decode attention kernel,
-    the decode expert kernel (8 rows: at least DECODE_EXPERTS_MIN_TOKENS; the demo's float experts by its tiles
-    variant) and the routing kernel."""
+    """Decode windows of 8 slots at different lengths (some inactive in turn) through the decode attention kernel
+    and the routing kernel. (The demo's float experts stay with XLA's decode form: the decode expert kernel reads
+    int4 blobs; test_backend_sends_int4_decode_rows_to_the_decode_kernel covers it.)"""
     calls = counting(monkeypatch, jb.k_attention, "decode_attention")
-    experts = counting(monkeypatch, jb.k_expert_decode, "experts_decode")
     routes = counting(monkeypatch, jb.k_route, "route")
     lengths = np.array([5, 16, 9, 3, 12, 7, 20, 4], np.int32)
     s = len(lengths)
-    assert s >= jb.DECODE_EXPERTS_MIN_TOKENS
     out = []
     for engine in engines:
         runner = WindowRunner(engine, s, 16)
@@ -86,4 +84,22 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
             pos = pos + active
         out.append(np.stack(seen))
     assert (out[0] == out[1]).all()
-    assert calls and experts and routes, "the pallas engine's decode rows did not go through the kernels"
+    assert calls and routes, "the pallas engine's decode rows did not go through the kernels"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_backend_sends_int4_decode_rows_to_the_decode_kernel(fmt, monkeypatch):
+    """JaxBackend(kernels="pallas").experts_pool: decode rows of int4 blobs (power-of-two groups) go through
+    kernels/expert_decode.py, other formats through XLA's op; both equal the numpy reference."""
+    from test_expert_op import LIMIT, poisoned_pool, rel_err, routes
+
+    from strata.weights import quant
+    rng = np.random.default_rng()
+    lay = quant.layout(fmt, 256, 128)
+    pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
+    slots, weight = routes(rng, 3, 4, slot_of)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    decode = counting(monkeypatch, jb.k_expert_decode, "experts_decode")
+    got = np.asarray(jb.JaxBackend(kernels="pallas").experts_pool(x, slots, weight, pool, lay, 10))
+    assert bool(decode) == (fmt == "int4")
+    assert rel_err(got, quant.expert_reference(lay, pool, x, slots, weight)) <= LIMIT["float32"][fmt]

@@ -1,8 +1,7 @@
 """Reading expert blobs inside Pallas kernels: the fields of strata/weights/quant.py's formats decoded from a uint8
-pool ref, tile by tile. Shared by every kernel that computes experts from the pool (expert_grouped.py, the prompt
-form; expert_decode.py, the decode form), so a format's bytes, scales and zero points are decoded by one piece of
-code whichever kernel runs (ARCHITECTURE.md: one expert op). Bit-for-bit agreement with quant.decode_expert in
-float32 is held by the kernels' tests.
+pool ref, tile by tile (expert_grouped.py's tiles; expert_decode.py reads int4 scales with u16_at), so a format's
+bytes, scales and zero points are decoded by one piece of code (ARCHITECTURE.md: one expert op). Bit-for-bit
+agreement with quant.decode_expert in float32 is held by the kernels' tests.
 """
 from __future__ import annotations
 
