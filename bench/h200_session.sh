@@ -2,7 +2,7 @@
 # One lent H200 call per part (each ends well inside a 10-minute call), writing JSON and logs under $OUT (or ./out):
 #   bash bench/h200_session.sh kernels   # bench/kernel_speed.py, the families untimed in their v2 forms first
 #   bash bench/h200_session.sh gdn       # the XLA chunked delta rule at other chunks and precisions, and its GPU tests
-#   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_XLA_DOTS (tf32x3), GDN_CHUNK (64)
+#   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_DOTS (tf32x3), GDN_CHUNK (64)
 #   bash bench/h200_session.sh engine48  # engine_speed at all 48 layers, kernels auto (~39 GB of int4 experts)
 #   bash bench/h200_session.sh decode-kernels  # the decode expert op (rows, warps) and the routing kernel
 #   bash bench/h200_session.sh decode-experts  # the int4 decode expert op against XLA's form (rows, warps)
@@ -97,11 +97,11 @@ case "${1:-}" in
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers.json" 2>&1 \
       | grep -E "layers:|\] |\| |wrote|Error"
     ;;
-  engine-gdn) # the XLA chunked rule at other settings, a comparison run: GDN_XLA_DOTS (default tf32x3) and GDN_CHUNK
+  engine-gdn) # the XLA chunked rule at other settings, a comparison run: GDN_DOTS (default tf32x3) and GDN_CHUNK
               # (default 64), LAYERS=8,12 by default
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 \
-      --repeat 3 --kernels auto --gdn-chunk "${GDN_CHUNK:-64}" --gdn-xla-dots "${GDN_XLA_DOTS:-tf32x3}" \
-      --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_${GDN_CHUNK:-64}_${GDN_XLA_DOTS:-tf32x3}.json" 2>&1 \
+      --repeat 3 --kernels auto --gdn-chunk "${GDN_CHUNK:-64}" --gdn-dots "${GDN_DOTS:-tf32x3}" \
+      --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_${GDN_CHUNK:-64}_${GDN_DOTS:-tf32x3}.json" 2>&1 \
       | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-nocb)  # LAYERS=8 for one point (the prompt part's time against engine's at the same layers)

@@ -307,12 +307,13 @@ CHUNKED_CASES = ((64, "tf32x3"), (128, "tf32x3"), (64, "bf16x6"), (128, "ieee"))
 
 
 def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CASES):
-    """The backend's XLA form of the gated delta rule (JaxBackend.gated_delta_chunked_xla) over a prompt part of one
-    sequence, at each (chunk, dots) case against its defaults. FLOPs: the intra-chunk products and the recurrence;
-    bytes: q, k, v, o in fp32 and the state read and written."""
+    """The backend's chunked gated delta rule (XLA's form) over a prompt part of one sequence, with each (chunk,
+    dots) case as its KernelConfig's gdn_chunk and gdn_dots, against the defaults. FLOPs: the intra-chunk products
+    and the recurrence; bytes: q, k, v, o in fp32 and the state read and written."""
     import jax.numpy as jnp
 
     from strata.jax_backend.backend import JaxBackend
+    from strata.jax_backend.kernel_config import KernelConfig
     rng = np.random.default_rng(3)
     n = lambda *s: rng.standard_normal((prompt,) + s).astype(np.float32)  # noqa: E731
     q, k = n(hv, dk), n(hv, dk)
@@ -322,7 +323,7 @@ def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CAS
     beta = 1 / (1 + np.exp(-n(hv)))
     q, k, v, g, beta = (jnp.asarray(a) for a in (q, k, n(hv, dv), g.astype(np.float32), beta.astype(np.float32)))
     st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
-    xla_chunked = JaxBackend.gated_delta_chunked_xla
+    xla_chunked = JaxBackend(kernels="xla").gated_delta_chunked
     # a chunked call takes milliseconds: CHUNKED_LOOP calls in a row hide dispatch, and LOOP written-out scans of
     # 64 chunks each kept XLA compiling past a 200 s run
     t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
@@ -334,7 +335,7 @@ def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CAS
     for chunk, dots in cases:
         if interpret and dots == "tf32x3":        # XLA's CPU has no TF32
             continue
-        ker = partial(xla_chunked, chunk=chunk, dots=dots)
+        ker = JaxBackend(kernels="xla", kernel_config=KernelConfig(gdn_chunk=chunk, gdn_dots=dots)).gated_delta_chunked
         err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
         t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
                                loop=CHUNKED_LOOP)

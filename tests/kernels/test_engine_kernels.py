@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from strata import Engine
+from strata.backend import get_backend
+from strata.errors import ConfigError
 from strata.jax_backend import backend as jb
+from strata.jax_backend.kernel_config import KernelConfig
 from strata.engine.runner import WindowRunner
 from strata.plan import idle_plan
 from strata.plan import PromptPart
@@ -27,7 +30,7 @@ def engines(request):
 
 def test_the_options_choose_the_kernels():
     assert jb.JaxBackend(kernels="xla").pallas_ops == frozenset()
-    assert jb.JaxBackend(kernels="pallas").pallas_ops >= jb.PALLAS_AUTO
+    assert jb.JaxBackend(kernels="pallas").pallas_ops == jb.PALLAS_AUTO
     assert jb.JaxBackend().pallas_ops == (jb.PALLAS_AUTO if jb.JaxBackend().device.platform == "gpu" else frozenset())
     with pytest.raises(Exception, match="kernels 'cuda' is not allowed; allowed: auto, xla, pallas"):
         Engine.load("demo", kernels="cuda")
@@ -87,19 +90,57 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
     assert calls and routes, "the pallas engine's decode rows did not go through the kernels"
 
 
+def test_the_kernel_config_is_frozen_checked_and_given_at_load():
+    assert jb.JaxBackend().kernel_config == KernelConfig() and KernelConfig().changed() == {}
+    cfg = KernelConfig(gdn_chunk=128, decode_expert_warps=8)
+    assert cfg.changed() == {"gdn_chunk": 128, "decode_expert_warps": 8}
+    assert get_backend("jax", kernels="xla", kernel_config=cfg).kernel_config is cfg
+    with pytest.raises(AttributeError):
+        cfg.gdn_chunk = 64                                  # frozen: a backend's settings never change after load
+    for bad, match in ((dict(gdn_chunk=96), "gdn_chunk 96 must be a power of two from 16 to 256"),
+                       (dict(gdn_chunk=512), "gdn_chunk 512 must be"),
+                       (dict(gdn_dots="tf32"), "gdn_dots 'tf32' is not allowed; allowed: ieee, tf32x3, bf16x6"),
+                       (dict(decode_expert_rows=12), "decode_expert_rows 12 must be a power of two"),
+                       (dict(decode_expert_warps=0), "decode_expert_warps 0 must be a power of two"),
+                       (dict(decode_expert_min_tokens=0), "decode_expert_min_tokens 0 must be an integer >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            KernelConfig(**bad)
+    with pytest.raises(ConfigError, match="kernel_config must be a KernelConfig, not dict"):
+        jb.JaxBackend(kernel_config={"gdn_chunk": 128})
+
+
+def spying(monkeypatch, module, name):
+    """Record the keyword arguments of every call of module.name from now on."""
+    calls = []
+    real = getattr(module, name)
+
+    def spied(*a, **k):
+        calls.append(k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, spied)
+    return calls
+
+
 @pytest.mark.parametrize("fmt", ["int4", "bf16"])
 def test_backend_sends_int4_decode_rows_to_the_decode_kernel(fmt, monkeypatch):
     """JaxBackend(kernels="pallas").experts_pool: decode rows of int4 blobs (power-of-two groups) go through
-    kernels/expert_decode.py, other formats through XLA's op; both equal the numpy reference."""
+    kernels/expert_decode.py with the KernelConfig's rows and warps, from its decode_expert_min_tokens tokens; fewer
+    tokens and other formats through XLA's op; every result equal to the numpy reference."""
     from test_expert_op import LIMIT, poisoned_pool, rel_err, routes
 
     from strata.weights import quant
     rng = np.random.default_rng()
     lay = quant.layout(fmt, 256, 128)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
-    slots, weight = routes(rng, 3, 4, slot_of)
-    x = rng.standard_normal((3, 256)).astype(np.float32)
-    decode = counting(monkeypatch, jb.k_expert_decode, "experts_decode")
-    got = np.asarray(jb.JaxBackend(kernels="pallas").experts_pool(x, slots, weight, pool, lay, 10))
-    assert bool(decode) == (fmt == "int4")
-    assert rel_err(got, quant.expert_reference(lay, pool, x, slots, weight)) <= LIMIT["float32"][fmt]
+    ops = jb.JaxBackend(kernels="pallas", kernel_config=KernelConfig(decode_expert_rows=4, decode_expert_warps=2,
+                                                                      decode_expert_min_tokens=3))
+    decode = spying(monkeypatch, jb.k_expert_decode, "experts_decode")
+    for tokens in (2, 3):
+        slots, weight = routes(rng, tokens, 4, slot_of)
+        x = rng.standard_normal((tokens, 256)).astype(np.float32)
+        got = np.asarray(ops.experts_pool(x, slots, weight, pool, lay, 10))
+        assert rel_err(got, quant.expert_reference(lay, pool, x, slots, weight)) <= LIMIT["float32"][fmt]
+        want = [dict(interpret=ops.interpret, block=4, warps=2)] if fmt == "int4" and tokens == 3 else []
+        assert decode == want, f"{fmt}, {tokens} tokens: {decode}"
+        decode.clear()

@@ -118,6 +118,26 @@ def test_xla_chunked_form_with_dots_on_the_tensor_cores(dots, interpret):
     check_chunked(run, *aligned_inputs(rng, 300, 2, 32, 32), state_like(rng, (), 2, 32, 32))
 
 
+def test_the_backend_runs_its_kernel_configs_chunk_and_precision(monkeypatch):
+    """JaxBackend.gated_delta_chunked (the forward pass's call) computes at KernelConfig's gdn_chunk and gdn_dots."""
+    from strata.jax_backend.backend import JaxBackend
+    from strata.jax_backend.kernel_config import KernelConfig
+    seen = []
+    real = K.chunk_products_xla
+
+    def spied(*a, **kw):
+        seen.append((kw["chunk"], kw["dots"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(K, "chunk_products_xla", spied)
+    rng = np.random.default_rng()
+    for cfg, want in ((KernelConfig(), (64, "ieee")), (KernelConfig(gdn_chunk=128, gdn_dots="bf16x6"), (128, "bf16x6"))):
+        check_chunked(JaxBackend(kernels="xla", kernel_config=cfg).gated_delta_chunked,
+                      *rule_inputs(rng, (130,), 2, 16, 16, "float32"), state_like(rng, (), 2, 16, 16))
+        assert seen == [want]
+        seen.clear()
+
+
 def test_xla_chunked_form_refuses_an_unknown_precision_by_name():
     from strata.jax_backend.backend import JaxBackend
     z = jnp.zeros
