@@ -58,7 +58,11 @@ def e4m3(byte):
 
 def weight_tile(pool_ref, slot, lay: BlobLayout, m: str, rows, k0, bk: int, dt):
     """Rows `rows` [B], columns k0 .. k0 + bk - 1 of matrix m of the blob in `slot`, decoded: (w [B, bk] in dt,
-    scale [B] float32 that multiplies this tile's partial product, or None)."""
+    scale [B] float32 that multiplies this tile's partial product, or None). f32 / bf16: bytes bitcast; int8: q
+    (exact in bfloat16), its row scale left to matrix_scale; int4: low / high nibbles (even / odd columns) minus the
+    zero point, interleaved, q - z exact in bfloat16, with the float16 group scale (bk divides the group); nvfp4:
+    e2m1 codes to bfloat16 by bit operations (no float4 loads: they fail on Hopper) times the float8_e4m3 block
+    scale (exact in bfloat16), its global scale left to matrix_scale."""
     _, cols = lay.shape_of(m)
     r = rows[:, None]
     fmt = lay.fmt
