@@ -247,9 +247,9 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
 
     @staticmethod
     def gated_delta_chunked_xla(q, k, v, g, beta, state, chunk: int = k_gated_delta.CHUNK, dots: str = "ieee"):
-        """Chunked gated delta rule (chunks of `chunk` tokens). q, k [T, Hv, dk] (l2-normed, q
-        scaled), v [T, Hv, dv], g, beta [T, Hv] fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state
-        unchanged (that is how padding works). dots: how the fp32 matmuls run (kernels/gated_delta.py DOTS: "ieee",
+        """Chunked gated delta rule (chunks of `chunk` tokens). q, k [T, Hv, dk] (l2-normed, q scaled), v [T, Hv, dv],
+        g, beta [T, Hv] fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state unchanged (that is how
+        padding works). dots: how the fp32 matmuls run (kernels/gated_delta.py DOTS: "ieee",
         Precision.HIGHEST; "tf32x3" and "bf16x6" split over the tensor cores; XLA's CPU has no TF32)."""
         t, hv, dk = k.shape
         dv = v.shape[-1]
@@ -334,8 +334,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         """The expert op over the slot pool: x [T, H]; slots, weight [T, k] (slot -1: not computed here); pool uint8
         [N, layout.nbytes]. Prompt parts (more than GATHER_ROUTES_MAX routes) through the grouped Pallas kernel,
         decode rows of int4 blobs, kernel_config.decode_expert_min_tokens tokens or more, through the decode kernel,
-        when chosen;
-        otherwise (and for shapes a kernel does not take) strata/jax_backend/kernels/experts.py in XLA."""
+        when chosen; otherwise (and for shapes a kernel does not take) strata/jax_backend/kernels/experts.py in XLA."""
         t, kk = slots.shape
         single = not isinstance(pool, (tuple, list))
         try:
