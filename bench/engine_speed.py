@@ -15,6 +15,7 @@ import argparse
 import sys
 import time
 import zlib
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
@@ -217,30 +218,22 @@ BATCHES = (1, 4, 16)  # decode windows through the WindowRunner (batch 1 too: th
 
 def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, repeat: int,
                 overrides: dict | None = None, experts: str = "bf16", kernels: str = "auto", kv: str = "auto",
-                partial=None, backend_settings: dict | None = None) -> dict:
+                partial=None, kernel_config=None) -> dict:
     """partial(out): called after each layer count with what is measured so far (a run cut short keeps it).
-    backend_settings: backend attributes that are not its defaults (a comparison run): the XLA chunked gated delta
-    rule's gdn_chunk and gdn_xla_dots, the decode expert kernel's decode_variant, decode_block, decode_warps and
-    decode_min_tokens."""
+    kernel_config: the JAX backend's KernelConfig (default: its defaults); fields off their defaults make the run a
+    comparison."""
     import ml_dtypes
 
     from strata.config import Settings
     from strata.engine import Engine
     from strata.backend import get_backend
+    from strata.jax_backend.kernel_config import KernelConfig
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
-    backend = get_backend("jax", kernels=kernels)
-    changed = {k: v for k, v in (backend_settings or {}).items() if v is not None}
-    for k, v in changed.items():
-        if not hasattr(backend, k):
-            raise ValueError(f"the JAX backend has no setting {k!r}")
-        setattr(backend, k, v)
+    backend = get_backend("jax", kernels=kernels, kernel_config=kernel_config or KernelConfig())
+    changed = backend.kernel_config.changed()
     out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth(), "kernels": kernels,
-           "pallas_ops": sorted(backend.pallas_ops), "gdn_variant": backend.gdn_variant,
-           "gdn_dots": backend.gdn_dots, "gdn_chunk": backend.gdn_chunk, "gdn_xla_dots": backend.gdn_xla_dots,
-           "decode_experts": {k: getattr(backend, k) for k in ("decode_variant", "decode_block", "decode_warps",
-                                                               "decode_min_tokens")},
-           "kv": kv}
+           "pallas_ops": sorted(backend.pallas_ops), "kernel_config": asdict(backend.kernel_config), "kv": kv}
     if changed:                                        # never a headline (bench/summary.py)
         out["comparison"] = ", ".join(f"{k} {v}" for k, v in changed.items())
     for n in layer_counts:
@@ -304,6 +297,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
 
 
 def main() -> int:
+    from strata.jax_backend.kernel_config import KernelConfig
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--real-shapes", action="store_true")
@@ -315,16 +309,9 @@ def main() -> int:
                     help="real shapes: the format of the (all resident) experts; dense weights stay bf16")
     ap.add_argument("--kernels", default="auto", choices=("auto", "xla", "pallas"),
                     help="real shapes: the JAX backend's kernels (auto: the Pallas kernels that measured faster)")
-    ap.add_argument("--gdn-chunk", type=int, default=None,
-                    help="real shapes: the XLA chunked gated delta rule's chunk (a comparison, never a headline)")
-    ap.add_argument("--gdn-xla-dots", default=None, choices=("ieee", "tf32x3", "bf16x6"),
-                    help="real shapes: the XLA chunked gated delta rule's matmuls (a comparison, never a headline)")
-    ap.add_argument("--decode-variant", default=None, choices=("v1", "v2", "slab", "tiles"),
-                    help="real shapes: the decode expert kernel's variant (a comparison, never a headline)")
-    ap.add_argument("--decode-block", type=int, default=None, help="real shapes: its rows a program")
-    ap.add_argument("--decode-warps", type=int, default=None, help="real shapes: its warps a program")
-    ap.add_argument("--decode-min-tokens", type=int, default=None,
-                    help="real shapes: the tokens a window from which it replaces XLA's form")
+    for f in fields(KernelConfig):      # a field off its default makes the run a comparison, never a headline
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                        help=f"real shapes: the JAX backend's KernelConfig.{f.name} (default {f.default})")
     ap.add_argument("--kv", default="auto", choices=("auto", "int8", "bfloat16"), help="real shapes: the KV cache")
     ap.add_argument("--smoke", action="store_true",
                     help="real shapes but 16 experts and a 4K vocabulary: checks the script on a CPU in seconds")
@@ -342,9 +329,8 @@ def main() -> int:
                                 args.kernels, args.kv, partial=lambda out: results_file.write(
                                     {"bench": "engine_speed_partial", **stamp, **out},
                                     (args.out or "engine_speed") + ".partial", ""),
-                                backend_settings={k: getattr(args, k) for k in (
-                                    "gdn_chunk", "gdn_xla_dots", "decode_variant", "decode_block", "decode_warps",
-                                    "decode_min_tokens")})}
+                                kernel_config=KernelConfig(**{f.name: getattr(args, f.name)
+                                                              for f in fields(KernelConfig)}))}
         name = "engine_speed_real_shapes" + ("" if args.experts == "bf16" else f"_{args.experts}") + \
             f"_{args.kernels}" + ("" if args.kv == "auto" else f"_kv{args.kv}") + ("_smoke" if args.smoke else "")
         print(f"\n| figure | value |\n|---|---|\n"

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # One lent H200 call per part (each ends well inside a 10-minute call), writing JSON and logs under $OUT (or ./out):
 #   bash bench/h200_session.sh kernels   # bench/kernel_speed.py, the families untimed in their v2 forms first
-#   bash bench/h200_session.sh gdn       # the gated delta family (chunked by variant, dots, stages) and its GPU tests
-#   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_XLA_DOTS (tf32x3), GDN_CHUNK (64)
+#   bash bench/h200_session.sh gdn       # the XLA chunked delta rule at other chunks and precisions, and its GPU tests
+#   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_DOTS (tf32x3), GDN_CHUNK (64)
 #   bash bench/h200_session.sh engine48  # engine_speed at all 48 layers, kernels auto (~39 GB of int4 experts)
-#   bash bench/h200_session.sh engine-pallas  # engine at 8 and 12 layers with kernels pallas (the rule's kernels too)
-#   bash bench/h200_session.sh decode-kernels  # decode expert op variants and formats, mixer and routing kernels
-#   bash bench/h200_session.sh decode-experts  # the int4 decode expert op: XLA's form, v1, v2, slab (rows, warps)
+#   bash bench/h200_session.sh decode-kernels  # the decode expert op (rows, warps) and the routing kernel
+#   bash bench/h200_session.sh decode-experts  # the int4 decode expert op against XLA's form (rows, warps)
 #   bash bench/h200_session.sh kernel-tests  # the kernel tests compiled on the GPU (STRATA_TEST_DEVICE=gpu)
 #   bash bench/h200_session.sh engine    # bench/engine_speed.py at real shapes, int4 experts, kernels auto at 8 and
 #                                        # 12 layers (~170 s; the .partial file keeps what ends). Not 4: its 3.4 GB
@@ -34,42 +33,41 @@ export STRATA_COMMIT=${STRATA_COMMIT:-"$(git rev-parse --short HEAD 2>/dev/null 
 case "${1:-}" in
   kernels)    # ~340 s covered the expert families and half of decode attention at 6b277c5; the JSON is rewritten
               # after each family, so a run cut off at its limit keeps what it measured
-    timeout 560 python3 bench/kernel_speed.py --only gated_delta,decode_attention,expert_decode,expert_grouped \
-      --out "$OUT/kernel_speed_h200.json" 2>&1 | grep -E "^(expert|gated|decode|pool|wrote)|FAILED" \
+    timeout 560 python3 bench/kernel_speed.py --only decode_attention,expert_decode,expert_grouped \
+      --out "$OUT/kernel_speed_h200.json" 2>&1 | grep -E "^(expert|decode|pool|wrote)|FAILED" \
       | tee "$OUT/kernel_speed.log"
     ;;
-  gdn)        # the gated delta rule's chunked cases alone (by variant, dots and stages) and its tests compiled
+  gdn)        # the backend's XLA chunked delta rule at other chunks and matmul precisions, and its tests compiled
     timeout 300 python3 bench/kernel_speed.py --only gated_delta_chunked --out "$OUT/kernel_speed_gated_delta_h200.json" \
       2>&1 | grep -E "^(gated|wrote)|FAILED" | tee "$OUT/kernel_speed_gated_delta.log"
-    STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_gated_delta.py -k chunked \
+    STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_gated_delta.py \
       -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_gated_delta_tests.log" | grep -E "passed|failed|Error" \
       | head -20
     ;;
-  decode-kernels) # the decode path's candidates for kernels auto: the expert op (every variant, block and format),
-              # the Gated DeltaNet mixer and the routing in one kernel each; then their tests and the engine's,
-              # compiled on the GPU
-    timeout 330 python3 bench/kernel_speed.py --only delta_decode,route,expert_decode \
-      --out "$OUT/kernel_speed_decode_h200.json" 2>&1 | grep -E "^(expert|delta|route|wrote)|FAILED" \
+  decode-kernels) # the decode path's kernels: the expert op (rows and warps a program) and the routing;
+              # then their tests and the engine's, compiled on the GPU
+    timeout 330 python3 bench/kernel_speed.py --only route,expert_decode \
+      --out "$OUT/kernel_speed_decode_h200.json" 2>&1 | grep -E "^(expert|route|wrote)|FAILED" \
       | tee "$OUT/kernel_speed_decode.log"
-    STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_delta_decode.py \
+    STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 \
       tests/kernels/test_expert_decode.py tests/kernels/test_route.py tests/kernels/test_engine_kernels.py \
       -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu_decode_kernel_tests.log" \
       | grep -E "passed|failed|FAILED|Error" | head -20
     ;;
-  decode-experts) # the int4 decode expert op alone: XLA's form (blob_matvec) against v1, v2 and the slab variant over
-              # rows and warps, at 1, 2, 4 and 16 tokens, each call of the chain reading other experts (from HBM);
-              # then the op's tests and the engine's kernel tests compiled on the GPU
-    timeout 300 python3 bench/kernel_speed.py --only expert_decode --formats int4 \
+  decode-experts) # the int4 decode expert op alone: XLA's form (blob_matvec) against the kernel over rows and warps,
+              # at 1, 2, 4 and 16 tokens, each call of the chain reading other experts (from HBM); then the op's
+              # tests and the engine's kernel tests compiled on the GPU
+    timeout 300 python3 bench/kernel_speed.py --only expert_decode \
       --out "$OUT/kernel_speed_decode_experts_h200.json" 2>&1 | grep -E "^(expert|wrote)|FAILED" \
       | tee "$OUT/kernel_speed_decode_experts.log"
     STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_expert_decode.py \
       tests/kernels/test_engine_kernels.py -p no:cacheprovider -o addopts="" 2>&1 \
       | tee "$OUT/gpu_decode_expert_tests.log" | grep -E "passed|failed|FAILED|Error" | head -20
     ;;
-  trace-experts) # the decode expert op's kernels under the profiler: XLA's form and the slab variant (8 rows, 4 warps)
-              # at 1 and 4 tokens, each kernel's count and time
-    timeout 200 python3 bench/kernel_speed.py --only expert_decode --formats int4 --decode-cases slab:8:4 \
-      --trace-decode slab:8:4 --out "$OUT/kernel_trace_decode_experts_h200.json" 2>&1 \
+  trace-experts) # the decode expert op's kernels under the profiler: XLA's form and the kernel (8 rows, 4 warps)
+              # at 1, 2, 4 and 16 tokens, each kernel's count and time
+    timeout 200 python3 bench/kernel_speed.py --only expert_decode --decode-cases 8:4 \
+      --trace-decode 8:4 --out "$OUT/kernel_trace_decode_experts_h200.json" 2>&1 \
       | grep -E "^(expert|wrote|trace|  )|FAILED" | grep -v "0.000 ms" | tee "$OUT/kernel_trace_decode_experts.log"
     ;;
   kernel-tests)
@@ -86,17 +84,11 @@ case "${1:-}" in
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers.json" 2>&1 \
       | grep -E "layers:|\] |\| |wrote|Error"
     ;;
-  engine-pallas) # kernels pallas: auto's kernels, the gated delta rule's (chunked: xla_intra, tf32x3 dots) and the
-                 # untimed decode kernels (the mixer, the routing, the expert op's tiles); LAYERS=48 for all layers
-    timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 \
-      --repeat 3 --kernels pallas --out "$OUT/engine_speed_real_shapes_int4_pallas.json" 2>&1 \
-      | grep -E "layers:|\] |\| |wrote|Error"
-    ;;
-  engine-gdn) # the XLA chunked rule at other settings, a comparison run: GDN_XLA_DOTS (default tf32x3) and GDN_CHUNK
+  engine-gdn) # the XLA chunked rule at other settings, a comparison run: GDN_DOTS (default tf32x3) and GDN_CHUNK
               # (default 64), LAYERS=8,12 by default
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 \
-      --repeat 3 --kernels auto --gdn-chunk "${GDN_CHUNK:-64}" --gdn-xla-dots "${GDN_XLA_DOTS:-tf32x3}" \
-      --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_${GDN_CHUNK:-64}_${GDN_XLA_DOTS:-tf32x3}.json" 2>&1 \
+      --repeat 3 --kernels auto --gdn-chunk "${GDN_CHUNK:-64}" --gdn-dots "${GDN_DOTS:-tf32x3}" \
+      --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_${GDN_CHUNK:-64}_${GDN_DOTS:-tf32x3}.json" 2>&1 \
       | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-nocb)  # LAYERS=8 for one point (the prompt part's time against engine's at the same layers)
@@ -132,7 +124,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|kernel-tests|engine|engine48|engine-pallas|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|kernel-tests|engine|engine48|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|scopes" >&2
     exit 2
     ;;
 esac

@@ -7,8 +7,8 @@ where one is cheap) on the same inputs before it is timed.
     python bench/kernel_speed.py --smoke    # the same code on a CPU in Pallas interpret mode, tiny shapes
 
 Kernels (strata/jax_backend/kernels/):
-- expert_decode: the decode expert op (blobs dequantized in the kernel: int4 by each variant, bf16, int8 and nvfp4 by
-  the tiles variant) at 1, 2, 4 and 16 tokens of 10 routes, against experts.experts_from_pool's gather form;
+- expert_decode: the decode expert op over int4 blobs (dequantized in the kernel) at 1, 2, 4 and 16 tokens of 10
+  routes, over rows and warps a program, against experts.experts_from_pool's gather form;
 - expert_grouped: the prompt-part expert op (a grouped GEMM over routes sorted by expert, weights dequantized in the
   kernel) at 512 and 4096 tokens, int4 and bf16 blobs, against experts_from_pool's grouped form;
 - decode_attention: attention of 1 (decode) or 4 (verify) query positions per row over int8 and bf16 KV caches at
@@ -16,11 +16,9 @@ Kernels (strata/jax_backend/kernels/):
 - prompt_attention: the flash kernel for a prompt part of 4096 tokens over an int8 cache, in several block / warp /
   P-term configurations, against the backend's XLA form;
 - expert_grouped_blocks: the grouped int4 v2 op at 4096 tokens with 64 and 128 rows per block;
-- delta_decode: the Gated DeltaNet mixer's decode step in one kernel (conv, norms, gates, the rule's step, the gated
-  RMSNorm) at batch 1, 4 and 16, against the composition it fuses (ComposedOps.delta_block on XLA);
-- route: the router's softmax, top-k and renormalisation in one kernel at 1, 16 and 4096 rows, against the composition;
-- gated_delta: the recurrent decode step (batch 1, 4, 16), the verify form (4 positions) and the chunked prompt form
-  (4096 tokens), against the XLA forms in JaxBackend.
+- route: the router's softmax, top-k and renormalisation in one kernel at 1, 16 and 4096 rows, against the composition.
+And the backend's XLA form of the gated delta rule for a prompt part (gated_delta_chunked: 4096 tokens) at other
+chunks and matmul precisions than its defaults, against those.
 
 Times are device time per call: the call runs `LOOP` times inside one jitted loop (each iteration's input depends on
 the last output, so nothing is hoisted), so dispatch does not hide a kernel of a few microseconds.
@@ -49,8 +47,8 @@ CHUNKED_LOOP = 3
 def device_seconds(fn, args: tuple, dep: int, repeat: int, carry=None, loop: int = LOOP, indexed: bool = False) -> float:
     """Seconds per call of fn(*args), from `loop` chained calls inside one jitted function, written out (a while loop
     would read its predicate back to the host every iteration). Call i + 1 takes carry(output of call i) as
-    args[dep]; by default args[dep] + 0 * (the output's first element), for a float args[dep]. A kernel that updates
-    its input in place (the gated delta rule's state) passes carry = its new state, so no copy is forced. indexed:
+    args[dep]; by default args[dep] + 0 * (the output's first element), for a float args[dep]. A call that returns
+    a new state (the gated delta rule's) passes carry = that state, so the chain runs the recurrence on. indexed:
     fn(i, *args) for call i (a case that reads different data each call, so that its bytes come from HBM, not from
     the 50 MB L2 the previous call filled)."""
     import jax
@@ -115,56 +113,49 @@ def row(name: str, t_ker: float, t_xla: float, nbytes: float, flops: float, err:
     return r
 
 
-def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, formats=("int4", "bf16", "int8", "nvfp4"),
-                  cases=None, trace=()):
-    """int4 by v1, v2 and the slab variant (over rows and warps), the other formats by the tiles variant; each
-    format's pool capped under 2^31 bytes (a larger one is read through compacted copies, timed elsewhere).
-    cases: int4's (variant, block, warps) list instead of the default. trace: (variant, block, warps) cases whose
-    chained calls are also run under the profiler, with XLA's form: each kernel's count and time (trace_summary)."""
+def expert_decode(hidden, inter, n_slots, tokens, k, repeat, interpret, cases=None, trace=()):
+    """int4 over (rows, warps) a program; the pool capped under 2^31 bytes (a larger one is read through compacted
+    copies, timed elsewhere). cases: the (block, warps) list instead of the default. trace: (block, warps) cases
+    whose chained calls are also run under the profiler, with XLA's form: each kernel's count and time
+    (trace_summary)."""
     import jax
     import jax.numpy as jnp
 
-    from strata.jax_backend.kernels.expert_decode import BLOCK_ROWS, MAX_KERNEL_POOL_BYTES, WARPS, experts_decode
+    from strata.jax_backend.kernels.expert_decode import MAX_KERNEL_POOL_BYTES, experts_decode
     from strata.jax_backend.kernels.experts import experts_from_pool
     rows, traced = [], {}
-    for fmt in formats:
-        store = SyntheticStore(fmt, hidden, inter, 1, n_slots, distinct=min(64, n_slots))
-        lay = store.layout
-        n = min(n_slots, MAX_KERNEL_POOL_BYTES // lay.nbytes)
-        pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n)]))
-        # (variant, block, warps): v1 measured 41.4 us at 1 token, v2 33.0 at 8 rows (35253ad: L2-warm, below);
-        # the slab variant (whole rows in one load) over rows and warps
-        fmt_cases = ((cases or [("v1", BLOCK_ROWS, WARPS), ("v2", 8, WARPS)]
-                      + [("slab", b, w) for b, w in ((4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8))])
-                     if fmt == "int4" else [("tiles", BLOCK_ROWS, WARPS)])
-        rng = np.random.default_rng(0)
-        for t in tokens:
-            # call i of the chain reads routes_i: LOOP draws, so that the blobs come from HBM as in an engine's
-            # window (48 layers, different experts each); at 35253ad every call read the same 16.5 MB, L2-resident
-            slots_all = [jnp.asarray(np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32))
-                         for _ in range(LOOP)]
-            slots = slots_all[0]
-            weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
-            x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
-            def call_i(op):         # call i of a chain: op over routes_i
-                return lambda i, x, p: op(p, x, slots_all[i], weight)
-            xla = partial(experts_from_pool, lay, max_distinct=n)
-            t_xla = device_seconds(call_i(xla), (x, pool), 0, repeat, indexed=True)
-            want = xla(pool, x, slots, weight).astype(jnp.float32)
-            distinct = np.mean([len(np.unique(np.asarray(s))) for s in slots_all])
-            if fmt == "int4" and trace:
-                traced[f"xla, {t} token(s)"] = kernel_trace(call_i(xla), (x, pool))
-            for variant, block, warps in fmt_cases:
-                ker = partial(experts_decode, lay, interpret=interpret, variant=variant, block=block, warps=warps)
-                err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
-                t_ker = device_seconds(call_i(ker), (x, pool), 0, repeat, indexed=True)
-                if fmt == "int4" and (variant, block, warps) in trace:
-                    traced[f"{variant} block {block} warps {warps}, {t} token(s)"] = kernel_trace(call_i(ker),
-                                                                                                 (x, pool))
-                rows.append(row(f"expert decode {fmt} {variant} block {block} warps {warps}, {t} token(s) x {k} "
-                                f"routes", t_ker, t_xla, distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err,
-                                fmt=fmt, tokens=t, routes=t * k, distinct_experts=distinct, variant=variant,
-                                block=block, warps=warps, routes_vary_per_call=True))
+    store = SyntheticStore("int4", hidden, inter, 1, n_slots, distinct=min(64, n_slots))
+    lay = store.layout
+    n = min(n_slots, MAX_KERNEL_POOL_BYTES // lay.nbytes)
+    pool = jax.device_put(np.stack([store.blob(0, e) for e in range(n)]))
+    cases = cases or [(4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8)]
+    rng = np.random.default_rng(0)
+    for t in tokens:
+        # call i of the chain reads routes_i: LOOP draws, so that the blobs come from HBM as in an engine's window
+        # (48 layers, different experts each), not from the L2 the previous call filled
+        slots_all = [jnp.asarray(np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32))
+                     for _ in range(LOOP)]
+        slots = slots_all[0]
+        weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
+        x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
+        def call_i(op):         # call i of a chain: op over routes_i
+            return lambda i, x, p: op(p, x, slots_all[i], weight)
+        xla = partial(experts_from_pool, lay, max_distinct=n)
+        t_xla = device_seconds(call_i(xla), (x, pool), 0, repeat, indexed=True)
+        want = xla(pool, x, slots, weight).astype(jnp.float32)
+        distinct = np.mean([len(np.unique(np.asarray(s))) for s in slots_all])
+        if trace:
+            traced[f"xla, {t} token(s)"] = kernel_trace(call_i(xla), (x, pool))
+        for block, warps in cases:
+            ker = partial(experts_decode, lay, interpret=interpret, block=block, warps=warps)
+            err = rel_err(ker(pool, x, slots, weight).astype(jnp.float32), want)
+            t_ker = device_seconds(call_i(ker), (x, pool), 0, repeat, indexed=True)
+            if (block, warps) in trace:
+                traced[f"block {block} warps {warps}, {t} token(s)"] = kernel_trace(call_i(ker), (x, pool))
+            rows.append(row(f"expert decode int4 block {block} warps {warps}, {t} token(s) x {k} routes", t_ker,
+                            t_xla, distinct * lay.nbytes, 2 * 3 * t * k * hidden * inter, err, fmt="int4", tokens=t,
+                            routes=t * k, distinct_experts=distinct, block=block, warps=warps,
+                            routes_vary_per_call=True))
     return {"cases": rows, "traces": traced} if trace else rows
 
 
@@ -206,8 +197,8 @@ def expert_grouped(hidden, inter, n_experts, tokens, k, repeat, interpret,
 
 
 def pool_over_4gib(hidden, inter, n_experts, tokens, k, repeat, interpret):
-    """Whether the kernels read a pool over 4 GiB directly (no compaction): JAX's Triton lowering computes a ref's
-    offsets in 64 bits above 2^32 bytes, in int32 below (so 2^31 .. 2^32 is the range that needs compaction)."""
+    """Whether the kernels read a pool over 4 GiB directly (they do not compact it): JAX's Triton lowering computes a
+    ref's offsets in 64 bits above 2^32 bytes, in int32 below (so 2^31 .. 2^32 is the range that needs compaction)."""
     import jax
     import jax.numpy as jnp
 
@@ -218,26 +209,22 @@ def pool_over_4gib(hidden, inter, n_experts, tokens, k, repeat, interpret):
     lay = store.layout
     n = (4 << 30) // lay.nbytes + 64                                           # just over 4 GiB of int4 blobs
     pool = jax.device_put(np.concatenate([np.stack([store.blob(0, e) for e in range(64)])] * (-(-n // 64)))[:n])
+    assert not K.needs_compaction(pool.size)
     rng = np.random.default_rng(5)
-    saved = K.MAX_KERNEL_POOL_BYTES
-    K.MAX_KERNEL_POOL_BYTES = 1 << 62                                          # read the pool directly
     out = {"pool_bytes": int(pool.size)}
-    try:
-        for t in tokens:
-            # slots near the end of the pool: offsets past 2^32 bytes
-            slots = jnp.asarray(np.stack([rng.choice(np.arange(n - 512, n), k, replace=False)
-                                          for _ in range(t)]).astype(np.int32))
-            weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
-            x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
-            ref = experts_from_pool(lay, pool, x, slots, weight, 512).astype(jnp.float32)
-            fn = (partial(experts_decode, lay, interpret=interpret) if t * k <= 64 else
-                  partial(K.experts_grouped, lay, interpret=interpret, max_distinct=512))
-            err = rel_err(fn(pool, x, slots, weight).astype(jnp.float32), ref)
-            out[f"{t}_tokens_rel_err"] = err
-            print(f"pool of {pool.size / 2 ** 30:.2f} GiB read directly, {t} tokens: kernel vs XLA relative error "
-                  f"{err:.1e}", flush=True)
-    finally:
-        K.MAX_KERNEL_POOL_BYTES = saved
+    for t in tokens:
+        # slots near the end of the pool: offsets past 2^32 bytes
+        slots = jnp.asarray(np.stack([rng.choice(np.arange(n - 512, n), k, replace=False)
+                                      for _ in range(t)]).astype(np.int32))
+        weight = jnp.asarray(rng.random((t, k)).astype(np.float32))
+        x = jnp.asarray(rng.standard_normal((t, hidden)).astype(np.float32), jnp.bfloat16)
+        ref = experts_from_pool(lay, pool, x, slots, weight, 512).astype(jnp.float32)
+        fn = (partial(experts_decode, lay, interpret=interpret) if t * k <= 64 else
+              partial(K.experts_grouped, lay, interpret=interpret, max_distinct=512))
+        err = rel_err(fn(pool, x, slots, weight).astype(jnp.float32), ref)
+        out[f"{t}_tokens_rel_err"] = err
+        print(f"pool of {pool.size / 2 ** 30:.2f} GiB read directly, {t} tokens: kernel vs XLA relative error "
+              f"{err:.1e}", flush=True)
     return out
 
 
@@ -315,94 +302,45 @@ def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret):
     return rows
 
 
-# the chunked cases: (variant, dots, recurrence stages), or ("xla", chunk, dots) for the backend's XLA form at another
-# chunk or dot precision. The XLA cases first: the Pallas ones' compiles outlasted a 300 s run at a112ed3
-CHUNKED_CASES = (("xla", 64, "tf32x3"), ("xla", 128, "tf32x3"), ("xla", 64, "bf16x6"), ("xla", 128, "ieee"),
-                 ("xla_intra", "tf32x3", 1), ("xla_intra", "bf16x6", 1), ("v2", "tf32x3", 1),
-                 ("xla_intra", "tf32x3", 2))
+# the XLA chunked form's (chunk, dots) cases, each timed against the defaults (64, "ieee"); tf32x3 needs a GPU
+CHUNKED_CASES = ((64, "tf32x3"), (128, "tf32x3"), (64, "bf16x6"), (128, "ieee"))
 
 
-def gated_delta(hv, dk, dv, batches, verify_q, prompt, repeat, interpret, forms=("decode", "verify", "chunked"),
-                cases=CHUNKED_CASES):
-    import jax
+def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CASES):
+    """The backend's chunked gated delta rule (XLA's form) over a prompt part of one sequence, with each (chunk,
+    dots) case as its KernelConfig's gdn_chunk and gdn_dots, against the defaults. FLOPs: the intra-chunk products
+    and the recurrence; bytes: q, k, v, o in fp32 and the state read and written."""
     import jax.numpy as jnp
 
     from strata.jax_backend.backend import JaxBackend
-    from strata.jax_backend.kernels import gated_delta as K
+    from strata.jax_backend.kernel_config import KernelConfig
     rng = np.random.default_rng(3)
-
-    def inputs(lead):
-        n = lambda *s: rng.standard_normal(lead + s).astype(np.float32)  # noqa: E731
-        q, k = n(hv, dk), n(hv, dk)
-        q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
-        g = -np.exp(np.log(rng.uniform(1, 16, hv))) * np.log1p(np.exp(n(hv)))
-        beta = 1 / (1 + np.exp(-n(hv)))
-        return [jnp.asarray(a) for a in (q, k, n(hv, dv), g.astype(np.float32), beta.astype(np.float32))]
-
+    n = lambda *s: rng.standard_normal((prompt,) + s).astype(np.float32)  # noqa: E731
+    q, k = n(hv, dk), n(hv, dk)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = -np.exp(np.log(rng.uniform(1, 16, hv))) * np.log1p(np.exp(n(hv)))
+    beta = 1 / (1 + np.exp(-n(hv)))
+    q, k, v, g, beta = (jnp.asarray(a) for a in (q, k, n(hv, dv), g.astype(np.float32), beta.astype(np.float32)))
+    st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
+    xla_chunked = JaxBackend(kernels="xla").gated_delta_chunked
+    # a chunked call takes milliseconds: CHUNKED_LOOP calls in a row hide dispatch, and LOOP written-out scans of
+    # 64 chunks each kept XLA compiling past a 200 s run
+    t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
+                           loop=CHUNKED_LOOP)
+    c = 64
+    flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
+    nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * hv * dk * dv * 4
     rows = []
-    state_bytes = hv * dk * dv * 4
-    step_xla = jax.vmap(JaxBackend.gated_delta_step_xla)
-    for variant in ("v1", "v2") if "decode" in forms else ():
-        for s in batches:
-            q, k, v, g, beta = (a[:, None] for a in inputs((s,)))                       # [S, 1, ...] for the step
-            st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
-            ker = partial(K.gated_delta_decode, interpret=interpret, variant=variant)
-            o_k, _ = ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st)
-            o_x, _ = step_xla(q, k, v, g, beta, st)
-            err = rel_err(o_k, o_x[:, 0])
-            t_ker = device_seconds(lambda st: ker(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st), (st,), 0,
-                                   repeat, carry=lambda out: out[1])              # the new state feeds the next
-            t_xla = device_seconds(lambda st: step_xla(q, k, v, g, beta, st), (st,), 0, repeat,
-                                   carry=lambda out: out[1])
-            rows.append(row(f"gated delta decode {variant}, batch {s}", t_ker, t_xla, 2 * s * state_bytes,
-                            s * hv * dk * dv * 6, err, form="decode", variant=variant, batch=s))
-    if "verify" in forms:
-        rows.append(_gated_delta_verify(K, inputs, step_xla, hv, dk, dv, batches, verify_q, state_bytes, rng,
-                                        repeat, interpret))
-    if "chunked" in forms:
-        rows += _gated_delta_chunked(K, JaxBackend, inputs, hv, dk, dv, prompt, state_bytes, rng, repeat, interpret,
-                                     cases)
-    return rows
-
-
-def delta_decode(hk, hv, dk, dv, taps, batches, repeat, interpret):
-    """The Gated DeltaNet mixer's decode step as one kernel (kernels/delta_decode.py) against the composition it
-    fuses, ComposedOps.delta_block in rows mode on the XLA backend (the path kernels "auto" runs), bfloat16 activations.
-    Bytes: the fp32 state read and written, the conv state read and written, qkv, z and o."""
-    import jax
-    import jax.numpy as jnp
-
-    from strata.jax_backend.backend import JaxBackend
-    from strata.jax_backend.kernels.delta_decode import delta_decode as kernel
-    rng = np.random.default_rng(5)
-    ops = JaxBackend(kernels="xla")
-    c = 2 * hk * dk + hv * dv
-    bf = jnp.bfloat16
-    rows = []
-    for s in batches:
-        act = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32), bf)  # noqa: E731
-        f = dict(qkv=act(s, c), z=act(s, hv * dv), b=act(s, hv), a=act(s, hv), conv_state=act(s, taps - 1, c),
-                 conv_w=act(c, taps), a_log=jnp.asarray(np.log(rng.uniform(1, 16, hv)).astype(np.float32)),
-                 dt_bias=jnp.asarray(rng.standard_normal(hv).astype(np.float32)), gnorm=act(dv),
-                 start=jnp.full((s,), 100, jnp.int32), n_valid=jnp.ones((s,), jnp.int32))
-        st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
-
-        def ker(st):
-            return kernel(f["qkv"], f["z"], f["b"], f["a"], f["conv_state"], f["conv_w"], st, f["a_log"],
-                          f["dt_bias"], f["gnorm"], f["start"], f["n_valid"], n_k_heads=hk, eps=1e-6,
-                          interpret=interpret)
-
-        def xla(st):
-            return ops.delta_block(f["qkv"], f["z"], f["b"], f["a"], f["conv_state"], f["conv_w"], st, f["a_log"],
-                                   f["dt_bias"], f["gnorm"], 1e-6, f["start"], f["n_valid"], hk)
-
-        err = rel_err(ker(st)[0].astype(jnp.float32), jax.jit(xla)(st)[0].astype(jnp.float32))
-        t_ker = device_seconds(ker, (st,), 0, repeat, carry=lambda out: out[2])      # the new state feeds the next
-        t_xla = device_seconds(xla, (st,), 0, repeat, carry=lambda out: out[2])
-        nbytes = s * (2 * hv * dk * dv * 4 + 2 * (taps - 1) * c * 2 + c * 2 + 2 * hv * dv * 2)
-        rows.append(row(f"delta decode (the mixer in one kernel), batch {s}", t_ker, t_xla, nbytes,
-                        s * hv * dk * dv * 6, err, batch=s))
+    for chunk, dots in cases:
+        if interpret and dots == "tf32x3":        # XLA's CPU has no TF32
+            continue
+        ker = JaxBackend(kernels="xla", kernel_config=KernelConfig(gdn_chunk=chunk, gdn_dots=dots)).gated_delta_chunked
+        err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
+        t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
+                               loop=CHUNKED_LOOP)
+        rows.append(row(f"gated delta chunked XLA, chunk {chunk}, {dots}, {prompt} tokens", t_ker, t_xla, nbytes,
+                        flops, err, form="chunked", tokens=prompt, chunk=chunk, dots=dots))
     return rows
 
 
@@ -427,89 +365,27 @@ def route(experts, k, tokens, repeat, interpret):
     return rows
 
 
-def _gated_delta_verify(K, inputs, step_xla, hv, dk, dv, batches, verify_q, state_bytes, rng, repeat, interpret):
-    import jax
-    import jax.numpy as jnp
-    s, nq = batches[1] if len(batches) > 1 else batches[0], verify_q
-    q, k, v, g, beta = inputs((s, nq))
-    st = jnp.asarray((rng.standard_normal((s, hv, dk, dv)) * 0.1).astype(np.float32))
-    ker = partial(K.gated_delta_verify, interpret=interpret)
-
-    def xla_verify(q, k, v, g, beta, st):          # the XLA baseline keeps every state too: one step at a time
-        def one(st, xs):
-            o, st = step_xla(*(a[:, None] for a in xs), st)
-            return st, (o[:, 0], st)
-        _, (o, sts) = jax.lax.scan(one, st, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
-        return jnp.moveaxis(o, 0, 1), jnp.moveaxis(sts, 0, 1)
-    err = rel_err(ker(q, k, v, g, beta, st)[1], xla_verify(q, k, v, g, beta, st)[1])
-    t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1][:, -1])
-    t_xla = device_seconds(lambda st: xla_verify(q, k, v, g, beta, st), (st,), 0, repeat,
-                           carry=lambda out: out[1][:, -1])
-    return row(f"gated delta verify, batch {s} x {nq} positions", t_ker, t_xla, (1 + nq) * s * state_bytes,
-               s * nq * hv * dk * dv * 6, err, form="verify", batch=s, positions=nq)
-
-
-def _gated_delta_chunked(K, JaxBackend, inputs, hv, dk, dv, prompt, state_bytes, rng, repeat, interpret, cases):
-    import jax.numpy as jnp
-    rows = []
-    q, k, v, g, beta = inputs((prompt,))
-    st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
-    xla_chunked = JaxBackend.gated_delta_chunked_xla
-    # a chunked call takes milliseconds: CHUNKED_LOOP calls in a row hide dispatch, and LOOP written-out scans of
-    # 64 chunks each kept XLA compiling past a 200 s run
-    t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
-                           loop=CHUNKED_LOOP)
-    c = 64
-    flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
-    nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * state_bytes
-    # v1: 31.3 ms at 733f897, kernel_speed_gated_delta_h200.json; v2 ieee 5.45 ms at b3d2b6f. tf32x3 needs a GPU
-    # (interpret mode refuses it)
-    for case in cases:
-        if interpret and "tf32x3" in case:
-            continue
-        if case[0] == "xla":                      # the XLA form at another chunk or precision, against its default
-            _, chunk, dots = case
-            ker = partial(xla_chunked, chunk=chunk, dots=dots)
-            name, extra = f"gated delta chunked XLA, chunk {chunk}, {dots}", dict(variant="xla", chunk=chunk,
-                                                                                   dots=dots)
-        else:
-            variant, dots, stages = case
-            ker = partial(K.gated_delta_chunked, interpret=interpret, variant=variant, dots=dots, stages=stages)
-            name, extra = f"gated delta chunked {variant} {dots} x{stages}", dict(variant=variant, dots=dots,
-                                                                                  stages=stages)
-        err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
-        t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
-                               loop=CHUNKED_LOOP)
-        rows.append(row(f"{name}, {prompt} tokens", t_ker, t_xla, nbytes, flops, err, form="chunked",
-                        tokens=prompt, **extra))
-    return rows
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU, kernels interpreted")
     ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--only", default="expert_decode,expert_grouped,decode_attention,gated_delta")
+    ap.add_argument("--only", default="expert_decode,expert_grouped,decode_attention")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--formats", default=None, help="expert_decode's formats, comma-separated (default: all)")
     ap.add_argument("--decode-cases", default=None,
-                    help="expert_decode's int4 cases instead of its default: variant:block:warps, comma-separated")
+                    help="expert_decode's cases instead of its default: block:warps, comma-separated")
     ap.add_argument("--trace-decode", default=None,
-                    help="expert_decode: also trace these cases (variant:block:warps, comma-separated) and XLA's form")
+                    help="expert_decode: also trace these cases (block:warps, comma-separated) and XLA's form")
     args = ap.parse_args()
     import jax
     interpret = jax.devices()[0].platform != "gpu"
     if args.smoke:
         shapes = {
-            "expert_decode": dict(hidden=256, inter=128, n_slots=16, tokens=[1, 2], k=4, formats=("int4", "bf16")),
+            "expert_decode": dict(hidden=256, inter=128, n_slots=16, tokens=[1, 2], k=4),
             "expert_grouped": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4),
             "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
-            "gated_delta": dict(hv=2, dk=16, dv=16, batches=[1, 2], verify_q=3, prompt=70),
-            "gated_delta_chunked": dict(hv=2, dk=16, dv=16, batches=[1], verify_q=1, prompt=70,
-                                        forms=("chunked",)),
+            "gated_delta_chunked": dict(hv=2, dk=16, dv=16, prompt=70),
             "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
-            "delta_decode": dict(hk=2, hv=4, dk=16, dv=16, taps=4, batches=[1, 2]),
             "route": dict(experts=16, k=4, tokens=[1, 8]),
             "expert_grouped_blocks": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
@@ -522,29 +398,24 @@ def main() -> int:
             "pool_over_4gib": dict(hidden=2048, inter=512, n_experts=512, tokens=[1, 512], k=10),
             "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 16],
                                      queries=[1, 4]),
-            "gated_delta": dict(hv=32, dk=128, dv=128, batches=[1, 4, 16], verify_q=4, prompt=4096),
-            "gated_delta_chunked": dict(hv=32, dk=128, dv=128, batches=[1], verify_q=1, prompt=4096,
-                                        forms=("chunked",)),
+            "gated_delta_chunked": dict(hv=32, dk=128, dv=128, prompt=4096),
             "expert_grouped_blocks": dict(hidden=2048, inter=512, n_experts=512, tokens=[4096], k=10,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
-            "delta_decode": dict(hk=16, hv=32, dk=128, dv=128, taps=4, batches=[1, 4, 16]),
             "route": dict(experts=512, k=10, tokens=[1, 16, 4096]),
             "prompt_attention": dict(hq=16, hkv=2, hd=256, tokens=[4096],
                                      configs=[(8, 4, 3), (8, 8, 3), (16, 8, 3), (8, 4, 1), (16, 8, 1)]),
         }
         repeat = args.repeat
     def decode_cases(text):
-        return [(v, int(b), int(w)) for v, b, w in (c.split(":") for c in text.split(","))]
+        return [(int(b), int(w)) for b, w in (c.split(":") for c in text.split(","))]
 
-    if args.formats:
-        shapes["expert_decode"] = dict(shapes["expert_decode"], formats=tuple(args.formats.split(",")))
     if args.decode_cases:
         shapes["expert_decode"] = dict(shapes["expert_decode"], cases=decode_cases(args.decode_cases))
     if args.trace_decode:
         shapes["expert_decode"] = dict(shapes["expert_decode"], trace=decode_cases(args.trace_decode))
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
-           "gated_delta": gated_delta, "gated_delta_chunked": gated_delta, "pool_over_4gib": pool_over_4gib,
-           "prompt_attention": prompt_attention, "delta_decode": delta_decode, "route": route,
+           "gated_delta_chunked": gated_delta_chunked, "pool_over_4gib": pool_over_4gib,
+           "prompt_attention": prompt_attention, "route": route,
            "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}

@@ -18,15 +18,15 @@ How, in two processes (jaxlib and a standalone Triton each bring their own MLIR,
    writes NN_name.{ttgir,ptx,cubin,sass,ptxas.log} and report.json in DIR and prints a table.
 
 Setup once:  python3.11 -m venv /work/triton_probe/venv && /work/triton_probe/venv/bin/pip install triton
-Run:         .venv/bin/python bench/triton_sass_probe.py --case expert_decode --variant v1 --tokens 1 --block 32 \\
-                 --out /tmp/probe_v1
+Run:         .venv/bin/python bench/triton_sass_probe.py --case expert_decode --tokens 1 --block 8 --warps 4 \\
+                 --out /tmp/probe_decode
 Again, from the written TTIR only:  /work/triton_probe/venv/bin/python bench/triton_sass_probe.py --compile DIR
 Add a kernel: a builder in CASES returning (jitted fn, argument ShapeDtypeStructs).
 
 CAVEAT: on the H200 the TTIR is compiled by the Triton inside XLA (jaxlib 0.11.2's pinned openxla fork and XLA's
 own pass pipeline and options), not by the standalone Triton wheel used here (3.8.0 when written; 3.6.0 parses the
 same TTIR), and the TTIR is lowered here by jaxlib 0.10.2 with compute capability 90 assumed. So the numbers are
-indicative: good for "per-byte or vector loads?", "spills or not?", comparisons between variants; not exact
+indicative: good for "per-byte or vector loads?", "spills or not?", comparisons between block shapes; not exact
 register counts of what runs on the GPU. SASS counts are static (a loop body appears once, not per iteration).
 Reading the .sass: '//## File ..., line N' gives the innermost source line of the instructions below it (a call site
 is reduced to its callee here); Triton's debug info knows one file, the kernel's, so a helper's line in another file
@@ -51,15 +51,13 @@ TARGET_CC = 90                     # H200 (sm_90a: Triton picks the 'a' arch for
 
 def _expert_decode(args):
     """The int4 decode expert op at Qwen3-Next-80B shapes, as tests/kernels/test_expert_decode.py's
-    test_every_variant_lowers_for_cuda_at_real_shapes builds it (args.tokens tokens x 10 routes, 16,384 slots)."""
+    test_kernels_lower_for_cuda_at_real_shapes builds it (args.tokens tokens x 10 routes, 16,384 slots)."""
     import jax
     import jax.numpy as jnp
     from strata.jax_backend.kernels import expert_decode as K
     from strata.weights import quant as Q
-    if args.variant is not None and args.variant not in K.VARIANTS:
-        sys.exit(f"--variant must be one of {', '.join(K.VARIANTS)}")
-    kw = dict(variant=args.variant, block=args.block, warps=args.warps or K.WARPS)
-    lay = Q.layout(args.fmt, 2048, 512)
+    kw = dict(block=args.block or K.BLOCK_ROWS, warps=args.warps or K.WARPS)
+    lay = Q.layout("int4", 2048, 512)
     spec, t = jax.ShapeDtypeStruct, args.tokens
     fn = jax.jit(lambda p, x, s, w: K.experts_decode(lay, p, x, s, w, **kw))
     return fn, (spec((16384, lay.nbytes), jnp.uint8), spec((t, 2048), jnp.bfloat16), spec((t, 10), jnp.int32),
@@ -225,8 +223,6 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compile", metavar="DIR", help="Triton side only: compile the TTIR files in DIR (triton venv)")
     ap.add_argument("--case", choices=sorted(CASES), default="expert_decode")
-    ap.add_argument("--variant", help="expert_decode: one of experts_decode's VARIANTS (default: its own choice)")
-    ap.add_argument("--fmt", default="int4", help="expert_decode: blob format (int4 for v1/v2/slab)")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--block", type=int, help="expert_decode: rows a program (default: the kernel's)")
     ap.add_argument("--warps", type=int, help="expert_decode: Triton warps a program (default: the kernel's)")

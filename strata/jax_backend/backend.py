@@ -1,13 +1,11 @@
 """The Backend on JAX: XLA ops, and Pallas kernels (kernels/) where they measured faster on the GPU.
 
 Every op is a pure function of its arguments, so the forward pass that calls them can be jitted whole, with the
-sequence state threaded through as values (donated by the caller).
-
-Kernels (`kernels` option): "xla" runs plain XLA everywhere (the correctness baseline); "pallas" runs every Pallas
-kernel this backend has, compiled on a GPU and in interpret mode elsewhere (tests); "auto" is "pallas" for the ops in
-PALLAS_AUTO on a GPU, as measured on the H200 (bench/kernel_speed.py), and "xla" on a CPU. A kernel that does not
-take a call's shapes (its ValueError at trace time: e.g. a head size that is not a power of two) leaves that call to
-XLA, so a model of any shape runs.
+sequence state threaded through as values (donated by the caller). `kernels`: "xla" runs plain XLA everywhere (the
+correctness baseline); "auto" runs the Pallas kernels of PALLAS_AUTO on a GPU and XLA elsewhere; "pallas" runs them
+everywhere (interpreted off a GPU: tests). A kernel that does not take a call's shapes (its ValueError at trace
+time) leaves that call to XLA, so a model of any shape runs. `kernel_config` (KernelConfig): the kernels' settings,
+fixed when the backend is made. Measurements behind these choices: docs/performance.md.
 """
 from __future__ import annotations
 
@@ -20,8 +18,8 @@ import numpy as np
 from jax import lax
 
 from strata.errors import ConfigError
+from strata.jax_backend.kernel_config import KernelConfig
 from strata.jax_backend.kernels import decode_attention as k_attention
-from strata.jax_backend.kernels import delta_decode as k_delta_decode
 from strata.jax_backend.kernels import expert_decode as k_expert_decode
 from strata.jax_backend.kernels import expert_grouped as k_expert_grouped
 from strata.jax_backend.kernels import gated_delta as k_gated_delta
@@ -30,35 +28,15 @@ from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop
 from strata.jax_backend.kernels.host_rows import copy_host_rows
 from strata.backend import ComposedOps, is_rows
 
-GDN_CHUNK = 64
 GDN_SCAN_BLOCK = 16      # chunks per iteration of the chunked rule's scan, at most (gated_delta_chunked_xla)
 KV_BLOCK = 512      # keys per step of the attention's online softmax
 ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
 FILL_BATCH = 64          # experts per pool_fill call (100 MB at Qwen3-Next-80B int4: the copies dwarf the call)
 KERNELS = ("auto", "xla", "pallas")
-# The Pallas kernels "auto" uses on a GPU, by measurement on the H200 at Qwen3-Next-80B shapes (bench/kernel_speed.py,
-# bench/results/kernel_speed_h200_*): attention, decode 1.2-1.8x faster than XLA's (which reads the whole capacity)
-# and the prompt form 6.5x at 4096 tokens (1.28 ms against 8.32, kernel_speed_h200_b3d2b6f.json); the grouped expert
-# op for prompt parts in its v2 form, 1.4x XLA's grouped form at 512 tokens and 2.0x at 4096 (int4; the v1 form had
-# fallen to 0.4-0.5x once the XLA form was rewritten, kernel_speed_h200_6b277c5.log); the int4 decode expert op in
-# its slab variant (8 rows, 4 warps), with other experts each call: 27.4 us against XLA's 33.2 at 1 token, 42.0 / 45.2
-# at 2, 66.7 / 67.6 at 4, 172 / 1757 at 16, and faster than v1 and v2 at each (kernel_speed_decode_experts_h200_
-# 59544fd.json), so from 1 token (DECODE_EXPERTS_MIN_TOKENS); the routing in one kernel,
-# 1.7x at 1 row (9.5 us against 15.8), 3.3x at 4096 (kernel_speed_decode_h200_35253ad.json). The gated delta rule's
-# kernels are not in it: decode v1 / v2 level with XLA (1.0-1.2x), chunked at 4096 tokens v2 5.45 ms, xla_intra
-# (XLA's intra-chunk products + the v2 recurrence kernel) 2.60 ms against XLA's 1.67 ms
-# (kernel_speed_gated_delta_h200_733f897.json), at a112ed3 with tf32x3 dots 2.09 ms against XLA's 1.29
-# (kernel_speed_gated_delta_h200_a112ed3.log); nor the Gated DeltaNet mixer's decode step in one kernel, 0.6x XLA's
-# composition at 1 row (18.8 us against 10.9) and 0.4x at 16 (kernel_speed_decode_h200_35253ad.json); "pallas" runs
-# them.
+# The Pallas kernels "auto" runs on a GPU (each measured faster than XLA's form at Qwen3-Next-80B shapes on the H200,
+# docs/performance.md), and "pallas" everywhere: attention (decode rows and prompt parts), the expert op's grouped
+# (prompt) and int4 decode forms, the routing.
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "route"})
-# Every Pallas kernel the backend has ("pallas"): auto's and the slower ones above.
-PALLAS_ALL = PALLAS_AUTO | {"gdn_chunked", "gdn_decode", "delta_decode"}
-DECODE_EXPERTS_MIN_TOKENS = 1
-# The formats "auto" computes decode rows of through the decode kernel: int4 (slab, measured above). Its tiles variant
-# reads every format: int8 2.0x XLA at 16 tokens but 0.8x at 4, bf16 and NVFP4 0.3-0.6x (kernel_speed_decode_h200_
-# 35253ad.json), so "auto" leaves them to XLA; "pallas" takes it for all.
-DECODE_KERNEL_FORMATS_AUTO = frozenset({"int4"})
 
 
 class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses them in the jitted window
@@ -67,38 +45,21 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     joins_projections = True             # XLA fuses the product's column slices into their consumers
     xp = jnp
 
-    def __init__(self, device: str | None = None, kernels: str = "auto"):
+    def __init__(self, device: str | None = None, kernels: str = "auto", kernel_config: KernelConfig | None = None):
         devices = jax.devices(device) if device else jax.devices()
         self.device = devices[0]
         if kernels not in KERNELS:
             raise ConfigError(f"kernels {kernels!r} is not allowed; allowed: {', '.join(KERNELS)}")
+        if kernel_config is not None and not isinstance(kernel_config, KernelConfig):
+            raise ConfigError(f"kernel_config must be a KernelConfig, not {type(kernel_config).__name__}")
         on_gpu = self.device.platform == "gpu"
         self.kernels = kernels
-        self.pallas_ops = (PALLAS_AUTO if on_gpu else frozenset()) if kernels == "auto" else \
-            (frozenset() if kernels == "xla" else PALLAS_ALL)
-        # the grouped kernel's variant: v2, the faster on the H200 (above); the chunked rule's under "pallas"
-        self.grouped_variant = "v2"
-        # the decode expert op's kernel: its variant (None: the kernel's default for the format), rows and warps a
-        # program, and the tokens a window from which it replaces XLA's form (bench/engine_speed.py sets them for
-        # comparison runs)
-        self.decode_variant: str | None = None
-        self.decode_block: int | None = None
-        self.decode_warps = k_expert_decode.WARPS
-        self.decode_min_tokens = DECODE_EXPERTS_MIN_TOKENS
-        self.gdn_variant = "xla_intra"
+        self.kernel_config = kernel_config or KernelConfig()
+        self.pallas_ops = frozenset() if kernels == "xla" or (kernels == "auto" and not on_gpu) else PALLAS_AUTO
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
-        # the chunked kernels' data dots: on a GPU fp32 split over the tensor cores (TF32 x3, within the IEEE
-        # tests' 1e-6 limits; 15% faster than IEEE dots on the FMA units at a112ed3); interpret mode has no TF32
-        self.gdn_dots = "ieee" if self.interpret else "tf32x3"
-        # the XLA chunked form's chunk (the kernels' is theirs: CHUNK). 128 measured 1.12 ms against 1.29 at 4096
-        # tokens but moved no engine prompt (f2417c9), with less margin to the 1e-6 limits: it stays 64
-        self.gdn_chunk = GDN_CHUNK
-        # the XLA chunked form's fp32 matmuls: IEEE until tf32x3 (tested to the same limits on the CPU's bf16x6
-        # stand-in) is measured on the H200 (bench/kernel_speed.py gated_delta_chunked, engine_speed --gdn-xla-dots)
-        self.gdn_xla_dots = "ieee"
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
-        self.copy_rows = copy_host_rows if self.device.platform == "gpu" else copy_rows_loop
+        self.copy_rows = copy_host_rows if on_gpu else copy_rows_loop
         self._zeros: dict = {}                # zeros_like's compiled calls, by tree shape
 
     # --- placement and memory
@@ -106,10 +67,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         return jax.device_put(tree, self.device)
 
     def zeros_like(self, tree):
-        # filled on the device: a fresh sequence's state copied from pageable host memory took ~24 ms at 48 layers
-        # (~127 MB at the 5.2 GB/s measured for pageable copies, bench/offload_speed.py); and by one compiled call
-        # per tree shape, not one eager op per leaf (96 leaves at 48 layers: 11 ms on this CPU, 2 ms as one call;
-        # a GPU waits on each eager op's dispatch too)
+        # filled on the device, not copied from (pageable) host memory; and by one compiled call per tree shape, not
+        # one eager op per leaf (each eager op is a dispatch the host waits on)
         leaves, treedef = jax.tree.flatten(tree)
         specs = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in leaves)
         make = self._zeros.get((treedef, specs))
@@ -124,8 +83,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
 
     @staticmethod
     def start_to_host(x):
-        # the device-to-host copy is queued behind the computation now, not when the host asks for the value: on
-        # the H200 reading a window's [2, S] result cost ~0.5-0.8 ms of a 2.2 ms window (bench/dispatch_probe.py)
+        # the device-to-host copy is queued behind the computation now, not when the host asks for the value (a
+        # window's small result read back on demand cost a large share of a decode window: docs/performance.md)
         x.copy_to_host_async()
 
     def free_memory_bytes(self) -> int | None:
@@ -271,24 +230,6 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             o = o * self.sigmoid(gate)
         return o, kv
 
-    def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
-                    n_k_heads):
-        """The composition (strata/backend.py), but a decode token's mixer (a window's rows, or one sequence's
-        single token) is one Pallas kernel (kernels/delta_decode.py) when chosen and the shapes suit it."""
-        rows = is_rows(start)
-        if "delta_decode" in self.pallas_ops and (rows or qkv.shape[0] == 1):
-            # one sequence's token: its [1, ...] rows are a window of one, its states a bank of one
-            one = lambda x: x if rows else jnp.reshape(x, (1,) + jnp.shape(x))        # noqa: E731
-            try:
-                o, conv_state_new, ssm_new = k_delta_decode.delta_decode(
-                    qkv, z, b, a, one(conv_state), conv_w, one(ssm), a_log, dt_bias, gnorm, one(start), one(n_valid),
-                    n_k_heads=n_k_heads, eps=float(eps), interpret=self.interpret)
-                return (o, conv_state_new, ssm_new) if rows else (o, conv_state_new[0], ssm_new[0])
-            except ValueError:               # shapes the kernel does not take
-                pass
-        return super().delta_block(qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
-                                   n_k_heads)
-
     @staticmethod
     def causal_conv(u, conv_state, w, n_valid):
         # u [T, C]; conv_state [K-1, C] = the last K-1 inputs before this part; w [C, K]
@@ -300,21 +241,15 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         return jax.nn.silu(y), new_state.astype(conv_state.dtype)
 
     def gated_delta_chunked(self, q, k, v, g, beta, state):
-        """Prompt parts' gated delta rule: the Pallas kernel (kernels/gated_delta.py) when chosen, else XLA's."""
-        if "gdn_chunked" in self.pallas_ops:
-            try:
-                return k_gated_delta.gated_delta_chunked(q, k, v, g, beta, state, interpret=self.interpret,
-                                                         variant=self.gdn_variant, dots=self.gdn_dots)
-            except ValueError:               # shapes the kernel does not take
-                pass
-        return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state, chunk=self.gdn_chunk,
-                                                  dots=self.gdn_xla_dots)
+        """Prompt parts' gated delta rule: gated_delta_chunked_xla at kernel_config's gdn_chunk and gdn_dots."""
+        return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state, chunk=self.kernel_config.gdn_chunk,
+                                                  dots=self.kernel_config.gdn_dots)
 
     @staticmethod
-    def gated_delta_chunked_xla(q, k, v, g, beta, state, chunk: int = GDN_CHUNK, dots: str = "ieee"):
-        """Chunked gated delta rule (chunks of `chunk` tokens, GDN_CHUNK by default). q, k [T, Hv, dk] (l2-normed, q
-        scaled), v [T, Hv, dv], g, beta [T, Hv] fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state
-        unchanged (that is how padding works). dots: how the fp32 matmuls run (kernels/gated_delta.py DOTS: "ieee",
+    def gated_delta_chunked_xla(q, k, v, g, beta, state, chunk: int = k_gated_delta.CHUNK, dots: str = "ieee"):
+        """Chunked gated delta rule (chunks of `chunk` tokens). q, k [T, Hv, dk] (l2-normed, q scaled), v [T, Hv, dv],
+        g, beta [T, Hv] fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state unchanged (that is how
+        padding works). dots: how the fp32 matmuls run (kernels/gated_delta.py DOTS: "ieee",
         Precision.HIGHEST; "tf32x3" and "bf16x6" split over the tensor cores; XLA's CPU has no TF32)."""
         t, hv, dk = k.shape
         dv = v.shape[-1]
@@ -337,9 +272,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         # The state's recurrence is linear and its coefficients do not depend on the state: with v' = u - w S,
         #   S_{c+1} = e^(G_last) S_c + k'^T v'_c = M_c S_c + b_c,  M_c = e^(G_last) I - k'^T w_c [dk, dk],
         #   b_c = k'^T u_c [dk, dv],
-        # so M and b are batched matmuls over every chunk, and the scan's step is one matmul and an add (at 9c442a3
-        # the step's two matmuls and their elementwise work were 4,011 kernels in an 8-layer 4096-token part, 16.6
-        # of its 41 ms, bench/results/prompt_probe_h200_8_layers_9c442a3.json). v' and o need S before each chunk:
+        # so M and b are batched matmuls over every chunk, and the scan's step is one matmul and an add (two matmuls
+        # and their elementwise work a step were thousands of small kernels a part). v' and o need S before each chunk:
         # the scan returns those (a 4096-token part: 64 states, 134 MB), and v' and o are batched matmuls after it.
         # Each iteration takes a block of `blk` chunks (GDN_SCAN_BLOCK, or what divides n) walked with static
         # indices: a GPU while loop slices its inputs and stacks its outputs by copies.
@@ -366,19 +300,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         out = out.transpose(0, 2, 1, 3).reshape(n * c, hv, dv)[:t]
         return out, state
 
-    def gated_delta_step(self, q, k, v, g, beta, state):
-        """Decode's gated delta rule: the Pallas kernel (kernels/gated_delta.py) when chosen, else XLA's. Under a
-        decode window's vmap over the bank's rows the kernel is batched into one call over every row."""
-        if "gdn_decode" in self.pallas_ops:
-            try:
-                o, new = k_gated_delta.gated_delta_decode(q, k, v, g, beta, state[None], interpret=self.interpret)
-                return o, new[0]
-            except ValueError:               # shapes the kernel does not take
-                pass
-        return JaxBackend.gated_delta_step_xla(q, k, v, g, beta, state)
-
     @staticmethod
-    def gated_delta_step_xla(q, k, v, g, beta, state):
+    def gated_delta_step(q, k, v, g, beta, state):
         """Recurrent form for one token: q, k [1, Hv, dk], v [1, Hv, dv], g, beta [1, Hv]; state [Hv, dk, dv]."""
         hi = lax.Precision.HIGHEST
         q, k, v, g, beta = (x[0].astype(jnp.float32) for x in (q, k, v, g, beta))
@@ -410,21 +333,19 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     def experts_pool(self, x, slots, weight, pool, layout, max_distinct):
         """The expert op over the slot pool: x [T, H]; slots, weight [T, k] (slot -1: not computed here); pool uint8
         [N, layout.nbytes]. Prompt parts (more than GATHER_ROUTES_MAX routes) through the grouped Pallas kernel,
-        decode rows of decode_min_tokens tokens or more through the decode kernel, when chosen (int4 under
-        "auto", every format under "pallas"); otherwise (and for shapes a kernel does not take)
-        strata/jax_backend/kernels/experts.py in XLA."""
+        decode rows of int4 blobs, kernel_config.decode_expert_min_tokens tokens or more, through the decode kernel,
+        when chosen; otherwise (and for shapes a kernel does not take) strata/jax_backend/kernels/experts.py in XLA."""
         t, kk = slots.shape
         single = not isinstance(pool, (tuple, list))
         try:
             if single and t * kk > GATHER_ROUTES_MAX and "experts_grouped" in self.pallas_ops:
                 return k_expert_grouped.experts_grouped(layout, pool, x, slots, weight, interpret=self.interpret,
-                                                        max_distinct=max_distinct, variant=self.grouped_variant)
-            if (single and t >= self.decode_min_tokens and t * kk <= GATHER_ROUTES_MAX
-                    and "experts_decode" in self.pallas_ops
-                    and (self.kernels == "pallas" or layout.fmt in DECODE_KERNEL_FORMATS_AUTO)):
+                                                        max_distinct=max_distinct)
+            cfg = self.kernel_config
+            if (single and t >= cfg.decode_expert_min_tokens and t * kk <= GATHER_ROUTES_MAX
+                    and "experts_decode" in self.pallas_ops and layout.fmt in k_expert_decode.FORMATS):
                 return k_expert_decode.experts_decode(layout, pool, x, slots, weight, interpret=self.interpret,
-                                                      variant=self.decode_variant, block=self.decode_block,
-                                                      warps=self.decode_warps)
+                                                      block=cfg.decode_expert_rows, warps=cfg.decode_expert_warps)
         except ValueError:                   # shapes or a format the kernel does not take
             pass
         return experts_from_pool(layout, pool, x, slots, weight, max_distinct)
@@ -516,8 +437,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         """logits [B, V] fp32; per-row temperature, top_k (0 = off), top_p (1 = off), min_p (0 = off) and PRNG key
         (keys [B]: a row's draw depends on its own key only, so batching never changes a seeded request).
         A row with temperature 0 is greedy. all_greedy (static): every row is; the argmax alone, without the sort,
-        softmax, cumulative sum and draw over the vocabulary that a sampled row needs (on the H200 the sort alone was
-        6 kernels, 38 us a decode window at batch 1: bench/results/launch_probe_rows_h200.json)."""
+        softmax, cumulative sum and draw over the vocabulary that a sampled row needs."""
         b, vocab = logits.shape
         logits = logits.astype(jnp.float32)
         greedy = jnp.argmax(logits, axis=-1)

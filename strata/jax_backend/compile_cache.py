@@ -1,11 +1,8 @@
 """JAX's persistent compilation cache for `strata serve` (config key `compile_cache`): every compiled window and
 prompt-part bucket is written to a directory, and a restart with the same model, shapes and JAX version loads it
-instead of compiling again.
-
-Why: the scheduler's warm-up compiles every bucket before the server accepts requests, and at Qwen3-Next-80B shapes
-that takes tens of seconds (one runner's warm-up took 46 s at 8 layers on the H200; on the CPU the first decode
-window's compile grows ~0.33 s per layer). JAX keys each entry by the computation, its shapes, the backend and the
-compiler version, so a changed model or JAX compiles afresh; nothing stale is loaded.
+instead of compiling again (the warm-up compiles every bucket before the server accepts requests: tens of seconds
+at real shapes). JAX keys each entry by the computation, its shapes, the backend and the compiler version, so a
+changed model or JAX compiles afresh; nothing stale is loaded.
 
 The cache is process-wide state in JAX: the server enables it once (open_cache, through strata/backend.py), before
 anything compiles; CacheCounter counts what JAX reports (compilations that asked the cache, and hits) for its log.

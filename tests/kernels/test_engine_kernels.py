@@ -1,9 +1,8 @@
 """The engine with the JAX backend's Pallas kernels (kernels="pallas": interpreted on the CPU, compiled on a GPU with
 STRATA_TEST_DEVICE=gpu) against plain XLA (kernels="xla"): the same greedy tokens and logits within float32's
 rounding, through Engine sequences (prompt parts: the grouped expert op) and through the WindowRunner's decode rows
-(the decode attention kernel over the bank, the Gated DeltaNet mixer's decode kernel over the rows, the decode
-expert kernel, the routing kernel), for float and int8 KV caches; the engine API's one-token decode through the
-mixer's kernel too."""
+(the decode attention kernel over the bank, the routing kernel), for float and int8 KV caches; and the backend's
+expert op sending int4 decode rows to the decode expert kernel."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -12,8 +11,10 @@ import numpy as np
 import pytest
 
 from strata import Engine
+from strata.backend import get_backend
 from strata.errors import ConfigError
 from strata.jax_backend import backend as jb
+from strata.jax_backend.kernel_config import KernelConfig
 from strata.engine.runner import WindowRunner
 from strata.plan import idle_plan
 from strata.plan import PromptPart
@@ -29,7 +30,7 @@ def engines(request):
 
 def test_the_options_choose_the_kernels():
     assert jb.JaxBackend(kernels="xla").pallas_ops == frozenset()
-    assert jb.JaxBackend(kernels="pallas").pallas_ops >= jb.PALLAS_AUTO
+    assert jb.JaxBackend(kernels="pallas").pallas_ops == jb.PALLAS_AUTO
     assert jb.JaxBackend().pallas_ops == (jb.PALLAS_AUTO if jb.JaxBackend().device.platform == "gpu" else frozenset())
     with pytest.raises(ConfigError, match=r'kernels = "cuda" \(a string\) is not allowed; kernels must be one of '
                                           r'auto, xla, pallas'):
@@ -54,27 +55,21 @@ def counting(monkeypatch, module, name):
 def test_prompt_parts_and_decode_match_xla(engines, monkeypatch):
     xla, pallas = engines
     grouped = counting(monkeypatch, jb.k_expert_grouped, "experts_grouped")
-    gdn = counting(monkeypatch, jb.k_gated_delta, "gated_delta_chunked")
-    ids = list(range(3, 140))                          # parts of 64: the grouped expert op and chunked delta rule
+    ids = list(range(3, 140))                          # parts of 64: the grouped expert op
     ref, got = xla.logits(ids), pallas.logits(ids)
-    assert grouped and gdn, "the pallas engine's prompt parts did not go through the kernels"
+    assert grouped, "the pallas engine's prompt parts did not go through the grouped expert kernels"
     assert np.abs(got - ref).max() <= TOL * (ref.max() - ref.min())
-    mixer = counting(monkeypatch, jb.k_delta_decode, "delta_decode")
     assert pallas.generate(ids[:30], 10, stop_token_ids=[]) == xla.generate(ids[:30], 10, stop_token_ids=[])
-    assert mixer, "the pallas engine's one-token decode did not go through the mixer's kernel"
 
 
 def test_runner_decode_rows_match_xla(engines, monkeypatch):
-    """Decode windows of 8 slots at different lengths (some inactive in turn) through the decode attention kernel,
-    the Gated DeltaNet mixer's decode kernel and the decode expert kernel (8 rows: at least DECODE_EXPERTS_MIN_TOKENS; the
-    demo's float experts by its tiles variant)."""
+    """Decode windows of 8 slots at different lengths (some inactive in turn) through the decode attention kernel
+    and the routing kernel. (The demo's float experts stay with XLA's decode form: the decode expert kernel reads
+    int4 blobs; test_backend_sends_int4_decode_rows_to_the_decode_kernel covers it.)"""
     calls = counting(monkeypatch, jb.k_attention, "decode_attention")
-    gdn = counting(monkeypatch, jb.k_delta_decode, "delta_decode")
-    experts = counting(monkeypatch, jb.k_expert_decode, "experts_decode")
     routes = counting(monkeypatch, jb.k_route, "route")
     lengths = np.array([5, 16, 9, 3, 12, 7, 20, 4], np.int32)
     s = len(lengths)
-    assert s >= jb.DECODE_EXPERTS_MIN_TOKENS
     out = []
     for engine in engines:
         runner = WindowRunner(engine, s, 16)
@@ -93,4 +88,60 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
             pos = pos + active
         out.append(np.stack(seen))
     assert (out[0] == out[1]).all()
-    assert calls and gdn and experts and routes, "the pallas engine's decode rows did not go through the kernels"
+    assert calls and routes, "the pallas engine's decode rows did not go through the kernels"
+
+
+def test_the_kernel_config_is_frozen_checked_and_given_at_load():
+    assert jb.JaxBackend().kernel_config == KernelConfig() and KernelConfig().changed() == {}
+    cfg = KernelConfig(gdn_chunk=128, decode_expert_warps=8)
+    assert cfg.changed() == {"gdn_chunk": 128, "decode_expert_warps": 8}
+    assert get_backend("jax", kernels="xla", kernel_config=cfg).kernel_config is cfg
+    with pytest.raises(AttributeError):
+        cfg.gdn_chunk = 64                                  # frozen: a backend's settings never change after load
+    for bad, match in ((dict(gdn_chunk=96), "gdn_chunk 96 must be a power of two from 16 to 256"),
+                       (dict(gdn_chunk=512), "gdn_chunk 512 must be"),
+                       (dict(gdn_dots="tf32"), "gdn_dots 'tf32' is not allowed; allowed: ieee, tf32x3, bf16x6"),
+                       (dict(decode_expert_rows=12), "decode_expert_rows 12 must be a power of two"),
+                       (dict(decode_expert_warps=0), "decode_expert_warps 0 must be a power of two"),
+                       (dict(decode_expert_min_tokens=0), "decode_expert_min_tokens 0 must be an integer >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            KernelConfig(**bad)
+    with pytest.raises(ConfigError, match="kernel_config must be a KernelConfig, not dict"):
+        jb.JaxBackend(kernel_config={"gdn_chunk": 128})
+
+
+def spying(monkeypatch, module, name):
+    """Record the keyword arguments of every call of module.name from now on."""
+    calls = []
+    real = getattr(module, name)
+
+    def spied(*a, **k):
+        calls.append(k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, spied)
+    return calls
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_backend_sends_int4_decode_rows_to_the_decode_kernel(fmt, monkeypatch):
+    """JaxBackend(kernels="pallas").experts_pool: decode rows of int4 blobs (power-of-two groups) go through
+    kernels/expert_decode.py with the KernelConfig's rows and warps, from its decode_expert_min_tokens tokens; fewer
+    tokens and other formats through XLA's op; every result equal to the numpy reference."""
+    from test_expert_op import LIMIT, poisoned_pool, rel_err, routes
+
+    from strata.weights import quant
+    rng = np.random.default_rng()
+    lay = quant.layout(fmt, 256, 128)
+    pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
+    ops = jb.JaxBackend(kernels="pallas", kernel_config=KernelConfig(decode_expert_rows=4, decode_expert_warps=2,
+                                                                      decode_expert_min_tokens=3))
+    decode = spying(monkeypatch, jb.k_expert_decode, "experts_decode")
+    for tokens in (2, 3):
+        slots, weight = routes(rng, tokens, 4, slot_of)
+        x = rng.standard_normal((tokens, 256)).astype(np.float32)
+        got = np.asarray(ops.experts_pool(x, slots, weight, pool, lay, 10))
+        assert rel_err(got, quant.expert_reference(lay, pool, x, slots, weight)) <= LIMIT["float32"][fmt]
+        want = [dict(interpret=ops.interpret, block=4, warps=2)] if fmt == "int4" and tokens == 3 else []
+        assert decode == want, f"{fmt}, {tokens} tokens: {decode}"
+        decode.clear()

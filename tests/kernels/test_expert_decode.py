@@ -1,5 +1,5 @@
-"""kernels/expert_decode.experts_decode (the decode form of the expert op, dequantizing the blobs in the kernel: int4
-by the v1 and v2 kernels, every format by the tiles variant) against the numpy reference on the same blobs: a
+"""kernels/expert_decode.experts_decode (the decode form of the expert op over int4 blobs, dequantizing them in the
+kernel) against the numpy reference on the same blobs: a
 poisoned pool (garbage and NaN bytes in unused slots), skipped routes with NaN weights, one token with every route
 skipped, pools read through compacted sub-pools of 1, 2 and 3 chunks (the kernels' pool limit monkeypatched small);
 on the CPU in Pallas interpret mode, on the GPU compiled (STRATA_TEST_DEVICE=gpu)."""
@@ -17,86 +17,67 @@ from strata.weights import quant as Q
 
 H, I = 256, 128          # one int4 group of 128 columns or two, per matrix
 # Relative Frobenius error limits against quant.expert_reference on the same blobs. The kernels compute in float32
-# whatever x's dtype (float64 reference: measured <= 4e-7 in every format); a bfloat16 result is one rounding of
-# that, at most 2^-9 = 1.95e-3 relative per element.
+# whatever x's dtype (float64 reference: measured <= 4e-7); a bfloat16 result is one rounding of that, at most
+# 2^-9 = 1.95e-3 relative per element.
 LIMIT = {"float32": 2e-6, "bfloat16": 2.5e-3}
-CASES = [("int4", v) for v in K.VARIANTS] + [(f, "tiles") for f in Q.FORMATS if f != "int4"]
 
 
-@pytest.mark.parametrize("fmt,variant", CASES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens,k", [(1, 4), (3, 2), (4, 8)])
-def test_decode_kernel_matches_the_reference(tokens, k, dtype, fmt, variant, interpret):
+def test_decode_kernel_matches_the_reference(tokens, k, dtype, interpret):
     rng = np.random.default_rng()
-    lay = Q.layout(fmt, H, I)
+    lay = Q.layout("int4", H, I)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
     slots, weight = routes(rng, tokens, k, slot_of)
     x = rng.standard_normal((tokens, H)).astype(np.float32)
     xd = jnp.asarray(x, dtype)
     got = np.asarray(K.experts_decode(lay, jnp.asarray(pool), xd, jnp.asarray(slots), jnp.asarray(weight),
-                                      interpret=interpret, variant=variant)).astype(np.float32)
+                                      interpret=interpret)).astype(np.float32)
     want = K._reference(lay, pool, np.asarray(xd.astype(jnp.float32)), slots, weight)
     assert np.isfinite(got).all()
     if tokens > 1:
         assert np.all(got[tokens // 2] == 0)                  # every route of this token skipped
     err = rel_err(got, want)
-    assert err <= LIMIT[dtype], f"{fmt} {variant}: relative error {err:.2e}"
+    assert err <= LIMIT[dtype], f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("fmt", Q.FORMATS)
-def test_tiles_at_the_demo_models_odd_shape(fmt, interpret):
-    """H = 96, I = 32 (the demo model's experts): K steps of 32 columns, int4 groups of 96 and 32 columns, row blocks
-    of 32; the tiles variant (the default for formats other than int4) reads them all."""
-    rng = np.random.default_rng()
-    lay = Q.layout(fmt, 96, 32)
-    pool, slot_of = poisoned_pool(rng, lay, n_experts=6, n_slots=9)
-    slots, weight = routes(rng, 3, 4, slot_of)
-    x = rng.standard_normal((3, 96)).astype(np.float32)
-    got = np.asarray(K.experts_decode(lay, jnp.asarray(pool), jnp.asarray(x), jnp.asarray(slots),
-                                      jnp.asarray(weight), interpret=interpret, variant="tiles"))
-    want = K._reference(lay, pool, x, slots, weight)
-    assert np.isfinite(got).all() and np.all(got[1] == 0)
-    err = rel_err(got, want)
-    assert err <= LIMIT["float32"], f"{fmt}: relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("variant,block", [("v2", 8), ("v2", 16), ("slab", 1), ("slab", 4), ("slab", 64)])
-def test_other_blocks_match_the_reference(variant, block, interpret):
-    """Fewer rows a program (more programs of fewer bytes, for batch 1 on a many-SM GPU), or more (the slab variant
-    at 64 rows: its gate/up block is capped at I = 128 rows, its down block at H): the same result."""
+@pytest.mark.parametrize("block", [1, 4, 64])
+def test_other_blocks_match_the_reference(block, interpret):
+    """Fewer rows a program (more programs of fewer bytes, for batch 1 on a many-SM GPU), or more (64 rows: the
+    gate/up block is capped at I = 128 rows, the down block at H): the same result."""
     rng = np.random.default_rng()
     lay = Q.layout("int4", H, I)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
     slots, weight = routes(rng, 3, 4, slot_of)
     x = rng.standard_normal((3, H)).astype(np.float32)
     got = np.asarray(K.experts_decode(lay, jnp.asarray(pool), jnp.asarray(x), jnp.asarray(slots),
-                                      jnp.asarray(weight), interpret=interpret, variant=variant, block=block))
+                                      jnp.asarray(weight), interpret=interpret, block=block))
     want = K._reference(lay, pool, x, slots, weight)
     assert np.isfinite(got).all() and np.all(got[1] == 0)    # token 1: every route skipped
     err = rel_err(got, want)
-    assert err <= LIMIT["float32"], f"{variant} block {block}: relative error {err:.2e}"
+    assert err <= LIMIT["float32"], f"block {block}: relative error {err:.2e}"
 
 
 def test_a_block_that_is_not_a_power_of_two_is_refused():
     lay = Q.layout("int4", H, I)
     with pytest.raises(ValueError, match="block must be a power of two, not 12"):
         K.experts_decode(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, H)),
-                         jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant="v2", block=12)
+                         jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, block=12)
 
 
 def test_warps_that_are_not_a_power_of_two_are_refused():
     lay = Q.layout("int4", H, I)
     with pytest.raises(ValueError, match="warps must be a power of two, not 6"):
         K.experts_decode(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, H)),
-                         jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant="slab", warps=6)
+                         jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, warps=6)
 
 
 def test_formats_and_shapes_it_cannot_read_are_refused():
-    lay = Q.layout("int8", H, I)
-    for variant in ("v1", "v2", "slab"):
-        with pytest.raises(ValueError, match=f"variant {variant} reads int4 blobs, not 'int8'; the tiles variant"):
+    for fmt in (f for f in Q.FORMATS if f != "int4"):
+        lay = Q.layout(fmt, H, I)
+        with pytest.raises(ValueError, match=f"experts_decode reads the formats int4, not '{fmt}'"):
             K.experts_decode(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, H)),
-                             jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant=variant)
+                             jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True)
     odd = Q.layout("int4", 96, 32)                            # groups of 96 and 32 columns: not powers of two
     with pytest.raises(ValueError, match="power of two"):
         K.experts_decode(odd, jnp.zeros((2, odd.nbytes), jnp.uint8), jnp.zeros((1, 96)),
@@ -144,24 +125,18 @@ def test_engine_sized_pools_reach_the_kernels_directly_or_as_the_routes_blobs():
     assert len(pools) == 2 and all(p.shape == (160, lay.nbytes) and p.size < 2**31 for p in pools)
 
 
-def test_an_unknown_variant_is_refused_by_name():
-    lay = Q.layout("int4", H, I)
-    with pytest.raises(ValueError, match="variant must be one of v1, v2, slab, tiles, not 'v3'"):
-        K.experts_decode(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, H)),
-                         jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True, variant="v3")
-
-
-@pytest.mark.parametrize("fmt,variant", CASES)
-def test_every_variant_lowers_for_cuda_at_real_shapes(fmt, variant):
+@pytest.mark.parametrize("block,warps", [(K.BLOCK_ROWS, K.WARPS), (32, 8)])
+def test_kernels_lower_for_cuda_at_real_shapes(block, warps):
     """Qwen3-Next-80B shapes, 1 token x 10 routes over a 16,384-slot pool: the Pallas-to-Triton lowering (no GPU
-    needed) takes each variant, two kernels per call (v2's 16 written-out groups of gate/up and 4 of down; the tiles
-    variant's [32, 128] weight tiles in every format)."""
+    needed) takes the two kernels of a call (each program's rows whole in one load), at the default rows and warps
+    and at more of both."""
     from jax import export
-    lay = Q.layout(fmt, 2048, 512)
+    lay = Q.layout("int4", 2048, 512)
     spec = jax.ShapeDtypeStruct
-    fn = jax.jit(lambda p, x, s, w: K.experts_decode(lay, p, x, s, w, variant=variant))
+    fn = jax.jit(lambda p, x, s, w: K.experts_decode(lay, p, x, s, w, block=block, warps=warps))
     exp = export.export(fn, platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         spec((16384, lay.nbytes), jnp.uint8), spec((1, 2048), jnp.bfloat16), spec((1, 10), jnp.int32),
         spec((1, 10), jnp.float32))
-    assert exp.mlir_module().count("@__gpu$xla.gpu.triton") == 2
+    mod = exp.mlir_module()
+    assert mod.count("@__gpu$xla.gpu.triton") == 2 and mod.count(f"num_warps = {warps} : i32") == 2

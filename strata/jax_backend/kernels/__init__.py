@@ -1,5 +1,7 @@
-"""Device kernels of the JAX backend: ops over packed expert blobs (experts.py: XLA), and Pallas kernels on the Triton
-backend (host_rows.py: host-row copies; expert_decode.py: the int4 decode expert op), each with its reference."""
+"""Device kernels of the JAX backend: XLA forms (experts.py: the expert op over packed blobs; gated_delta.py: the
+chunked delta rule's intra-chunk products) and Pallas kernels on the Triton backend (expert_grouped.py,
+expert_decode.py: the expert op's prompt and int4 decode forms; decode_attention.py; route.py; host_rows.py: host-row
+copies), each with its reference."""
 from __future__ import annotations
 
 

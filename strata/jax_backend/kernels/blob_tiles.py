@@ -1,8 +1,7 @@
 """Reading expert blobs inside Pallas kernels: the fields of strata/weights/quant.py's formats decoded from a uint8
-pool ref, tile by tile. Shared by every kernel that computes experts from the pool (expert_grouped.py, the prompt
-form; expert_decode.py, the decode form), so a format's bytes, scales and zero points are decoded by one piece of
-code whichever kernel runs (ARCHITECTURE.md: one expert op). Bit-for-bit agreement with quant.decode_expert in
-float32 is held by the kernels' tests.
+pool ref, tile by tile (expert_grouped.py's tiles; expert_decode.py reads int4 scales with u16_at), so a format's
+bytes, scales and zero points are decoded by one piece of code (ARCHITECTURE.md: one expert op). Bit-for-bit
+agreement with quant.decode_expert in float32 is held by the kernels' tests.
 """
 from __future__ import annotations
 
@@ -59,7 +58,11 @@ def e4m3(byte):
 
 def weight_tile(pool_ref, slot, lay: BlobLayout, m: str, rows, k0, bk: int, dt):
     """Rows `rows` [B], columns k0 .. k0 + bk - 1 of matrix m of the blob in `slot`, decoded: (w [B, bk] in dt,
-    scale [B] float32 that multiplies this tile's partial product, or None)."""
+    scale [B] float32 that multiplies this tile's partial product, or None). f32 / bf16: bytes bitcast; int8: q
+    (exact in bfloat16), its row scale left to matrix_scale; int4: low / high nibbles (even / odd columns) minus the
+    zero point, interleaved, q - z exact in bfloat16, with the float16 group scale (bk divides the group); nvfp4:
+    e2m1 codes to bfloat16 by bit operations (no float4 loads: they fail on Hopper) times the float8_e4m3 block
+    scale (exact in bfloat16), its global scale left to matrix_scale."""
     _, cols = lay.shape_of(m)
     r = rows[:, None]
     fmt = lay.fmt

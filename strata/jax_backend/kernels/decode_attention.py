@@ -1,54 +1,12 @@
-"""Decode attention over a ragged batch of sequences as a Pallas split-K (flash-decoding) kernel: GQA, a KV cache in
-int8 with per-token-per-head float32 scales or in bfloat16/float32, and the verify form (Q query positions per row,
-speculative decoding's k+1). And the prompt form (prompt_attention): flash attention for the T queries of one
-sequence's prompt part over its cache, program (block of queries, kv head), the same online softmax (_attend).
+"""Attention as Pallas kernels (Triton backend): decode_attention, a split-K (flash-decoding) kernel over a ragged
+batch of rows, each with its own KV cache and position (GQA; Q query positions a row for speculative verify); and
+prompt_attention, flash attention for the T queries of one sequence's prompt part over its cache. Caches are int8
+with per-token-per-head float32 scales, or bfloat16/float32. A row reads only the key blocks its queries can see
+(cost follows its length, not the capacity), in int8 when the cache is int8, with the scales folded into the
+logits (k) and the probabilities (v); whatever lies past a row's length never reaches the result.
 
-Prompt form, why and what it measured: the backend's XLA form for a prompt part loops over key blocks of 512 with
-float32 einsums at HIGHEST precision (SIMT GEMMs on the H200): 8.32 ms for 4096 tokens at Qwen3-Next-80B shapes, one
-full-attention layer, against a causal floor of 137 GFLOP = 0.17 ms at the bf16 rate. The kernel's dots run in bf16
-on the tensor cores (q bf16, int8 keys exact in bf16) with float32 accumulation and the probabilities in three bf16
-terms for P.V (float32-accurate, as below): 1.28 ms (6.5x; 14% of the floor), 0.68 ms with one term (2.7e-3 error
-against XLA's float32, the output's rounding: not taken). The longest query blocks are scheduled first. Measured at
-b3d2b6f, bench/results/kernel_speed_h200_b3d2b6f.json; block_q 8 and 16 with 4 or 8 warps tie, 8 warps at block_q 8
-is 1.7x slower.
-
-Why: decode attention is a pure read of the cache, so its floor is the bytes of the keys a row can see. The XLA form
-(decode_attention_xla below, like the backend's one-pass attention) reads and dequantizes the whole capacity; the
-deprecated jax paged_attention Triton kernel reached ~350 GB/s of KV at these dims (notes/pallas-gpu.md). This kernel
-reads each row's visible key blocks once, in int8 when the cache is int8, folds the scales into the logits (k) and
-the probabilities (v), and skips every block past the row's last position: cost follows each row's length, not Cap.
-
-Floor at Qwen3-Next-80B shapes (Hq = 16, Hkv = 2, hd = 256), per row and full-attention layer (12 of the 48 layers),
-H200 HBM at 3.6 TB/s; a token's K + V is 2 x Hkv x hd elements (+ 2 x Hkv float32 scales for int8):
-- int8: 1024 + 16 = 1040 B/token: 4K context 4.26 MB = 1.18 us, 32K context 34.1 MB = 9.5 us;
-- bf16: 2048 B/token: 4K context 8.39 MB = 2.33 us, 32K context 67.1 MB = 18.6 us.
-FLOPs are 4 x Hq x hd = 16 Ki per token (QK and PV), 16 FLOP per int8 byte (63 as the MMAs run: 16 padded query
-rows per kv head, P.V in three terms, see below): far under the H200's ~275 FLOP/B ridge, so memory-bound. The
-split partials add S x Hkv x n_splits x R x (hd + 2) x 4 B, written once and read once by the epilogue (R the padded
-query rows): at S = 1 (32 splits, R = 16) 1.06 MB, so 2.1 MB of traffic, half the 4K int8 cache's bytes and 6% of
-32K's; with more rows there are fewer splits per row. Not yet measured on the GPU: what is verified is the
-arithmetic, in Pallas interpret mode, against the float64 reference (tests/kernels/test_decode_attention.py).
-Blocks, splits, warps and stages are first choices, to be set by measurement.
-
-Backend: Pallas' Triton backend (`triton_params`), interpretable on the CPU in every JAX version CI runs (Mosaic GPU's
-interpret mode needs newer JAX than CI has), verified on the H200 for the copy kernel beside this one.
-
-Design: grid (S, Hkv, n_splits). Program (s, g, j) takes all Hq/Hkv query heads x Q positions of kv head g as R rows
-(padded with zeros to a power of two >= 16, the Triton dot's minimum), row r = position r // (Hq/Hkv). Row s's keys
-0 .. n-1, n = min(pos[s] + Q, Cap), are cut into blocks of block_k and the blocks into n_splits equal ranges; program
-j walks its range (a dynamically bounded loop: scf.for) with an online softmax and writes its partial (m, l, acc); an
-XLA epilogue combines the splits. Because the ranges divide the row's length, not Cap, every split of a long row has
-work and a short row's blocks past its end are never read. Garbage past a row's last position never reaches the
-result: logits are masked with where(-inf) per query row before the softmax (also after the k scale, so a NaN scale is
-dropped), and V rows and v scales past the row's length are selected to 0 before the P.V product.
-
-Arithmetic (float32 throughout, out in q.dtype): with q bfloat16 and a bfloat16 or int8 cache (int8 -> bf16 is exact),
-the dots run in bf16 on the tensor cores with float32 accumulation: q.k products are exact, and the probabilities
-(times the v scales) are split into three bfloat16 terms for P.V (three MMAs of R x block_k x hd, cheap against the
-block's bytes), so the result is float32-accurate (~1e-7 relative in the tests) before its final rounding to
-bfloat16. Two terms measured ~2e-6, one (a plain bf16 P) errors the size of the output's rounding. Otherwise (q
-float32, or a float32 cache) both dots are float32 at precision HIGHEST (IEEE, not TF32: CUDA cores, slower than the
-tensor cores; the engine's q is bfloat16).
+Floor (H200 HBM at 3.6 TB/s, Qwen3-Next-80B: Hq = 16, Hkv = 2, hd = 256; per row and full-attention layer): int8
+1040 B a token, 4K context 1.18 us, 32K 9.5 us; bf16 2048 B a token, 4K 2.33 us, 32K 18.6 us. Memory-bound.
 """
 from __future__ import annotations
 
@@ -66,7 +24,7 @@ BLOCK_K = 64             # keys per loop step (a power of two >= 16; the largest
 TILE_BYTES = 32 << 10    # ... and a K (or V) tile at most this: K + V x 2 stages <= 128 KB of the ~227 KB of shared
 MIN_ROWS = 16            # query rows per program: the Triton dot needs M >= 16
 TARGET_PROGRAMS = 128    # S x Hkv x n_splits aimed at (the H200 has 132 SMs)
-MAX_SPLITS = 32         # bounds the partials' bytes (see the docstring)
+MAX_SPLITS = 32          # bounds the partials' bytes, S x Hkv x splits x R x (hd + 2) x 4 B, written and read once
 NUM_WARPS, NUM_STAGES = 4, 2
 PROMPT_ROWS = 64         # prompt form: query rows (queries x the kv head's group) per program
 PROMPT_WARPS = 4
@@ -91,7 +49,15 @@ def _attend(q, k_ref, v_ref, ks_ref, vs_ref, last, n, lo, hi, *, scale: float, b
     """The online softmax of query rows q [R, hd] over key blocks lo .. hi-1 of k_ref, v_ref [Cap, hd] (scales
     ks_ref, vs_ref [Cap] when quantized): row r sees keys 0 .. last[r]; keys n.. may hold anything.
     -> (acc [R, hd], m [R], l [R]): m the running max of the scaled logits, l = sum exp(logit - m),
-    acc = sum exp(logit - m) v. p_terms: bfloat16 terms the probabilities are split into for P.V (bf16 only)."""
+    acc = sum exp(logit - m) v. p_terms: bfloat16 terms the probabilities are split into for P.V (bf16 only).
+
+    Arithmetic (float32 throughout): with q bfloat16 and a bfloat16 or int8 cache (int8 -> bf16 is exact) the dots
+    run in bf16 on the tensor cores with float32 accumulation: q.k products are exact, and the probabilities (times
+    the v scales) split into p_terms bfloat16 terms for P.V make it float32-accurate at 3 (~1e-7 relative; 2 terms
+    ~2e-6; 1, a plain bf16 P, errors the size of the output's rounding). Otherwise (q or the cache float32) both
+    dots are float32 at precision HIGHEST (IEEE, not TF32). Logits are masked with where(-inf) per query row before
+    the softmax (after the k scale too, so a NaN scale is dropped), and V rows and v scales past the row's length
+    are selected to 0 before the P.V product."""
     rows = q.shape[0]
     cdt = jnp.bfloat16 if bf16 else jnp.float32
     prec = None if bf16 else lax.Precision.HIGHEST
@@ -136,8 +102,13 @@ def _attend(q, k_ref, v_ref, ks_ref, vs_ref, last, n, lo, hi, *, scale: float, b
 
 def _kernel(pos_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, n_splits: int, n_q: int, group: int,
             quantized: bool, bf16: bool):
-    """Program (s, g, j): q_ref [R, hd]; k_ref, v_ref [Cap, hd] (row s, kv head g); with int8, ks_ref, vs_ref [Cap].
-    Writes acc [R, hd], m [R], l [R] of its split (_attend)."""
+    """Program (s, g, j) of grid (S, Hkv, n_splits): q_ref [R, hd], all Hq/Hkv query heads x Q positions of kv head
+    g as R rows (padded with zeros to a power of two >= 16, the Triton dot's minimum), row r = position r // group;
+    k_ref, v_ref [Cap, hd] (row s, kv head g); with int8, ks_ref, vs_ref [Cap]. Row s's keys 0 .. n-1,
+    n = min(pos[s] + Q, Cap), are cut into blocks of block_k and the blocks into n_splits equal ranges (they divide
+    the row's length, not Cap: every split of a long row has work, a short row's blocks past its end are never
+    read); program j walks its range (a dynamically bounded loop) and writes its split's acc [R, hd], m [R], l [R]
+    (_attend); an XLA epilogue combines the splits."""
     if quantized:
         ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest
     else:

@@ -1,99 +1,14 @@
-"""The prompt form of the expert op as two Pallas grouped-GEMM kernels that dequantise the packed expert blobs in the
-kernel (every format of strata/weights/quant.py: int4 and bf16 first, int8, nvfp4, f32), for pools of any size.
+"""The prompt form of the expert op as two Pallas grouped-GEMM kernels (Triton backend) that decode the packed expert
+blobs in the kernel, every format of strata/weights/quant.py, for pools of any size. XLA sorts the routes by slot
+and lays each slot's group out in whole blocks of block_m rows; kernel 1 gathers a block's x rows by token and
+computes h = silu(x gate^T) * (x up^T) from its expert's blob; kernel 2 y_rows = (h down^T) * the route's weight;
+XLA gathers each route's row back into (token, choice) order and sums over k in float32. A skipped route (slot -1)
+contributes exactly 0. int4 with power-of-two groups of >= 32 columns runs the "v2" kernels (even/odd columns, two
+dots a group); every other format and layout the "v1" kernels (K tiles decoded by blob_tiles.weight_tile).
 
-Why: a prompt part routes thousands of (token, expert) pairs; the XLA op's grouped form (experts.py,
-experts_from_pool) decodes one whole blob per block of rows into float weights in HBM ([blocks, I, H] three times,
-in x's dtype) before its einsums, so at real shapes it writes and reads again several times the bytes of the packed
-experts. `jax.lax.ragged_dot`, the other XLA route, lowers on the H200 to a dense masked expansion + cuBLAS:
-notes/pallas-gpu.md measured it at 12.5 ms against 0.97 ms for a Pallas Triton grouped matmul (grid over row blocks
-and groups, each program reading one expert's weights, so only active experts are read) at M=4096, G=512, K=2048,
-N=1024 in bf16 (11.7 TFLOP/s for ragged_dot in one test). These kernels are that Triton grouped matmul with the
-weights read packed and decoded in registers. Pallas' Triton backend: verified on the H200, interpretable on the CPU
-in every JAX version we run.
-
-Floor (Qwen3-Next-80B, one MoE layer, a prompt part of 4096 tokens: H=2048, I=512, k=10, 40,960 routes, ~80 per
-expert, all 512 experts active): FLOPs = 2 * routes * 3 * H * I = 257.7 GFLOP = 326 us at ~790 TFLOP/s bf16;
-bytes = the active experts' blobs (512 x 1,646,592 B int4 = 843 MB = 234 us at 3.6 TB/s; bf16 3.22 GB = 895 us;
-int8 1.62 GB = 449 us; nvfp4 908 MB = 252 us) + activations (x read and y written, 2 x 16.8 MB in bf16, ~9 us).
-So int4 and nvfp4 are compute-bound (326 us), bf16 and int8 memory-bound. This design adds to that: the padding of
-each expert's group to whole blocks (~80 routes -> 128 rows at BLOCK_M 64 or 128: ~1.6x the FLOPs), each block
-reading its expert's blob once (twice per expert at BLOCK_M 64 unless the neighbouring block's read hits L2), and
-the intermediates in HBM: h [rows, I] (~67 MB each way) and the per-route rows y [rows, H] (~268 MB each way in
-bf16), which a fused combine would save.
-
-MEASURED on the H200 (bench/kernel_speed.py at commit 9546310, JAX 0.11.2; bench/results/kernel_speed_h200_9546310
-.log), the first design (now variant "v1"):
-- int4, 4096 tokens (40,960 routes): 8.36 ms; XLA's grouped form 13.07 ms; floor 0.33 ms: 4% of the bf16 rate.
-  512 tokens: 4.38 ms (XLA 5.90 ms; floor 0.24 ms, the 847 MB of blobs).
-- bf16: WRONG RESULTS at real shapes (relative error NaN at 512 tokens, 2.5 at 4096) although the small-shape GPU
-  tests passed: its pool of 512 experts is 3.2 GB, and Pallas' Triton lowering computes a ref's element offsets
-  (slot * row bytes + column) in int32 when the array is at most 2^32 bytes (64-bit above: jax/_src/pallas/triton/
-  lowering.py, _compute_offsets_from_indices), so offsets past 2^31 wrap. The int4 pool (0.84 GB) is below it. In
-  the engine a pool can be 12-40 GB. Fixed by the compaction below (MAX_KERNEL_POOL_BYTES), for every format.
-Not yet measured on the GPU: v2 and the compaction. What is verified here is the arithmetic in Pallas interpret mode
-against the numpy reference (tests/kernels/test_expert_grouped.py), the Triton limits of the kernels traced at real
-shapes (powers of two, dot dtypes and sizes, a shared-memory estimate), the Pallas-to-Triton lowering for CUDA
-(jax.export on the CPU), and, outside the test suite, the kernels' Triton IR at real shapes compiled for sm_90a by
-the standalone Triton 3.9 compiler and ptxas on the CPU (not XLA's own Triton, so indicative):
-- v1 gate/up (int4, bf16 x, 8 warps): the packed tiles become per-byte global loads (192 LDG per thread per K step,
-  not pipelined), 128 int-to-float conversions per step, 255 registers and 528 B of spills (141 local loads/stores
-  in the K loop), 64 KB shared memory, one program per SM; v1 down: 236 registers.
-- v2 gate/up (block_m 64, 128 columns, 4 warps, 3 stages): x halves and packed bytes copied asynchronously
-  (cp.async, 16-byte vectors) into 3-stage shared buffers, the decoded planes stored once to shared memory and fed
-  to chained wgmma (64x128x16), zero points and scales loaded once per (row, group) one element per thread; 112 KB
-  shared memory, 255 registers, 76 B of spills (two programs per SM). v2 down (128 columns): 96 KB, 191 registers,
-  no spills. block_m 128 (8 warps): 128 / 144 KB, 255 registers, <= 20 B of spills.
-To time on the H200 (bench/kernel_speed.py expert_grouped with variant="v1" and "v2"): both variants at 512 and
-4096 tokens in int4, bf16 with its now-compacted 3.2 GB pool (2 chunks; the gather of the used blobs is part of its
-time), and block_m 64 against 128.
-
-Design (`experts_grouped`):
-- Pool size: the kernels index the pool with int32 byte offsets, so a pool of MAX_KERNEL_POOL_BYTES (2^31 - 1) or
-  more is never handed to them: XLA finds the distinct slots the call uses (jnp.unique with the static size
-  max_distinct; the smallest ones, as the direct path keeps), splits them into equal static chunks of fewer than
-  2^31 bytes of blobs (chunks and sizes from max_distinct and layout.nbytes), gathers each chunk's blobs into a
-  compact pool [c, nbytes], remaps the chunk's routes to compact indices and every other route to -1, runs the
-  kernels per chunk and sums the chunks' float32 outputs (a route of slot -1 contributes exactly 0, so the sum is
-  the op). Below the limit the kernels read the pool directly. Cost: the gather reads and writes the used blobs
-  once (bf16, 512 experts: 3.2 GB each way). Above 2^32 bytes the lowering's offsets are 64-bit, so only a GPU run
-  of a > 4 GiB pool read directly can tell whether compaction could be skipped there.
-- XLA sorts the routes by slot (skipped routes, slot -1, last and dropped) and lays each slot's group out padded to
-  whole blocks of BLOCK_M rows: per padded row its token (pad rows: token 0, never read back) and its route weight
-  (pad rows 0); per block its slot (-1 for the blocks past the last group: a static bound, they do nothing).
-- kernel 1: loads the block's x rows by token (a gather in the kernel, no sorted copy of x in HBM), decodes the
-  slot's gate and up rows a K step at a time and accumulates x W^T in float32 (gate and up in one program, two
-  accumulators, so x is read once); h = silu(g) * u, stored in x's dtype.
-- kernel 2: y_rows = (h W_down^T) * the row's route weight.
-- XLA gathers each route's row back into (token, choice) order (a permutation: no scatter-add) and sums over k in
-  float32. A skipped route contributes exactly 0, whatever its weight.
-Variants (static keyword `variant`; `kernel_variant` says which kernels a call runs):
-- "v2" (default), int4 with power-of-two groups of >= 32 columns (Qwen3-Next's 128): no nibble interleave. XLA
-  permutes x's columns once so that within every group of G columns the G/2 even columns come first, then the G/2
-  odd ones (`_even_odd_columns`, one pass over x). Per K step of one group the kernel loads x's even half [BM, G/2]
-  and odd half [BM, G/2] contiguously and the packed bytes [BN, G/2] once; lo = (b & 15) - z and hi = (b >> 4) - z
-  are built in bfloat16 from bits (0x4300 | q is 128 + q; exact, no int-to-float conversion); two dots,
-  x_even . lo^T + x_odd . hi^T (Triton chains the second onto the first), give the group's float32 partial, times
-  the float16 group scale [BN] broadcast over rows, accumulated. Zero points and scales ([BN] vectors, the float16
-  from two bytes) are loaded one group ahead, carried through the loop. Kernel 1's program j computes the gate/up
-  rows that land at h positions j*BN.. in down's even/odd order (`_even_odd_source`), so h is written already
-  permuted per group of down's group size and kernel 2 reads it the same way at no cost. Grid (column block, row
-  block): a row block's programs run together and share its x (or h) rows in L2. BM = block_m (64), BN = 128
-  (64 for float32 x), 4 warps per 64 rows, 3 stages (2 for float32 x).
-- "v1" (every other format and layout, or asked for): grid (row block, column block); the K tile's weights decoded
-  into [BN, BK] tiles (below); 8 warps, 2 stages; the design measured above.
-Decoding in v1, one K tile [rows, BK] of a matrix (bytes read from the uint8 pool with computed offsets, multi-byte
-fields assembled little-endian and bitcast):
-- f32 / bf16: 4 / 2 bytes -> lax.bitcast_convert_type -> x's dtype.
-- int8: q (exact in bfloat16) into the dot; the row scale (float32) multiplies the finished accumulator.
-- int4: low / high nibbles (even / odd columns), minus the zero point, interleaved (join + reshape: Triton's
-  interleave) into q - z in -15..15 (exact in bfloat16); the float16 group scale multiplies the K tile's partial
-  product (BK divides the group), as the notes' measured int4 matmul did.
-- nvfp4: e2m1 codes -> bfloat16 bits by bit operations (no float4 loads: they fail on Hopper), times the
-  float8_e4m3 block scale decoded by bit operations (the product of a 2-bit and a 4-bit significand is exact in
-  bfloat16); the matrix's float32 global scale multiplies the finished accumulator.
-Dots take operands in x's dtype (float32 at HIGHEST precision: Triton would run TF32 otherwise) and accumulate in
-float32, like the XLA op's arithmetic; in bfloat16 the decoded weights of f32 blobs are rounded once to bfloat16
-(as the XLA op does), those of the other formats are exact, and h and y_rows are rounded once each (both variants).
+Floor (H200, Qwen3-Next-80B, one MoE layer, 4096 tokens x 10 routes, all 512 experts active): 257.7 GFLOP = 326 us
+at ~790 TFLOP/s bf16; the blobs int4 843 MB = 234 us at 3.6 TB/s (nvfp4 252 us): compute-bound; bf16 895 us, int8
+449 us: memory-bound.
 """
 from __future__ import annotations
 
@@ -133,11 +48,10 @@ INT32_OFFSETS_MAX_BYTES = 2**32     # (jax/_src/pallas/triton/lowering.py, _comp
 def needs_compaction(pool_bytes: int) -> bool:
     """Whether a pool of this many bytes must reach the kernels as compacted sub-pools (int32 offsets overflow)."""
     return MAX_KERNEL_POOL_BYTES <= pool_bytes <= INT32_OFFSETS_MAX_BYTES
-VARIANTS = ("v1", "v2")  # v2: the int4 kernels below (even/odd columns, two dots per group); v1: the first design
+VARIANTS = ("v1", "v2")  # v2: the int4 kernels below (even/odd columns, two dots per group); v1: every format
 # v2 (int4): columns of h / y per program (the accumulators: two [bm, bn1] in kernel 1, one [bm, bn2] in kernel 2;
 # capped by ACC_ELEMS like v1's), pipeline stages per x dtype, and one warpgroup (4 warps) per 64 rows of a block
-# (Hopper's wgmma is 64 rows per warpgroup). Chosen by compiling the kernels for sm_90 with the standalone Triton
-# compiler on the CPU (module docstring); to be tuned by timing on the H200.
+# (Hopper's wgmma is 64 rows per warpgroup): chosen by compiling the kernels for sm_90 (bench/triton_sass_probe.py).
 V2_BLOCK_N = {"bfloat16": (128, 128), "float32": (64, 64)}
 V2_STAGES = {"bfloat16": 3, "float32": 2}
 
@@ -277,9 +191,11 @@ def _sort_routes(flat, weight, n_slots: int, kk: int, bm: int, n_groups: int):
 # even columns come first, then the g/2 odd ones (`_even_odd_columns`). A packed byte holds column 2i (low nibble)
 # and 2i + 1 (high nibble) of the group, so the group's contribution is x_even . lo^T + x_odd . hi^T: two dots over
 # contiguous loads, with lo / hi decoded elementwise where the bytes were loaded (no join, no reshape into an
-# interleaved tile), times the group's float16 scale per output column. Kernel 1 writes h with its columns already
-# in down's even/odd order (program j computes the rows of gate / up that land at its h positions), so kernel 2
-# reads h the same way at no cost.
+# interleaved tile), times the group's float16 scale per output column. lo = (b & 15) - z and hi = (b >> 4) - z are
+# built from bits (_nibble_planes: exact, no int-to-float conversion); zero points and scales ([BN] vectors) are
+# loaded one group ahead, carried through the K loop. Kernel 1 writes h with its columns already in down's even/odd
+# order (program j computes the rows of gate / up that land at its h positions), so kernel 2 reads h the same way
+# at no cost. Grid (column block, row block): a row block's programs run together and share its x (or h) rows in L2.
 
 @dataclass(frozen=True)
 class PlanV2:
@@ -442,8 +358,13 @@ def _down_int4_kernel(bslot_ref, w_ref, h_ref, pool_ref, y_ref, *, lay: BlobLayo
         y_ref[...] = (y * w_ref[...][:, None]).astype(y_ref.dtype)
 
 
-# --- pools of any size: the kernels index a pool with int32 byte offsets, so one of MAX_KERNEL_POOL_BYTES or more
-# is read through compacted copies of the blobs a call uses
+# --- pools of any size: the kernels index a pool with int32 byte offsets up to 2^32 bytes (64-bit above), so one of
+# MAX_KERNEL_POOL_BYTES .. INT32_OFFSETS_MAX_BYTES is read through compacted copies of the blobs a call uses: XLA
+# finds the distinct slots (jnp.unique at the static size max_distinct, the smallest ones, as the direct path keeps),
+# splits them into equal static chunks of fewer than 2^31 bytes of blobs, gathers each chunk's blobs into a compact
+# pool, remaps the chunk's routes to it and every other route to -1, runs the kernels per chunk and sums the chunks'
+# float32 outputs (a route of slot -1 contributes exactly 0, so the sum is the op). The gather reads and writes the
+# used blobs once.
 
 def pool_chunks(pool, slots, n_distinct: int, nbytes: int, limit: int):
     """Split the distinct slots `slots` uses (the n_distinct smallest; -1 and out-of-range slots skipped) into
@@ -474,7 +395,10 @@ def pool_chunks(pool, slots, n_distinct: int, nbytes: int, limit: int):
 
 def _grouped(layout: BlobLayout, pool, x, slots, weight, *, n_groups: int, block_m: int, variant: str,
              interpret: bool):
-    """The op on a pool the kernels may index directly (< 2^31 bytes): float32 [T, H]."""
+    """The op on a pool the kernels may index directly (< 2^31 bytes): float32 [T, H]. Dots take operands in x's
+    dtype (float32 at HIGHEST precision: Triton would run TF32 otherwise) and accumulate in float32, as the XLA op's
+    arithmetic; in bfloat16 the decoded weights of f32 blobs are rounded once (as the XLA op does), those of the other
+    formats are exact, and h and y_rows are rounded once each."""
     t, kk = slots.shape
     inter, hidden = layout.shape_of("gate")
     n_slots = pool.shape[0]

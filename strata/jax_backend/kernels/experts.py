@@ -1,19 +1,12 @@
 """The expert op over a device pool of packed expert blobs, in plain XLA (the baseline the Pallas kernels must match).
 
-Why: a model larger than the GPU keeps its experts on disk/host and copies the ones a step needs into a device pool,
-uint8 [N, nbytes], one expert per slot, each stored as ONE contiguous blob in one of the formats of
-strata/weights/quant.py (so one read / one copy moves one expert, quantised or not). The forward pass then names
-experts by pool slot rather than by expert id, and this op decodes the blobs it uses on the fly.
-
-- `decode_blobs` turns blobs into float weights with slices and bitcasts only; in float32 it equals
-  quant.decode_expert bit for bit.
-- `experts_from_pool` is the expert op itself, its two forms picked by the static number of routes: a gather form
-  for decode (each route's blob is gathered; a quantised one is multiplied as it is decoded, in float32,
-  `blob_matvec`; f32 and bf16 blobs with the arithmetic of JaxBackend.experts: weights cast to x's dtype, matmuls at
-  HIGHEST precision) and a grouped form for prompt parts (routes sorted by slot, each slot's group padded to whole
-  blocks of EXPERT_BLOCK rows, one blob decoded per block, with JaxBackend.experts' arithmetic). A slot of -1 marks
-  a route that is not computed here (e.g. its expert is not resident): it contributes exactly zero and costs no
-  block.
+The pool is uint8 [N, nbytes], one expert per slot, each ONE contiguous blob in a format of strata/weights/quant.py;
+the forward pass names experts by slot. `decode_blobs` turns blobs into float weights with slices and bitcasts only
+(in float32 bit for bit quant.decode_expert). `experts_from_pool` is the op, its form picked by the static number of
+routes: a gather form for decode (each route's blob gathered; a quantised one multiplied as it is decoded, in
+float32, `blob_matvec`) and a grouped form for prompt parts (routes sorted by slot, each slot's group padded to
+whole blocks of EXPERT_BLOCK rows, one blob decoded per block). A slot of -1 marks a route not computed here: it
+contributes exactly zero. `experts_fetching`: the op with misses copied from host chunks inside the window.
 """
 from __future__ import annotations
 
@@ -146,9 +139,8 @@ def experts_from_pool(layout: BlobLayout, pool, x, slots, weight, max_distinct: 
     if t * kk <= GATHER_ROUTES_MAX:
         # decode: gather the routed slots' blobs, so only they are read; a quantised blob's matrices multiply each
         # route's vector as they are decoded, in float32 (blob_matvec). Decoded into float weights first and cast to
-        # x's dtype (the grouped form's way), int4 at Qwen3-Next shapes moved ~3x the blobs' bytes (H200, batch 1:
-        # reduce fusions of ~16 us, ~30 us a layer, prompt_probe_h200_48_layers.json) and was bfloat16-rounded
-        # (6.1e-3 from float64 at one token, 1.6e-3 now)
+        # x's dtype (the grouped form's way), int4 moved ~3x the blobs' bytes and was bfloat16-rounded (6.1e-3 from
+        # float64 at one token, 1.6e-3 this way)
         blobs = _take_blobs(pools, jnp.where(valid, flat, 0))                        # [T*k, nbytes]
         ok = valid.reshape(t, kk)
         if layout.fmt in ("f32", "bf16"):   # nothing to decode: the dense expert op's arithmetic (JaxBackend.experts)
@@ -237,8 +229,7 @@ def experts_fetching(layout: BlobLayout, pool, table_row, chunks, starts, x, ids
     wanted = jnp.unique(jnp.where(miss, ids, n_experts).reshape(-1), size=m, fill_value=n_experts)   # [M]
     staging = jnp.zeros((m, layout.nbytes), jnp.uint8)
     # Lookups in `wanted` compare against all of it (M is at most a few hundred): jnp.searchsorted's default binary
-    # search is a while loop, on a GPU a launch per step and a break in XLA's command buffers (the H200 window was
-    # bound by the host's launches; what this change saves there is not measured yet).
+    # search is a while loop, on a GPU a launch per step and a break in XLA's command buffers.
     for chunk, a in zip(chunks, starts):
         lo = jnp.sum(wanted < a, dtype=jnp.int32)          # the wanted experts this chunk holds: rows lo .. hi-1
         hi = jnp.sum(wanted < a + chunk.shape[0], dtype=jnp.int32)

@@ -1,21 +1,12 @@
 """Copy rows of a host chunk (pinned host memory) into a device buffer, inside a compiled window: the kernel that
-brings a decode window's missing experts to the GPU.
+brings a decode window's missing experts to the GPU. The rows a window needs are known only on the device (after
+the router), so the copy is issued from inside the compiled function; XLA's form of it (a fori_loop of device_put
+over dynamic slices) reads the loop's predicate back to the host on every row, this kernel reads the host rows
+directly (pinned host memory is mapped into the GPU's address space; XLA hands a pinned_host operand to the kernel
+without copying it) with no host round trip.
 
-Why a kernel: the rows a window needs are known only on the device (after the router), so the copy must be issued
-from inside the compiled function. XLA's form of that copy, `device_put(dynamic_slice(chunk, row), device)` in a
-`fori_loop` over the misses, copies each row at the full rate but reads the loop's predicate back to the host on
-every iteration; on the H200 a decode window of 48 layers x ~7 misses spent ~65 of its ~90 ms waiting on those reads
-(bench/trace_summary.py over bench/offload_speed.py --trace) and the copies ran at 26.7 GB/s.
-This kernel reads the host rows directly (pinned host memory is mapped into the GPU's address space, so a load from
-it crosses PCIe; XLA hands a pinned_host operand to the kernel without copying it): no host round trip, and
-bench/host_fetch_probe.py measured 48 x 7 blobs of 1.57 MiB at 47.6 GB/s, against 52.9 GB/s for one large
-pinned buffer by the copy engine (and 44.9 GB/s for the XLA copies written out with a static count, which would copy
-every route's expert, hit or miss).
-
-Backend: Pallas' Triton backend, the one verified reading host memory on the H200 and interpretable on the CPU in
-every JAX version we run. (Mosaic GPU's copies go through TMA descriptors over device memory; not tried on host
-memory.) In interpret mode (CPU tests) a kernel cannot read host memory, so the wrapper first copies the chunk to the
-device (the whole chunk: small test shapes only); the engine on a CPU uses the XLA loop instead (experts_fetching).
+Backend: Pallas' Triton backend. In interpret mode (CPU tests) a kernel cannot read host memory, so the wrapper
+first copies the chunk to the device (small test shapes only); the engine on a CPU uses XLA's loop (experts_fetching).
 """
 from __future__ import annotations
 

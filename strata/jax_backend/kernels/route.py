@@ -1,25 +1,12 @@
-"""The MoE router's routing as one Pallas kernel: router logits [T, E] -> the top-k experts of each row and their
-weights (ComposedOps.route, the definition: softmax over all experts in fp32, top-k with ties to the lower
-expert id, optionally renormalised to sum to 1).
-
-Why: XLA runs the composition as a softmax kernel, a top-k (a sort or XLA's top-k kernel) and the renormalisation,
-three or more launches per MoE layer; at batch 1 each is a launch of ~2 us over 512 floats (the H200 trace of a
-decode window, bench/results/launch_probe_rows_h200.json, shows the router's softmax as its own kernel in every
-layer). One launch does it all; a row's work is a few passes over E values in registers.
+"""The MoE router's routing as one Pallas kernel (Triton backend): router logits [T, E] -> the top-k experts of each
+row and their weights (ComposedOps.route, the definition: softmax over all experts in fp32, top-k with ties to the
+lower expert id, optionally renormalised to sum to 1), one launch where XLA's composition takes three or more.
 
 Program: one row. softmax as max, exp, sum; then k rounds of (the largest probability left, the lowest id holding
-it), each taken out before the next, so ties go to the lower id as lax.top_k's do; the weights renormalised by
-their sum. The outputs are [T, KP] with KP the next power of two >= k (Triton stores power-of-two blocks); the
-caller's slice [:, :k] fuses into what reads them. A row with a NaN logit gets NaN weights (its ids clamped into
-range), so the window's finite flags see it (ARCHITECTURE.md, numerics guard).
-
-Backend: Pallas' Triton backend, interpretable on the CPU. E must be a power of two (Qwen3-Next: 512; the demo
-model: 16); otherwise a ValueError and the backend runs the composition. In kernels "auto" (PALLAS_AUTO).
-
-MEASURED on the H200 (bench/kernel_speed.py route, 35253ad, E = 512, k = 10; kernel_speed_decode_h200_35253ad.json):
-9.5 us at 1 row against the composition's 15.8 (predicted ~2-3 us: the row's 512 logits walked k = 10 rounds by one
-program stay latency-bound), 12.1 / 19.7 at 16 rows, 32.7 / 106.3 at 4096: 0.30 ms a token over 48 MoE layers at
-batch 1 (predicted 0.2-0.25).
+it), each taken out before the next, so ties go to the lower id as lax.top_k's do. The outputs are [T, KP] with KP
+the next power of two >= k (Triton stores power-of-two blocks), sliced to [:, :k]. A row with a NaN logit gets NaN
+weights (its ids clamped into range), so the window's finite flags see it. E must be a power of two (else a
+ValueError, and the backend runs the composition).
 """
 from __future__ import annotations
 
