@@ -340,12 +340,13 @@ def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, tem
     rows [ROWS, S]: the successor's rows, then this window's next tokens and finite flags; an eager backend's: the
     result [2, S] alone); window fetch: (states, routing counts [Lp, E], experts copied [Lp], rows).
     greedy (static): every active row is greedy (ops.sample's all_greedy)."""
-    counts, copied = [], []
+    fetching = path.kind is PathKind.WINDOW_FETCH
+    counts, copied = ([], []) if fetching else (None, None)
     logits, states = forward(ops, cfg, params, states, rows[0], rows[1], active,
                              path.traced(layout, args, active, counts, copied), all_logits=True)      # [S, V]
     rows = _rows_out(ops, rows, _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy),
                      active)
-    if path.kind is PathKind.WINDOW_FETCH:
+    if fetching:
         return states, ops.xp.stack(counts), ops.xp.stack(copied), rows
     return states, rows
 
