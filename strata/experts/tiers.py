@@ -7,6 +7,7 @@ Every source is an ExpertSource: `blob(p, e)` (the expert's bytes, uint8 [nbytes
 """
 from __future__ import annotations
 
+import abc
 import time
 import zlib
 
@@ -22,16 +23,17 @@ WRITE_BATCH_BYTES = 256 << 20
 WRITE_BATCH_BLOBS = 256
 
 
-class ExpertSource:
+class ExpertSource(abc.ABC):
     """The host tiers' common answers, built on blob(p, e) and checksum(p, e), which each source defines."""
 
     in_memory = False          # the experts are already in RAM (a checkpoint's): a host mirror would be a copy
+    layout: BlobLayout
 
-    def blob(self, p: int, e: int) -> np.ndarray:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def blob(self, p: int, e: int) -> np.ndarray: ...
 
-    def checksum(self, p: int, e: int) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def checksum(self, p: int, e: int) -> int: ...
 
     def blobs(self, p: int, experts) -> np.ndarray:
         """Experts `experts` of MoE layer p -> uint8 [m, nbytes] on the host."""
