@@ -29,6 +29,7 @@ from strata.weights.source import load_source
 
 log = logging.getLogger("strata")
 
+
 class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, backend, settings: Settings, tokenizer=None):
         self.cfg, self.params, self.backend, self.settings = cfg, params, backend, settings
