@@ -70,6 +70,14 @@ def _text(what: str, optional: bool = False) -> Rule:
 _BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
 
 
+def _is_device(v) -> bool:
+    """Unset, a device string, or (from Python, never a file or a flag) a backend's own device object: SYCL
+    sub-devices of one device have no string of their own."""
+    if v is None or isinstance(v, str):
+        return v is None or (v.strip() != "" and "\n" not in v)
+    return not isinstance(v, (bool, int, float, list, dict, tuple))
+
+
 def setting(default: Any, rule: Rule, help: str, *, example: Any = None, env: str | None = None):
     """A settings field: its default, what it allows, its help (a sentence or more: flag help, TOML comment and docs
     row alike), an example value where the default is unset (configs/demo.toml shows it commented out), and the
@@ -205,8 +213,8 @@ class BackendSettings(_Group):
     backend: str = setting(
         "jax", _choice("auto", "jax", "sycl"),
         "The compute backend: jax, sycl (Intel GPUs, through dpnp) or auto.")
-    device: str | None = setting(
-        None, _text("a device string such as gpu, cpu (jax) or level_zero:gpu:0, opencl:cpu (sycl)", optional=True),
+    device: Any = setting(
+        None, Rule(_is_device, "a device string such as gpu, cpu (jax) or level_zero:gpu:0, opencl:cpu (sycl)"),
         "The backend's device: gpu or cpu for jax; level_zero:gpu:0, opencl:gpu, opencl:cpu for sycl (strata doctor "
         "lists them). Unset: the backend's default.", example="gpu")
     kernels: str = setting(

@@ -95,8 +95,8 @@ def test_every_computation_reads_the_experts_it_claims(n_slots, borrow, policy, 
     rng = np.random.default_rng(seed)
     staging_n = 0 if borrow else min(3, n_slots - 1)
     cache = ExpertCache(OPS, STORE, n_slots + staging_n, LAYERS, E)
-    moe = MoeRunner(OPS, cache, STORE, LAYOUT, E, _compiled, miss_policy=policy, borrow=borrow, staging=staging_n,
-                    check_uses=True)
+    moe = MoeRunner(OPS, cache, STORE, LAYOUT, E, _compiled, miss_policy=policy, cpu_ops=OPS, borrow=borrow,
+                    staging=staging_n, check_uses=True)
     staging = set(moe.staging)
     cache.place(rng.random((LAYERS, E)))
     _check_invariants(cache, staging)
