@@ -19,22 +19,25 @@ from strata import Engine
 from strata.experts.path import PathKind
 
 RUNS = 20
+# B's prompt: 150 lines of the client's filler are ~6,800 tokens of the demo's byte-level tokenizer, 7 parts of 1024
+# (the client's default 600 lines are ~27,000: the same interleaving at four times the CPU time)
+CONTEXT, LINES = 16384, "150"
 TWO_CLIENTS = Path(__file__).resolve().parents[2].parent / "shared" / "clients" / "two_clients.py"
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.load("demo", max_context=65536, prefill=1024)
+    return Engine.load("demo", max_context=CONTEXT, prefill=1024)
 
 
 def test_two_clients_twenty_times(engine, caplog):
     """The seed-000 interleaving: A decodes while B's long prompt is read in several parts; 20 runs in a row."""
     assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
     caplog.set_level(logging.INFO, logger="strata.sched")
-    with running_server(engine, parallel=2, prefill=1024, max_context=65536) as srv:
+    with running_server(engine, parallel=2, prefill=1024, max_context=CONTEXT) as srv:
         for run in range(RUNS):
             r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "200",
-                                "--lines", "600", "--stall", "120"], capture_output=True, text=True, timeout=600)
+                                "--lines", LINES, "--stall", "120"], capture_output=True, text=True, timeout=600)
             assert r.returncode == 0, f"run {run}: {r.stdout}{r.stderr}"
             assert all(s["state"] == "free" for s in httpx.get(srv.url + "/slots").json())
     parts = [m for m in caplog.messages if m.startswith("strata batch: the prompt was read in ")]
@@ -44,7 +47,7 @@ def test_two_clients_twenty_times(engine, caplog):
 @pytest.fixture(scope="module")
 def tiny_cache_engine():
     # 2 slots per MoE layer (8 of the demo's 64 experts): every prompt part borrows, most decode rows miss
-    return Engine.load("demo", max_context=65536, prefill=1024, expert_cache=8, debug_slots=True,
+    return Engine.load("demo", max_context=CONTEXT, prefill=1024, expert_cache=8, debug_slots=True,
                        say=lambda line: None)
 
 
@@ -52,11 +55,11 @@ def test_two_clients_twenty_times_with_a_tiny_expert_cache(tiny_cache_engine, ca
     assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
     e = tiny_cache_engine
     caplog.set_level(logging.INFO, logger="strata.sched")
-    with running_server(e, parallel=2, prefill=1024, max_context=65536) as srv:
+    with running_server(e, parallel=2, prefill=1024, max_context=CONTEXT) as srv:
         for run in range(RUNS):
             loans = e.experts.cache.stats.loans
             r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "40",
-                                "--lines", "300", "--delay", "0.5", "--stall", "120"], capture_output=True,
+                                "--lines", "100", "--delay", "0.5", "--stall", "120"], capture_output=True,
                                text=True, timeout=600)
             assert r.returncode == 0, f"run {run}: {r.stdout}{r.stderr}"
             assert all(s["state"] == "free" for s in httpx.get(srv.url + "/slots").json())

@@ -18,7 +18,7 @@ TWO_CLIENTS = Path(__file__).resolve().parents[2].parent / "shared" / "clients" 
 
 @pytest.fixture(scope="module")
 def engine(sycl_device):
-    e = Engine.load("demo", backend="sycl", device=sycl_device, max_context=65536, prefill=1024)
+    e = Engine.load("demo", backend="sycl", device=sycl_device, max_context=16384, prefill=1024)
     assert e.backend.name == "sycl"
     return e
 
@@ -32,7 +32,7 @@ def _ask(url, prompt):
 
 def test_concurrent_requests_equal_sequential_on_sycl(engine):
     prompts = ["hi"] + ["\n".join(f"note {i}: the kettle is on" for i in range(n)) for n in (8, 30)]
-    with running_server(engine, parallel=3, prefill=64, max_context=65536) as srv:
+    with running_server(engine, parallel=3, prefill=64, max_context=16384) as srv:
         alone = [_ask(srv.url, p) for p in prompts]
         together: list = [None] * len(prompts)
         threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, _ask(srv.url, prompts[i])))
@@ -46,7 +46,7 @@ def test_concurrent_requests_equal_sequential_on_sycl(engine):
 
 def test_two_clients_on_sycl(engine):
     assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
-    with running_server(engine, parallel=2, prefill=1024, max_context=65536) as srv:
-        r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "200", "--lines", "600",
+    with running_server(engine, parallel=2, prefill=1024, max_context=16384) as srv:
+        r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "200", "--lines", "150",
                             "--stall", "300"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
