@@ -1,5 +1,5 @@
 """Per-call arguments that rarely change stay on the device: DeviceArgs sends a value again only when it changed,
-and a decode window's rows reach the runner's compiled function as one array (strata/runner.py)."""
+and a decode window's rows reach the runner's compiled function as one array (strata/engine/runner.py)."""
 from __future__ import annotations
 
 from dataclasses import replace

@@ -2,7 +2,7 @@
 and logits equal to float-summation order between every expert arrangement (the JAX file:
 tests/experts/test_cache_equivalence.py), for the demo model from its checkpoint (f32 blobs) and from an int4 pack.
 
-Arrangements other than "every expert resident" run layer by layer (strata/model/stepped.py): the backend's
+Arrangements other than "every expert resident" run layer by layer (LayerByLayer, strata/model/forward.py): the backend's
 experts_pool over slots, pool_write / pool_read, vmap with None outputs for dense layers, set_row on a bank. Every
 run checks each slot it reads against the pack (debug_slots), so a wrong slot fails loudly rather than as a logit
 error. Then: prompt parts long enough for the blocked form of the expert op; the int4 pack with 8 slots gives the
