@@ -36,6 +36,11 @@ class WindowPlan:
     part: PromptPart | None = None
 
     @property
+    def sampling(self) -> tuple:
+        """The rows' sampling settings [S] each, in the samplers' order: temperature, top_k, top_p, min_p."""
+        return self.temperature, self.top_k, self.top_p, self.min_p
+
+    @property
     def n_decode(self) -> int:
         return int(self.decode_active.sum())
 

@@ -95,9 +95,14 @@ class WindowRunner:
         """A compiled decode window's arguments after the rows: the active mask, the sampling settings (SAMPLING's
         order) and the seeds, each sent to the device only when it changed (DeviceArgs)."""
         a = self._args
-        sp = (plan.temperature, plan.top_k, plan.top_p, plan.min_p)
-        return (a.get("active", plan.decode_active.astype(np.int32)), *(a.get(k, v) for k, v in zip(SAMPLING, sp)),
+        return (a.get("active", plan.decode_active.astype(np.int32)),
+                *(a.get(k, v) for k, v in zip(SAMPLING, plan.sampling)),
                 a.get("seeds", plan.seeds))
+
+    def decode_rows(self, plan: WindowPlan) -> tuple[np.ndarray, np.ndarray]:
+        """-> (positions, active int32) [S] of a plan's decode rows: an inactive row writes to the scratch row."""
+        pos = np.where(plan.decode_active, plan.decode_pos, self.scratch_pos).astype(np.int32)
+        return pos, plan.decode_active.astype(np.int32)
 
     def run(self, plan: WindowPlan) -> WindowResult:
         return self.collect(self.dispatch(plan))
@@ -188,8 +193,7 @@ class CompiledRows:
     def dispatch(self, plan: WindowPlan, after: DeviceRows | None) -> DeviceRows:
         r = self.runner
         e, ops = r.engine, r.engine.backend
-        pos = np.where(plan.decode_active, plan.decode_pos, r.scratch_pos).astype(np.int32)
-        active = plan.decode_active.astype(np.int32)
+        pos, active = r.decode_rows(plan)
         stable = r.window_args(plan)
         rows = None
         if after is not None:          # the predecessor's rows, still on the device (donated to this one)
@@ -248,11 +252,10 @@ class HostRows:
     def dispatch(self, plan: WindowPlan, after=None) -> tuple[np.ndarray, np.ndarray]:
         r = self.runner
         e = r.engine
-        pos = np.where(plan.decode_active, plan.decode_pos, r.scratch_pos).astype(np.int32)
-        active = plan.decode_active.astype(np.int32)
+        pos, active = r.decode_rows(plan)
         experts = e.path.on_host(active > 0, part=False)
         logits, r.states = e.by_layer.rows(e.params, r.states, plan.decode_tokens, pos, active, experts)
-        nxt, fin = r._sample(logits, plan.temperature, plan.top_k, plan.top_p, plan.min_p, plan.seeds, plan.steps)
+        nxt, fin = r._sample(logits, *plan.sampling, plan.seeds, plan.steps)
         return np.asarray(e.backend.to_host(nxt)), np.asarray(e.backend.to_host(fin))
 
     def collect(self, read: tuple) -> tuple[np.ndarray, np.ndarray]:
@@ -300,7 +303,7 @@ def _padded(tokens) -> np.ndarray:
 
 def _sampling_of(plan: WindowPlan, i: int) -> tuple:
     """Slot i's sampling settings, each [1] (SAMPLING's order)."""
-    return tuple(x[i:i + 1] for x in (plan.temperature, plan.top_k, plan.top_p, plan.min_p))
+    return tuple(x[i:i + 1] for x in plan.sampling)
 
 
 def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
