@@ -47,7 +47,7 @@ class ExpertPath:
             kind = PathKind.RESIDENT
         elif options.miss_policy == "cpu":
             kind = PathKind.CPU_MISSES
-        elif fetch_possible(ops, options) and experts.mirror is not None and experts.window_chunks is not None:
+        elif fetch_possible(ops, options) and experts.window_chunks is not None:
             kind = PathKind.WINDOW_FETCH
         else:
             kind = PathKind.STEPPED
