@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test bench clean
+.PHONY: serve test bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -12,9 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,sycl]'
 	touch $(STAMP)
 
-# The OpenAI-compatible server on 127.0.0.1:8080, serving the demo model (random weights: gibberish by design).
+# The OpenAI-compatible server on 127.0.0.1:8080, serving the demo model (random weights: gibberish by design);
+# ARGS="--parallel 4 ..." passes flags.
 serve: $(STAMP)
-	$(BIN)/strata serve
+	$(BIN)/strata serve $(ARGS)
 
 # lint-imports: ARCHITECTURE.md's layer order (pyproject.toml's [tool.importlinter]) before the tests
 test: $(STAMP)
@@ -23,6 +24,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_speed.py --model demo
+
+# docs/configuration.md and configs/demo.toml, generated from strata/config.py and strata/cli.py
+docs: $(STAMP)
+	$(BIN)/python -c "from strata.cli import configuration_markdown as m; print(m(), end='')" > docs/configuration.md
+	$(BIN)/python -c "from strata.config import demo_toml as t; print(t(), end='')" > configs/demo.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

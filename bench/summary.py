@@ -70,6 +70,11 @@ KEYS = (
         (Source("offload_speed", ("runs", "uniform", "decode", "b1", "tok_s"), require=(("window_fetch", True),)),)),
     Key("followup_ttft_ms_64k", "time to first token of a follow-up turn on a 64K conversation", "ms",
         (Source("followup_ttft", ("ttft_ms_64k",)),)),
+    # peers, measured on the same machine and shapes by bench/transformers_speed.py
+    Key("peer_transformers_prompt_tok_s_4k", "peer: Hugging Face transformers, prompt of 4K tokens (bf16 experts)",
+        "tok/s", (Source("transformers_speed", ("prompt_tok_s_48_layers",), fitted=True),)),
+    Key("peer_transformers_decode_tok_s_b1", "peer: Hugging Face transformers, decode, batch 1 (bf16 experts)",
+        "tok/s", (Source("transformers_speed", ("decode_tok_s_b1_48_layers",), fitted=True),)),
 )
 
 
@@ -124,7 +129,7 @@ def collect(results_dir: Path = RESULTS) -> dict:
                 if src.fitted and not _fitted(result):
                     continue
                 v = _dig(result, src.path)
-                if v is not None:
+                if v is not None and v > 0:              # a fit can come out negative: no figure, not a zero
                     found.append((str(result.get("date", "")), f.name, result, v))
         if found:
             date, name, result, v = max(found, key=lambda x: (x[0], x[1]))

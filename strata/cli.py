@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from strata.config import GROUPS, KEYS, SPECS, Settings, load_settings
+from strata.config import GROUPS, KEYS, SPECS, Settings, load_settings, markdown
 from strata.errors import StrataError
 
 
@@ -27,7 +27,7 @@ ONE_SEQUENCE = {"parallel": 1}
 def cmd_generate(args: argparse.Namespace) -> int:
     from strata import Engine
     from strata.demo import DEMO_NOTE
-    settings = Settings.build(**ONE_SEQUENCE).with_values(_flag_settings(args, ENGINE_FLAGS), as_flag=True)
+    settings = Settings.build(**ONE_SEQUENCE).with_values(_flag_settings(args, GENERATE_FLAGS), as_flag=True)
     if settings.model.model == "demo":
         _log(f"strata generate: {DEMO_NOTE}")
     t0 = time.perf_counter()
@@ -72,6 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # The settings flags of generate and profile: the model and backend groups
 ENGINE_FLAGS = ("model", "dtype", "kv", "max_context", "backend", "device", "kernels")
+# generate also takes the expert settings, so a pack can be tried with a small cache before it is served
+GENERATE_FLAGS = ENGINE_FLAGS + tuple(k for k in KEYS if SPECS[k].group == "experts")
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser, keys, required=()) -> None:
@@ -202,13 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate text from a prompt and stream it to stdout (logs go to stderr).")
     g.add_argument("--prompt", required=True, help="the user message (rendered with the model's chat template)")
     g.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    g.add_argument("--seed", type=int, default=None, help="a seeded request is reproducible")
-    _add_setting_flags(g, ENGINE_FLAGS)
+    g.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K likeliest tokens; 0 = off (default)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="keep the likeliest tokens up to probability P; 1 = off (default)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens below P times the likeliest one's probability; 0 = off (default)")
+    g.add_argument("--seed", type=int, default=None, metavar="N", help="a seeded request is reproducible")
+    _add_setting_flags(g, GENERATE_FLAGS)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -225,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "4096-aligned blob of experts.bin (with a crc32 each in checksums.bin), the other "
                                    "tensors in dense.safetensors, the tokenizer files copied, pack.json last. An "
                                    "interrupted run continues where it stopped when rerun with the same arguments.")
-    k.add_argument("--model", required=True, help="checkpoint directory, .gguf file, or 'demo'")
+    k.add_argument("--model", required=True, help="the model to pack: a checkpoint directory, a .gguf file, or 'demo'")
     k.add_argument("--out", required=True, metavar="DIR", help="the pack directory to write")
     k.add_argument("--experts", default="int4", metavar="FORMAT",
                    help="expert format: int4 (default) | int8 | nvfp4 | bf16 | f32")
@@ -239,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "`strata serve --profile` places experts by.")
     f.add_argument("--prompts", required=True, metavar="FILE", help="text file, one prompt per line")
     f.add_argument("--out", required=True, metavar="FILE.json", help="the profile to write")
-    f.add_argument("--max-tokens", type=int, default=32, help="tokens generated after each prompt (default 32)")
+    f.add_argument("--max-tokens", type=int, default=32, metavar="N",
+                   help="tokens generated after each prompt (default 32)")
     _add_setting_flags(f, ENGINE_FLAGS, required=("model",))
     f.set_defaults(func=cmd_profile)
 
@@ -248,6 +253,32 @@ def build_parser() -> argparse.ArgumentParser:
                                    "looked for.")
     d.set_defaults(func=cmd_doctor)
     return p
+
+
+def commands_markdown(parser: argparse.ArgumentParser) -> str:
+    """docs/configuration.md's commands section: each command's own flags, from the parser that --help prints."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    lines = ["", "## Commands", ""]
+    for name, p in sub.choices.items():
+        lines += [f"### strata {name}", "", p.description, ""]
+        settings = [g for g in p._action_groups if g.title.endswith(" settings") and g._group_actions]
+        in_settings = {id(a) for g in settings for a in g._group_actions}
+        own = [a for a in p._actions if a.option_strings and id(a) not in in_settings and a.dest != "help"]
+        if own:
+            lines += ["| flag | help |", "|---|---|"]
+            for a in own:
+                flag = ", ".join(f"`{o}`" for o in a.option_strings) + (" (required)" if a.required else "")
+                lines.append(f"| {flag} | {(a.help or '').replace('|', chr(92) + '|')} |")
+        if settings:
+            names = [g.title.removesuffix(" settings") for g in settings]
+            lines += ["", "And the flags of the settings groups " + ", ".join(f"[{n}](#{n})" for n in names) + "."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def configuration_markdown() -> str:
+    """docs/configuration.md (`make docs` writes it; a test keeps it equal): every setting, then every command."""
+    return markdown() + commands_markdown(build_parser())
 
 
 def main(argv: list[str] | None = None) -> int:

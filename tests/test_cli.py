@@ -3,6 +3,7 @@ model (text on stdout, logs on stderr), seeded reproducibility, and one-line err
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import re
 import subprocess
 import sys
@@ -90,3 +91,18 @@ def test_a_bad_setting_flag_names_the_flag_in_its_own_words():
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == ('strata serve: error: --expert-cache lots is not allowed; expert_cache must be "auto" '
                                 'or a number of experts in [1, 16777216]'), r.stderr
+
+
+def test_every_flag_of_every_command_is_in_the_configuration_docs():
+    """`strata <command> --help` and docs/configuration.md come from the same parser and fields: none is missing."""
+    import argparse
+    from strata.cli import build_parser
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        assert f"### strata {name}" in docs
+        for action in p._actions:
+            for option in action.option_strings:
+                assert option in ("-h", "--help") or f"`{option}`" in docs, (name, option)
+                assert option in ("-h", "--help") or action.help, f"strata {name} {option} has no help"

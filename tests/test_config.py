@@ -74,14 +74,14 @@ def test_a_bad_environment_value_is_overridden_by_the_flag_not_refused_first():
 
 def test_demo_toml_is_generated_from_the_fields():
     text = (ROOT / "configs" / "demo.toml").read_text()
-    assert text == C.demo_toml(), "configs/demo.toml differs: python -m strata.config --toml > configs/demo.toml"
+    assert text == C.demo_toml(), "configs/demo.toml differs from the settings: run `make docs`"
     for spec in SPECS.values():                  # each help is the comment above its key
         assert " ".join(spec.help.split()[:6]) in " ".join(text.replace("# ", " ").split()), spec.key
 
 
 def test_configuration_docs_are_generated_from_the_fields():
     text = (ROOT / "docs" / "configuration.md").read_text()
-    assert text == C.markdown(), ("docs/configuration.md differs: python -m strata.config --markdown > "
-                                  "docs/configuration.md")
+    from strata.cli import configuration_markdown
+    assert text == configuration_markdown(), "docs/configuration.md differs from the settings and commands: `make docs`"
     for spec in SPECS.values():
         assert f"| `{spec.key}` | `{spec.flag}`" in text and spec.help in text, spec.key
