@@ -85,3 +85,10 @@ def test_configuration_docs_are_generated_from_the_fields():
     assert text == configuration_markdown(), "docs/configuration.md differs from the settings and commands: `make docs`"
     for spec in SPECS.values():
         assert f"| `{spec.key}` | `{spec.flag}`" in text and spec.help in text, spec.key
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_deployment_file_is_valid_and_documented(path):
+    """configs/*.toml load through the one validation, and docs/operations.md says what each is for."""
+    load_settings(path, env={})
+    assert f"configs/{path.name}" in (ROOT / "docs" / "operations.md").read_text()
