@@ -292,8 +292,8 @@ SAMPLING = ("temperature", "top_k", "top_p", "min_p")      # the per-row samplin
 
 class DeviceArgs:
     """Device copies of per-call arguments that rarely change (sampling settings, seeds, a window's active mask):
-    each is sent again only when its value differs from the last one sent. On the H200 every separate argument
-    transfer cost 0.1-0.25 ms of host time before a call could start (bench/launch_probe.py)."""
+    each is sent again only when its value differs from the last one sent, because every separate argument transfer
+    costs host time before a call can start (docs/performance.md)."""
 
     def __init__(self, ops):
         self.ops = ops

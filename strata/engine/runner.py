@@ -4,15 +4,10 @@ The states of all slots are stacked on a leading [S] axis and threaded through e
 device order follows data. Decode rows are one token of each slot; a prompt part runs on one slot's state. Inactive
 decode rows write their key/value into the scratch row (capacity - 1, beyond max_context, never visible to a real
 query) and leave the recurrent state unchanged. Compilation: one decode function for S, one prompt-part function
-per bucket, all of them at warm-up.
-
-How a window runs is the engine's ExpertPath's choice, made at load: decode rows by CompiledRows (one compiled
-function: every expert resident, or window fetch) or HostRows (layer by layer), prompt parts by CompiledPart or
-HostPart. A compiled decode window's outputs are all its donated inputs (the slot states, and the rows [ROWS, S] it
-hands its successor with its next tokens and finite flags in the last two rows), so its buffers keep their addresses
-from window to window (XLA re-records a CUDA graph whose addresses change); the host reads a copy of the result,
-peeled off by a second, tiny call. When the next plan asks for exactly the rows a window computed (steady decoding),
-nothing is sent, and the next window can be dispatched before this one is read (chains).
+per bucket, all of them at warm-up. The engine's ExpertPath picks at load how a window runs: decode rows by
+CompiledRows or HostRows, prompt parts by CompiledPart or HostPart. When the next plan asks for exactly the rows a
+window computed (steady decoding), nothing is sent, and the next window can be dispatched before this one is read
+(chains).
 """
 from __future__ import annotations
 
@@ -179,7 +174,11 @@ class DeviceRows:
 
 class CompiledRows:
     """Decode rows as one compiled function over the slot table: every expert resident, or window fetch (the
-    window copies each layer's misses from pinned host chunks itself; its counts are recorded when it is read)."""
+    window copies each layer's misses from pinned host chunks itself; its counts are recorded when it is read).
+    A window's outputs are all its donated inputs (the slot states, and the rows [ROWS, S] it hands its successor,
+    its next tokens and finite flags in the last two rows), so its buffers keep their addresses from window to
+    window (XLA re-records a CUDA graph whose addresses change); the host reads a copy of the result, peeled off
+    by a second, tiny call."""
 
     def __init__(self, runner: WindowRunner):
         self.runner = r = runner

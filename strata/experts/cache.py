@@ -1,17 +1,13 @@
 """ExpertCache: the device slots that hold experts, as a state machine, and the slot table windows compute with.
 
-A slot is FREE, FILLING, RESIDENT(layer, expert, version) or LOANED(owner). Only RESIDENT slots are in the table
-(int32 [Lp, E]: slot of (MoE layer position p, expert e), -1 when not resident), and a window receives the table by
-value (`table()` returns a read-only copy), so nothing done to the cache later can change what a running window
-reads. A loan takes the slot out of the table *before* the borrower writes into it, and a returned slot is FREE
-until it is refilled (and verified against the pack). On JAX the pool itself is a value too: every write produces
-the pool the next computation reads, so a computation dispatched earlier can never see a later write
-(../shared/seeds/000_*.txt: a decode window read a slot on loan to a prompt part).
-
-Illegal transitions raise SlotStateError: they are bugs, not conditions to handle.
-
-Policy state lives here as well: decayed routing counts per (layer, expert) decide victims, what to refill and which
-swaps are worth making between windows.
+A slot is FREE, FILLING, RESIDENT(layer, expert, version) or LOANED(owner); an illegal transition raises
+SlotStateError (a bug, not a condition to handle). Only RESIDENT slots are in the table (int32 [Lp, E]: slot of (MoE
+layer position p, expert e), -1 when not resident), and a window receives the table by value (`table()` returns a
+read-only copy), so nothing done to the cache later can change what a running window reads. A loan takes the slot
+out of the table *before* the borrower writes into it; a returned slot is FREE until it is refilled (and verified
+against the pack). On JAX every pool write produces a new pool value, so a computation dispatched earlier never sees
+a later write (../shared/seeds/000_*.txt: a decode window read a slot on loan to a prompt part). Policy state lives
+here too: decayed routing counts per (layer, expert) decide victims, refills and swaps between windows.
 """
 from __future__ import annotations
 
@@ -45,11 +41,8 @@ _CODES = (SlotState.FREE, SlotState.FILLING, SlotState.RESIDENT, SlotState.LOANE
 # A swap costs one copy now and pays off when the newcomer is routed more than the expert it evicts over the counts'
 # horizon. Decayed counts are noisy (about Poisson), and the best of thousands of absent experts always looks better
 # than the worst residents by a few routes, so a swap needs the difference to exceed SWAP_MARGIN routes plus SWAP_Z
-# times the noise of the two counts (sqrt of their sum). bench/cache_policy.py simulated the policies over
-# Qwen3-Next-80B's 24,576 experts and a 32% cache (bench/results/cache_policy_cpu_*.json): with (1, 1) and decay 0.99,
-# steady-state copies per token fall 13% under uniform routing at batch 1 (swaps there are pure churn) and 19% under
-# skewed routing (batch 1); from an in-order start the skewed cache reaches a 79.6% hit rate in 32 windows (83.8% at
-# steady state; 81.8% with the former (1, 0) and decay 0.97, which copied more); z = 2 stalls it at batch 1.
+# times the noise of the two counts (sqrt of their sum). The values were chosen in simulation (bench/cache_policy.py):
+# docs/performance.md.
 SWAP_MARGIN = 1.0
 SWAP_Z = 1.0
 

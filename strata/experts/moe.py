@@ -1,19 +1,13 @@
 """Routed experts with a partial cache: resolve one layer's routes to slots, bring in what is missing, compute.
 
-Called between a layer's router and the rest of the layer (LayerByLayer in strata/model/forward.py), with the routes
-on the host.
-For each call:
-- hits: routes whose expert is RESIDENT in the table the call took (by value) at its start;
-- decode misses (miss_policy "fetch"): copied into cache slots, evicting the least valuable experts; they stay
-  RESIDENT afterwards. (miss_policy "cpu"): computed on the CPU from the host copy, by the same expert op;
-- prompt-part misses: streamed through staging slots, borrowed from the cache (LOANED to the part: out of the table
-  before anything is written to them, FREE when given back) or, with borrowing off, a set of slots reserved at start.
-When the misses do not fit at once, the call runs in passes; each pass is one call of the same expert op, and the
-passes' outputs are summed.
-
-Every expert computation goes through `ops.experts_pool` (on the CPU: a CPU backend's experts_pool), so a format's
-scales are applied the same way on every path. With `check_uses` on (tests, --debug-slots), every pass first checks that each
-slot it reads holds exactly the (layer, expert) it is read as, in the very pool value the pass computes with.
+Called between a layer's router and the rest of the layer (LayerByLayer, strata/model/forward.py), routes on the host.
+Hits: routes whose expert is RESIDENT in the table the call took (by value) at its start. Decode misses are copied into
+cache slots, evicting the least valuable experts, and stay RESIDENT (miss_policy "fetch"), or computed on the CPU from
+the host copy (miss_policy "cpu"). Prompt-part misses stream through staging slots borrowed from the cache (LOANED to
+the part: out of the table before anything is written to them) or, with borrowing off, reserved at start. Misses that do
+not fit run in passes of the same expert op, summed. Every expert computation, the CPU's too, is an `experts_pool` call,
+so a format's scales apply the same way on every path; with `check_uses` (tests, --debug-slots) each pass first checks
+that every slot it reads holds exactly the (layer, expert) it is read as, in the very pool value the pass computes with.
 """
 from __future__ import annotations
 

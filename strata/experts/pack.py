@@ -1,21 +1,11 @@
-"""The pack: a model rewritten for serving experts from SSD. One directory:
+"""The pack: a model rewritten for serving experts from SSD, as one directory.
 
-  pack.json           the manifest: "format": "strata-pack", "version": 1, the model's config.json dict, the expert
-                      blob layout (strata.weights.quant), n_experts, expert_layers, mtp_layer, the file names, the
-                      source it was made from and when.
-  experts.bin         every routed expert as one blob: (layer position p, expert e) at (p * n_experts + e) * nbytes,
-                      nbytes a multiple of 4096, so every blob is aligned for direct I/O and one read moves one
-                      expert. Positions follow `expert_layers`: the model's sparse layers in order, then the MTP
-                      layer's experts (if the checkpoint has them) as layer index num_hidden_layers.
-  checksums.bin       one little-endian uint32 zlib.crc32 per blob, in the same order.
-  dense.safetensors   every tensor that is not a routed expert weight, under its Hugging Face name, in its stored
-                      dtype (bf16 stays bf16).
-  tokenizer.json, tokenizer_config.json, generation_config.json, chat templates, ...: copied from the source.
-
-`write_pack` is resumable: while it writes, pack.partial.json records the source, the format and how many blobs are
-written and checksummed; a rerun continues after the last recorded blob. It ends by re-reading every blob against
-its checksum, then writes pack.json (atomically) and removes the partial file. A directory holds a pack exactly when
-it holds pack.json.
+pack.json (the manifest), experts.bin (every routed expert as one blob of a strata.weights.quant layout, (layer position
+p, expert e) at (p * n_experts + e) * nbytes, aligned for direct I/O so one read moves one expert), checksums.bin (a
+crc32 per blob), dense.safetensors (every other tensor, under its Hugging Face name and stored dtype) and the tokenizer
+files copied from the source. `write_pack` is resumable (pack.partial.json records its progress), re-reads every blob
+against its checksum, and writes pack.json last: a directory holds a pack exactly when it holds pack.json. `PackReader`
+reads one. The files, the manifest's keys and the write protocol: docs/formats.md.
 """
 from __future__ import annotations
 

@@ -33,9 +33,9 @@ KV_BLOCK = 512      # keys per step of the attention's online softmax
 ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
 FILL_BATCH = 64          # experts per pool_fill call (100 MB at Qwen3-Next-80B int4: the copies dwarf the call)
 KERNELS = ("auto", "xla", "pallas")
-# The Pallas kernels "auto" runs on a GPU (each measured faster than XLA's form at Qwen3-Next-80B shapes on the H200,
-# docs/performance.md), and "pallas" everywhere: attention (decode rows and prompt parts), the expert op's grouped
-# (prompt) and int4 decode forms, the routing.
+# The Pallas kernels "auto" runs on a GPU (each faster than XLA's form at Qwen3-Next-80B shapes: docs/performance.md),
+# and "pallas" everywhere: attention (decode rows and prompt parts), the expert op's grouped (prompt) and int4 decode
+# forms, the routing.
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "route"})
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from strata.errors import ConfigError
 
-# compilations faster than this are not written (JAX's default is 1 s; a window's compile at real shapes takes
-# seconds, the demo model's tens of milliseconds, which a cache read would not beat by much)
+# compilations faster than this are not written (JAX's default jax_persistent_cache_min_compile_time_secs is 1; a
+# window's compile at real shapes takes seconds, the demo model's tens of milliseconds, which a cache read would not
+# beat by much)
 MIN_COMPILE_S = 0.1
 
 

@@ -3,14 +3,9 @@
 Every tensor is checked against the shape the config implies; a missing or misshapen tensor is a ModelLoadError
 naming the tensor, its file, and the expected and found shapes. Load-time rearrangements (done once, here):
 - zero-centred norm weights w become scales (1 + w), so every norm on every backend is `x_hat * scale`;
-- Gated DeltaNet's per-key-head interleaved in_proj_qkvz rows [q|k|v|z] per group become [all q|all k|all v|all z]
-  (the conv's channel order), and in_proj_ba rows [b|a] per group become [all b|all a];
-- gated attention's q_proj rows [query|gate] per head become two matrices;
-- with join_projections (the backend's joins_projections), the projections that read the same input are joined
-  into one matrix, rows in the order of `projections` (a layer's input projections "in_proj"; after the
-  post-attention norm the router and the shared expert's gate, up and scalar gate, or a dense MLP's gate and up,
-  "post_proj"): one matmul each instead of two to four, which at decode is that many fewer kernel launches a layer;
-  forward.py splits the product's columns;
+- Gated DeltaNet's in_proj_qkvz rows [q|k|v|z] per key-head group become [all q|all k|all v|all z] (the conv's
+  channel order), in_proj_ba [b|a] per group [all b|all a]; gated attention's q_proj [query|gate] per head: 2 matrices;
+- with join_projections, the projections that read the same input are joined into one matrix (`projections`);
 - routed experts are not in the tree: they live in an expert pool (strata/experts/); `read_experts` stacks a
   checkpoint's experts per sparse layer as gate, up [E, I, H], down [E, H, I] for encoding into blobs.
 """
@@ -52,7 +47,11 @@ class TensorReader:
 
 
 def projections(cfg: ModelConfig, kind: str, sparse: bool) -> dict[str, tuple[tuple[str, int], ...]]:
-    """The joined projections of a layer: {joined name: ((part, rows), ...)} in row order."""
+    """The joined projections of a layer: {joined name: ((part, rows), ...)} in row order. "in_proj": the layer's
+    input projections; "post_proj", after the post-attention norm: the router and the shared expert's gate, up and
+    scalar gate, or a dense MLP's gate and up. One matmul each instead of two to four, which at decode is that many
+    fewer kernel launches a layer; forward.py splits the product's columns. Joined when the backend's
+    joins_projections is set (build_params' join_projections)."""
     if kind == LINEAR:
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         ins = (("qkv", cfg.linear_conv_dim), ("z", hv * dv), ("b", hv), ("a", hv))

@@ -176,8 +176,9 @@ def _compile_cache(backend: str, path: str) -> Callable[[], None] | None:
     return on_ready
 
 
-# The device work runs in a worker thread while the event loop streams text: with CPython's default 5 ms GIL switch
-# interval, a worker that needs the GIL back can wait that long behind the loop, once or twice per window.
+# The device work runs in a worker thread while the event loop streams text: with CPython's default GIL switch
+# interval (sys.getswitchinterval() = 0.005), a worker that needs the GIL back can wait that long behind the loop,
+# once or twice per window.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 

@@ -1,20 +1,13 @@
-"""The Backend on dpnp + dpctl (SYCL): Intel GPUs, and the OpenCL CPU device for tests.
+"""The Backend on dpnp + dpctl (SYCL), for Intel GPUs and the OpenCL CPU device: the JAX backend's ops and semantics.
 
-Same ops, same semantics as the JAX backend (strata/jax_backend/backend.py); only device code differs.
-
-- One queue per device (runtime.queue_for): every array this backend creates carries `sycl_queue=` and `dtype=`,
-  every kernel is built for and submitted to that queue (kernels.Kernels.launch refuses arrays of another queue), and
-  moving data between devices is explicit (`to_device` of another backend's arrays goes through the host).
-- Activations and state are fp32. A bfloat16 checkpoint is stored as uint16 bits (`Bf16`: dpnp has no bfloat16) and
-  widened to fp32 where it is read, so bfloat16 halves the weights' memory but not the math.
-- `compile` is the identity: ops run eagerly, in order, on the queue. Host values (numpy scalars and arrays from the
-  engine and runner: positions, token ids, sampling parameters) stay on the host, so slicing at an offset, picking a
-  state to clear and the like cost no device round trip.
-- Donation semantics: state ops (kv_write, causal_conv's state, the gated delta rule's state, set_row) update their
-  input in place and return it. Callers thread state through calls as values and never reuse a state they passed
-  (the engine and runner donate it), which is what makes this safe.
-- `vmap` loops over the leading axis and stacks the results; a result that IS the input's slice (updated in place)
-  is returned as the input itself, so a bank of per-slot KV caches is never copied.
+- One queue per device (runtime.queue_for): every array it creates carries `sycl_queue=` and `dtype=`, every kernel
+  is built for and submitted to it (Kernels.launch refuses arrays of another queue); cross-device moves are explicit.
+- Activations and state are fp32; bfloat16 weights are stored as uint16 bits (`Bf16`: dpnp has no bfloat16) and
+  widened where read, so bfloat16 halves the weights' memory but not the math.
+- `compile` is the identity: ops run eagerly, in order, on the queue. Host values (positions, token ids, sampling
+  settings) stay on the host, so slicing at an offset or picking a state to clear costs no device round trip.
+- State ops (kv_write, causal_conv's state, the gated delta rule's state, set_row) update their input in place and
+  return it, which is safe because callers never reuse a state they passed (the engine and runner donate it).
 """
 from __future__ import annotations
 
@@ -688,7 +681,8 @@ class SyclBackend(ComposedOps):
 
     def vmap(self, fn):
         """Map fn over the leading axis of every array argument (host or device): a loop, then a stack. An output
-        that is exactly the slice fn was given (updated in place) comes back as the input array, uncopied."""
+        that is exactly the slice fn was given (updated in place) comes back as the input array, uncopied, so a bank
+        of per-slot KV caches is never copied."""
 
         def mapped(*args):
             n = _leading(args)

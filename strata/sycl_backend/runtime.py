@@ -3,12 +3,10 @@
 The OpenCL CPU device shipped in the `intel-opencl-rt` wheel (a dependency of dpnp) is invisible until the OpenCL ICD
 loader is pointed at its `libintelocl.so`: the wheel's own .icd file holds an unsubstituted build path. This module
 finds the library from the installed distribution's file list and sets `OCL_ICD_FILENAMES` (unless the user set it)
-BEFORE dpctl is first imported, so neither a user nor CI has to export anything. Nothing here imports dpctl at module
-import time; `dpctl()` does it after `prepare_environment()`.
-
-Device strings: "<backend>:<type>[:<index>]" (e.g. "opencl:cpu", "opencl:cpu:0", "level_zero:gpu:1"), or just
-"<type>[:<index>]" ("gpu", "cpu:0") for any backend, or a `dpctl.SyclDevice` (e.g. a sub-device). A bad string or a
-missing runtime is a ConfigError naming what was looked for and the devices that exist.
+BEFORE dpctl is first imported, so neither a user nor CI has to export anything; nothing here imports dpctl at module
+import time (`dpctl()` does, after `prepare_environment()`). Devices: "<backend>:<type>[:<index>]" ("opencl:cpu:0",
+"level_zero:gpu:1"), "<type>[:<index>]" ("gpu", "cpu:0") for any backend, or a `dpctl.SyclDevice` (sub-devices too);
+a bad string or a missing runtime is a ConfigError naming what was looked for and the devices that exist.
 """
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
 """A llama.cpp GGUF file (qwen3moe / qwen3next) seen as a Hugging Face checkpoint: config.json dict + tensors.
 
-llama.cpp's converter (convert_hf_to_gguf.py, classes Qwen3MoeModel / Qwen3NextModel) renames every tensor, stacks
-the experts of a layer into one [E, ...] tensor and, for qwen3next, changes some values. This module undoes all of
-it, so `get()` returns exactly what the Hugging Face safetensors hold (name, layout, values up to the rounding the
-converter's own arithmetic caused):
-
-  qwen3next, converter                                    here
-  A_log            -> ssm_a = -exp(A_log)                 A_log = log(-ssm_a)
-  zero-centred norms (input/post-attention, model.norm,   w = stored - 1
-  q_norm, k_norm) -> w + 1; linear_attn.norm untouched
-  in_proj_qkvz [Hk*(2dk+2r*dv), H], per key-head group    re-interleave attn_qkv + attn_gate into the groups
-  [q|k|v|z] -> attn_qkv [q all; k all; v all] + attn_gate (old files: ssm_in holds in_proj_qkvz as is)
-  conv1d [C, 1, K] -> squeezed [C, K]                     unsqueeze
-  dt_bias -> ssm_dt.bias; in_proj_ba -> ssm_ba (as is)    rename back
-  mtp.* dropped                                           (nothing to read)
-
-Both archs: per-expert [I, H] / [H, I] -> stacked ffn_{gate,up,down}_exps [E, I, H] / [E, H, I] (or, with
---fuse-gate-up-exps, ffn_gate_up_exps [E, 2I, H], gate first); split back per expert. Attention q/k/v fused into
-attn_qkv (which llama.cpp's loaders accept) are split back too. Metadata becomes config.json keys; what GGUF does
-not record is read off the tensors (layer_types, mlp_only_layers, tie_word_embeddings, vocab_size).
-
-GGUF stores dims in ggml order (innermost first); gguf.GGUFReader already reverses them into numpy order, which is
-the PyTorch / Hugging Face order. Tensors are dequantized (any type gguf.quants knows) only when asked for, and a
-routed expert is dequantized alone: its rows are sliced out of the stacked [E, ...] tensor before dequantization.
+llama.cpp's converter (convert_hf_to_gguf.py, classes Qwen3MoeModel / Qwen3NextModel) renames every tensor, stacks the
+experts of a layer into one [E, ...] tensor and, for qwen3next, changes some values. This module undoes all of it, so
+`get()` returns exactly what the Hugging Face safetensors hold (name, layout, values up to the rounding the converter's
+own arithmetic caused). Metadata becomes config.json keys; what GGUF does not record is read off the tensors. Tensors
+are dequantized only when asked for, and a routed expert alone (its rows sliced out of the stacked tensor first). The
+mapping, tensor by tensor: docs/formats.md.
 """
 from __future__ import annotations
 

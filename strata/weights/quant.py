@@ -1,33 +1,12 @@
 """Expert storage formats: how one expert's three matrices are laid out, quantised, in ONE contiguous byte blob.
 
 An expert is gate [I, H], up [I, H] and down [H, I] (row-major, out x in, like nn.Linear weights); its output for a
-token x [H] is down @ (silu(gate @ x) * (up @ x)). Each expert is stored as one blob, so that one read from disk or
-one host-to-device copy moves one expert; a device "pool" is a uint8 array [N, nbytes] of N such blobs.
-
-This module is the numpy reference of every format: `layout` says where each field sits in the blob,
-`encode_expert` quantises, `decode_expert` dequantises, `expert_reference` computes the expert op from a pool. The
-device kernels (strata/jax_backend/kernels/experts.py) decode the same bytes and must agree with `decode_expert` bit
-for bit in float32.
-
-Formats. Every matrix is quantised along its input dimension (its last axis, `cols`):
-- f32: raw float32 (exact; used for tests and for unquantised checkpoints).
-- bf16: raw bfloat16 bits (round to nearest even).
-- int8: symmetric per output row: q int8 [rows, cols], scale float32 [rows] = amax / 127; w ~= q * scale. A zero row
-  has scale 0 and decodes to exact zeros.
-- int4: asymmetric per group of g = min(layout.group, cols) columns (layout.group is the nominal 128: for hidden 96
-  the gate/up groups are 96 wide and down's are min(128, inter)); w ~= (q - z) * s with q in 0..15 packed two per
-  byte (low nibble = even column), s float16 [rows, cols/g], z uint8 [rows, cols/g] in 0..15. s and z come from the
-  group's range extended to include 0: s = (hi - lo) / 15 rounded to float16, z = round(-lo / s); q = round-to-nearest.
-  Every value, the group's min and max included, decodes to within s/2 (plus float16 rounding of s) of itself.
-- nvfp4: e2m1 values (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}) packed two per byte (low nibble = even column, bit 3 = sign),
-  one float8_e4m3fn scale per block of 16 values [rows, cols/16], and one float32 global scale per matrix in the
-  blob's field "tail" float32 [4] = {s_gate, s_up, s_down, 0}. global = amax / (6 * 448); block scale =
-  e4m3(block_amax / 6 / global); q = nearest e2m1 (ties to even) of w / (block_scale * global);
-  w ~= (e2m1(q) * block_scale) * global, computed in float32 in that order.
-
-Field names: "gate", "up", "down" for f32/bf16; "gate.q", "gate.s" (+ "gate.z" for int4), likewise "up.*", "down.*",
-and "tail" (nvfp4). Fields start at multiples of FIELD_ALIGN bytes; the blob's stride `nbytes` is a multiple of
-BLOB_ALIGN (direct I/O alignment); the padding bytes are zero.
+token x [H] is down @ (silu(gate @ x) * (up @ x)). Each expert is stored as one blob, so that one read from disk or one
+host-to-device copy moves one expert; a device "pool" is a uint8 array [N, nbytes] of N such blobs. Formats (FORMATS):
+f32, bf16, int8, int4, nvfp4, each quantising a matrix along its input dimension. This module is the numpy reference of
+every format: `layout` says where each field sits, `encode_expert` quantises, `decode_expert` dequantises,
+`expert_reference` computes the expert op from a pool. The device kernels decode the same bytes and must agree with
+`decode_expert` bit for bit in float32. Each format's fields, arithmetic and alignment: docs/formats.md.
 """
 from __future__ import annotations
 

@@ -423,7 +423,7 @@ def _grouped(layout: BlobLayout, pool, x, slots, weight, *, n_groups: int, block
         k2 = functools.partial(_down_kernel, lay=layout, p=p1, dt=dt, prec=prec)
         calls = ((k1, p1.bi, inter, (NUM_WARPS, NUM_STAGES), x.reshape(-1)),
                  (k2, p1.bh, hidden, (NUM_WARPS, NUM_STAGES), None))
-        cols_first = False                # grid (row block, column block), as the first design ran on the H200
+        cols_first = False                # grid (row block, column block)
 
     def call(kernel, bn, n_cols, launch, rows_arg, flat_in):
         if cols_first:

@@ -1,14 +1,12 @@
 """Custom device code of the SYCL backend: OpenCL C kernels (*.cl beside this file) built with dpctl.program.
 
-Each kernel family is a `<family>.cl` (the device code) and a `<family>.py` (the launcher and its numpy
-`*_reference`, which the tests hold the kernel to). All families are built into ONE program per queue, on first use
-(0.5-2 s), from OpenCL C source on an OpenCL device, or from SPIR-V compiled from the same source (clang +
-llvm-spirv on PATH) on a Level Zero device, which takes no OpenCL C.
-
-`Kernels.launch` is the only way device code is submitted: it refuses an array that lives on another queue (a
-foreign-context dependency cannot be built), orders the kernel after every task dpnp has submitted to the queue
-(dpctl's SequentialOrderManager), registers it there so later dpnp work waits for it, and keeps its arguments alive
-until it completes.
+Each kernel family is a `<family>.cl` (the device code) and a `<family>.py` (the launcher and its numpy `*_reference`,
+which the tests hold the kernel to). All families are built into ONE program per queue, on first use, from OpenCL C
+source on an OpenCL device, or from SPIR-V compiled from the same source (clang + llvm-spirv on PATH) on a Level Zero
+device, which takes no OpenCL C. `Kernels.launch` is the only way device code is submitted: it refuses an array that
+lives on another queue (a foreign-context dependency cannot be built), orders the kernel after every task dpnp has
+submitted to the queue (dpctl's SequentialOrderManager), registers it there so later dpnp work waits for it, and keeps
+its arguments alive until it completes.
 """
 from __future__ import annotations
 
@@ -90,8 +88,8 @@ class Kernels:
 
     def __init__(self, queue):
         self.queue = queue
-        # On a CPU device a blocking submit (the kernel has run when it returns) costs ~10 us against ~35 us for an
-        # asynchronous one that depends on dpnp's pending tasks; on a GPU, submissions stay asynchronous.
+        # On a CPU device a blocking submit (the kernel has run when it returns) is cheaper than an asynchronous one
+        # that depends on dpnp's pending tasks (docs/performance.md); on a GPU, submissions stay asynchronous.
         # STRATA_SYCL_SUBMIT=async|blocking overrides (the tests run the asynchronous path on the CPU with it).
         mode = os.environ.get("STRATA_SYCL_SUBMIT") or ("blocking" if queue.sycl_device.device_type.name == "cpu"
                                                          else "async")
