@@ -28,7 +28,7 @@ from strata.errors import ConfigError
 KV_DTYPES = {"auto": None, "int8": np.int8, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 # Prompt parts are padded up to one of these token counts, so compilations are bounded (one per bucket used).
-PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PART_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def bucket_for(n: int) -> int:
