@@ -1,6 +1,9 @@
 """Fair streams: what a prompt part costs the stream decoding beside it, and what each window token budget gives.
 
-    python bench/fair_streams.py                   # the demo model on this machine's CPU, a 16K-token prompt
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false taskset -c 0 python bench/fair_streams.py     # demo, 16K prompt
+
+(One core, one XLA thread: on a shared machine, XLA's threads on two cores wait for each other whenever another
+process holds one of them, and a window's time then varies many times over.)
 
 Window costs: WindowRunner windows of one decode row, alone and beside a prompt part of each compiled part size at
 positions across the prompt; medians over interleaved rounds. Streams: the Scheduler (no HTTP) serves stream A alone,
@@ -61,10 +64,13 @@ def window_costs(engine, prefill: int, prompt: int, rounds: int) -> dict:
                 runner.run(p)
                 times[k].append(time.perf_counter() - t)
     ms = {k: 1000 * float(np.median(v)) for k, v in times.items()}
-    out = {"decode_ms": ms["decode"], "decode_compile_s": first_s["decode"], "parts": []}
+    low = {k: 1000 * float(np.min(v)) for k, v in times.items()}
+    out = {"decode_ms": ms["decode"], "decode_ms_min": low["decode"], "decode_compile_s": first_s["decode"],
+           "parts": []}
     say(f"  decode row alone: {ms['decode']:.1f} ms (compiled in {first_s['decode']:.1f} s)")
     for size in (k for k in plans if k != "decode"):
-        out["parts"].append({"part_tokens": size, "window_ms": ms[size], "compile_s": first_s[size],
+        out["parts"].append({"part_tokens": size, "window_ms": ms[size], "window_ms_min": low[size],
+                             "compile_s": first_s[size],
                              "prompt_tok_s": size / (ms[size] / 1000),
                              "stream_rate_fraction": ms["decode"] / ms[size]})
         say(f"  part {size:4d}: window {ms[size]:7.1f} ms: the stream at {ms['decode'] / ms[size]:.2f} of its rate, "
@@ -168,9 +174,10 @@ def main() -> int:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--prompt", type=int, default=16384, help="tokens of the long prompt")
     ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--budgets", default="8,64,128,256,512", help="window_tokens values to serve under")
+    ap.add_argument("--budgets", default="16,32,64,128,512", help="window_tokens values to serve under")
     ap.add_argument("--a-tokens", type=int, default=150, help="A's tokens alone before B arrives")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the window costs")
+    ap.add_argument("--stream-rounds", type=int, default=3, help="rounds of the streams over every budget")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ctx = args.prompt + 1024
@@ -185,14 +192,34 @@ def main() -> int:
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(0, 256, args.prompt).tolist()
     a_prompt = engine.tokenizer.encode("Write a short function that reverses a linked list, with one test.")
-    alone_s = read_alone(engine, args.prefill, long_prompt)
-    say(f"  B alone: {args.prompt} tokens read in {alone_s:.2f} s")
-    runs = [streams(engine, args.prefill, int(b), long_prompt, a_prompt, args.a_tokens)
-            for b in args.budgets.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    alone, runs = [], {b: [] for b in budgets}
+    for r in range(args.stream_rounds):                     # rounds over every budget: a slow spell touches each
+        say(f"round {r + 1} of {args.stream_rounds}")
+        alone.append(read_alone(engine, args.prefill, long_prompt))
+        say(f"  B alone: {args.prompt} tokens read in {alone[-1]:.2f} s")
+        for b in budgets:
+            runs[b].append(streams(engine, args.prefill, b, long_prompt, a_prompt, args.a_tokens))
+    table = []
+    for b in budgets:
+        row = {k: v for k, v in runs[b][0].items() if not isinstance(v, float)}
+        row.update({k: float(np.median([x[k] for x in runs[b]])) for k, v in runs[b][0].items()
+                    if isinstance(v, float)})
+        row["b_read_vs_alone"] = row["b_read_s"] / float(np.median(alone))
+        table.append({**row, "rounds": runs[b]})
+    say("| window_tokens | part beside a row | A during B's read, tok/s | A alone, tok/s | A's share | A's gap p50 / p99 ms "
+        "| B's read s | B's read / alone |")
+    say("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        say(f"| {r['window_tokens']} | {r['window_part']} | {r['a_during_read_tok_s']:.1f} | {r['a_alone_tok_s']:.1f} | "
+            f"{r['a_rate_fraction']:.2f} | {r['a_gap_ms_p50']:.1f} / {r['a_gap_ms_p99']:.1f} | {r['b_read_s']:.2f} | "
+            f"{r['b_read_vs_alone']:.2f} |")
     result = {"bench": "fair_streams", **results_file.stamp(), "model": args.model, "max_context": ctx,
               "prefill": args.prefill, "prompt_tokens": args.prompt, "load_average": os.getloadavg()[0],
-              "cpus": os.cpu_count(), "warm_up_s": warm_s, "window_costs": costs, "b_alone_read_s": alone_s,
-              "streams": runs}
+              "cpus": os.cpu_count(), "cpu_affinity": sorted(os.sched_getaffinity(0)), "warm_up_s": warm_s,
+              "window_costs": costs, "b_alone_read_s": float(np.median(alone)), "b_alone_read_s_rounds": alone,
+              "streams": table, "note": "medians over rounds; a stream's share = its tokens/s while B's prompt is "
+                                        "read over its tokens/s alone just before"}
     results_file.write(result, args.out, f"fair_streams_{args.model}_cpu")
     return 0
 
