@@ -13,8 +13,13 @@ read against A alone, and B's read time against B alone. Writes JSON (machine, d
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import results_file  # noqa: E402  (bench/, beside this script)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 from strata import Engine  # noqa: E402
 from strata.engine.runner import WindowRunner  # noqa: E402
@@ -169,6 +176,85 @@ def read_alone(engine, prefill: int, prompt_ids) -> float:
     return box["first"]
 
 
+def served(base: str, prompt_ids, a_tokens: int) -> dict:
+    """Through a running `strata serve`: client A streams; once it has received a_tokens texts, client B sends the
+    long prompt (token ids) and streams its first token. -> A's texts a second alone and while B's prompt is read
+    (the issue's "chunks a second"), its gaps, B's time to first token."""
+    import httpx
+    stamps, box = [], {}
+
+    def stream(body, on_text):
+        with httpx.Client(timeout=600) as c, c.stream("POST", base + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data:") and line.strip() != "data: [DONE]":
+                    if any(ch.get("text") for ch in json.loads(line[5:]).get("choices") or []):
+                        if on_text():
+                            return
+
+    def a_text():
+        stamps.append(time.perf_counter())
+        if len(stamps) == a_tokens:
+            threading.Thread(target=b_run).start()
+        return "b_first" in box
+
+    def b_run():
+        box["b_sent"] = time.perf_counter()
+        stream({"prompt": list(prompt_ids), "max_tokens": 1, "stream": True, "temperature": 0, "ignore_eos": True},
+               lambda: box.setdefault("b_first", time.perf_counter()) and True)
+    stream({"prompt": "Write a short function that reverses a linked list, with one test.",
+            "stream": True, "temperature": 0, "ignore_eos": True}, a_text)
+    st = np.array(stamps)
+    alone = st[SETTLE:a_tokens]
+    during = st[(st > box["b_sent"]) & (st <= box["b_first"])]
+    read_s = box["b_first"] - box["b_sent"]
+    res = {"a_alone_texts_s": (len(alone) - 1) / (alone[-1] - alone[0]), "a_during_read_texts_s": len(during) / read_s,
+           "b_ttft_s": read_s, "a_gap_ms_p50": 1000 * float(np.median(np.diff(during))) if len(during) > 1 else None,
+           "a_gap_ms_p99": 1000 * float(np.percentile(np.diff(during), 99)) if len(during) > 1 else None}
+    res["a_rate_fraction"] = res["a_during_read_texts_s"] / res["a_alone_texts_s"]
+    return res
+
+
+def serve_runs(args, budgets, prompt_ids) -> list[dict]:
+    """One `strata serve` per budget (the compile cache makes later warm-ups loads), each measured --stream-rounds
+    times by served()."""
+    import httpx
+    cache = tempfile.mkdtemp(prefix="fair_streams_cache_")
+    out = []
+    for b in budgets:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "strata.cli", "serve", "--model", args.model, "--port", str(port), "--parallel",
+               "2", "--max-context", str(len(prompt_ids) + 1024), "--prefill", str(args.prefill), "--window-tokens",
+               str(b), "--compile-cache", cache]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 900
+            while time.time() < deadline:
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            rounds = [served(base, prompt_ids, args.a_tokens) for _ in range(args.stream_rounds)]
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        row = {"window_tokens": b, **{k: float(np.median([r[k] for r in rounds])) for k in rounds[0]},
+               "rounds": rounds}
+        say(f"  served, window_tokens {b}: A {row['a_during_read_texts_s']:.1f} texts/s during B's read, "
+            f"{row['a_alone_texts_s']:.1f} alone ({row['a_rate_fraction']:.2f}), gaps p50 {row['a_gap_ms_p50']:.1f} / "
+            f"p99 {row['a_gap_ms_p99']:.1f} ms; B's first token after {row['b_ttft_s']:.2f} s")
+        out.append(row)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
@@ -178,8 +264,19 @@ def main() -> int:
     ap.add_argument("--a-tokens", type=int, default=150, help="A's tokens alone before B arrives")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the window costs")
     ap.add_argument("--stream-rounds", type=int, default=3, help="rounds of the streams over every budget")
+    ap.add_argument("--served", action="store_true", help="also through `strata serve` and HTTP clients")
+    ap.add_argument("--only-served", action="store_true", help="only through `strata serve`")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    budgets = [int(b) for b in args.budgets.split(",")]
+    rng = np.random.default_rng(0)
+    long_prompt = rng.integers(0, 256, args.prompt).tolist()
+    if args.only_served:
+        result = {"bench": "fair_streams", **results_file.stamp(), "model": args.model, "prefill": args.prefill,
+                  "prompt_tokens": args.prompt, "load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
+                  "cpu_affinity": sorted(os.sched_getaffinity(0)), "served": serve_runs(args, budgets, long_prompt)}
+        results_file.write(result, args.out, f"fair_streams_served_{args.model}_cpu")
+        return 0
     ctx = args.prompt + 1024
     engine = Engine.load(args.model, max_context=ctx, prefill=args.prefill)
     say(f"{args.model}: max_context {ctx}, prefill {args.prefill}, load average {os.getloadavg()[0]:.1f} "
@@ -189,10 +286,7 @@ def main() -> int:
     WindowRunner(engine, 2, args.prefill).warm_up()               # the rest of the warm-up (sampled decode rows)
     warm_s = costs["decode_compile_s"] + sum(p["compile_s"] for p in costs["parts"]) + time.perf_counter() - t
     say(f"warm-up (decode rows and every part size up to {args.prefill}): {warm_s:.1f} s")
-    rng = np.random.default_rng(0)
-    long_prompt = rng.integers(0, 256, args.prompt).tolist()
     a_prompt = engine.tokenizer.encode("Write a short function that reverses a linked list, with one test.")
-    budgets = [int(b) for b in args.budgets.split(",")]
     alone, runs = [], {b: [] for b in budgets}
     for r in range(args.stream_rounds):                     # rounds over every budget: a slow spell touches each
         say(f"round {r + 1} of {args.stream_rounds}")
@@ -218,7 +312,8 @@ def main() -> int:
               "prefill": args.prefill, "prompt_tokens": args.prompt, "load_average": os.getloadavg()[0],
               "cpus": os.cpu_count(), "cpu_affinity": sorted(os.sched_getaffinity(0)), "warm_up_s": warm_s,
               "window_costs": costs, "b_alone_read_s": float(np.median(alone)), "b_alone_read_s_rounds": alone,
-              "streams": table, "note": "medians over rounds; a stream's share = its tokens/s while B's prompt is "
+              "streams": table, "served": serve_runs(args, budgets, long_prompt) if args.served else None,
+              "note": "medians over rounds; a stream's share = its tokens/s while B's prompt is "
                                         "read over its tokens/s alone just before"}
     results_file.write(result, args.out, f"fair_streams_{args.model}_cpu")
     return 0
