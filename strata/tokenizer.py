@@ -112,6 +112,18 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self._special_tokens.get("eos_token")
 
+    def to_json(self) -> str:
+        """tokenizer.json as this tokenizer holds it (with the added tokens of tokenizer_config.json)."""
+        return self._backend.to_str()
+
+    def tool_call_form(self) -> str:
+        """How the chat template for tools writes a call: "xml" (`<function=NAME>`, Qwen3-Coder) or "json"."""
+        try:
+            text = self._pick_template([]).text
+        except ChatTemplateError:
+            return "json"
+        return "xml" if "<function=" in text else "json"
+
     def decode_stream(self, skip_special_tokens: bool = False, prompt_ids: Iterable[int] = ()) -> StreamDecoder:
         """A decoder for generated ids one at a time; see StreamDecoder."""
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
