@@ -108,7 +108,8 @@ def test_a_prompt_that_opened_think_may_finish_it_first(grammars, tokenizer):
     c = grammars.json(REPORT, reasoning=True)
     m = c.matcher()
     think_end = tokenizer.token_to_id("</think>")
-    toks = tokenizer.encode("let me see") + [think_end] + tokenizer.encode('\n\n{"title": "t", "scores": [], "ok": true}')
+    answer = tokenizer.encode('\n\n{"title": "t", "scores": [], "ok": true}')
+    toks = tokenizer.encode("let me see") + [think_end] + answer
     assert all(m.accept(t) for t in toks) and m.done()
 
 
