@@ -1,11 +1,11 @@
 """The Starlette app: OpenAI routes (chat and text completions, streamed as SSE or whole), /v1/models, /health,
 /slots, /metrics; API-key gate; body-size limit; the lifespan that runs the scheduler.
 
-One generation request: read the body (at most max_body_bytes) -> validate (openai_api) -> render the chat template
-and tokenize (off the event loop) -> check the lengths against max_context -> Request -> scheduler.submit -> turn the
-events (Delta*, then Finished | Failed) into one JSON response or SSE chunks. A client that goes away is noticed by a
-watcher on the ASGI receive channel; its request is cancelled in the scheduler, which frees the slot by the next
-window.
+One generation request: read the body (at most max_body_bytes) -> validate (openai_api) -> render the chat template,
+tokenize and compile a grammar (off the event loop) -> check the lengths against max_context -> Request ->
+scheduler.submit -> turn the events (Delta*, then Finished per choice | Failed) into one JSON response or SSE chunks,
+tool calls parsed out of the text (tool_calls.py). A client that goes away is noticed by a watcher on the ASGI
+receive channel; its request is cancelled in the scheduler, which frees its slots by the next window.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, Callable
 
 import anyio
@@ -32,6 +33,7 @@ from strata.config import Settings
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, SamplingParams
 from strata.serve import openai_api as oa
 from strata.serve.openai_api import ApiError
+from strata.serve.tool_calls import Parsed, ToolCallParser
 
 log = logging.getLogger("strata.serve")
 
@@ -168,6 +170,15 @@ class ServeState:
         self.startup_error: str | None = None      # ... or failed during its warm-up
         self.ready = False
         self.on_scheduler_exit = on_scheduler_exit
+        self._grammars = None
+
+    def grammars(self):
+        """The model's tokenizer for grammars and token bytes (serve/grammar.py), made at first use (in a worker
+        thread: for a large vocabulary it takes a moment)."""
+        if self._grammars is None:
+            from strata.serve.grammar import Grammars
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.engine.eos_token_ids)
+        return self._grammars
 
     @property
     def max_context(self) -> int:
@@ -310,7 +321,8 @@ async def chat_completions(request: HttpRequest):
     body = oa.parse_json_body(await read_body(request, state.config.serve.max_body_bytes))
     params = oa.parse_chat(body)
     kwargs = {k: v for k, v in params.template_kwargs.items() if k not in _RESERVED_TEMPLATE_ARGS}
-    tools = list(params.tools) if params.tools else None
+    # tool_choice "none": the model is not shown the tools (so it has none to call) and its text is not parsed
+    tools = list(params.tools) if params.tools and params.tool_choice != "none" else None
     from strata.tokenizer import ChatTemplateError
     try:
         text = await anyio.to_thread.run_sync(
@@ -320,8 +332,36 @@ async def chat_completions(request: HttpRequest):
         raise oa.bad("messages", f"the conversation cannot be rendered with the model's chat template: {e}",
                      code="invalid_messages") from None
     ids = await anyio.to_thread.run_sync(lambda: state.tokenizer.encode(text, add_special_tokens=False))
+    reasoning = ends_inside_think(text)
+    forced = None
+    if params.tool_choice == "required":
+        forced = tools
+    elif params.tool_choice == "function":
+        forced = [t for t in tools if (t.get("function") or {}).get("name") == params.tool_function]
+    if forced is not None:
+        constraint = await _grammar(state, "tools", lambda g: g.tool_calls(forced, params.parallel_tool_calls,
+                                                                            reasoning))
+    else:
+        constraint = await _constraint(state, params, reasoning)
     mt_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _generate(state, "chat", params, ids, reasoning=ends_inside_think(text), mt_param=mt_param)
+    return _generate(state, "chat", params, ids, reasoning=reasoning, mt_param=mt_param, constraint=constraint,
+                     tools=tools)
+
+
+async def _constraint(state: ServeState, params: oa.CommonParams, reasoning: bool):
+    """The grammar of a response_format, or None."""
+    if params.json_schema is None:
+        return None
+    return await _grammar(state, "response_format", lambda g: g.json(params.json_schema, reasoning))
+
+
+async def _grammar(state: ServeState, param: str, make):
+    """make(Grammars) in a worker thread; a grammar that cannot be built is the request's fault (400)."""
+    from strata.serve.grammar import GrammarError
+    try:
+        return await anyio.to_thread.run_sync(lambda: make(state.grammars()))
+    except GrammarError as e:
+        raise oa.bad(param, f"{param} cannot be turned into a grammar: {e}", code="invalid_schema") from None
 
 
 async def completions(request: HttpRequest):
@@ -341,12 +381,22 @@ async def completions(request: HttpRequest):
                 raise oa.bad(f"prompt[{i}]", f"prompt[{i}] = {t} is not a token id of this model: ids are "
                                              f"0..{vocab - 1}", code="out_of_range")
         text = state.tokenizer.decode(ids) if params.echo else ""
+    constraint = await _constraint(state, params, False)
     return _generate(state, "text", params, ids, reasoning=False, mt_param="max_tokens",
-                     echo_text=text if params.echo else "")
+                     echo_text=text if params.echo else "", constraint=constraint)
 
 
 def _generate(state: ServeState, kind: str, params: oa.CommonParams, ids: list[int], *, reasoning: bool,
-              mt_param: str, echo_text: str = "") -> "GenerationResponse":
+              mt_param: str, echo_text: str = "", constraint=None, tools: list | None = None) -> "GenerationResponse":
+    slots = len(state.scheduler.slots())
+    if params.n > slots:
+        raise oa.bad("n", f"n = {params.n} choices but this server has {slots} slots (parallel), one per choice; "
+                          f"send n <= {slots}", code="out_of_range")
+    vocab = state.vocab_size
+    for token, _ in params.sampling.logit_bias:
+        if not 0 <= token < vocab:
+            raise oa.bad("logit_bias", f"logit_bias names token {token}, which is not a token id of this model: ids "
+                                       f"are 0..{vocab - 1}", code="out_of_range")
     n, limit = len(ids), state.max_context
     if n == 0:
         raise oa.bad("messages" if kind == "chat" else "prompt", "the prompt is empty after tokenization",
@@ -370,24 +420,65 @@ def _generate(state: ServeState, kind: str, params: oa.CommonParams, ids: list[i
     rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
     req = Request(id=rid, prompt_ids=tuple(int(i) for i in ids), max_tokens=int(max_tokens),
                   sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                          seed=s.seed),
+                                          seed=s.seed, presence_penalty=s.presence_penalty,
+                                          frequency_penalty=s.frequency_penalty,
+                                          repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias),
                   stop=tuple(params.stop), reasoning=reasoning,
-                  stop_token_ids=() if params.ignore_eos else None)
+                  stop_token_ids=() if params.ignore_eos else None, n=params.n, logprobs=params.logprobs,
+                  constraint=constraint)
     try:
         events = state.scheduler.submit(req)
     except QueueFull as e:
         raise ApiError(503, str(e), code="queue_full",
                        headers={"Retry-After": str(max(1, int(math.ceil(e.retry_after_s))))}) from None
-    return GenerationResponse(state, req, events, kind, params, echo_text)
+    return GenerationResponse(state, req, events, kind, params, echo_text, tools)
+
+
+class _Choice:
+    """One choice of a response as it arrives: its text, its tool calls (parsed out of the content when the request
+    offered tools) and its logprobs."""
+
+    def __init__(self, index: int, tools: list | None):
+        self.index = index
+        self.parser = ToolCallParser(tools) if tools else None
+        self.content, self.reasoning, self.text = [], [], []     # text: a text completion's, in order
+        self.parsed = Parsed()
+        self.logprobs: list = []
+        self.offset = 0                  # characters of a text completion's text so far (logprobs' text_offset)
+        self.finished: Finished | None = None
+
+    def content_of(self, d: Delta, final: bool = False) -> Parsed:
+        """What a Delta's content (or, final, the end of the reply) shows: text and tool-call deltas."""
+        if self.parser is None:
+            return Parsed(content=d.content)
+        out = self.parser.push(d.content)
+        if final:
+            out.add(self.parser.finish())
+        self.parsed.add(out)
+        return out
+
+    def finish_reason(self) -> str:
+        calls = self.parser is not None and self.parser.calls
+        return "tool_calls" if calls and self.finished.reason == "stop" else self.finished.reason
+
+    def tool_calls(self) -> list[dict]:
+        calls: dict[int, list] = {}
+        for d in self.parsed.calls:
+            if d.id is not None:
+                calls[d.index] = [d.id, d.name, d.arguments]
+            else:
+                calls[d.index][2] += d.arguments
+        return [oa.tool_call(*calls[i]) for i in sorted(calls)]
 
 
 class GenerationResponse:
     """An ASGI response that drives one submitted request to its end, streamed (SSE) or whole (JSON)."""
 
     def __init__(self, state: ServeState, req: Request, events: anyio.abc.ObjectReceiveStream, kind: str,
-                 params: oa.CommonParams, echo_text: str):
+                 params: oa.CommonParams, echo_text: str, tools: list | None = None):
         self.state, self.req, self.events, self.kind, self.params = state, req, events, kind, params
         self.echo_text = echo_text
+        self.choices = [_Choice(i, tools if kind == "chat" else None) for i in range(req.n)]
         self.created = oa.now()
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
@@ -444,7 +535,7 @@ class GenerationResponse:
             if self.state.scheduler_error is not None:
                 return [Failed(f"the scheduler stopped ({self.state.scheduler_error}); restart the server", 503)]
             return None
-        while not isinstance(got[-1], (Finished, Failed)):
+        while not isinstance(got[-1], Failed) and not self._all_finished(got):
             try:
                 got.append(self.events.receive_nowait())
             except anyio.WouldBlock:
@@ -452,6 +543,14 @@ class GenerationResponse:
             except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
                 got.append(Failed("the scheduler ended this request without a result", 500))
         return got
+
+    def _all_finished(self, got: list) -> bool:
+        """Whether `got` holds the last choice's Finished (the stream ends after it)."""
+        done = sum(c.finished is not None for c in self.choices) + sum(isinstance(e, Finished) for e in got)
+        return done >= len(self.choices)
+
+    def _token_bytes(self, token: int) -> bytes:
+        return self.state.grammars().token_bytes(token)
 
     def _mark_first(self, d: Delta):
         if self.t_first is None and (d.content or d.reasoning):
@@ -480,7 +579,6 @@ class GenerationResponse:
     # -- whole responses
 
     async def _whole(self, send):
-        content, reasoning = [], []
         while True:
             evs = await self._next(POLL_S)
             if evs is None:
@@ -488,25 +586,41 @@ class GenerationResponse:
             for ev in evs:
                 if isinstance(ev, Delta):
                     self._mark_first(ev)
-                    content.append(ev.content)
-                    reasoning.append(ev.reasoning)
+                    c = self.choices[ev.index]
+                    c.reasoning.append(ev.reasoning)
+                    c.content.append(ev.content)
+                    c.text.append(ev.reasoning + ev.content)
+                    c.logprobs.extend(ev.logprobs)
                 elif isinstance(ev, Finished):
-                    self._finish_log(ev)
-                    timings = dict(ev.timings) if ev.timings else None
-                    if self.kind == "chat":
-                        body = oa.chat_response(self.req.id, self.state.model_name, self.created, "".join(content),
-                                                "".join(reasoning), ev.reason, ev.prompt_tokens,
-                                                ev.completion_tokens, timings)
-                    else:
-                        text = self.echo_text + "".join(r + c for r, c in zip(reasoning, content))
-                        body = oa.completion_response(self.req.id, self.state.model_name, self.created, text,
-                                                      ev.reason, ev.prompt_tokens, ev.completion_tokens, timings)
-                    await _send_json(send, 200, body)
-                    return
+                    self.choices[ev.index].finished = ev
+                    if all(c.finished is not None for c in self.choices):
+                        await _send_json(send, 200, self._whole_body(ev))
+                        return
                 elif isinstance(ev, Failed):
                     self._fail_log(ev)
                     await _send_json(send, ev.status, oa.error_body(ev.status, ev.message, code="generation_failed"))
                     return
+
+    def _whole_body(self, last: Finished) -> dict:
+        completion = sum(c.finished.completion_tokens for c in self.choices)
+        self._finish_log(replace(last, completion_tokens=completion))
+        timings = dict(last.timings) if last.timings else None
+        rid, model, created = self.req.id, self.state.model_name, self.created
+        want_lp = self.req.logprobs is not None
+        choices = []
+        for c in self.choices:
+            if self.kind == "chat":
+                shown = c.content_of(Delta(content="".join(c.content)), final=True)
+                lp = oa.chat_logprobs(c.logprobs, self._token_bytes) if want_lp else None
+                choices.append({"index": c.index, "message": oa.chat_message(shown.content, "".join(c.reasoning),
+                                                                              c.tool_calls()),
+                                "logprobs": lp, "finish_reason": c.finish_reason()})
+            else:
+                lp = oa.completion_logprobs(c.logprobs, self._token_bytes, len(self.echo_text)) if want_lp else None
+                choices.append({"index": c.index, "text": self.echo_text + "".join(c.text), "logprobs": lp,
+                                "finish_reason": c.finished.reason})
+        build = oa.chat_response if self.kind == "chat" else oa.completion_response
+        return build(rid, model, created, choices, last.prompt_tokens, completion, timings)
 
     # -- streamed responses
 
@@ -522,10 +636,13 @@ class GenerationResponse:
             await send({"type": "http.response.body", "body": data if isinstance(data, bytes) else oa.sse(data),
                         "more_body": True})
 
-        if chat:
-            await out(oa.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, include_usage=iu))
-        elif self.echo_text:
-            await out(oa.completion_chunk(rid, model, created, self.echo_text, include_usage=iu))
+        for c in self.choices:
+            if chat:
+                await out(oa.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, include_usage=iu,
+                                        index=c.index))
+            elif self.echo_text:
+                await out(oa.completion_chunk(rid, model, created, self.echo_text, include_usage=iu, index=c.index))
+                c.offset = len(self.echo_text)
         last_write = time.perf_counter()
         while True:
             evs = await self._next(POLL_S)
@@ -534,30 +651,30 @@ class GenerationResponse:
                     await out(b": keep-alive\n\n")
                     last_write = time.perf_counter()
                 continue
-            buf = bytearray()
-            r_acc, c_acc = [], []
+            pieces: list = []          # (choice, delta or text, [TokenLogprob], finish reason): merged, then sent
             terminal = None
             for ev in evs:
                 if isinstance(ev, Delta):
                     self._mark_first(ev)
-                    # keep order: reasoning text before content text within one batch of events
-                    if ev.reasoning and c_acc:
-                        self._flush(buf, r_acc, c_acc)
-                    r_acc.append(ev.reasoning)
-                    c_acc.append(ev.content)
+                    self._pieces(pieces, self.choices[ev.index], ev)
+                elif isinstance(ev, Finished):
+                    c = self.choices[ev.index]
+                    c.finished = ev
+                    self._pieces(pieces, c, Delta(index=c.index), final=True)
+                    pieces.append((c, None, [], c.finish_reason()))
+                    if all(x.finished is not None for x in self.choices):
+                        terminal = ev
                 else:
                     terminal = ev
-            self._flush(buf, r_acc, c_acc)
+            buf = bytearray()
+            for c, piece, lps, reason in _merged(pieces):
+                buf += oa.sse(self._chunk(c, piece, lps, reason))
             if isinstance(terminal, Finished):
-                self._finish_log(terminal)
-                if chat:
-                    buf += oa.sse(oa.chat_chunk(rid, model, created, {}, terminal.reason, include_usage=iu))
-                else:
-                    buf += oa.sse(oa.completion_chunk(rid, model, created, "", terminal.reason, include_usage=iu))
+                completion = sum(c.finished.completion_tokens for c in self.choices)
+                self._finish_log(replace(terminal, completion_tokens=completion))
                 if iu:
                     buf += oa.sse(oa.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else
-                                                 "text_completion", terminal.prompt_tokens,
-                                                 terminal.completion_tokens))
+                                                 "text_completion", terminal.prompt_tokens, completion))
                 buf += oa.sse("[DONE]")
             elif isinstance(terminal, Failed):
                 self._fail_log(terminal)
@@ -569,18 +686,71 @@ class GenerationResponse:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
 
-    def _flush(self, buf: bytearray, r_acc: list, c_acc: list):
-        r, c = "".join(r_acc), "".join(c_acc)
-        r_acc.clear()
-        c_acc.clear()
+    def _pieces(self, pieces: list, c: _Choice, d: Delta, final: bool = False) -> None:
+        """A Delta's chunks-to-be for choice c: reasoning, content and tool-call pieces (a text completion's text),
+        its logprobs on the first of them (on an empty delta when it shows nothing)."""
+        lps = list(d.logprobs)
+        if self.kind != "chat":
+            if d.reasoning + d.content or lps:
+                pieces.append((c, d.reasoning + d.content, lps, None))
+            return
+        shown = c.content_of(d, final)
+        out = []
+        if d.reasoning:
+            out.append({"reasoning_content": d.reasoning})
+        if shown.content:
+            out.append({"content": shown.content})
+        out += [{"tool_calls": [oa.tool_call_delta(x.index, x.id, x.name, x.arguments)]} for x in shown.calls]
+        if lps and not out:
+            out.append({})
+        for i, delta in enumerate(out):
+            pieces.append((c, delta, lps if i == 0 else [], None))
+
+    def _chunk(self, c: _Choice, piece, lps: list, reason: str | None) -> dict:
         rid, model, created, iu = self.req.id, self.state.model_name, self.created, self.params.include_usage
+        want_lp = self.req.logprobs is not None
         if self.kind == "chat":
-            if r:
-                buf += oa.sse(oa.chat_chunk(rid, model, created, {"reasoning_content": r}, include_usage=iu))
-            if c:
-                buf += oa.sse(oa.chat_chunk(rid, model, created, {"content": c}, include_usage=iu))
-        elif r + c:
-            buf += oa.sse(oa.completion_chunk(rid, model, created, r + c, include_usage=iu))
+            lp = oa.chat_logprobs(lps, self._token_bytes) if want_lp and lps else None
+            return oa.chat_chunk(rid, model, created, piece if piece is not None else {}, reason, include_usage=iu,
+                                 index=c.index, logprobs=lp)
+        lp = None
+        if want_lp and lps:
+            lp = oa.completion_logprobs(lps, self._token_bytes, c.offset)
+            c.offset += sum(len(t) for t in lp["tokens"])
+        return oa.completion_chunk(rid, model, created, piece or "", reason, include_usage=iu, index=c.index,
+                                   logprobs=lp)
+
+
+def _merged(pieces: list) -> list:
+    """Consecutive pieces of one choice and one kind joined (text to text, one call's argument fragments), their
+    logprobs concatenated, so a batch of events goes out as few chunks."""
+    out: list = []
+    for c, piece, lps, reason in pieces:
+        if out and reason is None and out[-1][3] is None and out[-1][0] is c:
+            prev = out[-1][1]
+            joined = _join(prev, piece)
+            if joined is not None:
+                out[-1] = (c, joined, out[-1][2] + lps, None)
+                continue
+        out.append((c, piece, lps, reason))
+    return out
+
+
+def _join(a, b):
+    """a and b as one piece, or None when they cannot be one."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a + b
+    if not (isinstance(a, dict) and isinstance(b, dict)) or not a or not b or a.keys() != b.keys():
+        return None
+    key = next(iter(a))
+    if key in ("content", "reasoning_content"):
+        return {key: a[key] + b[key]}
+    if key == "tool_calls":
+        x, y = a[key][0], b[key][0]
+        if x["index"] == y["index"] and "id" not in y:
+            return {key: [{**x, "function": {**x["function"], "arguments": x["function"]["arguments"]
+                                             + y["function"]["arguments"]}}]}
+    return None
 
 
 def _timings_text(t: dict | None) -> str:

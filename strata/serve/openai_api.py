@@ -169,6 +169,9 @@ MAX_STOP = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_SEED = 2 ** 63
+MAX_LOGIT_BIAS = 1024           # entries of one request's logit_bias
+MAX_TOP_LOGPROBS = 20
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,10 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -190,6 +197,9 @@ class CommonParams:
     include_usage: bool
     user: str | None
     ignore_eos: bool = False         # extension (as llama.cpp's server): generate through end-of-sequence tokens
+    n: int = 1
+    logprobs: int | None = None      # each token's logprob and this many alternatives; None: none
+    json_schema: dict | None = None  # response_format json_schema's schema ({"type": "object"} for json_object)
 
 
 @dataclass(frozen=True)
@@ -198,6 +208,9 @@ class ChatParams(CommonParams):
     reasoning_effort: str | None = None
     tools: tuple[dict, ...] | None = None
     template_kwargs: dict = field(default_factory=dict)
+    tool_choice: str = "auto"        # none | auto | required | function (tool_function names it)
+    tool_function: str | None = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -208,14 +221,11 @@ class CompletionParams(CommonParams):
 
 def _common(body: dict, *, chat: bool) -> dict:
     model = _str(body, "model")
-    n = _int(body, "n")
-    if n is not None and n != 1:
-        raise bad("n", f"n={n} is not supported: this server returns exactly one choice per request; "
-                       f"send n=1 or leave n out (send {n} requests for {n} choices)", code="unsupported")
+    n = _int(body, "n", 1, None, "(the number of choices)") or 1
     best_of = _int(body, "best_of")
-    if best_of is not None and best_of != 1:
-        raise bad("best_of", f"best_of={best_of} is not supported; send best_of=1 or leave it out",
-                  code="unsupported")
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"best_of={best_of} is not supported: this server returns the n choices it samples; "
+                             f"leave best_of out or send best_of equal to n", code="unsupported")
 
     limits = "(the number of tokens to generate)"
     max_tokens = _int(body, "max_tokens", 1, None, limits)
@@ -229,13 +239,16 @@ def _common(body: dict, *, chat: bool) -> dict:
     top_k = _int(body, "top_k", -1, None, "(0 or -1 = off)")
     min_p = _float(body, "min_p", 0.0, 1.0, what="(0 = off)")
     seed = _int(body, "seed", 0, MAX_SEED - 1)
-    for key in ("presence_penalty", "frequency_penalty"):   # accepted for compatibility, not applied
-        _float(body, key, -2.0, 2.0)
-    _float(body, "repetition_penalty", 0.0, 10.0, lo_open=True)
+    presence = _float(body, "presence_penalty", -2.0, 2.0, what="(0 = off)")
+    frequency = _float(body, "frequency_penalty", -2.0, 2.0, what="(0 = off)")
+    repetition = _float(body, "repetition_penalty", 0.0, 10.0, lo_open=True, what="(1 = off)")
     sampling = Sampling(temperature=1.0 if temperature is None else temperature,
                         top_p=1.0 if top_p is None else top_p,
                         top_k=0 if top_k in (None, -1) else top_k,
-                        min_p=0.0 if min_p is None else min_p, seed=seed)
+                        min_p=0.0 if min_p is None else min_p, seed=seed,
+                        presence_penalty=presence or 0.0, frequency_penalty=frequency or 0.0,
+                        repetition_penalty=1.0 if repetition is None else repetition,
+                        logit_bias=_logit_bias(body))
 
     stop = _get(body, "stop")
     if stop is _MISSING:
@@ -265,32 +278,69 @@ def _common(body: dict, *, chat: bool) -> dict:
 
     user = _str(body, "user")
     ignore_eos = bool(_bool(body, "ignore_eos"))
+    top = f"(alternatives per token, at most {MAX_TOP_LOGPROBS})"
     if chat:
-        lp = _get(body, "logprobs")
-        if lp is not _MISSING and not isinstance(lp, bool):
-            raise _wrong_type("logprobs", lp, "a boolean")
-        if lp is True:
-            raise bad("logprobs", "logprobs are not supported by this server; leave logprobs out or send false",
-                      code="unsupported")
-        tlp = _get(body, "top_logprobs")
-        if tlp is not _MISSING and tlp != 0:
-            raise bad("top_logprobs", "top_logprobs are not supported by this server; leave top_logprobs out",
-                      code="unsupported")
+        lp = _bool(body, "logprobs")
+        tlp = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, top)
+        if tlp and not lp:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: send \"logprobs\": true with it",
+                      code="invalid_value")
+        logprobs = (tlp or 0) if lp else None
     else:
-        lp = _get(body, "logprobs")
-        if lp is not _MISSING and lp is not False and lp != 0:
-            raise bad("logprobs", "logprobs are not supported by this server; leave logprobs out or send null",
-                      code="unsupported")
-    rf = _get(body, "response_format")
-    if rf is not _MISSING:
-        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise _wrong_type("response_format", rf, 'an object such as {"type": "text"}')
-        if rf["type"] != "text":
-            raise bad("response_format", f"response_format type {rf['type']!r} is not supported: this server does "
-                                         f"not constrain output; send {{\"type\": \"text\"}} or leave it out",
-                      code="unsupported")
+        logprobs = None if _get(body, "logprobs") is False else _int(body, "logprobs", 0, MAX_TOP_LOGPROBS, top)
+    json_schema = _response_format(body)
+    if ignore_eos and json_schema is not None:
+        raise bad("ignore_eos", "ignore_eos cannot be combined with response_format: the grammar ends the reply",
+                  code="invalid_value")
     return dict(model=model, max_tokens=max_tokens, sampling=sampling, stop=stops, stream=stream,
-                include_usage=include_usage, user=user, ignore_eos=ignore_eos)
+                include_usage=include_usage, user=user, ignore_eos=ignore_eos, n=n, logprobs=logprobs,
+                json_schema=json_schema)
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """logit_bias: {"token id": bias in [-100, 100]} -> ((id, bias), ...); the ids' range is the app's to check."""
+    lb = _get(body, "logit_bias")
+    if lb is _MISSING:
+        return ()
+    if not isinstance(lb, dict):
+        raise _wrong_type("logit_bias", lb, 'an object mapping token ids to biases, e.g. {"1234": -100}')
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(lb)}",
+                  code="out_of_range")
+    out = {}
+    for key, value in lb.items():
+        p = f"logit_bias[{_show(key)}]"
+        if not (isinstance(key, str) and key.strip().lstrip("-").isdigit()):
+            raise bad("logit_bias", f"logit_bias keys must be token ids (integers as strings), got {_show(key)}",
+                      code="invalid_type")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _wrong_type(p, value, "a number in [-100, 100]")
+        if not -100 <= value <= 100:
+            raise bad("logit_bias", f"{p} must be in [-100, 100], got {_show(value)}", code="out_of_range")
+        out[int(key)] = float(value)
+    return tuple(out.items())
+
+
+def _response_format(body: dict) -> dict | None:
+    """response_format -> the JSON schema the reply must follow (None: text)."""
+    rf = _get(body, "response_format")
+    if rf is _MISSING:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _wrong_type("response_format", rf, 'an object such as {"type": "json_object"}')
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise bad("response_format", f"response_format type {_show(kind)} is not known; send text, json_object or "
+                                     f"json_schema", code="invalid_value")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+        raise bad("response_format", 'response_format json_schema needs {"json_schema": {"name": ..., "schema": '
+                                     '{...}}}: a JSON schema object under json_schema.schema', code="invalid_value")
+    return js["schema"]
 
 
 def _content_text(content: Any, param: str) -> str | None:
@@ -393,8 +443,43 @@ def parse_chat(body: dict) -> ChatParams:
         kwargs.update(ctk)
     if effort is not None:
         kwargs["reasoning_effort"] = effort
+    choice, function = _tool_choice(body, tools)
+    if choice in ("required", "function") and common["json_schema"] is not None:
+        raise bad("tool_choice", f"tool_choice {choice!r} and response_format both constrain the reply; send one",
+                  code="invalid_value")
+    if choice in ("required", "function") and common["ignore_eos"]:
+        raise bad("ignore_eos", "ignore_eos cannot be combined with a forced tool call: the grammar ends the reply",
+                  code="invalid_value")
+    parallel = _bool(body, "parallel_tool_calls")
     return ChatParams(**common, messages=messages, reasoning_effort=effort,
-                      tools=None if tools is None else tuple(tools), template_kwargs=kwargs)
+                      tools=None if tools is None else tuple(tools), template_kwargs=kwargs, tool_choice=choice,
+                      tool_function=function, parallel_tool_calls=True if parallel is None else parallel)
+
+
+def _tool_choice(body: dict, tools: list | None) -> tuple[str, str | None]:
+    """tool_choice -> (none | auto | required | function, the function's name); "auto" by default."""
+    tc = _get(body, "tool_choice")
+    if tc is _MISSING:
+        return "auto", None
+    want = 'one of none, auto, required, or {"type": "function", "function": {"name": ...}}'
+    if isinstance(tc, str):
+        if tc not in TOOL_CHOICES:
+            raise bad("tool_choice", f"tool_choice must be {want}, got {_show(tc)}")
+        choice, name = tc, None
+    elif isinstance(tc, dict) and isinstance(tc.get("function"), dict) and isinstance(tc["function"].get("name"),
+                                                                                        str):
+        choice, name = "function", tc["function"]["name"]
+    else:
+        raise _wrong_type("tool_choice", tc, want)
+    if choice in ("required", "function"):
+        names = [t.get("function", {}).get("name") for t in tools or () if isinstance(t.get("function"), dict)]
+        if not names:
+            raise bad("tool_choice", f"tool_choice {_show(tc)} needs tools: send the functions in tools",
+                      code="invalid_value")
+        if name is not None and name not in names:
+            raise bad("tool_choice", f"tool_choice names function {name!r}, which is not in tools; tools: "
+                                     f"{', '.join(map(str, names))}", code="invalid_value")
+    return choice, name
 
 
 def parse_completion(body: dict) -> CompletionParams:
@@ -419,6 +504,9 @@ def parse_completion(body: dict) -> CompletionParams:
     elif not isinstance(prompt, str):
         raise _wrong_type("prompt", prompt, "a string or an array of token ids")
     echo = bool(_bool(body, "echo"))
+    if echo and common["logprobs"] is not None:
+        raise bad("echo", "echo with logprobs (the prompt's logprobs) is not supported; send one of them",
+                  code="unsupported")
     suffix = _get(body, "suffix")
     if suffix is not _MISSING and suffix != "":
         raise bad("suffix", "suffix (insertion) is not supported by this server; leave suffix out",
@@ -437,13 +525,31 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_response(rid: str, model: str, created: int, content: str, reasoning: str, finish_reason: str,
-                  prompt_tokens: int, completion_tokens: int, timings: dict | None = None) -> dict:
-    message = {"role": "assistant", "content": content}
+def chat_message(content: str, reasoning: str, tool_calls: list[dict] | None = None) -> dict:
+    """The assistant message of a whole response: content null when the reply is tool calls only."""
+    message = {"role": "assistant", "content": None if tool_calls and not content else content}
     if reasoning:
         message["reasoning_content"] = reasoning
-    out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-           "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_delta(index: int, call_id: str | None, name: str | None, arguments: str) -> dict:
+    """A streamed tool call's piece: the first carries its id and name, the rest argument fragments."""
+    if call_id is None:
+        return {"index": index, "function": {"arguments": arguments}}
+    return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def chat_response(rid: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
+                  completion_tokens: int, timings: dict | None = None) -> dict:
+    """choices: {"index", "message", "logprobs", "finish_reason"} each."""
+    out = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
            "usage": usage(prompt_tokens, completion_tokens)}
     if timings:
         out["timings"] = timings
@@ -451,18 +557,18 @@ def chat_response(rid: str, model: str, created: int, content: str, reasoning: s
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-               include_usage: bool = False) -> dict:
+               include_usage: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+           "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         out["usage"] = None
     return out
 
 
-def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str,
-                        prompt_tokens: int, completion_tokens: int, timings: dict | None = None) -> dict:
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+def completion_response(rid: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
+                        completion_tokens: int, timings: dict | None = None) -> dict:
+    """choices: {"index", "text", "logprobs", "finish_reason"} each."""
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
            "usage": usage(prompt_tokens, completion_tokens)}
     if timings:
         out["timings"] = timings
@@ -470,12 +576,43 @@ def completion_response(rid: str, model: str, created: int, text: str, finish_re
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
-                     include_usage: bool = False) -> dict:
+                     include_usage: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
     out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+           "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         out["usage"] = None
     return out
+
+
+LOGPROB_FLOOR = -9999.0          # a logprob JSON can carry (an impossible token's is -inf)
+
+
+def _token(token_bytes, token: int) -> tuple[str, list[int]]:
+    b = token_bytes(token)
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def chat_logprobs(entries, token_bytes) -> dict:
+    """TokenLogprobs -> a chat choice's logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def one(token, lp):
+        text, b = _token(token_bytes, token)
+        return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": b}
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries, token_bytes, offset: int) -> dict:
+    """TokenLogprobs -> a text choice's logprobs (tokens, token_logprobs, top_logprobs, text_offset), the text
+    offsets counted from `offset` characters."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(_token(token_bytes, e.token)[0])
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [max(e.logprob, LOGPROB_FLOOR) for e in entries],
+            "top_logprobs": [{_token(token_bytes, t)[0]: max(lp, LOGPROB_FLOOR) for t, lp in e.top}
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
