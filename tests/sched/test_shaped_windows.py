@@ -1,4 +1,4 @@
-"""Shaped windows on the demo model (WindowRunner, every expert resident): rows without features sample bit for bit
+"""Shaped windows on the demo model (WindowRunner, on each expert path): rows without features sample bit for bit
 what plain windows do; logprobs are the log-softmax of the engine's logits at the sampled token; a +100 bias forces a
 token and -100 bans one; penalties match a numpy reference on captured logits; a part's copies (n > 1) continue its
 state; chained windows keep the counts on the device; after warm-up nothing compiles."""
@@ -18,9 +18,15 @@ S = 3
 PROMPT = np.array([5, 70, 101, 33, 9, 44, 70, 101], np.int32)
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return Engine.load("demo", max_context=256, prefill=16)
+# every expert resident (compiled rows and parts); half of them with window fetch (compiled rows that fetch); half
+# of them layer by layer (host rows and parts)
+PATHS = {"resident": {}, "window fetch": dict(expert_cache=32), "layer by layer": dict(expert_cache=32,
+                                                                                       window_fetch=False)}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def engine(request):
+    return Engine.load("demo", max_context=256, prefill=16, say=lambda line: None, **PATHS[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +158,8 @@ def test_copies_continue_the_parts_state(runner):
 
 
 def test_chained_windows_keep_the_counts_on_the_device(runner):
+    if not runner.chains:
+        pytest.skip("this path does not chain windows (layer by layer)")
     pen = np.array([[0, 0, 1], [0.6, 0.9, 1.4], [0, 0, 1]], np.float32)
     f = lambda t: {"penalties": pen, "logprobs": np.array([-1, 3, -1], np.int32)}  # noqa: E731
     one_by_one, _ = generate(runner, 10, features=f, rows=(1,))
@@ -165,14 +173,15 @@ def test_shaped_windows_compile_nothing_after_warm_up(runner):
     lowered = []
 
     def listen(name, secs, **kw):
-        if name.endswith("jaxpr_to_mlir_module_duration"):
-            lowered.append(name)
+        # (layer by layer, the expert cache's writes of misses compile per count of experts written: not sampling)
+        if name.endswith("jaxpr_to_mlir_module_duration") and "pool_write" not in kw.get("fun_name", ""):
+            lowered.append(kw.get("fun_name", name))
     pen = np.array([[0, 0, 1], [0.6, 0.9, 1.4], [0, 0, 1]], np.float32)
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         generate(runner, 3, features=lambda t: {"penalties": pen}, rows=(1, 2), temperature=[0.0, 0.5, 0.0])
         generate(runner, 3, features=lp_only(0), rows=(0, 1, 2))
-        generate(runner, 3, features=lambda t: {"penalties": pen}, rows=(1,), chained=True)
+        generate(runner, 3, features=lambda t: {"penalties": pen}, rows=(1,), chained=runner.chains)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    assert lowered == [], f"{len(lowered)} functions were compiled under load, after warm-up"
+    assert lowered == [], f"compiled under load, after warm-up: {lowered}"
