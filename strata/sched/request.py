@@ -35,6 +35,7 @@ class Delta:
 @dataclass(frozen=True)
 class Finished:
     reason: str                  # "stop" (end-of-sequence token or stop string) | "length" (max_tokens / context)
+                                 # | "abort" (the server shut down before the end: Scheduler.abort)
     prompt_tokens: int
     completion_tokens: int
     timings: dict = field(default_factory=dict)   # read_ms, generate_ms, parts, ...
