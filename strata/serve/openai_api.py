@@ -206,7 +206,10 @@ def Num(lo: float, hi: float, lo_open: bool = False, what: str = "") -> Any:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise _wrong(v, "a number")
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:                     # an integer beyond any float
+            v = math.inf if v > 0 else -math.inf
         if not (math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi):
             rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
             raise _refuse(lambda p: f"{p} must be in {rng}{(' ' + what) if what else ''}, got {_show(v)}",
