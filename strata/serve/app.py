@@ -456,7 +456,6 @@ async def chat_completions(request: HttpRequest):
     except ChatTemplateError as e:
         raise oa.bad("messages", f"the conversation cannot be rendered with the model's chat template: {e}",
                      code="invalid_messages") from None
-    del messages
     return _generate(state, "chat", params, ids, reasoning=ends_inside_think(text[-4096:]),
                      mt_param=params.max_tokens_param)
 

@@ -316,3 +316,21 @@ def test_an_answer_sent_without_the_route_reads_the_body_first(server):
     assert (n, status) == (2, 404) and b"connection" not in headers
     n, status, headers = call([b"x" * (MAX_BODY // 2)] * 3)               # over max_body_bytes by the third part
     assert (n, status) == (3, 404) and headers.get(b"connection") == b"close"
+
+
+@pytest.mark.parametrize("args, texts", [
+    (["--device", "tpu"], ["--device tpu is not a device of this machine's jax backend", "strata doctor"]),
+    (["--expert-cache", "lots"], ["--expert-cache lots is not allowed", '"auto" or a number of experts']),
+    (["--expert-cache", "1"], ["expert_cache 1 (--expert-cache) is below the minimum of 4 slots", "or to auto"]),
+    (["--served-model-name", ","], ["--served-model-name , is not allowed", "comma-separated"]),
+    (["--drain-timeout", "-1"], ["--drain-timeout -1.0 is not allowed", "[0, 86400]"]),
+    (["--cors-origin", ""], ["--cors-origin  is not allowed"]),
+], ids=["device", "expert_cache_word", "expert_cache_below_minimum", "served_name", "drain_timeout", "cors"])
+def test_bad_flags_exit_2_in_the_flags_own_words(args, texts):
+    r = strata_serve("--port", "0", *args)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("strata serve: error: "), r.stderr
+    for t in texts:
+        assert t in last, (t, last)
+    assert "Traceback" not in r.stderr and "_cache_size" not in r.stderr
