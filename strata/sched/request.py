@@ -75,6 +75,7 @@ class Delta:
 class Finished:
     """A choice's end (a request of n choices ends after n of them)."""
     reason: str                  # "stop" (end-of-sequence token, stop string, grammar complete) | "length"
+                                 # | "abort" (the server shut down before the end: Scheduler.abort)
     prompt_tokens: int
     completion_tokens: int
     timings: dict = field(default_factory=dict)   # read_ms, generate_ms, parts, ...

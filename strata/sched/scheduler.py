@@ -89,6 +89,7 @@ class Scheduler:
         self.slots_ = [Slot(i) for i in range(cap.slots)]
         self.queue: deque[tuple[Request, object]] = deque()
         self.cancelled: set[str] = set()
+        self.aborted: set[str] = set()           # cancelled with a Finished("abort") rather than a Failed (drain)
         self._wake = anyio.Event()
         self._admissions = 0
         # window_seconds_sum: wall time of windows (plan, dispatch, send, apply); device_seconds_sum: the device
@@ -109,6 +110,10 @@ class Scheduler:
                              f"(at least 1) must fit max_context {self.max_context}")
         if not 1 <= req.n <= len(self.slots_):
             raise ValueError(f"request {req.id}: n = {req.n} choices; this server has {len(self.slots_)} slots")
+        sp = req.sampling
+        if not (0 <= sp.top_k < 2 ** 31 and math.isfinite(sp.temperature) and sp.temperature >= 0
+                and 0 < sp.top_p <= 1 and 0 <= sp.min_p <= 1 and (sp.seed is None or 0 <= sp.seed < 2 ** 63)):
+            raise ValueError(f"request {req.id}: sampling values out of range: {sp}")
         if len(self.queue) >= self.queue_limit:
             raise QueueFull(len(self.queue))
         send, receive = anyio.create_memory_object_stream(max_buffer_size=math.inf)
@@ -119,6 +124,29 @@ class Scheduler:
     def cancel(self, request_id: str) -> None:
         self.cancelled.add(request_id)
         self._wake.set()
+
+    def drain(self, message: str) -> int:
+        """Graceful shutdown, first step: every queued request ends now with Failed(message, 503); the caller stops
+        submitting. -> how many there were."""
+        n = len(self.queue)
+        for req, send in self.queue:
+            _send(send, Failed(message, 503))
+            send.close()
+        self.queue.clear()
+        return n
+
+    def abort(self) -> int:
+        """Graceful shutdown, last step: every running request ends by the next window with Finished(reason="abort")
+        (its text so far already sent). -> how many."""
+        ids = [s.req.id for s in self.slots_ if s.req is not None]
+        self.aborted.update(ids)
+        self.cancelled.update(ids)
+        self._wake.set()
+        return len(ids)
+
+    def busy(self) -> int:
+        """Requests queued or in a slot."""
+        return len(self.queue) + sum(s.req is not None for s in self.slots_)
 
     def slots(self) -> list[dict]:
         return [{"id": s.id, "state": s.state.value, "request": s.req.id if s.req else None,
@@ -246,7 +274,12 @@ class Scheduler:
         if not self.cancelled:
             return
         for slot in self.slots_:
-            if slot.req is not None and slot.req.id in self.cancelled:
+            if slot.req is not None and slot.req.id in self.aborted:
+                if slot.state is SlotState.READING:
+                    slot.t_read_start = slot.t_read_start or time.perf_counter()
+                    slot.t_read_end = slot.t_first_token = time.perf_counter()
+                self._finish(slot, "abort")
+            elif slot.req is not None and slot.req.id in self.cancelled:
                 log.info(f"strata serve: request {slot.req.id} cancelled by its client; slot {slot.id} is free")
                 self._end(slot, Failed("cancelled by the client", 499))
         waiting = deque()
@@ -258,6 +291,7 @@ class Scheduler:
                 waiting.append((req, send))
         self.queue = waiting
         self.cancelled.clear()
+        self.aborted.clear()
 
     # --- planning
     def _plan(self) -> WindowPlan | None:

@@ -51,7 +51,10 @@ class Constraint:
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, lark: str, vocab: int):
         self.lark, self.vocab = lark, vocab
-        self._start = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        try:
+            self._start = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise GrammarError(str(e).split("\n")[0]) from None
         if self._start.is_error():
             raise GrammarError(self._start.get_error().split("\n")[0])
 
@@ -82,7 +85,8 @@ class Grammars:
         """A reply of one tool call (or, parallel, one or more) to one of `tools` (OpenAI function tools)."""
         rules, names = [], []
         for i, tool in enumerate(tools):
-            fn = tool.get("function") or {}
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            fn = fn if isinstance(fn, dict) else {}
             name, params = fn.get("name"), fn.get("parameters") or {"type": "object"}
             if not isinstance(name, str) or not isinstance(params, dict):
                 raise GrammarError(f"tools[{i}] needs function.name (a string) and function.parameters (an object)")

@@ -72,9 +72,9 @@ CASES = [
     ("image_part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
      ["messages[0].content[0].type", "image_url", "text only"], "messages[0].content[0]"),
-    ("n_above_the_slots", "POST", CHAT, chat(n=3), 400, ["n = 3 choices but this server has 2 slots", "n <= 2"],
+    ("n_above_the_slots", "POST", CHAT, chat(n=3), 400, ["n must be in [1, 2] (choices: one slot each), got 3"],
      "n"),
-    ("n_zero", "POST", CHAT, chat(n=0), 400, ["n must be at least 1"], "n"),
+    ("n_zero", "POST", CHAT, chat(n=0), 400, ["n must be in [1, 2]", "got 0"], "n"),
     ("n_wrong_type", "POST", CHAT, chat(n="1"), 400, ["n must be an integer", '"1"'], "n"),
     ("max_tokens_negative", "POST", CHAT, chat(max_tokens=-5), 400, ["max_tokens must be at least 1", "-5"],
      "max_tokens"),
@@ -96,7 +96,9 @@ CASES = [
     ("top_p_zero", "POST", CHAT, chat(top_p=0), 400, ["top_p must be in (0, 1]"], "top_p"),
     ("top_p_above_one", "POST", CHAT, chat(top_p=1.5), 400, ["top_p must be in (0, 1]", "1.5"], "top_p"),
     ("top_k_float", "POST", CHAT, chat(top_k=2.5), 400, ["top_k must be an integer"], "top_k"),
-    ("top_k_negative", "POST", CHAT, chat(top_k=-7), 400, ["top_k must be at least -1", "-7"], "top_k"),
+    ("top_k_negative", "POST", CHAT, chat(top_k=-7), 400, ["top_k must be in [-1, ", "-7"], "top_k"),
+    ("top_k_over_vocab", "POST", CHAT, chat(top_k=2 ** 31), 400,
+     [f"top_k must be in [-1, {DEMO_VOCAB_SIZE}]", "2147483648"], "top_k"),
     ("min_p_above_one", "POST", CHAT, chat(min_p=2), 400, ["min_p must be in [0, 1]"], "min_p"),
     ("seed_string", "POST", CHAT, chat(seed="abc"), 400, ["seed must be an integer"], "seed"),
     ("seed_negative", "POST", CHAT, chat(seed=-1), 400, ["seed must be in [0, 9223372036854775807]"], "seed"),
@@ -346,3 +348,21 @@ def test_an_answer_sent_without_the_route_reads_the_body_first(server):
     assert (n, status) == (2, 404) and b"connection" not in headers
     n, status, headers = call([b"x" * (MAX_BODY // 2)] * 3)               # over max_body_bytes by the third part
     assert (n, status) == (3, 404) and headers.get(b"connection") == b"close"
+
+
+@pytest.mark.parametrize("args, texts", [
+    (["--device", "tpu"], ["--device tpu is not a device of this machine's jax backend", "strata doctor"]),
+    (["--expert-cache", "lots"], ["--expert-cache lots is not allowed", '"auto" or a number of experts']),
+    (["--expert-cache", "1"], ["expert_cache 1 (--expert-cache) is below the minimum of 4 slots", "or to auto"]),
+    (["--served-model-name", ","], ["--served-model-name , is not allowed", "comma-separated"]),
+    (["--drain-timeout", "-1"], ["--drain-timeout -1.0 is not allowed", "[0, 86400]"]),
+    (["--cors-origin", ""], ["--cors-origin  is not allowed"]),
+], ids=["device", "expert_cache_word", "expert_cache_below_minimum", "served_name", "drain_timeout", "cors"])
+def test_bad_flags_exit_2_in_the_flags_own_words(args, texts):
+    r = strata_serve("--port", "0", *args)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("strata serve: error: "), r.stderr
+    for t in texts:
+        assert t in last, (t, last)
+    assert "Traceback" not in r.stderr and "_cache_size" not in r.stderr
