@@ -30,6 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = Settings.build(**ONE_SEQUENCE).with_values(_flag_settings(args, GENERATE_FLAGS), as_flag=True)
     if settings.model.model == "demo":
         _log(f"strata generate: {DEMO_NOTE}")
+    _check_device(settings)
     t0 = time.perf_counter()
     engine = Engine.load(settings=settings)
     if engine.tokenizer is None:
@@ -62,6 +63,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
          f"({len(ids) / max(read_ms / 1000, 1e-9):.1f} tok/s), {n} generated in {gen_ms:.0f} ms "
          f"({max(n - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s)")
     return 0
+
+
+def _check_device(settings: Settings) -> None:
+    """--device names a device this machine has (StrataError in the flag's words otherwise)."""
+    from strata.serve.server import check_device
+    check_device(settings)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -108,6 +115,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise StrataError(f"prompts file {args.prompts} has no prompts (one prompt per non-empty line)")
     t0 = time.perf_counter()
     settings = Settings.build(**ONE_SEQUENCE).with_values(_flag_settings(args, ENGINE_FLAGS), as_flag=True)
+    _check_device(settings)
     engine = Engine.load(settings=settings, say=_log)
     if engine.experts is None:
         raise StrataError(f"{args.model} has no routed experts to profile")

@@ -69,6 +69,19 @@ def _text(what: str, optional: bool = False) -> Rule:
 _BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
 
 
+def _names(v: Any) -> list[str] | None:
+    """A list of names from a string (comma-separated, as a flag gives it) or an array; None when malformed."""
+    items = v.split(",") if isinstance(v, str) else v if isinstance(v, list) else None
+    if items is None or not items or not all(isinstance(x, str) for x in items):
+        return None
+    items = [x.strip() for x in items]
+    return items if all(x and "\n" not in x for x in items) else None
+
+
+def _name_list(what: str) -> Rule:
+    return Rule(lambda v: v is None or _names(v) is not None, what)
+
+
 def _is_device(v) -> bool:
     """Unset, a device string, or (from Python, never a file or a flag) a backend's own device object: SYCL
     sub-devices of one device have no string of their own."""
@@ -208,10 +221,35 @@ class ServeSettings(_Group):
         "When set, every route except /health needs the header `Authorization: Bearer <api_key>` (401 otherwise). "
         "The environment variable STRATA_API_KEY fills it when neither the config file nor --api-key sets it.",
         example="change-me", env="STRATA_API_KEY")
+    served_model_name: str | list[str] | None = setting(
+        None, _name_list("a name, or several (an array; comma-separated on the command line)"),
+        "The names clients give as a request's `model`: the first is the one responses and /v1/models carry, the "
+        "others are aliases; a request naming another model gets 404 model_not_found. Unset: the model path's "
+        "basename (or \"demo\").", example=["qwen3-next", "gpt-4o-mini"])
+    cors_origin: str | list[str] | None = setting(
+        None, _name_list("\"*\" or origins such as https://app.example.com (an array; comma-separated on the "
+                         "command line)"),
+        "Browser origins allowed to call the API (CORS): \"*\" for any. A preflight OPTIONS is answered before the "
+        "API-key check. Unset: no CORS headers.", example="*")
+    drain_timeout: float = setting(
+        30.0, Rule(lambda v: _is_number(v) and 0 <= v <= 86400, "a number of seconds in [0, 86400]"),
+        "On SIGTERM or SIGINT the server stops admitting (503 with Retry-After), answers queued requests 503, and "
+        "lets running requests finish for up to this many seconds; the rest then end with finish_reason \"abort\". "
+        "A second signal ends them at once.")
+    special_tokens_in_messages: bool = setting(
+        False, _BOOL,
+        "Special-token text inside chat messages (a user typing <|im_start|>assistant) becomes control tokens "
+        "(true, for trusted clients only: a user can forge turns) or is read as the text it is (false); only the chat "
+        "template's own markers are control tokens then.")
     compile_cache: str | None = setting(
         None, _text("the path of a directory", optional=True),
         "jax: a directory for JAX's persistent compilation cache; a restart with the same model and shapes loads the "
         "warm-up's compiled windows from it instead of compiling them. Unset: off.", example="~/.cache/strata/jax")
+
+    @property
+    def cors_origins(self) -> list[str]:
+        """cors_origin as a list (empty: off)."""
+        return (_names(self.cors_origin) or []) if self.cors_origin is not None else []
 
 
 @dataclass(frozen=True)
@@ -262,11 +300,11 @@ class Spec:
     def from_text(self, text: str) -> Any:
         """A flag's text as the field's type; text no type takes stays text, for `check` to refuse in words."""
         for t in self.types:
-            if t is str:
+            if t is str or t is Any:
                 return text
             try:
                 return t(text)
-            except ValueError:
+            except (ValueError, TypeError):
                 pass
         return text
 
@@ -312,10 +350,19 @@ class Settings:
 
     @property
     def model_name(self) -> str:
-        """The name responses and /v1/models carry: the model path's basename, or "demo"."""
+        """The name responses and /v1/models carry: served_model_name's first, else the model path's basename, or
+        "demo"."""
+        return self.served_names[0]
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every name a request's `model` may give: served_model_name, else the model path's basename or "demo"."""
+        names = _names(self.serve.served_model_name) if self.serve.served_model_name is not None else None
+        if names:
+            return list(dict.fromkeys(names))
         if self.model.model == "demo":
-            return "demo"
-        return Path(self.model.model).name or str(self.model.model)
+            return ["demo"]
+        return [Path(self.model.model).name or str(self.model.model)]
 
 
 def check(key: str, value: Any, where: str = "", as_flag: bool = False) -> None:
@@ -355,7 +402,7 @@ def _toml(v: Any) -> str:
         return "unset"
     if isinstance(v, bool):
         return str(v).lower()
-    if isinstance(v, str):
+    if isinstance(v, (str, list)):
         return json.dumps(v)
     return repr(v)
 

@@ -4,6 +4,7 @@ other.
 
 A window has one decode row per slot (S = the number of slots; rows of slots that are not generating are inactive)
 and at most one prompt part. Every slot's sampling parameters ride along in [S] arrays; the part uses its slot's.
+The optional arrays (penalties, logit bias, grammar masks, logprobs) are None in a window whose rows use none of them.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class PromptPart:
     tokens: np.ndarray           # [n] int32, 1 <= n <= the part size
     start: int                   # position of tokens[0]; 0 starts a new sequence (its recurrent state is cleared)
     last: bool                   # the prompt's final part: its last row's sample is the first generated token
+    copies: tuple[int, ...] = () # last part only: slots that take a copy of this slot's state after it and sample
+                                 # their own first token from its logits (the other choices of an n > 1 request)
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,23 @@ class WindowPlan:
     seeds: np.ndarray            # [S, 2] uint32
     steps: np.ndarray            # [S] int32: the sampling step of each slot's request (key = f(seed, step))
     part: PromptPart | None = None
+    penalties: np.ndarray | None = None    # [S, 3] float32: presence, frequency, repetition (off: 0, 0, 1)
+    bias_ids: np.ndarray | None = None     # [S, B] int32 and
+    bias_values: np.ndarray | None = None  # [S, B] float32: logit bias entries per row (padding: id -1)
+    mask: np.ndarray | None = None         # [S, W] int32: a grammar's allowed next tokens, bit t % 32 of word t // 32
+                                           # (rows without a grammar: all bits set); never in a continued plan
+    logprobs: np.ndarray | None = None     # [S] int32: alternatives wanted per row, 0..TOP_LOGPROBS (-1: none)
 
     @property
     def sampling(self) -> tuple:
         """The rows' sampling settings [S] each, in the samplers' order: temperature, top_k, top_p, min_p."""
         return self.temperature, self.top_k, self.top_p, self.min_p
+
+    @property
+    def shaped(self) -> bool:
+        """Whether any row uses penalties, a logit bias, a grammar mask or logprobs: the window then samples from
+        logits it gets back from the forward pass (strata/engine/sampling.py) instead of inside it."""
+        return any(x is not None for x in (self.penalties, self.bias_ids, self.mask, self.logprobs))
 
     @property
     def n_decode(self) -> int:
@@ -58,6 +73,18 @@ class WindowPlan:
                        steps=np.where(on, self.steps + 1, self.steps).astype(np.int32), part=None)
 
 
+TOP_LOGPROBS = 20               # the most alternatives a row's logprobs report
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of the model's distribution (log-softmax of the raw logits, before penalties, bias, masks
+    and temperature) for B rows."""
+    sampled: np.ndarray          # [B] float32: of the sampled token
+    top_ids: np.ndarray          # [B, K] int32: the K most likely tokens, most likely first
+    top: np.ndarray              # [B, K] float32: their log-probabilities
+
+
 @dataclass(frozen=True)
 class WindowResult:
     decode_next: np.ndarray      # [S] int32 (meaningful where decode_active)
@@ -66,6 +93,9 @@ class WindowResult:
     part_finite: bool | None
     decode_s: float              # device time of the decode rows
     part_s: float                # device time of the prompt part
+    copies_next: np.ndarray | None = None      # [len(part.copies)] int32: the copies' first tokens
+    decode_logprobs: Logprobs | None = None    # B = S (a plan with logprobs)
+    part_logprobs: Logprobs | None = None      # B = 1 + len(part.copies): the part's slot, then its copies
 
 
 def idle_plan(n_slots: int) -> WindowPlan:

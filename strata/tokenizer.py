@@ -6,9 +6,12 @@ a prompt made here is byte-for-byte the prompt the model was trained and evaluat
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import re
 import sys
+import threading
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -34,6 +37,13 @@ _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pa
 
 # Names a message's reasoning may arrive under; chat templates read `reasoning_content` (gpt-oss reads `thinking`).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+# Special tokens that stay parsed inside message text: reasoning tags are markup that chat templates split out of a
+# message's content themselves (Qwen3's and DeepSeek's tokenizers do not even mark them special).
+_MESSAGE_MARKUP = ("<think>", "</think>")
+
+# A text this long is encoded with the GIL released (encode_batch), so the event loop keeps running meanwhile.
+_LONG_TEXT = 1 << 16
 
 # jinja2 before 3.1.6 has known sandbox escapes, and chat templates are untrusted code from model repositories.
 _MIN_JINJA = (3, 1, 6)
@@ -73,6 +83,9 @@ class Tokenizer:
         # One past the highest id the tokenizer knows. A model's embedding is often padded larger; the ids in the
         # padding are valid model outputs and decode to nothing.
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+        self._special_in_text = None        # (regex of the special tokens, their ids as plain text): on first use
+        self._max_token_chars: int | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -90,9 +103,57 @@ class Tokenizer:
 
     # -- text <-> ids ---------------------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special-token strings inside it (e.g. `<|im_start|>`) become their single ids."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; special-token strings inside it (e.g. `<|im_start|>`) become their single ids, or with
+        parse_special=False are read as the text they are. A long text is encoded with the GIL released, and the
+        memory its encoding took is given back to the system afterwards."""
+        if not parse_special:
+            pattern, _ = self._specials()
+            if pattern is not None and pattern.search(text):
+                return self._encode_protected(text, add_special_tokens, pattern)
+        if len(text) < _LONG_TEXT:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        release_freed_memory()
+        return ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to: a text of n characters is at least n / max_token_chars
+        tokens, a bound that costs nothing to check before encoding."""
+        if self._max_token_chars is None:
+            longest = max((len(self._backend.decode([i], skip_special_tokens=False))
+                           for i in self._backend.get_vocab(with_added_tokens=True).values()), default=1)
+            self._max_token_chars = max(longest, 1)
+        return self._max_token_chars
+
+    def _specials(self):
+        """The special tokens that message text must not produce: a regex matching their text, and each one's ids
+        when read as plain text."""
+        with self._lock:
+            if self._special_in_text is None:
+                names = sorted((t.content for t in self._backend.get_added_tokens_decoder().values()
+                                if t.special and t.content and t.content not in _MESSAGE_MARKUP), key=len, reverse=True)
+                as_text = _Backend.from_str(self._backend.to_str())
+                as_text.encode_special_tokens = True
+                ids = {name: as_text.encode(name, add_special_tokens=False).ids for name in names}
+                pattern = re.compile("|".join(re.escape(n) for n in names)) if names else None
+                self._special_in_text = (pattern, ids)
+            return self._special_in_text
+
+    def _encode_protected(self, text: str, add_special_tokens: bool, pattern: re.Pattern) -> list[int]:
+        _, as_text = self._specials()
+        ids: list[int] = []
+        at = 0
+        for m in pattern.finditer(text):
+            ids += self.encode(text[at:m.start()]) if m.start() > at else []
+            ids += as_text[m.group()]
+            at = m.end()
+        ids += self.encode(text[at:]) if at < len(text) else []
+        if add_special_tokens:   # the post-processor's tokens around the whole text (BOS and the like)
+            empty = self._backend.encode("", add_special_tokens=True).ids
+            ids = empty[:1] + ids if empty else ids
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; incomplete UTF-8 byte sequences come out as U+FFFD, unknown ids as nothing."""
@@ -112,11 +173,29 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self._special_tokens.get("eos_token")
 
+    def to_json(self) -> str:
+        """tokenizer.json as this tokenizer holds it (with the added tokens of tokenizer_config.json)."""
+        return self._backend.to_str()
+
+    def tool_call_form(self) -> str:
+        """How the chat template for tools writes a call: "xml" (`<function=NAME>`, Qwen3-Coder) or "json"."""
+        try:
+            text = self._pick_template([]).text
+        except ChatTemplateError:
+            return "json"
+        return "xml" if "<function=" in text else "json"
+
     def decode_stream(self, skip_special_tokens: bool = False, prompt_ids: Iterable[int] = ()) -> StreamDecoder:
         """A decoder for generated ids one at a time; see StreamDecoder."""
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
 
     # -- chat -----------------------------------------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template's text (None when the model has none)."""
+        t = self._chat_templates.get("default")
+        return t.text if t is not None else None
 
     @property
     def chat_template_names(self) -> list[str]:
@@ -156,6 +235,43 @@ class Tokenizer:
             # Anything raised while rendering comes from the template meeting this input (a missing key, a sandbox
             # violation, a type mismatch), so report it as a template failure with the template line where we can.
             raise ChatTemplateError(_render_failure_message(template, exc)) from exc
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        special_tokens_in_messages: bool = False,
+        **template_kwargs: Any,
+    ) -> tuple[str, list[int]]:
+        """The chat prompt's text and token ids. Only the template's own markers become special tokens: special-token
+        text inside the messages, the tools or the template arguments (a user typing `<|im_start|>assistant`) is read
+        as the text it is, so a user cannot forge turns. special_tokens_in_messages=True (trusted deployments) parses
+        it as control tokens, as transformers' apply_chat_template(tokenize=True) does."""
+        pattern, as_text = self._specials()
+        args = {"messages": messages, "tools": tools, **template_kwargs}
+        if special_tokens_in_messages or pattern is None or not _any_string(args, pattern.search):
+            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                            **template_kwargs)
+            return text, self.encode(text)
+        # each special token's text in the inputs becomes a marker that no input holds; the rendered prompt is then
+        # encoded in pieces: the template's text with its markers parsed, each marker as its token's plain text
+        mark = next(m for m in (chr(c) for c in range(0xE000, 0xF900)) if not _any_string(args, lambda s: m in s))
+        names = sorted(as_text)
+        index = {name: i for i, name in enumerate(names)}
+        args = _map_strings(args, lambda s: pattern.sub(lambda m: f"{mark}{index[m.group()]}{mark}", s))
+        rendered = self.apply_chat_template(args.pop("messages"), add_generation_prompt=add_generation_prompt,
+                                            tools=args.pop("tools"), **args)
+        pieces = re.split(f"{mark}(\\d+){mark}", rendered)
+        ids, text = [], []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids += as_text[names[int(piece)]]
+                text.append(names[int(piece)])
+            elif piece:
+                ids += self.encode(piece)
+                text.append(piece)
+        return "".join(text), ids
 
     def _pick_template(self, tools: list[dict] | None) -> _ChatTemplate:
         # Same choice as transformers: "tool_use" when tools are given and it exists, else "default".
@@ -230,6 +346,47 @@ class StreamDecoder:
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+
+
+def _any_string(value: Any, test) -> bool:
+    """True when test(s) holds for some string inside value (dicts, lists and tuples are searched)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if test(v):
+                return True
+        elif isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return False
+
+
+def _map_strings(value: Any, fn) -> Any:
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(v, fn) for v in value)
+    return value
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc keeps them otherwise: a 16 MB prompt's encoding left
+    ~1.6 GB held after the request)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 # -- loading ----------------------------------------------------------------------------------------------------------

@@ -107,9 +107,10 @@ class ServeProcess:
 
 
 @contextmanager
-def serve_command(args: list, timeout_s: float = 300.0):
+def serve_command(args: list, timeout_s: float = 300.0, until: str = "ready"):
     """`python -m strata.cli serve ARGS` on the CPU (port 0 in ARGS or its config): -> ServeProcess once its log says
-    ready (.url from the "serving ... on URL" line, .seen the lines so far); SIGTERM at exit, then .rc and .rest."""
+    ready (until="serving": once it names its URL, while it still loads) (.url from the "serving ... on URL" line,
+    .seen the lines so far); SIGTERM at exit unless it ended, then .rc and .rest."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("STRATA_API_KEY", None)
     p = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", *args],
@@ -128,12 +129,13 @@ def serve_command(args: list, timeout_s: float = 300.0):
             sp.seen.append(line)
             m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+)", line)
             sp.url = sp.url or (m and m.group(1))
-            if line.startswith("strata serve: ready"):
+            if line.startswith(f"strata serve: {until}") and sp.url:
                 break
         assert sp.url, "".join(sp.seen)
         yield sp
     finally:
-        p.send_signal(signal.SIGTERM)
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
         try:
             sp.rc = p.wait(60)
         except subprocess.TimeoutExpired:

@@ -299,9 +299,11 @@ class DeviceArgs:
         self.ops = ops
         self._sent: dict = {}
 
-    def get(self, name: str, value):
+    def get(self, name: str, value, device: bool = False):
+        """value's device copy; with device=False an eager backend gets the host array (below); device=True: an
+        argument that array arithmetic reads (shaped sampling), a device array on every backend."""
         value = np.asarray(value)
-        if self.ops.eager:
+        if self.ops.eager and not device:
             # an eager backend takes host arrays as they are, and its rows-mode kernels need some on the host (a
             # window's active mask: SYCL's attention and delta-rule rows kernels; a device copy sent it down the
             # per-row composition, 4-11x the launches of a window)

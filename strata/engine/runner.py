@@ -7,7 +7,7 @@ query) and leave the recurrent state unchanged. Compilation: one decode function
 per bucket, all of them at warm-up. The engine's ExpertPath picks at load how a window runs: decode rows by
 CompiledRows or HostRows, prompt parts by CompiledPart or HostPart. When the next plan asks for exactly the rows a
 window computed (steady decoding), nothing is sent, and the next window can be dispatched before this one is read
-(chains).
+(chains). A shaped plan (penalties, bias, masks, logprobs; WindowPlan.shaped) samples from the logits by Shaping.
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ import numpy as np
 
 from strata.config import PART_BUCKETS, bucket_for
 from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
+from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.experts.path import PathKind
 from strata.model.forward import forward
-from strata.plan import Capacity, PromptPart, WindowPlan, WindowResult, idle_plan
+from strata.plan import Capacity, Logprobs, PromptPart, WindowPlan, WindowResult, idle_plan
 
 
 class WindowRunner:
@@ -41,6 +42,8 @@ class WindowRunner:
         self.between_s = 0.0              # host seconds spent on the cache's work between windows, in total
         self._args = DeviceArgs(ops)
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
+        self._copy = engine.compiled("copy_slot", lambda: ops.compile(partial(_copy_slot, ops), donate_argnums=(0,)))
+        self._shaping: Shaping | None = None
         path = engine.path
         self.rows = CompiledRows(self) if path.compiled_rows else HostRows(self)
         self.part = CompiledPart(self) if path.compiled_parts else HostPart(self)
@@ -48,6 +51,12 @@ class WindowRunner:
         # is one compiled function taking the pool and the slot table by value, so the cache's work between
         # windows, which may then run while two windows are queued, cannot change what a dispatched window reads
         self.chains = isinstance(self.rows, CompiledRows) and not ops.eager
+
+    def shaping(self) -> "Shaping":
+        """The shaped sampler's state, made at the first window that needs it."""
+        if self._shaping is None:
+            self._shaping = Shaping(self)
+        return self._shaping
 
     def _between_windows(self) -> None:
         """The cache's work between windows (refill loaned slots, adaptive swaps) for the window that ended last.
@@ -82,6 +91,12 @@ class WindowRunner:
         self.run(replace(plan, decode_active=np.ones(s, bool), temperature=np.ones(s, np.float32)))   # or sampled
         for b in self.buckets():
             self.run(replace(plan, part=PromptPart(slot=0, tokens=np.zeros(b, np.int32), start=0, last=True)))
+        # shaped windows (any row with penalties, a bias, a grammar or logprobs) and a part's copies (n > 1)
+        shaped = replace(plan, logprobs=np.zeros(s, np.int32))
+        one = PromptPart(slot=0, tokens=np.zeros(1, np.int32), start=0, last=True, copies=tuple(range(1, min(s, 2))))
+        for temperature in (np.zeros(s, np.float32), np.ones(s, np.float32)):
+            self.run(replace(shaped, decode_active=np.ones(s, bool), temperature=temperature))
+            self.run(replace(shaped, part=one, temperature=temperature))
         if self.engine.experts is not None:       # the warm-up's routes are not traffic: counters start at zero
             st = self.engine.experts.cache.stats
             st.hits = st.misses = st.cpu_routes = st.window_copies = 0
@@ -120,6 +135,8 @@ class WindowRunner:
         if overlap:
             self._between_windows()
         if plan.part is not None:
+            if plan.penalties is not None:
+                self.shaping().read_part(plan)
             w.part_out = self.part.dispatch(plan)
         self.windows += 1
         if self.engine.experts is not None:
@@ -134,19 +151,37 @@ class WindowRunner:
         to_host = self.engine.backend.to_host
         decode_next = np.zeros(self.n_slots, np.int32)
         decode_finite = np.ones(self.n_slots, bool)
+        decode_lp = None
         if w.decode is not None:
-            decode_next, decode_finite = self.rows.collect(w.decode)
+            decode_next, decode_finite, decode_lp = self.rows.collect(w.decode)
         t1 = time.perf_counter()
-        part_next = part_finite = None
+        part_next = part_finite = copies_next = part_lp = None
         if w.part_out is not None:
-            nxt, fin = w.part_out
-            part_next = int(np.asarray(to_host(nxt)).reshape(-1)[0])
-            part_finite = bool(np.asarray(to_host(fin)).reshape(-1)[0])
+            po = w.part_out
+            nxt = np.asarray(to_host(po.next)).reshape(-1)
+            fin = np.asarray(to_host(po.finite)).reshape(-1)
+            rows = list(po.rows) if po.rows is not None else [0]
+            part_next, part_finite = int(nxt[rows[0]]), bool(fin[rows[0]])
+            if len(rows) > 1:
+                copies_next = nxt[rows[1:]].astype(np.int32)
+            if po.logprobs is not None and w.plan.logprobs is not None:
+                part_lp = _logprobs_of(to_host, po.logprobs, rows)
         t2 = time.perf_counter()
         # a window is timed from its dispatch; one that continues another from this collect() on, since its
         # dispatch came before its predecessor's result (and is the host's time of that window's turn)
         start = t_collect if w.continues else w.t0
-        return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - start, t2 - t1)
+        return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - start, t2 - t1,
+                            copies_next=copies_next, decode_logprobs=decode_lp, part_logprobs=part_lp)
+
+    def part_out(self, plan: WindowPlan, nxt, fin, logits) -> "PartOut":
+        """A dispatched part's result: its copies (n > 1) take its slot's state, and a shaped plan or copies sample
+        from its last row's logits (Shaping.part) instead of the part's own sample (nxt, fin)."""
+        p = plan.part
+        for c in p.copies:
+            self.states = self._copy(self.states, np.int32(p.slot), np.int32(c))
+        if not (plan.shaped or p.copies):
+            return PartOut(nxt, fin)
+        return self.shaping().part(plan, logits)
 
 
 @dataclass(eq=False)
@@ -155,8 +190,18 @@ class Window:
     plan: WindowPlan
     t0: float                            # when it was dispatched (perf_counter)
     decode: object = None                # the decode rows' handle (the rows strategy's)
-    part_out: tuple | None = None        # device (next, finite) of the prompt part
+    part_out: "PartOut | None" = None    # the prompt part's result on the device
     continues: bool = False              # dispatched to continue another (dispatch(plan, after=...))
+
+
+@dataclass(eq=False)
+class PartOut:
+    """A prompt part's result on the device: (next, finite) of its one sample, or, sampled by Shaping, [S] each and
+    the rows to read (the part's slot, then its copies) with their logprobs."""
+    next: object
+    finite: object
+    rows: tuple | None = None
+    logprobs: tuple | None = None
 
 
 @dataclass(eq=False)
@@ -171,6 +216,7 @@ class DeviceRows:
     fetched: tuple | None = None         # window fetch: (the slot table it got (host), device routing counts
                                          # [Lp, E], device experts copied [Lp]) until collect() records them
     successor: "DeviceRows | None" = None
+    logprobs: tuple | None = None        # device (sampled [S], top ids [S, K], top [S, K]) of a plan with logprobs
 
 
 class CompiledRows:
@@ -187,6 +233,7 @@ class CompiledRows:
         self.fetching = e.path.kind is PathKind.WINDOW_FETCH
         self.overlaps_cache_work = self.fetching
         self._decode = e._compile("decode_rows", _decode_rows, donate_argnums=(2, 3), static_argnames=("greedy",))
+        self._logits = e._compile("decode_logits", _decode_logits, donate_argnums=(2,))
         # a window's result rows, copied out of the rows it hands its successor (a fresh [2, S] array)
         self._peel = e.compiled("peel_result", lambda: ops.compile(_result_rows))
 
@@ -204,23 +251,29 @@ class CompiledRows:
             # backend gets them on the host: DeviceArgs)
             rows_in = r._args.take("rows", _with_result_rows(rows))
         greedy = all_greedy(plan.temperature, plan.decode_active)
-        fetched = None
+        fetched = lp = None
+        # a shaped plan's forward pass returns the logits, and Shaping samples from them
+        decode, extra = (self._logits, ()) if plan.shaped else (self._decode, stable[1:])
+        kw = {} if plan.shaped else {"greedy": greedy}
         if self.fetching:
             args, table = e.experts.fetch_args()
-            r.states, counts, copied, rows_out = self._decode(e.params, args, r.states, rows_in, *stable,
-                                                              greedy=greedy)
+            r.states, counts, copied, out = decode(e.params, args, r.states, rows_in, stable[0], *extra, **kw)
             fetched = (table, counts, copied)
         else:
-            r.states, rows_out = self._decode(e.params, e.path.args(), r.states, rows_in, *stable, greedy=greedy)
+            r.states, out = decode(e.params, e.path.args(), r.states, rows_in, stable[0], *extra, **kw)
+        rows_out = out
+        if plan.shaped:
+            rows_out, lp = r.shaping().rows(plan, out, rows_in, greedy)
         out = rows_out if ops.eager else self._peel(rows_out)                               # [2, S]
-        d = DeviceRows(active, rows, out, None if ops.eager else rows_out, fetched)
+        lp = lp if plan.logprobs is not None else None
+        d = DeviceRows(active, rows, out, None if ops.eager else rows_out, fetched, logprobs=lp)
         if after is not None:
             after.successor = d
-        for x in (out, *(fetched or ())[1:]):                  # what collect() reads, its copy queued now
+        for x in (out, *(fetched or ())[1:], *(lp or ())):     # what collect() reads, its copy queued now
             ops.start_to_host(x)
         return d
 
-    def collect(self, d: DeviceRows) -> tuple[np.ndarray, np.ndarray]:
+    def collect(self, d: DeviceRows) -> tuple[np.ndarray, np.ndarray, Logprobs | None]:
         r = self.runner
         e = r.engine
         if d.rows is None:
@@ -238,7 +291,8 @@ class CompiledRows:
             table, counts, copied = d.fetched
             d.fetched = None
             e.experts.record_window(table, np.asarray(e.backend.to_host(counts)), np.asarray(e.backend.to_host(copied)))
-        return nxt, finite
+        lp = None if d.logprobs is None else _logprobs_of(e.backend.to_host, d.logprobs)
+        return nxt, finite, lp
 
 
 class HostRows:
@@ -249,16 +303,22 @@ class HostRows:
     def __init__(self, runner: WindowRunner):
         self.runner = runner
 
-    def dispatch(self, plan: WindowPlan, after=None) -> tuple[np.ndarray, np.ndarray]:
+    def dispatch(self, plan: WindowPlan, after=None) -> tuple:
         r = self.runner
         e = r.engine
         pos, active = r.decode_rows(plan)
         experts = e.path.on_host(active > 0, part=False)
         logits, r.states = e.by_layer.rows(e.params, r.states, plan.decode_tokens, pos, active, experts)
-        nxt, fin = r._sample(logits, *plan.sampling, plan.seeds, plan.steps)
-        return np.asarray(e.backend.to_host(nxt)), np.asarray(e.backend.to_host(fin))
+        lp = None
+        if plan.shaped:
+            nxt, fin, lp = r.shaping().sample(plan, logits, active, reset=np.zeros(r.n_slots, np.int32))
+        else:
+            nxt, fin = r._sample(logits, *plan.sampling, plan.seeds, plan.steps)
+        to_host = e.backend.to_host
+        lp = _logprobs_of(to_host, lp) if lp is not None and plan.logprobs is not None else None
+        return np.asarray(to_host(nxt)), np.asarray(to_host(fin)), lp
 
-    def collect(self, read: tuple) -> tuple[np.ndarray, np.ndarray]:
+    def collect(self, read: tuple) -> tuple[np.ndarray, np.ndarray, Logprobs | None]:
         return read
 
 
@@ -269,14 +329,14 @@ class CompiledPart:
         self.runner = runner
         self._part = runner.engine._compile("prompt_part", _prompt_part, donate_argnums=(2,))
 
-    def dispatch(self, plan: WindowPlan) -> tuple:
+    def dispatch(self, plan: WindowPlan) -> PartOut:
         r, p = self.runner, plan.part
         e = r.engine
         i = p.slot
-        nxt, fin, r.states = self._part(e.params, e.path.args(), r.states, np.int32(i), _padded(p.tokens),
-                                        np.int32(p.start), np.int32(len(p.tokens)), *_sampling_of(plan, i),
-                                        plan.seeds[i], plan.steps[i])
-        return nxt, fin
+        nxt, fin, r.states, logits = self._part(e.params, e.path.args(), r.states, np.int32(i), _padded(p.tokens),
+                                                np.int32(p.start), np.int32(len(p.tokens)), *_sampling_of(plan, i),
+                                                plan.seeds[i], plan.steps[i])
+        return r.part_out(plan, nxt, fin, logits)
 
 
 class HostPart:
@@ -285,14 +345,109 @@ class HostPart:
     def __init__(self, runner: WindowRunner):
         self.runner = runner
 
-    def dispatch(self, plan: WindowPlan) -> tuple:
+    def dispatch(self, plan: WindowPlan) -> PartOut:
         r, p = self.runner, plan.part
         e = r.engine
         i, n = p.slot, len(p.tokens)
         padded = _padded(p.tokens)
         experts = e.path.on_host(np.arange(len(padded)) < n, part=len(padded) > 1, owner=f"prompt part of slot {i}")
         logits, r.states = e.by_layer.slot_part(e.params, r.states, i, padded, p.start, n, experts)
-        return r._sample(logits, *_sampling_of(plan, i), plan.seeds[i:i + 1], plan.steps[i:i + 1])
+        if plan.shaped or p.copies:
+            return r.part_out(plan, None, None, logits)
+        nxt, fin = r._sample(logits, *_sampling_of(plan, i), plan.seeds[i:i + 1], plan.steps[i:i + 1])
+        return r.part_out(plan, nxt, fin, logits)
+
+
+class Shaping:
+    """Shaped sampling over a runner's S rows (strata/engine/sampling.py) and its device state: the generated-token
+    counts [S, V], updated in the window that samples each token (so chained windows need nothing from the host);
+    the prompt tokens of rows with a repetition penalty and the dense logit bias [S, V], kept on the host and sent
+    when they change. Made at the first shaped window."""
+
+    def __init__(self, runner: WindowRunner):
+        self.runner = r = runner
+        e = r.engine
+        ops = self.ops = e.backend
+        s, v = r.n_slots, e.cfg.vocab_size
+        self.counts = ops.zeros_like(np.zeros((s, v), np.int32))
+        self.seen = np.zeros((s, v), np.int32)            # host: prompt tokens of rows with a repetition penalty
+        self.bias = np.zeros((s, v), np.float32)          # host: each row's dense logit bias
+        self._bias_of: list = [None] * s                  # the entries each bias row was built from
+        self._sent: dict = {}                             # "seen", "bias": device copies, dropped when changed
+        self.neutral = np.tile(np.array([0.0, 0.0, 1.0], np.float32), (s, 1))
+        self.all_allowed = np.full((s, mask_words(v)), -1, np.int32)
+        self._rows = e.compiled("shaped_rows", lambda: ops.compile(partial(_shaped_rows, ops), donate_argnums=(1, 9),
+                                                                   static_argnames=("greedy",)))
+        self._sample = e.compiled("shaped_sample", lambda: ops.compile(partial(sample_shaped, ops),
+                                                                       donate_argnums=(9,),
+                                                                       static_argnames=("greedy",)))
+
+    def read_part(self, plan: WindowPlan) -> None:
+        """A part's tokens join its slot's prompt set (a row with a repetition penalty); its copies get the set."""
+        p = plan.part
+        if plan.penalties is None or plan.penalties[p.slot, 2] == 1:
+            return
+        if p.start == 0:
+            self.seen[p.slot] = 0
+        self.seen[p.slot, np.asarray(p.tokens)] = 1
+        for c in p.copies:
+            self.seen[c] = self.seen[p.slot]
+        self._sent.pop("seen", None)
+
+    def args(self, plan: WindowPlan, reset: np.ndarray) -> tuple:
+        """The shaped samplers' arguments after the sampling settings: penalties, counts, seen, bias, mask, reset."""
+        a = self.runner._args
+        if plan.bias_ids is not None:
+            for i in range(len(self._bias_of)):
+                entries = (plan.bias_ids[i].tobytes(), plan.bias_values[i].tobytes())
+                if entries != self._bias_of[i]:
+                    self.bias[i] = dense_bias(plan.bias_ids[i], plan.bias_values[i], self.bias.shape[1])
+                    self._bias_of[i] = entries
+                    self._sent.pop("bias", None)
+        elif any(b is not None for b in self._bias_of):
+            self.bias[:] = 0
+            self._bias_of = [None] * len(self._bias_of)
+            self._sent.pop("bias", None)
+        for name in ("seen", "bias"):
+            if name not in self._sent:
+                self._sent[name] = self.ops.to_device(getattr(self, name).copy())
+        penalties = plan.penalties if plan.penalties is not None else self.neutral
+        mask = plan.mask if plan.mask is not None else self.all_allowed
+        return (a.get("penalties", penalties, device=True), self.counts, self._sent["seen"], self._sent["bias"],
+                a.get("mask", mask, device=True), a.get("reset", reset, device=True))
+
+    def settings(self, plan: WindowPlan, active: np.ndarray, name: str) -> tuple:
+        """(active, the sampling settings in SAMPLING's order, seeds) on the device (an eager backend's too)."""
+        a = self.runner._args
+        return (a.get(name, active, device=True), *(a.get(k, v, device=True) for k, v in zip(SAMPLING, plan.sampling)),
+                a.get("seeds", plan.seeds, device=True))
+
+    def rows(self, plan: WindowPlan, logits, rows, greedy: bool) -> tuple:
+        """A compiled window's decode rows from their logits -> (rows [ROWS, S] as _decode_rows returns them,
+        device logprobs)."""
+        active = plan.decode_active.astype(np.int32)
+        rows_out, self.counts, lp = self._rows(logits, rows, *self.settings(plan, active, "active"),
+                                               *self.args(plan, np.zeros(len(active), np.int32)), greedy=greedy)
+        return rows_out, lp
+
+    def sample(self, plan: WindowPlan, logits, active: np.ndarray, reset: np.ndarray) -> tuple:
+        """Rows `active` [S] int32 sample from logits [S, V] or [1, V] -> device (next [S], finite [S], logprobs)."""
+        a = self.runner._args
+        greedy = all_greedy(plan.temperature, active > 0)
+        nxt, fin, self.counts, lp = self._sample(logits, *self.settings(plan, active, "sample_active"),
+                                                 a.get("steps", plan.steps, device=True), *self.args(plan, reset),
+                                                 greedy=greedy)
+        return nxt, fin, lp
+
+    def part(self, plan: WindowPlan, logits) -> PartOut:
+        """A last part's first tokens: its slot's and its copies', each from the part's last logits with its own
+        settings, seed and a fresh count."""
+        p = plan.part
+        rows = (p.slot, *p.copies)
+        on = np.zeros(self.runner.n_slots, np.int32)
+        on[list(rows)] = 1
+        nxt, fin, lp = self.sample(plan, logits, on, reset=on)
+        return PartOut(nxt, fin, rows, lp)
 
 
 def _padded(tokens) -> np.ndarray:
@@ -315,6 +470,8 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
     d = prev.decode
     if prev.plan.part is not None or plan.part is not None or not isinstance(d, DeviceRows) or d.rows_next is None:
         raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
+    if plan.mask is not None:
+        raise ValueError("a plan with grammar masks cannot continue a window: each mask follows the token before it")
     on, want = prev.plan.decode_active, prev.plan.continued()
     if not np.array_equal(on, plan.decode_active):
         raise ValueError("a continuing plan must decode the same rows as the window it continues")
@@ -354,6 +511,41 @@ def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, tem
     return states, rows
 
 
+def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active):
+    """_decode_rows's forward pass without its sampler -> (states, logits [S, V]); window fetch: (states, routing
+    counts, experts copied, logits). The rows are not donated: the shaped sampler that follows takes them."""
+    fetching = path.kind is PathKind.WINDOW_FETCH
+    counts, copied = ([], []) if fetching else (None, None)
+    logits, states = forward(ops, cfg, params, states, rows[0], rows[1], active,
+                             path.traced(layout, args, active, counts, copied), all_logits=True)
+    if fetching:
+        return states, ops.xp.stack(counts), ops.xp.stack(copied), logits
+    return states, logits
+
+
+def _shaped_rows(ops, logits, rows, active, temperature, top_k, top_p, min_p, seeds, penalties, counts, seen, bias,
+                 mask, reset, greedy: bool = False):
+    """Decode rows sampled from their logits with their processing -> (rows as _decode_rows returns them, counts,
+    logprobs)."""
+    nxt, fin, counts, lp = sample_shaped(ops, logits, active, temperature, top_k, top_p, min_p, seeds, rows[2],
+                                         penalties, counts, seen, bias, mask, reset, greedy)
+    out = ops.xp.stack([nxt, fin.astype(ops.xp.int32)])
+    return _rows_out(ops, rows, out, active), counts, lp
+
+
+def _copy_slot(ops, states, src, dst):
+    """The slot bank with slot dst's sequence state a copy of slot src's."""
+    return [{k: ops.set_row(v, dst, ops.take_row(v, src)) for k, v in layer.items()} for layer in states]
+
+
+def _logprobs_of(to_host, lp, rows=None) -> Logprobs:
+    """Device (sampled [S], top ids [S, K], top [S, K]) -> Logprobs on the host (of `rows` only, when given)."""
+    sampled, ids, top = (np.asarray(to_host(x)) for x in lp)
+    if rows is not None:
+        sampled, ids, top = sampled[rows], ids[rows], top[rows]
+    return Logprobs(sampled.astype(np.float32), ids.astype(np.int32), top.astype(np.float32))
+
+
 def _rows_out(ops, rows, out, active):
     """The successor's rows and this window's result [2, S] in one [ROWS, S] array (the donated rows' buffer); an
     eager backend's window is not continued on the device: its result [2, S] alone."""
@@ -387,11 +579,12 @@ def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, gr
 
 def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, temperature, top_k,
                  top_p, min_p, seed, step):
-    """One prompt part on one slot's state -> (token sampled after its last row, finite, states)."""
+    """One prompt part on one slot's state -> (token sampled after its last row, finite, states, its last row's
+    logits [1, V] for a shaped sampler)."""
     xp = ops.xp
     state = [{k: v[slot] for k, v in layer.items()} for layer in states]
     logits, state = forward(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
                             all_logits=False)                                               # [1, V]
     states = [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)]
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))
-    return nxt[0], xp.all(xp.isfinite(logits)), states
+    return nxt[0], xp.all(xp.isfinite(logits)), states, logits

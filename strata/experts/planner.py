@@ -80,6 +80,11 @@ def plan_memory(free_bytes: int | None, *, slot_bytes: int, total_experts: int, 
                 f"{max(room, 0) / GIB:.2f} GiB is left there ({free_bytes / GIB:.2f} GiB free - {reserve / MIB:.0f} "
                 f"MiB reserve - {state_bytes / MIB:.1f} MiB sequence state - {work_bytes / MIB:.1f} MiB working "
                 f"buffers); lower expert_cache, max_context, parallel or vram_reserve_mib")
+    if slots < need_min and expert_cache != "auto" and (room is None or need_min * slot_bytes <= room):
+        raise ConfigError(
+            f"expert_cache {expert_cache} (--expert-cache) is below the minimum of {need_min} slots ({min_slots} for "
+            f"one token's experts" + (f" + {staging} staging" if staging else "") + f"); set it to at least "
+            f"{need_min}, or to auto")
     if slots < need_min:
         have = "unknown" if room is None else f"{max(room, 0) / MIB:.1f} MiB"
         raise ConfigError(

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -11,6 +14,29 @@ class SamplingParams:
     top_p: float = 1.0           # 1 = off
     min_p: float = 0.0           # 0 = off
     seed: int | None = None      # a seeded request is reproducible whatever else runs beside it
+    presence_penalty: float = 0.0        # minus this from a generated token's logit once it was generated
+    frequency_penalty: float = 0.0       # minus this times the number of times it was generated
+    repetition_penalty: float = 1.0      # a prompt or generated token's logit divided by it (negative: multiplied)
+    logit_bias: tuple[tuple[int, float], ...] = ()      # (token id, added to its logit), ids distinct
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0.0, 0.0, 1.0)
+
+
+class TokenMatcher(Protocol):
+    """One choice's grammar state, advanced by each token it generates (strata/serve/grammar.py)."""
+
+    def mask(self) -> np.ndarray: ...            # int32 [W]: the allowed next tokens (bit t % 32 of word t // 32)
+    def accept(self, token: int) -> bool: ...    # advance by a sampled token; False: the grammar rejects it
+    def done(self) -> bool: ...                  # complete: nothing may follow but the end of the reply
+    def error(self) -> str: ...                  # why it failed, once accept returned False
+
+
+class TokenConstraint(Protocol):
+    """A request's grammar: each choice gets a fresh matcher."""
+
+    def matcher(self) -> TokenMatcher: ...
 
 
 @dataclass(frozen=True)
@@ -23,25 +49,42 @@ class Request:
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's end-of-sequence tokens
     reasoning: bool = False                      # the prompt ends inside a reasoning block (generation prompt
                                                  # opened <think>): text is reasoning until </think>
+    n: int = 1                                   # choices: the prompt is read once, each choice samples its own
+    logprobs: int | None = None                  # report each token's logprob and this many alternatives (<= 20)
+    constraint: TokenConstraint | None = None    # a grammar every choice's tokens must follow
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float                               # of the model's distribution (log-softmax of the raw logits)
+    top: tuple[tuple[int, float], ...] = ()      # the most likely tokens and their logprobs, most likely first
 
 
 @dataclass(frozen=True)
 class Delta:
-    """Text a request produced since its last event (either part may be empty)."""
+    """Text a request's choice produced since its last event (either part may be empty), and the logprobs of the
+    tokens sampled since then (when the request asked for them)."""
     content: str = ""
     reasoning: str = ""
+    index: int = 0                               # the choice
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str                  # "stop" (end-of-sequence token or stop string) | "length" (max_tokens / context)
+    """A choice's end (a request of n choices ends after n of them)."""
+    reason: str                  # "stop" (end-of-sequence token, stop string, grammar complete) | "length"
+                                 # | "abort" (the server shut down before the end: Scheduler.abort)
     prompt_tokens: int
     completion_tokens: int
     timings: dict = field(default_factory=dict)   # read_ms, generate_ms, parts, ...
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class Failed:
+    """The request's end, whatever its choices had done."""
     message: str                 # a person can act on it
     status: int = 500
 

@@ -2,12 +2,12 @@
 
 It is given the Executor (strata/plan.py) and what it needs of the model as plain values, and builds neither. Each
 window holds one decode row per generating slot and at most one prompt part of the earliest-admitted slot still
-reading: beside decode rows, the rest of the window's token budget; alone, the executor's part size. Executor calls
-run in a worker thread, so the event loop stays responsive; the next window is dispatched before the previous window's
-text is sent, and in steady decoding (lookahead, when the executor chains) before its tokens are even read:
-dispatch(plan.continued(), after=...). A slot whose request ended on that token is computed one token further and the
-result dropped. Slots go FREE -> READING -> GENERATING -> FREE; every request ends with exactly one Finished or Failed
-event: a window that raises fails its requests (only those), a non-finite row its request, naming the position.
+reading: beside decode rows, the rest of the window's token budget; alone, the executor's part size. Executor calls run
+in a worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
+(lookahead, when the executor chains) before its tokens are read: dispatch(plan.continued(), after=...); a slot whose
+request ended on that token is then computed one token further and the result dropped. Slots go FREE -> READING ->
+GENERATING -> FREE; n choices hold n slots (one reads the prompt, the others copy its state). Every choice ends with one
+Finished, or its request with one Failed: a window that raises fails its requests only, a non-finite row its request.
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ import math
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 import numpy as np
 
-from strata.plan import Capacity, Executor, PromptPart, WindowPlan, WindowResult
+from strata.plan import Capacity, Executor, Logprobs, PromptPart, WindowPlan, WindowResult
 from strata.sched.output import TextOutput
-from strata.sched.request import Failed, Finished, QueueFull, Request
+from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, TokenLogprob
 
 log = logging.getLogger("strata.sched")
 
@@ -35,12 +35,23 @@ class SlotState(enum.Enum):
     GENERATING = "generating"
 
 
+@dataclass(eq=False)
+class Group:
+    """A request's event stream (send side), shared by the slots of its choices; closed once none is live."""
+    send: object
+    live: int
+
+
 @dataclass
 class Slot:
     id: int
     state: SlotState = SlotState.FREE
     req: Request | None = None
-    send: object = None                  # the request's event stream (send side)
+    group: Group | None = None
+    choice: int = 0                      # which of its request's choices this slot generates
+    lead: int | None = None              # READING without reading: the slot that reads the prompt for this choice
+    matcher: object = None               # the choice's grammar state (TokenMatcher), when the request has one
+    logprobs: list = field(default_factory=list)   # TokenLogprobs not yet sent
     output: TextOutput | None = None
     stops: frozenset = frozenset()
     seed: tuple[int, int] = (0, 0)
@@ -85,6 +96,7 @@ class Scheduler:
         self.slots_ = [Slot(i) for i in range(cap.slots)]
         self.queue: deque[tuple[Request, object]] = deque()
         self.cancelled: set[str] = set()
+        self.aborted: set[str] = set()           # cancelled with a Finished("abort") rather than a Failed (drain)
         self._wake = anyio.Event()
         self._admissions = 0
         # window_seconds_sum: wall time of windows (plan, dispatch, send, apply); device_seconds_sum: the device
@@ -106,6 +118,12 @@ class Scheduler:
         if n < 1 or req.max_tokens < 1 or n + req.max_tokens > self.max_context:
             raise ValueError(f"request {req.id}: a prompt of {n} tokens (at least 1) plus max_tokens {req.max_tokens} "
                              f"(at least 1) must fit max_context {self.max_context}")
+        if not 1 <= req.n <= len(self.slots_):
+            raise ValueError(f"request {req.id}: n = {req.n} choices; this server has {len(self.slots_)} slots")
+        sp = req.sampling
+        if not (0 <= sp.top_k < 2 ** 31 and math.isfinite(sp.temperature) and sp.temperature >= 0
+                and 0 < sp.top_p <= 1 and 0 <= sp.min_p <= 1 and (sp.seed is None or 0 <= sp.seed < 2 ** 63)):
+            raise ValueError(f"request {req.id}: sampling values out of range: {sp}")
         if len(self.queue) >= self.queue_limit:
             raise QueueFull(len(self.queue))
         send, receive = anyio.create_memory_object_stream(max_buffer_size=math.inf)
@@ -116,6 +134,29 @@ class Scheduler:
     def cancel(self, request_id: str) -> None:
         self.cancelled.add(request_id)
         self._wake.set()
+
+    def drain(self, message: str) -> int:
+        """Graceful shutdown, first step: every queued request ends now with Failed(message, 503); the caller stops
+        submitting. -> how many there were."""
+        n = len(self.queue)
+        for req, send in self.queue:
+            _send(send, Failed(message, 503))
+            send.close()
+        self.queue.clear()
+        return n
+
+    def abort(self) -> int:
+        """Graceful shutdown, last step: every running request ends by the next window with Finished(reason="abort")
+        (its text so far already sent). -> how many."""
+        ids = [s.req.id for s in self.slots_ if s.req is not None]
+        self.aborted.update(ids)
+        self.cancelled.update(ids)
+        self._wake.set()
+        return len(ids)
+
+    def busy(self) -> int:
+        """Requests queued or in a slot."""
+        return len(self.queue) + sum(s.req is not None for s in self.slots_)
 
     def slots(self) -> list[dict]:
         return [{"id": s.id, "state": s.state.value, "request": s.req.id if s.req else None,
@@ -206,7 +247,8 @@ class Scheduler:
         its result dropped (its slot is free by then; a new sequence clears the state), so a slot's state may run
         one token past its request's end: whatever snapshots a slot's state (prompt-cache checkpoints) must take it
         from a window applied to a live request. Otherwise None."""
-        if not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled:
+        if (not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled
+                or plan.mask is not None):        # a grammar's next mask needs the token this window samples
             return None
         for s in self.slots_:
             if s.state is SlotState.READING or (plan.decode_active[s.id] and s.state is not SlotState.GENERATING):
@@ -219,26 +261,37 @@ class Scheduler:
 
     # --- admission and cancellation
     def _admit(self):
-        for slot in self.slots_:
-            if not self.queue:
+        """Queue order into FREE slots; a request of n choices waits at the head until n slots are free."""
+        while self.queue:
+            req, send = self.queue[0]
+            free = [s for s in self.slots_ if s.state is SlotState.FREE][:req.n]
+            if len(free) < req.n:
                 return
-            if slot.state is not SlotState.FREE:
-                continue
-            req, send = self.queue.popleft()
+            self.queue.popleft()
             self._admissions += 1
-            seed = secrets.randbits(63) if req.sampling.seed is None else req.sampling.seed
+            base = secrets.randbits(63) if req.sampling.seed is None else req.sampling.seed
             stops = req.stop_token_ids if req.stop_token_ids is not None else self.eos_token_ids
-            slot.reset()
-            slot.state, slot.req, slot.send, slot.admitted = SlotState.READING, req, send, self._admissions
-            slot.seed = (seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF)
-            slot.stops = frozenset(stops)
-            slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning)
+            group = Group(send, req.n)
+            for i, slot in enumerate(free):
+                seed = choice_seed(base, i)
+                slot.reset()
+                slot.state, slot.req, slot.group, slot.admitted = SlotState.READING, req, group, self._admissions
+                slot.choice, slot.lead = i, (None if i == 0 else free[0].id)
+                slot.seed = (seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF)
+                slot.stops = frozenset(stops)
+                slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning)
+                slot.matcher = req.constraint.matcher() if req.constraint is not None else None
 
     def _drop_cancelled(self):
         if not self.cancelled:
             return
         for slot in self.slots_:
-            if slot.req is not None and slot.req.id in self.cancelled:
+            if slot.req is not None and slot.req.id in self.aborted:
+                if slot.state is SlotState.READING:
+                    slot.t_read_start = slot.t_read_start or time.perf_counter()
+                    slot.t_read_end = slot.t_first_token = time.perf_counter()
+                self._finish(slot, "abort")
+            elif slot.req is not None and slot.req.id in self.cancelled:
                 log.info(f"strata serve: request {slot.req.id} cancelled by its client; slot {slot.id} is free")
                 self._end(slot, Failed("cancelled by the client", 499))
         waiting = deque()
@@ -250,11 +303,13 @@ class Scheduler:
                 waiting.append((req, send))
         self.queue = waiting
         self.cancelled.clear()
+        self.aborted.clear()
 
     # --- planning
     def _plan(self) -> WindowPlan | None:
         gen = [s for s in self.slots_ if s.state is SlotState.GENERATING]
-        reading = sorted((s for s in self.slots_ if s.state is SlotState.READING), key=lambda s: s.admitted)
+        reading = sorted((s for s in self.slots_ if s.state is SlotState.READING and s.lead is None),
+                         key=lambda s: s.admitted)
         if not gen and not reading:
             return None
         n = len(self.slots_)
@@ -276,9 +331,44 @@ class Scheduler:
             s = reading[0]
             prompt = s.req.prompt_ids
             chunk = np.asarray(prompt[s.read:s.read + self._part_tokens(len(gen))], np.int32)
-            part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=s.read + len(chunk) == len(prompt))
+            last = s.read + len(chunk) == len(prompt)
+            copies = tuple(o.id for o in self.slots_ if o.lead == s.id) if last else ()
+            part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=last, copies=copies)
+        sampled = gen + ([self.slots_[i] for i in (part.slot, *part.copies)] if part is not None and part.last else [])
         return WindowPlan(decode_active=active, decode_tokens=tokens, decode_pos=pos, temperature=temp, top_k=top_k,
-                          top_p=top_p, min_p=min_p, seeds=seeds, steps=steps, part=part)
+                          top_p=top_p, min_p=min_p, seeds=seeds, steps=steps, part=part,
+                          **self._shaping([s for s in self.slots_ if s.req is not None], sampled))
+
+    def _shaping(self, live: list[Slot], sampled: list[Slot]) -> dict:
+        """The plan's optional arrays, each only when some slot needs it: every live slot's penalties, logit bias
+        and logprobs; the grammar masks of the slots this window samples for."""
+        n, out = len(self.slots_), {}
+        if any(s.req.sampling.penalized for s in live):
+            pen = np.tile(np.array([0.0, 0.0, 1.0], np.float32), (n, 1))
+            for s in live:
+                sp = s.req.sampling
+                pen[s.id] = (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
+            out["penalties"] = pen
+        if any(s.req.sampling.logit_bias for s in live):
+            width = max(len(s.req.sampling.logit_bias) for s in live)
+            ids, values = np.full((n, width), -1, np.int32), np.zeros((n, width), np.float32)
+            for s in live:
+                for j, (token, bias) in enumerate(s.req.sampling.logit_bias):
+                    ids[s.id, j], values[s.id, j] = token, bias
+            out["bias_ids"], out["bias_values"] = ids, values
+        if any(s.req.logprobs is not None for s in live):
+            lp = np.full(n, -1, np.int32)
+            for s in live:
+                if s.req.logprobs is not None:
+                    lp[s.id] = s.req.logprobs
+            out["logprobs"] = lp
+        rows = {s.id: s.matcher.mask() for s in sampled if s.matcher is not None}
+        if rows:
+            mask = np.full((n, len(next(iter(rows.values())))), -1, np.int32)
+            for i, row in rows.items():
+                mask[i] = row
+            out["mask"] = mask
+        return out
 
     def _part_tokens(self, n_decode: int) -> int:
         """The most prompt tokens a window with n_decode decode rows carries. Alone, the part size: reading with
@@ -337,9 +427,16 @@ class Scheduler:
         if s.parts > 1:
             log.info(f"strata batch: the prompt was read in {s.parts} parts, the slots decoding "
                      f"{s.decode_ms_between_parts:.0f} ms between them")
+        copies = [self.slots_[c] for c in part.copies]
+        for o in copies:                          # the other choices continue from the state the part left
+            o.state, o.lead, o.read, o.pos, o.parts = SlotState.GENERATING, None, s.read, s.pos, s.parts
+            o.t_read_start, o.t_read_end, o.t_first_token, o.t_token = s.t_read_start, now, now, now
         s.state = SlotState.GENERATING
-        self._take_token(s, res.part_next)
-        return 1
+        self._take_token(s, res.part_next, res.part_logprobs, 0)
+        for j, o in enumerate(copies):
+            if o.req is not None:                 # (not ended with a failed sibling)
+                self._take_token(o, int(res.copies_next[j]), res.part_logprobs, j + 1)
+        return 1 + len(copies)
 
     def _apply_decode(self, s: Slot, res: WindowResult, now: float, beside_part: bool) -> int:
         s.pos += 1
@@ -350,29 +447,45 @@ class Scheduler:
         self.stats[f"inter_token_seconds{which}_sum"] += now - s.t_token
         self.stats[f"inter_tokens{which}"] += 1
         s.t_token = now
-        self._take_token(s, int(res.decode_next[s.id]))
+        self._take_token(s, int(res.decode_next[s.id]), res.decode_logprobs, s.id)
         return 1
 
-    def _take_token(self, s: Slot, token: int):
-        """A sampled token: stream its text, or end the request (end-of-sequence, stop string, length)."""
+    def _take_token(self, s: Slot, token: int, logprobs: Logprobs | None = None, row: int = 0):
+        """A sampled token: stream its text (and logprob), advance its grammar, or end the choice (end-of-sequence,
+        stop string, the grammar complete, length)."""
         s.generated += 1
         s.last_token = token
         self.stats["generated_tokens"] += 1
         if token in s.stops:
             self._finish(s, "stop")
             return
+        if logprobs is not None and s.req.logprobs is not None:
+            k = s.req.logprobs
+            top = tuple(zip(logprobs.top_ids[row, :k].tolist(), logprobs.top[row, :k].tolist()))
+            s.logprobs.append(TokenLogprob(token, float(logprobs.sampled[row]), top))
+        if s.matcher is not None and not s.matcher.accept(token):
+            self._end(s, Failed(f"token {token} broke the request's grammar at generated token {s.generated}: "
+                                f"{s.matcher.error()}", 500))
+            return
         d = s.output.push(token)
         if d.content or d.reasoning:
-            s.events.append(d)
-        if s.output.stopped:
+            s.events.append(replace(d, index=s.choice, logprobs=self._logprobs_out(s)))
+        if s.output.stopped or (s.matcher is not None and s.matcher.done()):
             self._finish(s, "stop")
         elif s.generated >= s.req.max_tokens or s.pos + 1 >= self.max_context:
             self._finish(s, "length")
 
+    @staticmethod
+    def _logprobs_out(s: Slot) -> tuple:
+        out = tuple(s.logprobs)
+        s.logprobs.clear()
+        return out
+
     def _finish(self, s: Slot, reason: str):
         d = s.output.finish()
-        if d.content or d.reasoning:
-            s.events.append(d)
+        lps = self._logprobs_out(s)
+        if d.content or d.reasoning or lps:
+            s.events.append(Delta(d.content, d.reasoning, s.choice, lps))
         now = time.perf_counter()
         read_ms = (s.t_read_end - s.t_read_start) * 1000
         gen_ms = (now - s.t_first_token) * 1000
@@ -381,27 +494,40 @@ class Scheduler:
                  f"({n / max(read_ms / 1000, 1e-9):.1f} tok/s), {s.generated} generated in {gen_ms:.0f} ms "
                  f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s), finish {reason} ({s.req.id})")
         self._end(s, Finished(reason, n, s.generated, {"read_ms": read_ms, "generate_ms": gen_ms,
-                                                       "parts": s.parts}))
+                                                       "parts": s.parts}, index=s.choice))
 
     def _end(self, s: Slot, final):
-        """Queue the request's last event and free the slot (its state is garbage until a new sequence starts)."""
+        """Queue the choice's last event and free the slot (its state is garbage until a new sequence starts). A
+        Failed ends the whole request: its other choices' slots are freed with it, without events of their own."""
+        g = s.group
         s.events.append(final)
-        self.stats["requests_finished" if isinstance(final, Finished) else "requests_failed"] += 1
-        self._pending.append((s.send, s.events))
+        self._pending.append((g, s.events))
         s.events = []
         s.reset()
+        g.live -= 1
+        if isinstance(final, Failed):
+            for o in self.slots_:
+                if o.group is g:
+                    o.reset()
+                    g.live -= 1
+        if g.live == 0:
+            self.stats["requests_finished" if isinstance(final, Finished) else "requests_failed"] += 1
+            self._pending.append((g, None))       # the stream closes after its last events
 
     def _send_pending(self):
-        """Send every event produced so far: finished requests' last events, then the live slots' new text."""
-        for send, events in self._pending:
+        """Send every event produced so far: ended choices' last events (closing a request's stream after its last
+        choice), then the live slots' new text."""
+        for g, events in self._pending:
+            if events is None:
+                g.send.close()
+                continue
             for ev in events:
-                _send(send, ev)
-            send.close()
+                _send(g.send, ev)
         self._pending.clear()
         for s in self.slots_:
             if s.req is not None and s.events:
                 for ev in s.events:
-                    if not _send(s.send, ev):
+                    if not _send(s.group.send, ev):
                         self.cancelled.add(s.req.id)
                         break
                 s.events = []
@@ -414,6 +540,11 @@ def window_part(cap: Capacity, window_tokens: int) -> int:
     if cap.padded(limit) <= window_tokens:
         return limit
     return max((s for s in cap.part_sizes if s <= limit), default=1)
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of a request's choice: the request's own for the first, a distinct one for each other."""
+    return seed if choice == 0 else (seed + choice * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
 def _send(send, event) -> bool:

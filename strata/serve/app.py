@@ -1,11 +1,13 @@
-"""The Starlette app: OpenAI routes (chat and text completions, streamed as SSE or whole), /v1/models, /health,
-/slots, /metrics; API-key gate; body-size limit; the lifespan that runs the scheduler.
+"""The Starlette app: OpenAI routes (chat and text completions, streamed as SSE or whole; with and without /v1),
+/v1/models, llama.cpp's /tokenize, /detokenize and /props, /health, /slots, /metrics, /openapi.json; API-key gate,
+CORS, body-size limit; the lifespan that loads the model and warms the scheduler up in the background (the port
+answers meanwhile: /health is 503 "loading"), and drain() for a graceful shutdown.
 
-One generation request: read the body (at most max_body_bytes) -> validate (openai_api) -> render the chat template
-and tokenize (off the event loop) -> check the lengths against max_context -> Request -> scheduler.submit -> turn the
-events (Delta*, then Finished | Failed) into one JSON response or SSE chunks. A client that goes away is noticed by a
-watcher on the ASGI receive channel; its request is cancelled in the scheduler, which frees the slot by the next
-window.
+One generation request: read the body (at most max_body_bytes) -> validate (openai_api, against the model's vocabulary
+and context) -> render the chat template, tokenize and compile a grammar (off the event loop) -> check the lengths ->
+Request -> scheduler.submit -> turn the events (Delta*, then Finished per choice | Failed) into one JSON response or
+SSE chunks, tool calls parsed out of the text. A client that goes away is noticed by a watcher on the ASGI receive
+channel; its request is cancelled in the scheduler, which frees its slots by the next window.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import logging
 import math
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, Callable
 
 import anyio
@@ -24,18 +27,25 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from strata.config import Settings
+from strata.errors import StrataError
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, SamplingParams
 from strata.serve import openai_api as oa
 from strata.serve.openai_api import ApiError
+from strata.serve.tool_calls import Parsed, ToolCallParser
+from strata.tokenizer import ChatTemplateError, release_freed_memory
 
 log = logging.getLogger("strata.serve")
 
-KEEPALIVE_S = 15.0        # an SSE comment goes out when nothing else was sent for this long
+KEEPALIVE_S = 15.0        # an SSE comment goes out when nothing else was sent for this long; a stream's headers
+                          # wait this long at most for its first event (so a queued request can still get a JSON 503)
+RETRY_AFTER_S = 5         # Retry-After of a 503 while loading or draining
+BIG_BODY = 1 << 20        # after a body this large, freed heap pages are given back to the system
 POLL_S = 1.0              # how often a waiting response checks that the scheduler is still running
 _RESERVED_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "tools", "documents"}
 
@@ -43,24 +53,28 @@ _RESERVED_TEMPLATE_ARGS = {"messages", "add_generation_prompt", "tools", "docume
 # ---------------------------------------------------------------------------------------------------------------------
 # metrics
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/slots", "/metrics", "/")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/chat/completions", "/completions", "/models",
+          "/tokenize", "/detokenize", "/props", "/health", "/slots", "/metrics", "/openapi.json", "/")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 class _SchedulerCollector:
-    """The scheduler's counters, read at scrape time."""
+    """The scheduler's counters, read at scrape time (none while the model loads)."""
 
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
+    def __init__(self, state):
+        self.state = state
 
     def collect(self):
+        scheduler = self.state.scheduler
+        if scheduler is None:
+            return
         try:
-            m = dict(self.scheduler.metrics())
+            m = dict(scheduler.metrics())
         except Exception as e:  # a scrape must not fail because the scheduler is mid-change
             log.warning("the scheduler's metrics could not be read: %s: %s", type(e).__name__, e)
             m = {}
         try:
-            slots = list(self.scheduler.slots())
+            slots = list(scheduler.slots())
         except Exception:
             slots = []
 
@@ -127,7 +141,7 @@ class _SchedulerCollector:
 class ServeMetrics:
     """One registry per app, so several apps (tests) in one process don't collide."""
 
-    def __init__(self, scheduler):
+    def __init__(self, state):
         self.registry = r = CollectorRegistry(auto_describe=False)
         self.http_requests = Counter("strata_http_requests", "HTTP requests by route and status code",
                                      ["route", "code"], registry=r)
@@ -143,13 +157,13 @@ class ServeMetrics:
                                   buckets=_LATENCY_BUCKETS, registry=r)
         self.completion_tokens = Histogram("strata_completion_tokens", "Tokens generated per request",
                                            buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r)
-        r.register(_SchedulerCollector(scheduler))
+        r.register(_SchedulerCollector(state))
 
     @staticmethod
     def route_label(path: str) -> str:
         if path in ROUTES:
             return path
-        if path.startswith("/v1/models/"):
+        if path.startswith(("/v1/models/", "/models/")):
             return "/v1/models/{id}"
         return "other"
 
@@ -162,26 +176,103 @@ class ServeMetrics:
 
 
 class ServeState:
+    """What the routes share: the engine and scheduler (None while the model loads), the phase (loading -> ready ->
+    draining), the served names and the metrics."""
+
     def __init__(self, engine, scheduler, config: Settings, on_scheduler_exit: Callable[[], None] | None = None):
-        if engine.tokenizer is None:
-            raise ValueError("strata serve needs the model's tokenizer (tokenizer.json beside the weights)")
-        self.engine, self.scheduler, self.config = engine, scheduler, config
-        self.tokenizer = engine.tokenizer
-        self.model_name = config.model_name
+        self.config = config
+        self.engine = self.scheduler = self.tokenizer = None
+        self.names = config.served_names
+        self.model_name = self.names[0]
         self.created = oa.now()
-        self.metrics = ServeMetrics(scheduler)
+        self.metrics = ServeMetrics(self)
         self.scheduler_error: str | None = None    # the scheduler stopped after start-up
-        self.startup_error: str | None = None      # ... or failed during its warm-up
-        self.ready = False
+        self.startup_error: BaseException | None = None   # ... or the model failed to load or warm up
+        self.phase = "loading"                     # -> "ready" -> "draining"
+        self.responses = 0                         # generation responses in flight
         self.on_scheduler_exit = on_scheduler_exit
+        self._grammars = None
+        if engine is not None:
+            self.attach(engine, scheduler)
+
+    def attach(self, engine, scheduler) -> None:
+        if engine.tokenizer is None:
+            raise StrataError("strata serve needs the model's tokenizer (tokenizer.json beside the weights)")
+        self.engine, self.scheduler, self.tokenizer = engine, scheduler, engine.tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready"
 
     @property
     def max_context(self) -> int:
-        return int(self.scheduler.max_context)
+        return int(self.scheduler.max_context) if self.scheduler is not None else self.config.model.max_context
 
     @property
     def vocab_size(self) -> int:
         return int(self.engine.cfg.vocab_size)
+
+    def limits(self) -> oa.Limits:
+        return oa.Limits(vocab_size=self.vocab_size, max_context=self.max_context,
+                         slots=len(self.scheduler.slots()))
+
+    def grammars(self):
+        """The model's tokenizer for grammars and token bytes (serve/grammar.py), made at first use (in a worker
+        thread: for a large vocabulary it takes a moment)."""
+        if self._grammars is None:
+            from strata.serve.grammar import Grammars
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.engine.eos_token_ids)
+        return self._grammars
+
+    def check_admitting(self) -> None:
+        """ApiError(503, Retry-After) unless new generation requests are taken now."""
+        if self.scheduler_error is not None:
+            raise ApiError(503, f"the server cannot generate: its scheduler stopped ({self.scheduler_error}); "
+                                f"restart the server", code="scheduler_stopped")
+        if self.phase == "loading":
+            raise ApiError(503, "the model is loading (warm-up); retry shortly (GET /health answers 200 once ready)",
+                           code="loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self.phase != "ready":
+            raise ApiError(503, "the server is shutting down and takes no new requests; retry (another replica, or "
+                                "this one once restarted)", code="shutting_down",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            served = ", ".join(repr(n) for n in self.names)
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {served} (GET /v1/models)",
+                           param="model", code="model_not_found")
+
+    async def start(self, load: Callable[[], tuple] | None, on_ready: Callable[[], None] | None):
+        """Load the model (when `load` is given: -> (engine, scheduler)), run the scheduler's warm-up, then serve:
+        phase "ready". A failure is kept in startup_error and ends the server through on_scheduler_exit."""
+        t0 = time.perf_counter()
+        try:
+            if load is not None:
+                engine, scheduler = await anyio.to_thread.run_sync(load)
+                self.attach(engine, scheduler)
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.run_scheduler)
+                if self.phase == "loading":
+                    self.phase = "ready"
+                config = self.config
+                log.info("ready: scheduler warmed up in %.0f ms (%d slots, prompt parts of %d tokens, max_context %d)",
+                         (time.perf_counter() - t0) * 1000, config.sched.parallel, config.sched.prefill,
+                         self.max_context)
+                if on_ready is not None:
+                    on_ready()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as e:
+            if self.startup_error is None and self.scheduler_error is None:
+                self.startup_error = e
+                what = "load" if self.scheduler is None else "warm up"
+                # a StrataError is the command line's one error line (server.serve raises it); others are logged
+                (log.debug if isinstance(e, StrataError) else log.error)("the model failed to %s: %s", what,
+                                                                         _describe(e))
+                log.debug("traceback", exc_info=e)
+                if self.on_scheduler_exit is not None:
+                    self.on_scheduler_exit()
 
     async def run_scheduler(self, *, task_status=anyio.TASK_STATUS_IGNORED):
         """scheduler.run, with a crash after start-up turned into a 503 for everyone instead of silent hangs."""
@@ -206,6 +297,31 @@ class ServeState:
             log.error("the scheduler stopped: %s; new requests get 503", self.scheduler_error, exc_info=e)
             if self.on_scheduler_exit is not None:
                 self.on_scheduler_exit()
+
+    async def drain(self, timeout_s: float, hurry: anyio.Event | None = None) -> None:
+        """Graceful shutdown: refuse new requests (503, Retry-After), answer every queued one with a JSON 503, let
+        the running ones finish for up to timeout_s (or until `hurry` is set), then end the rest with
+        finish_reason "abort"; returns once every response has been sent."""
+        was = self.phase
+        self.phase = "draining"
+        if was != "ready" or self.scheduler is None:
+            return
+        queued = self.scheduler.drain("the server is shutting down; this request was not started: retry it")
+        t0 = time.perf_counter()
+        running = self.responses - queued
+        log.info("draining: new requests get 503; %d queued answered 503; waiting up to %g s for %d running",
+                 queued, timeout_s, max(running, 0))
+        with anyio.move_on_after(timeout_s):
+            while self.responses > 0 and not (hurry is not None and hurry.is_set()):
+                await anyio.sleep(0.02)
+        if self.responses > 0:
+            n = self.scheduler.abort()
+            log.info("drain: %d requests still running after %.1f s end with finish_reason abort", n,
+                     time.perf_counter() - t0)
+            with anyio.move_on_after(10.0):
+                while self.responses > 0:
+                    await anyio.sleep(0.02)
+        log.info("drained in %.1f s", time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -254,6 +370,7 @@ async def read_body(request: HttpRequest, limit: int) -> bytes:
             raise ApiError(413, f"the request body is over {limit} bytes, the most this server accepts "
                                 f"(max_body_bytes); send a shorter request", code="body_too_large", headers=CLOSE)
         chunks.append(chunk)
+    request.scope["strata.body_bytes"] = size
     return b"".join(chunks)
 
 
@@ -297,6 +414,9 @@ def _api(fn):
         except Exception as e:
             log.error("500 %s %s: %s: %s", request.method, request.url.path, type(e).__name__, e, exc_info=e)
             return error_response(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+        finally:
+            if request.scope.get("strata.body_bytes", 0) > BIG_BODY:   # its objects are garbage by now
+                await anyio.to_thread.run_sync(release_freed_memory)
 
     endpoint.__name__ = fn.__name__
     return endpoint
@@ -311,48 +431,97 @@ def ends_inside_think(text: str) -> bool:
 # generation routes
 
 
+async def _body(request: HttpRequest, model: type, state: ServeState, generation: bool = True):
+    """Read, parse and check a body against `model` (a pydantic body of openai_api); generation routes first check
+    that the server takes requests now, and that the model named is served here."""
+    raw = await read_body(request, state.config.serve.max_body_bytes)
+    if generation:
+        state.check_admitting()
+    elif state.tokenizer is None:
+        state.check_admitting()                    # loading: the tokenizer is not there yet
+    body = oa.parse_json_body(raw)
+    del raw
+    if generation:
+        model_name = body.get("model")
+        if isinstance(model_name, str):
+            state.check_model(model_name)
+    return model.parse(body, state.limits())
+
+
+def _char_bound(state: ServeState, chars: int, param: str) -> None:
+    """Refuse, before tokenizing, a text that cannot fit the context whatever its tokens: one token decodes to at most
+    max_token_chars characters, so n characters are at least n / max_token_chars tokens."""
+    per = state.tokenizer.max_token_chars
+    least = -(-chars // per)
+    if least >= state.max_context:
+        raise oa.bad(param, f"the prompt is {chars} characters, so at least {least} tokens (a token of this model is "
+                            f"at most {per} characters), but max_context is {state.max_context}: shorten the prompt, "
+                            f"or start the server with a larger --max-context", code="context_length_exceeded")
+
+
 async def chat_completions(request: HttpRequest):
     state: ServeState = request.app.state.strata
-    body = oa.parse_json_body(await read_body(request, state.config.serve.max_body_bytes))
-    params = oa.parse_chat(body)
+    params: oa.ChatRequest = await _body(request, oa.ChatRequest, state)
+    messages = params.message_dicts
+    _char_bound(state, sum(len(m.get("content") or "") for m in messages), "messages")
     kwargs = {k: v for k, v in params.template_kwargs.items() if k not in _RESERVED_TEMPLATE_ARGS}
-    tools = list(params.tools) if params.tools else None
-    from strata.tokenizer import ChatTemplateError
+    # tool_choice "none": the model is not shown the tools (so it has none to call) and its text is not parsed
+    choice = params.tool_choice_kind
+    tools = list(params.tools) if params.tools and choice != "none" else None
+    trusted = state.config.serve.special_tokens_in_messages
     try:
-        text = await anyio.to_thread.run_sync(
-            lambda: state.tokenizer.apply_chat_template(list(params.messages), add_generation_prompt=True,
-                                                        tools=tools, **kwargs))
+        text, ids = await anyio.to_thread.run_sync(
+            lambda: state.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools,
+                                                special_tokens_in_messages=trusted, **kwargs))
     except ChatTemplateError as e:
         raise oa.bad("messages", f"the conversation cannot be rendered with the model's chat template: {e}",
                      code="invalid_messages") from None
-    ids = await anyio.to_thread.run_sync(lambda: state.tokenizer.encode(text, add_special_tokens=False))
-    mt_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _generate(state, "chat", params, ids, reasoning=ends_inside_think(text), mt_param=mt_param)
+    reasoning = ends_inside_think(text[-4096:])
+    if choice in ("required", "function"):
+        forced = [t for t in tools if choice == "required" or isinstance(t.get("function"), dict)
+                  and t["function"].get("name") == params.tool_function]
+        parallel = params.parallel_tool_calls is not False
+        constraint = await _grammar(state, "tools", lambda g: g.tool_calls(forced, parallel, reasoning))
+    else:
+        constraint = await _constraint(state, params, reasoning)
+    return _generate(state, "chat", params, ids, reasoning=reasoning, mt_param=params.max_tokens_param,
+                     constraint=constraint, tools=tools)
+
+
+async def _constraint(state: ServeState, params, reasoning: bool):
+    """The grammar of a response_format, or None."""
+    schema = params.json_schema
+    if schema is None:
+        return None
+    return await _grammar(state, "response_format", lambda g: g.json(schema, reasoning))
+
+
+async def _grammar(state: ServeState, param: str, make):
+    """make(Grammars) in a worker thread; a grammar that cannot be built is the request's fault (400)."""
+    from strata.serve.grammar import GrammarError
+    try:
+        return await anyio.to_thread.run_sync(lambda: make(state.grammars()))
+    except GrammarError as e:
+        raise oa.bad(param, f"{param} cannot be turned into a grammar: {e}", code="invalid_schema") from None
 
 
 async def completions(request: HttpRequest):
     state: ServeState = request.app.state.strata
-    body = oa.parse_json_body(await read_body(request, state.config.serve.max_body_bytes))
-    params = oa.parse_completion(body)
+    params: oa.CompletionRequest = await _body(request, oa.CompletionRequest, state)
     if isinstance(params.prompt, str):
-        if params.prompt == "":
-            raise oa.bad("prompt", "prompt is empty: send some text", code="empty_prompt")
         text = params.prompt
+        _char_bound(state, len(text), "prompt")
         ids = await anyio.to_thread.run_sync(lambda: state.tokenizer.encode(text, add_special_tokens=False))
     else:
         ids = list(params.prompt)
-        vocab = state.vocab_size
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise oa.bad(f"prompt[{i}]", f"prompt[{i}] = {t} is not a token id of this model: ids are "
-                                             f"0..{vocab - 1}", code="out_of_range")
         text = state.tokenizer.decode(ids) if params.echo else ""
+    constraint = await _constraint(state, params, False)
     return _generate(state, "text", params, ids, reasoning=False, mt_param="max_tokens",
-                     echo_text=text if params.echo else "")
+                     echo_text=text if params.echo else "", constraint=constraint)
 
 
-def _generate(state: ServeState, kind: str, params: oa.CommonParams, ids: list[int], *, reasoning: bool,
-              mt_param: str, echo_text: str = "") -> "GenerationResponse":
+def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning: bool,
+              mt_param: str, echo_text: str = "", constraint=None, tools: list | None = None) -> "GenerationResponse":
     n, limit = len(ids), state.max_context
     if n == 0:
         raise oa.bad("messages" if kind == "chat" else "prompt", "the prompt is empty after tokenization",
@@ -369,40 +538,89 @@ def _generate(state: ServeState, kind: str, params: oa.CommonParams, ids: list[i
         raise oa.bad(mt_param, f"the prompt is {n} tokens and {mt_param} is {max_tokens}: {n + max_tokens} tokens "
                                f"exceed max_context {limit}; the largest {mt_param} for this prompt is {limit - n}",
                      code="context_length_exceeded")
-    if state.scheduler_error is not None:
-        raise ApiError(503, f"the server cannot generate: its scheduler stopped ({state.scheduler_error}); "
-                            f"restart the server", code="scheduler_stopped")
+    state.check_admitting()                         # again: the server may have begun to drain while this tokenized
     s = params.sampling
     rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
     req = Request(id=rid, prompt_ids=tuple(int(i) for i in ids), max_tokens=int(max_tokens),
                   sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                          seed=s.seed),
+                                          seed=s.seed, presence_penalty=s.presence_penalty,
+                                          frequency_penalty=s.frequency_penalty,
+                                          repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias),
                   stop=tuple(params.stop), reasoning=reasoning,
-                  stop_token_ids=() if params.ignore_eos else None)
+                  stop_token_ids=() if params.ignore_eos else None, n=params.choices, logprobs=params.logprob_count,
+                  constraint=constraint)
     try:
         events = state.scheduler.submit(req)
     except QueueFull as e:
         raise ApiError(503, str(e), code="queue_full",
                        headers={"Retry-After": str(max(1, int(math.ceil(e.retry_after_s))))}) from None
-    return GenerationResponse(state, req, events, kind, params, echo_text)
+    except ValueError as e:                         # the scheduler's own check of what it can run
+        raise oa.bad(None, f"the request cannot be run: {e}") from None
+    return GenerationResponse(state, req, events, kind, params.streaming, params.include_usage, echo_text, tools)
+
+
+class _Choice:
+    """One choice of a response as it arrives: its text, its tool calls (parsed out of the content when the request
+    offered tools) and its logprobs."""
+
+    def __init__(self, index: int, tools: list | None):
+        self.index = index
+        self.parser = ToolCallParser(tools) if tools else None
+        self.content, self.reasoning, self.text = [], [], []     # text: a text completion's, in order
+        self.parsed = Parsed()
+        self.logprobs: list = []
+        self.offset = 0                  # characters of a text completion's text so far (logprobs' text_offset)
+        self.finished: Finished | None = None
+
+    def content_of(self, d: Delta, final: bool = False) -> Parsed:
+        """What a Delta's content (or, final, the end of the reply) shows: text and tool-call deltas."""
+        if self.parser is None:
+            return Parsed(content=d.content)
+        out = self.parser.push(d.content)
+        if final:
+            out.add(self.parser.finish())
+        self.parsed.add(out)
+        return out
+
+    def finish_reason(self) -> str:
+        calls = self.parser is not None and self.parser.calls
+        return "tool_calls" if calls and self.finished.reason == "stop" else self.finished.reason
+
+    def tool_calls(self) -> list[dict]:
+        calls: dict[int, list] = {}
+        for d in self.parsed.calls:
+            if d.id is not None:
+                calls[d.index] = [d.id, d.name, d.arguments]
+            else:
+                calls[d.index][2] += d.arguments
+        return [oa.tool_call(*calls[i]) for i in sorted(calls)]
 
 
 class GenerationResponse:
     """An ASGI response that drives one submitted request to its end, streamed (SSE) or whole (JSON)."""
 
     def __init__(self, state: ServeState, req: Request, events: anyio.abc.ObjectReceiveStream, kind: str,
-                 params: oa.CommonParams, echo_text: str):
-        self.state, self.req, self.events, self.kind, self.params = state, req, events, kind, params
-        self.echo_text = echo_text
+                 stream: bool, include_usage: bool, echo_text: str, tools: list | None = None):
+        self.state, self.req, self.events, self.kind = state, req, events, kind
+        self.stream, self.include_usage, self.echo_text = stream, include_usage, echo_text
+        self.choices = [_Choice(i, tools if kind == "chat" else None) for i in range(req.n)]
         self.created = oa.now()
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
         self.ended = False          # a Finished or Failed came from the scheduler
         self.disconnected = False
+        self.started = False        # the response's headers went out
+        state.responses += 1        # counted from submission: drain() waits for it
 
     async def __call__(self, scope, receive, send):
         m = self.state.metrics
         m.active.inc()
+
+        async def tracked_send(message):
+            if message["type"] == "http.response.start":
+                self.started = True
+            await send(message)
+
         try:
             async with anyio.create_task_group() as tg:
                 async def watch_disconnect():
@@ -416,15 +634,24 @@ class GenerationResponse:
 
                 tg.start_soon(watch_disconnect)
                 try:
-                    if self.params.stream:
-                        await self._stream(send)
+                    if self.stream:
+                        await self._stream(tracked_send)
                     else:
-                        await self._whole(send)
+                        await self._whole(tracked_send)
                 except OSError:            # the transport went away under a send
                     self.disconnected = True
+                except Exception as e:     # a bug answering this request: it alone fails
+                    log.error("%s: 500: %s", self.req.id, _describe(e), exc_info=e)
+                    if not self.started:
+                        await _send_json(tracked_send, 500, oa.error_body(500, f"internal error: {_describe(e)}",
+                                                                          code="internal_error"))
+                    elif not self.disconnected:
+                        await tracked_send({"type": "http.response.body", "more_body": False, "body": oa.sse(
+                            oa.error_body(500, f"internal error: {_describe(e)}", code="internal_error"))})
                 tg.cancel_scope.cancel()
         finally:
             m.active.dec()
+            self.state.responses -= 1
             if not self.ended:
                 self.state.scheduler.cancel(self.req.id)
                 m.cancelled.inc()
@@ -450,7 +677,7 @@ class GenerationResponse:
             if self.state.scheduler_error is not None:
                 return [Failed(f"the scheduler stopped ({self.state.scheduler_error}); restart the server", 503)]
             return None
-        while not isinstance(got[-1], (Finished, Failed)):
+        while not isinstance(got[-1], Failed) and not self._all_finished(got):
             try:
                 got.append(self.events.receive_nowait())
             except anyio.WouldBlock:
@@ -458,6 +685,14 @@ class GenerationResponse:
             except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
                 got.append(Failed("the scheduler ended this request without a result", 500))
         return got
+
+    def _all_finished(self, got: list) -> bool:
+        """Whether `got` holds the last choice's Finished (the stream ends after it)."""
+        done = sum(c.finished is not None for c in self.choices) + sum(isinstance(e, Finished) for e in got)
+        return done >= len(self.choices)
+
+    def _token_bytes(self, token: int) -> bytes:
+        return self.state.grammars().token_bytes(token)
 
     def _mark_first(self, d: Delta):
         if self.t_first is None and (d.content or d.reasoning):
@@ -481,12 +716,19 @@ class GenerationResponse:
     def _fail_log(self, f: Failed):
         self.ended = True
         self.state.metrics.duration.observe(time.perf_counter() - self.t0)
-        log.warning("%s: failed (%d): %s", self.req.id, f.status, f.message)
+        if f.status == 503 and self.state.phase == "draining":
+            log.info("%s: 503 (not started before the shutdown)", self.req.id)
+        else:
+            log.warning("%s: failed (%d): %s", self.req.id, f.status, f.message)
+
+    async def _send_failed(self, send, f: Failed):
+        code = "shutting_down" if f.status == 503 and self.state.phase == "draining" else "generation_failed"
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if f.status == 503 else None
+        await _send_json(send, f.status, oa.error_body(f.status, f.message, code=code), headers)
 
     # -- whole responses
 
     async def _whole(self, send):
-        content, reasoning = [], []
         while True:
             evs = await self._next(POLL_S)
             if evs is None:
@@ -494,76 +736,109 @@ class GenerationResponse:
             for ev in evs:
                 if isinstance(ev, Delta):
                     self._mark_first(ev)
-                    content.append(ev.content)
-                    reasoning.append(ev.reasoning)
+                    c = self.choices[ev.index]
+                    c.reasoning.append(ev.reasoning)
+                    c.content.append(ev.content)
+                    c.text.append(ev.reasoning + ev.content)
+                    c.logprobs.extend(ev.logprobs)
                 elif isinstance(ev, Finished):
-                    self._finish_log(ev)
-                    timings = dict(ev.timings) if ev.timings else None
-                    if self.kind == "chat":
-                        body = oa.chat_response(self.req.id, self.state.model_name, self.created, "".join(content),
-                                                "".join(reasoning), ev.reason, ev.prompt_tokens,
-                                                ev.completion_tokens, timings)
-                    else:
-                        text = self.echo_text + "".join(r + c for r, c in zip(reasoning, content))
-                        body = oa.completion_response(self.req.id, self.state.model_name, self.created, text,
-                                                      ev.reason, ev.prompt_tokens, ev.completion_tokens, timings)
-                    await _send_json(send, 200, body)
-                    return
+                    self.choices[ev.index].finished = ev
+                    if all(c.finished is not None for c in self.choices):
+                        await _send_json(send, 200, self._whole_body(ev))
+                        return
                 elif isinstance(ev, Failed):
                     self._fail_log(ev)
-                    await _send_json(send, ev.status, oa.error_body(ev.status, ev.message, code="generation_failed"))
+                    await self._send_failed(send, ev)
                     return
+
+    def _whole_body(self, last: Finished) -> dict:
+        completion = sum(c.finished.completion_tokens for c in self.choices)
+        self._finish_log(replace(last, completion_tokens=completion))
+        timings = dict(last.timings) if last.timings else None
+        want_lp = self.req.logprobs is not None
+        choices = []
+        for c in self.choices:
+            if self.kind == "chat":
+                shown = c.content_of(Delta(content="".join(c.content)), final=True)
+                lp = oa.chat_logprobs(c.logprobs, self._token_bytes) if want_lp else None
+                choices.append({"index": c.index, "message": oa.chat_message(shown.content, "".join(c.reasoning),
+                                                                              c.tool_calls()),
+                                "logprobs": lp, "finish_reason": c.finish_reason()})
+            else:
+                lp = oa.completion_logprobs(c.logprobs, self._token_bytes, len(self.echo_text)) if want_lp else None
+                choices.append({"index": c.index, "text": self.echo_text + "".join(c.text), "logprobs": lp,
+                                "finish_reason": c.finished.reason})
+        build = oa.chat_response if self.kind == "chat" else oa.completion_response
+        return build(self.req.id, self.state.model_name, self.created, choices, last.prompt_tokens, completion,
+                     timings)
 
     # -- streamed responses
 
     async def _stream(self, send):
         rid, model, created = self.req.id, self.state.model_name, self.created
-        iu = self.params.include_usage
+        iu = self.include_usage
         chat = self.kind == "chat"
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                                (b"x-accel-buffering", b"no")]})
 
         async def out(data):
             await send({"type": "http.response.body", "body": data if isinstance(data, bytes) else oa.sse(data),
                         "more_body": True})
 
-        if chat:
-            await out(oa.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, include_usage=iu))
-        elif self.echo_text:
-            await out(oa.completion_chunk(rid, model, created, self.echo_text, include_usage=iu))
+        async def start():
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+            for c in self.choices:
+                if chat:
+                    await out(oa.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                            include_usage=iu, index=c.index))
+                elif self.echo_text:
+                    await out(oa.completion_chunk(rid, model, created, self.echo_text, include_usage=iu,
+                                                  index=c.index))
+                    c.offset = len(self.echo_text)
+
         last_write = time.perf_counter()
         while True:
             evs = await self._next(POLL_S)
+            if not self.started:
+                # the headers wait for the first event (at most KEEPALIVE_S): a request that fails before it starts,
+                # a queued one at shutdown say, gets a JSON error with its status instead of a 200 stream
+                if evs is not None and isinstance(evs[0], Failed):
+                    self._fail_log(evs[0])
+                    await self._send_failed(send, evs[0])
+                    return
+                if evs is None and time.perf_counter() - self.t0 < KEEPALIVE_S:
+                    continue
+                await start()
+                last_write = time.perf_counter()
             if evs is None:
                 if time.perf_counter() - last_write >= KEEPALIVE_S:
                     await out(b": keep-alive\n\n")
                     last_write = time.perf_counter()
                 continue
-            buf = bytearray()
-            r_acc, c_acc = [], []
+            pieces: list = []          # (choice, delta or text, [TokenLogprob], finish reason): merged, then sent
             terminal = None
             for ev in evs:
                 if isinstance(ev, Delta):
                     self._mark_first(ev)
-                    # keep order: reasoning text before content text within one batch of events
-                    if ev.reasoning and c_acc:
-                        self._flush(buf, r_acc, c_acc)
-                    r_acc.append(ev.reasoning)
-                    c_acc.append(ev.content)
+                    self._pieces(pieces, self.choices[ev.index], ev)
+                elif isinstance(ev, Finished):
+                    c = self.choices[ev.index]
+                    c.finished = ev
+                    self._pieces(pieces, c, Delta(index=c.index), final=True)
+                    pieces.append((c, None, [], c.finish_reason()))
+                    if all(x.finished is not None for x in self.choices):
+                        terminal = ev
                 else:
                     terminal = ev
-            self._flush(buf, r_acc, c_acc)
+            buf = bytearray()
+            for c, piece, lps, reason in _merged(pieces):
+                buf += oa.sse(self._chunk(c, piece, lps, reason))
             if isinstance(terminal, Finished):
-                self._finish_log(terminal)
-                if chat:
-                    buf += oa.sse(oa.chat_chunk(rid, model, created, {}, terminal.reason, include_usage=iu))
-                else:
-                    buf += oa.sse(oa.completion_chunk(rid, model, created, "", terminal.reason, include_usage=iu))
+                completion = sum(c.finished.completion_tokens for c in self.choices)
+                self._finish_log(replace(terminal, completion_tokens=completion))
                 if iu:
                     buf += oa.sse(oa.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else
-                                                 "text_completion", terminal.prompt_tokens,
-                                                 terminal.completion_tokens))
+                                                 "text_completion", terminal.prompt_tokens, completion))
                 buf += oa.sse("[DONE]")
             elif isinstance(terminal, Failed):
                 self._fail_log(terminal)
@@ -575,18 +850,70 @@ class GenerationResponse:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
 
-    def _flush(self, buf: bytearray, r_acc: list, c_acc: list):
-        r, c = "".join(r_acc), "".join(c_acc)
-        r_acc.clear()
-        c_acc.clear()
-        rid, model, created, iu = self.req.id, self.state.model_name, self.created, self.params.include_usage
+    def _pieces(self, pieces: list, c: _Choice, d: Delta, final: bool = False) -> None:
+        """A Delta's chunks-to-be for choice c: reasoning, content and tool-call pieces (a text completion's text),
+        its logprobs on the first of them (on an empty delta when it shows nothing)."""
+        lps = list(d.logprobs)
+        if self.kind != "chat":
+            if d.reasoning + d.content or lps:
+                pieces.append((c, d.reasoning + d.content, lps, None))
+            return
+        shown = c.content_of(d, final)
+        out = []
+        if d.reasoning:
+            out.append({"reasoning_content": d.reasoning})
+        if shown.content:
+            out.append({"content": shown.content})
+        out += [{"tool_calls": [oa.tool_call_delta(x.index, x.id, x.name, x.arguments)]} for x in shown.calls]
+        if lps and not out:
+            out.append({})
+        for i, delta in enumerate(out):
+            pieces.append((c, delta, lps if i == 0 else [], None))
+
+    def _chunk(self, c: _Choice, piece, lps: list, reason: str | None) -> dict:
+        rid, model, created, iu = self.req.id, self.state.model_name, self.created, self.include_usage
+        want_lp = self.req.logprobs is not None
         if self.kind == "chat":
-            if r:
-                buf += oa.sse(oa.chat_chunk(rid, model, created, {"reasoning_content": r}, include_usage=iu))
-            if c:
-                buf += oa.sse(oa.chat_chunk(rid, model, created, {"content": c}, include_usage=iu))
-        elif r + c:
-            buf += oa.sse(oa.completion_chunk(rid, model, created, r + c, include_usage=iu))
+            lp = oa.chat_logprobs(lps, self._token_bytes) if want_lp and lps else None
+            return oa.chat_chunk(rid, model, created, piece if piece is not None else {}, reason, include_usage=iu,
+                                 index=c.index, logprobs=lp)
+        lp = None
+        if want_lp and lps:
+            lp = oa.completion_logprobs(lps, self._token_bytes, c.offset)
+            c.offset += sum(len(t) for t in lp["tokens"])
+        return oa.completion_chunk(rid, model, created, piece or "", reason, include_usage=iu, index=c.index,
+                                   logprobs=lp)
+
+
+def _merged(pieces: list) -> list:
+    """Consecutive pieces of one choice and one kind joined (text to text, one call's argument fragments), their
+    logprobs concatenated, so a batch of events goes out as few chunks."""
+    out: list = []
+    for c, piece, lps, reason in pieces:
+        if out and reason is None and out[-1][3] is None and out[-1][0] is c:
+            joined = _join(out[-1][1], piece)
+            if joined is not None:
+                out[-1] = (c, joined, out[-1][2] + lps, None)
+                continue
+        out.append((c, piece, lps, reason))
+    return out
+
+
+def _join(a, b):
+    """a and b as one piece, or None when they cannot be one."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a + b
+    if not (isinstance(a, dict) and isinstance(b, dict)) or not a or not b or a.keys() != b.keys():
+        return None
+    key = next(iter(a))
+    if key in ("content", "reasoning_content"):
+        return {key: a[key] + b[key]}
+    if key == "tool_calls":
+        x, y = a[key][0], b[key][0]
+        if x["index"] == y["index"] and "id" not in y:
+            return {key: [{**x, "function": {**x["function"], "arguments": x["function"]["arguments"]
+                                             + y["function"]["arguments"]}}]}
+    return None
 
 
 def _timings_text(t: dict | None) -> str:
@@ -601,10 +928,12 @@ def _timings_text(t: dict | None) -> str:
     return "; " + ", ".join(parts) if parts else ""
 
 
-async def _send_json(send, status: int, body: dict):
+async def _send_json(send, status: int, body: dict, headers: dict | None = None):
     data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_json_default).encode("utf-8")
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *extra]})
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
@@ -614,30 +943,31 @@ async def _send_json(send, status: int, body: dict):
 
 async def models(request: HttpRequest):
     s: ServeState = request.app.state.strata
-    return _JSON(oa.models_list(s.model_name, s.created, s.max_context))
+    return _JSON(oa.models_list(s.names, s.created, s.max_context))
 
 
 async def model(request: HttpRequest):
     s: ServeState = request.app.state.strata
     mid = request.path_params["model_id"]
-    if mid != s.model_name:
-        raise ApiError(404, f"model {mid!r} is not served here; this server serves {s.model_name!r}",
-                       param="model", code="model_not_found")
-    return _JSON(oa.model_card(s.model_name, s.created, s.max_context))
+    s.check_model(mid)
+    return _JSON(oa.model_card(mid, s.created, s.max_context))
 
 
 async def health(request: HttpRequest):
     s: ServeState = request.app.state.strata
     if s.scheduler_error is not None:
         return _JSON({"status": "error", "message": f"the scheduler stopped: {s.scheduler_error}"}, status_code=503)
-    if not s.ready:
-        return _JSON({"status": "starting"}, status_code=503)
+    if s.startup_error is not None:
+        return _JSON({"status": "error", "message": f"the model failed to start: {_describe(s.startup_error)}"},
+                     status_code=503)
+    if s.phase != "ready":
+        return _JSON({"status": s.phase}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     return _JSON({"status": "ok"})
 
 
 async def slots(request: HttpRequest):
     s: ServeState = request.app.state.strata
-    return _JSON(list(s.scheduler.slots()))
+    return _JSON(list(s.scheduler.slots()) if s.scheduler is not None else [])
 
 
 async def metrics(request: HttpRequest):
@@ -645,17 +975,84 @@ async def metrics(request: HttpRequest):
     return Response(s.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
+async def tokenize(request: HttpRequest):
+    """llama.cpp's POST /tokenize: {"content", "add_special", "parse_special", "with_pieces"} -> {"tokens"}."""
+    s: ServeState = request.app.state.strata
+    body: oa.TokenizeRequest = await _body(request, oa.TokenizeRequest, s, generation=False)
+    text = body.content
+    _char_bound(s, len(text), "content")
+    parse_special = body.parse_special is not False
+    ids = await anyio.to_thread.run_sync(lambda: s.tokenizer.encode(text, add_special_tokens=bool(body.add_special),
+                                                                     parse_special=parse_special))
+    if body.with_pieces:
+        tok = s.tokenizer
+        return _JSON({"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids]})
+    return _JSON({"tokens": ids})
+
+
+async def detokenize(request: HttpRequest):
+    """llama.cpp's POST /detokenize: {"tokens"} -> {"content"}."""
+    s: ServeState = request.app.state.strata
+    body: oa.DetokenizeRequest = await _body(request, oa.DetokenizeRequest, s, generation=False)
+    return _JSON({"content": await anyio.to_thread.run_sync(lambda: s.tokenizer.decode(body.tokens))})
+
+
+async def props(request: HttpRequest):
+    """llama.cpp's GET /props: the server's generation defaults, slots, model and chat template."""
+    s: ServeState = request.app.state.strata
+    c = s.config
+    out = {"default_generation_settings": {"n_ctx": s.max_context, "params": {
+                "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": -1, "stop": [],
+                "ignore_eos": False}},
+           "total_slots": c.sched.parallel, "model_path": str(c.model.model), "model_alias": s.model_name,
+           "served_model_names": list(s.names), "max_context": s.max_context, "status": s.phase,
+           "modalities": {"vision": False, "audio": False}, "build_info": f"strata {_version()}"}
+    tok = s.tokenizer
+    if tok is not None:
+        out.update(vocab_size=s.vocab_size, chat_template=tok.chat_template, bos_token=tok.bos_token,
+                   eos_token=tok.eos_token)
+    return _JSON(out)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("strata")
+    except Exception:   # noqa: BLE001 - not installed (a source tree on the path)
+        return "dev"
+
+
+# (method, path, summary, body model): the routes /openapi.json describes; the OpenAI ones are also answered
+# without /v1
+API_ROUTES = [
+    ("POST", "/v1/chat/completions", "Chat completion, streamed (SSE) or whole", "ChatRequest"),
+    ("POST", "/v1/completions", "Text completion, streamed (SSE) or whole", "CompletionRequest"),
+    ("GET", "/v1/models", "The served model names", None),
+    ("GET", "/v1/models/{model_id}", "One served model", None),
+    ("POST", "/tokenize", "Text to token ids (llama.cpp's server)", "TokenizeRequest"),
+    ("POST", "/detokenize", "Token ids to text (llama.cpp's server)", "DetokenizeRequest"),
+    ("GET", "/props", "Generation defaults, slots, model and chat template (llama.cpp's server)", None),
+    ("GET", "/health", "200 when serving; 503 while loading, draining or stopped", None),
+    ("GET", "/slots", "Each slot's state", None),
+    ("GET", "/metrics", "Prometheus metrics", None),
+    ("GET", "/openapi.json", "This document", None),
+]
+
+
+async def openapi(request: HttpRequest):
+    return _JSON(oa.openapi("strata", _version(), API_ROUTES))
+
+
 async def index(request: HttpRequest):
     s: ServeState = request.app.state.strata
-    return _JSON({"name": "strata", "model": s.model_name, "max_context": s.max_context,
-                  "routes": ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health",
-                             "GET /slots", "GET /metrics"]})
+    return _JSON({"name": "strata", "model": s.model_name, "max_context": s.max_context, "status": s.phase,
+                  "routes": [f"{m} {p}" for m, p, _, _ in API_ROUTES]})
 
 
 async def _http_exception(request: HttpRequest, exc: HTTPException):
     if exc.status_code == 404:
         msg = f"no route {request.url.path}; routes: /v1/chat/completions, /v1/completions, /v1/models, " \
-              f"/health, /slots, /metrics"
+              f"/tokenize, /detokenize, /props, /health, /slots, /metrics, /openapi.json"
         code = "not_found"
     elif exc.status_code == 405:
         allow = (exc.headers or {}).get("Allow", "")
@@ -723,44 +1120,49 @@ class _Gate:
 
 
 def create_app(engine, scheduler, config: Settings, *,
+               load: Callable[[], tuple] | None = None,
                on_scheduler_exit: Callable[[], None] | None = None,
                on_ready: Callable[[], None] | None = None) -> Starlette:
-    """The Starlette app serving `engine` through `scheduler`; its lifespan runs `scheduler.run` (warm-up included)
-    and then on_ready(), when given."""
+    """The Starlette app serving `engine` through `scheduler`, or, with engine and scheduler None, what `load()`
+    returns as (engine, scheduler), loaded in a worker thread once the app runs. Its lifespan starts that, then
+    `scheduler.run` (warm-up included) and on_ready(), in the background: the app answers from the start (/health
+    503 "loading" until the warm-up ends). state.drain() shuts it down gracefully."""
     state = ServeState(engine, scheduler, config, on_scheduler_exit)
 
     @asynccontextmanager
     async def lifespan(app):
-        t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            try:
-                await tg.start(state.run_scheduler)
-            except Exception as e:
-                state.startup_error = _describe(e)
-                log.error("the scheduler failed to start: %s", state.startup_error)
-                raise
-            state.ready = True
-            log.info("ready: scheduler warmed up in %.0f ms (%d slots, prompt parts of %d tokens, max_context %d)",
-                     (time.perf_counter() - t0) * 1000, config.sched.parallel, config.sched.prefill, state.max_context)
-            if on_ready is not None:
-                on_ready()
+            tg.start_soon(state.start, load, on_ready)
             try:
                 yield
             finally:
-                state.ready = False
+                if state.phase != "draining":
+                    state.phase = "stopped"
                 tg.cancel_scope.cancel()
 
-    routes = [
-        Route("/v1/chat/completions", _api(chat_completions), methods=["POST"]),
-        Route("/v1/completions", _api(completions), methods=["POST"]),
-        Route("/v1/models", _api(models), methods=["GET"]),
-        Route("/v1/models/{model_id:path}", _api(model), methods=["GET"]),
+    routes = []
+    for prefix in ("/v1", ""):                  # the OpenAI routes, with and without /v1
+        routes += [
+            Route(f"{prefix}/chat/completions", _api(chat_completions), methods=["POST"]),
+            Route(f"{prefix}/completions", _api(completions), methods=["POST"]),
+            Route(f"{prefix}/models", _api(models), methods=["GET"]),
+            Route(f"{prefix}/models/{{model_id:path}}", _api(model), methods=["GET"]),
+        ]
+    routes += [
+        Route("/tokenize", _api(tokenize), methods=["POST"]),
+        Route("/detokenize", _api(detokenize), methods=["POST"]),
+        Route("/props", _api(props), methods=["GET"]),
         Route("/health", _api(health), methods=["GET"]),
         Route("/slots", _api(slots), methods=["GET"]),
         Route("/metrics", _api(metrics), methods=["GET"]),
+        Route("/openapi.json", _api(openapi), methods=["GET"]),
         Route("/", _api(index), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception})
     app.state.strata = state
     app.add_middleware(_Gate, state=state)
+    origins = config.serve.cors_origins
+    if origins:                                 # outermost: a preflight OPTIONS is answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["*"], max_age=600)
     return app

@@ -1,7 +1,8 @@
 """Run the app on hypercorn: `serve(config)` (async) and `serve_forever(config)` (the CLI's entry).
 
-The listening socket is bound before the model loads, so a port that is taken is reported at once; connections are
-accepted only after the scheduler's warm-up (hypercorn starts listening after the lifespan start-up).
+The listening socket is bound first, so a port that is taken is reported at once, and connections are accepted from
+then on: the model loads and the scheduler warms up in the background while /health answers 503 "loading". SIGTERM or
+SIGINT drains (app.ServeState.drain) before hypercorn stops; a second signal cuts the drain short.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from strata.errors import StrataError
 log = logging.getLogger("strata.serve")
 
 STARTUP_TIMEOUT_S = 3600.0     # warm-up compiles every bucket; a large model on a slow machine takes minutes
-GRACEFUL_TIMEOUT_S = 5.0       # in-flight responses get this long at shutdown
+GRACEFUL_TIMEOUT_S = 5.0       # after the drain, hypercorn gives open connections this long
 
 
 class _Prefix(logging.Formatter):
@@ -96,11 +97,27 @@ async def run_app(app, sock: socket.socket, shutdown_trigger: Callable[[], Await
     await hypercorn_serve(app, hypercorn_config(sock), shutdown_trigger=shutdown_trigger)
 
 
-async def serve(config: Settings, shutdown_event: asyncio.Event | None = None) -> int:
-    """Load the model, build the scheduler and app, serve until `shutdown_event` is set (SIGINT/SIGTERM set it
-    when run through serve_forever). Returns the exit code: 0 after a shutdown, 1 when the scheduler stopped."""
-    from strata.engine import Engine
-    from strata.engine.runner import WindowRunner
+def check_device(config: Settings) -> None:
+    """A device the backend does not have is a StrataError naming the flag and what there is (rather than the
+    backend's own error from deep inside the load)."""
+    device = config.backend.device
+    if not isinstance(device, str) or resolve_backend(config.backend.backend) != "jax":
+        return
+    import jax
+    try:
+        jax.devices(device)
+    except RuntimeError:
+        have = sorted({d.platform for d in jax.devices()})
+        raise StrataError(f"--device {device} is not a device of this machine's jax backend (it has: "
+                          f"{', '.join(have)}); pass --device {have[0]} or leave --device out (`strata doctor` "
+                          f"lists the devices)") from None
+
+
+async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
+                hurry_event: asyncio.Event | None = None) -> int:
+    """Listen, then load the model, build the scheduler and warm it up in the background; serve until
+    `shutdown_event` is set (SIGINT/SIGTERM set it when run through serve_forever), drain, stop. Returns the exit
+    code: 0 after a shutdown, 1 when the scheduler stopped; a model that fails to load or warm up is a StrataError."""
     from strata.serve.app import create_app
     try:
         from strata.sched.scheduler import Scheduler
@@ -109,15 +126,22 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None) -
 
     shutdown_event = shutdown_event or asyncio.Event()
     sock = bind_socket(config.serve.host, config.serve.port)
-    try:
-        url = socket_url(sock)
+    ready_hooks: list[Callable[[], None]] = []
+
+    def load():
+        from strata.engine import Engine
+        from strata.engine.runner import WindowRunner
         if config.model.model == "demo":
             from strata.demo import DEMO_NOTE
             log.info(DEMO_NOTE)
-        backend = await asyncio.to_thread(resolve_backend, config.backend.backend)      # "auto" imports JAX to look
-        on_ready = _compile_cache(backend, config.serve.compile_cache) if config.serve.compile_cache else None
+        backend = resolve_backend(config.backend.backend)      # "auto" imports JAX to look
+        check_device(config)
+        if config.serve.compile_cache:
+            hook = _compile_cache(backend, config.serve.compile_cache)
+            if hook is not None:
+                ready_hooks.append(hook)
         t0 = time.perf_counter()
-        engine = await asyncio.to_thread(lambda: Engine.load(settings=config.with_values({"backend": backend})))
+        engine = Engine.load(settings=config.with_values({"backend": backend}))
         if engine.tokenizer is None:
             raise StrataError(f"{config.model.model} has no tokenizer.json beside it; strata serve needs one to render "
                               f"chat prompts")
@@ -130,29 +154,50 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None) -
                               eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
                               lookahead=sched.lookahead, max_context=config.model.max_context,
                               window_tokens=sched.window_tokens)
+        return engine, scheduler
+
+    try:
+        url = socket_url(sock)
         failed = []
 
         def on_scheduler_exit():
             failed.append(True)
             shutdown_event.set()
 
-        app = create_app(engine, scheduler, config, on_scheduler_exit=on_scheduler_exit, on_ready=on_ready)
+        app = create_app(None, None, config, load=load, on_scheduler_exit=on_scheduler_exit,
+                         on_ready=lambda: [hook() for hook in ready_hooks])
+        state = app.state.strata
+        names = config.served_names
         log.info("serving %s on %s: %d parallel, prompt parts of %d tokens, max_context %d, queue limit %d, "
-                 "bodies up to %d bytes, API key %s (warming up first)", config.model_name, url, config.sched.parallel,
-                 config.sched.prefill, config.model.max_context, config.sched.queue_limit,
-                 config.serve.max_body_bytes, "required" if config.serve.api_key else "off")
+                 "bodies up to %d bytes, API key %s%s (loading; /health answers 503 until ready)", config.model_name,
+                 url, config.sched.parallel, config.sched.prefill, config.model.max_context, config.sched.queue_limit,
+                 config.serve.max_body_bytes, "required" if config.serve.api_key else "off",
+                 f", also named {', '.join(names[1:])}" if len(names) > 1 else "")
         if config.serve.host not in ("127.0.0.1", "localhost", "::1") and not config.serve.api_key:
             log.warning("listening on %s without an API key: anyone who can reach this address can use the model "
                         "(pass --api-key or set STRATA_API_KEY)", config.serve.host)
+        stop = asyncio.Event()
+
+        async def lifecycle():
+            await shutdown_event.wait()
+            if not failed:
+                hurry = hurry_event or asyncio.Event()
+                log.info("shutting down: draining for up to %g s (a second signal ends the running requests now)",
+                         config.serve.drain_timeout)
+                await state.drain(config.serve.drain_timeout, hurry)
+            stop.set()
+
+        watcher = asyncio.ensure_future(lifecycle())
         try:
-            await run_app(app, sock, shutdown_event.wait)
-        except Exception:
-            startup_error = app.state.strata.startup_error
-            if startup_error is not None:      # already logged; one line for the CLI
-                raise StrataError(f"the scheduler failed to start: {startup_error}") from None
-            raise
+            await run_app(app, sock, stop.wait)
         finally:
             sock = None                        # hypercorn owns (and closed) it
+            watcher.cancel()
+        error = state.startup_error
+        if error is not None:                  # already logged; one line for the CLI
+            if isinstance(error, StrataError):
+                raise error
+            raise StrataError(f"the model failed to start: {type(error).__name__}: {error}") from None
         log.info("stopped")
         return 1 if failed else 0
     finally:
@@ -189,14 +234,18 @@ def serve_forever(config: Settings) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     async def main() -> int:
-        event = asyncio.Event()
+        event, hurry = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal():
+            (hurry if event.is_set() else event).set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, event.set)
+                loop.add_signal_handler(sig, on_signal)
             except (NotImplementedError, RuntimeError):
                 pass
-        return await serve(config, event)
+        return await serve(config, event, hurry)
 
     try:
         return asyncio.run(main())

@@ -2,10 +2,11 @@
 
 The next token after a row that feeds token t at position p is next_token(t, p) = 32 + (7 t + p) % 95, a printable
 ASCII byte (the demo tokenizer decodes ids 32..126 to that one character), for decode rows and for a prompt part
-(from its last token and position) alike; sampling settings are ignored. It checks what a real executor relies on
-(each row continues its slot's sequence, a continuing plan continues the window it names, windows are collected in
-order), records every plan it is given, and can be told to raise in a given window or to report the row at a slot's
-given position non-finite.
+(from its last token and position) alike; sampling settings are ignored, but a grammar mask is obeyed (the first
+allowed token at or after that one), a part's copies take its state and token, and logprobs are fake_logprobs(token).
+It checks what a real executor relies on (each row continues its slot's sequence, a continuing plan continues the
+window it names, windows are collected in order), records every plan it is given, and can be told to raise in a given
+window or to report the row at a slot's given position non-finite.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.plan import Capacity, WindowPlan, WindowResult
+from strata.plan import TOP_LOGPROBS, Capacity, Logprobs, WindowPlan, WindowResult
 
 FIRST, SPAN = 32, 95
 
@@ -31,6 +32,22 @@ def expected_tokens(prompt, n: int) -> list[int]:
         out.append(last)
         pos += 1
     return out
+
+
+def obey(mask_row, token: int) -> int:
+    """The first token at or after `token` (cyclically) that a mask row allows."""
+    bits = np.unpackbits(np.asarray(mask_row, np.int32).view(np.uint8), bitorder="little").astype(bool)
+    allowed = np.flatnonzero(bits)
+    later = allowed[allowed >= token]
+    return int(later[0] if len(later) else allowed[0])
+
+
+def fake_logprobs(tokens) -> Logprobs:
+    """What the fake reports for rows that sampled `tokens` [B]: logprob -token / 1000, alternatives token + i."""
+    t = np.asarray(tokens, np.int32).reshape(-1)
+    sampled = (-t / 1000).astype(np.float32)
+    i = np.arange(TOP_LOGPROBS)
+    return Logprobs(sampled, (t[:, None] + i).astype(np.int32), (sampled[:, None] - i).astype(np.float32))
 
 
 def text_of(tokens) -> str:
@@ -101,9 +118,11 @@ class FakeExecutor:
                 raise ValueError(f"slot {s}: a decode row at position {pos} but its sequence holds {self.length[s]} "
                                  f"(of at most {self.max_context})")
             nxt[s] = next_token(tokens[s], pos)
+            if plan.mask is not None:
+                nxt[s] = obey(plan.mask[s], nxt[s])
             fin[s] = (s, pos) not in self.nonfinite
             self.length[s] += 1
-        part_next = part_finite = None
+        part_next = part_finite = copies_next = None
         if plan.part is not None:
             p = plan.part
             if not 1 <= len(p.tokens) <= self.part_size:
@@ -115,11 +134,20 @@ class FakeExecutor:
             end = p.start + len(p.tokens)
             if end > self.max_context:
                 raise ValueError(f"slot {p.slot}: a part up to position {end - 1} beyond max_context {self.max_context}")
-            part_next = next_token(p.tokens[-1], end - 1) if p.last else 0
+            first = [next_token(p.tokens[-1], end - 1) if p.last else 0] * (1 + len(p.copies))
+            if plan.mask is not None and p.last:
+                first = [obey(plan.mask[i], t) for i, t in zip((p.slot, *p.copies), first)]
+            part_next, copies_next = first[0], (np.array(first[1:], np.int32) if p.copies else None)
             part_finite = not any((p.slot, q) in self.nonfinite for q in range(p.start, end))
             self.length[p.slot] = end
+            for c in p.copies:
+                self.length[c] = end
+        logprobs = plan.logprobs is not None
+        res = WindowResult(nxt, fin, part_next, part_finite, 0.0, 0.0, copies_next=copies_next,
+                           decode_logprobs=fake_logprobs(nxt) if logprobs else None,
+                           part_logprobs=fake_logprobs(first) if logprobs and plan.part is not None else None)
         self.windows.append(Dispatched(plan, tokens, after is not None))
-        return Handle(index, plan, WindowResult(nxt, fin, part_next, part_finite, 0.0, 0.0), after)
+        return Handle(index, plan, res, after)
 
     def collect(self, handle: Handle) -> WindowResult:
         if self.collected and handle.index <= self.collected[-1]:

@@ -145,7 +145,7 @@ def test_stop_string_ends_the_text_before_it(client):
 def test_accepted_client_fields(client):
     """Fields real clients send are accepted (unknown ones ignored); developer is a system message."""
     r = client.chat.completions.create(
-        model="anything", messages=[{"role": "developer", "content": "Be brief."},
+        model="demo", messages=[{"role": "developer", "content": "Be brief."},
                                     {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
         max_completion_tokens=4, temperature=0.5, top_p=0.9, seed=5, stop="\n\n", n=1, user="u-1",
         reasoning_effort="low", presence_penalty=0.0, frequency_penalty=0.0,

@@ -72,7 +72,9 @@ CASES = [
     ("image_part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
      ["messages[0].content[0].type", "image_url", "text only"], "messages[0].content[0]"),
-    ("n_2", "POST", CHAT, chat(n=2), 400, ["n=2 is not supported", "n=1"], "n"),
+    ("n_above_the_slots", "POST", CHAT, chat(n=3), 400, ["n must be in [1, 2] (choices: one slot each), got 3"],
+     "n"),
+    ("n_zero", "POST", CHAT, chat(n=0), 400, ["n must be in [1, 2]", "got 0"], "n"),
     ("n_wrong_type", "POST", CHAT, chat(n="1"), 400, ["n must be an integer", '"1"'], "n"),
     ("max_tokens_negative", "POST", CHAT, chat(max_tokens=-5), 400, ["max_tokens must be at least 1", "-5"],
      "max_tokens"),
@@ -94,7 +96,9 @@ CASES = [
     ("top_p_zero", "POST", CHAT, chat(top_p=0), 400, ["top_p must be in (0, 1]"], "top_p"),
     ("top_p_above_one", "POST", CHAT, chat(top_p=1.5), 400, ["top_p must be in (0, 1]", "1.5"], "top_p"),
     ("top_k_float", "POST", CHAT, chat(top_k=2.5), 400, ["top_k must be an integer"], "top_k"),
-    ("top_k_negative", "POST", CHAT, chat(top_k=-7), 400, ["top_k must be at least -1", "-7"], "top_k"),
+    ("top_k_negative", "POST", CHAT, chat(top_k=-7), 400, ["top_k must be in [-1, ", "-7"], "top_k"),
+    ("top_k_over_vocab", "POST", CHAT, chat(top_k=2 ** 31), 400,
+     [f"top_k must be in [-1, {DEMO_VOCAB_SIZE}]", "2147483648"], "top_k"),
     ("min_p_above_one", "POST", CHAT, chat(min_p=2), 400, ["min_p must be in [0, 1]"], "min_p"),
     ("seed_string", "POST", CHAT, chat(seed="abc"), 400, ["seed must be an integer"], "seed"),
     ("seed_negative", "POST", CHAT, chat(seed=-1), 400, ["seed must be in [0, 9223372036854775807]"], "seed"),
@@ -110,9 +114,38 @@ CASES = [
      ["reasoning_effort must be one of", "low", "high", '"extreme"'], "reasoning_effort"),
     ("user_wrong_type", "POST", CHAT, chat(user=5), 400, ["user must be a string"], "user"),
     ("model_wrong_type", "POST", CHAT, chat(model=["demo"]), 400, ["model must be a string"], "model"),
-    ("logprobs_requested", "POST", CHAT, chat(logprobs=True), 400, ["logprobs are not supported"], "logprobs"),
-    ("response_format_schema", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
-     ["response_format type 'json_schema' is not supported"], "response_format"),
+    ("logprobs_not_bool", "POST", CHAT, chat(logprobs=3), 400, ["logprobs must be a boolean"], "logprobs"),
+    ("top_logprobs_above_20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400,
+     ["top_logprobs must be in [0, 20]"], "top_logprobs"),
+    ("top_logprobs_without_logprobs", "POST", CHAT, chat(top_logprobs=3), 400, ["top_logprobs needs logprobs"],
+     "top_logprobs"),
+    ("response_format_unknown", "POST", CHAT, chat(response_format={"type": "yaml"}), 400,
+     ['response_format type "yaml" is not known', "json_schema"], "response_format"),
+    ("response_format_schema_missing", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
+     ["json_schema needs", "json_schema.schema"], "response_format"),
+    ("response_format_schema_invalid", "POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}), 400,
+     ["response_format cannot be turned into a grammar", "nonsense"], "response_format"),
+    ("logit_bias_not_object", "POST", CHAT, chat(logit_bias=[1, 2]), 400, ["logit_bias must be an object"],
+     "logit_bias"),
+    ("logit_bias_bad_key", "POST", CHAT, chat(logit_bias={"abc": 1}), 400, ["logit_bias keys must be token ids"],
+     "logit_bias"),
+    ("logit_bias_out_of_range", "POST", CHAT, chat(logit_bias={"5": 101}), 400, ["must be in [-100, 100]", "101"],
+     'logit_bias["5"]'),
+    ("logit_bias_unknown_token", "POST", CHAT, chat(logit_bias={"99999": 5}), 400,
+     ["token 99999", f"0..{DEMO_VOCAB_SIZE - 1}"], "logit_bias"),
+    ("presence_penalty_out_of_range", "POST", CHAT, chat(presence_penalty=3), 400,
+     ["presence_penalty must be in [-2, 2]"], "presence_penalty"),
+    ("tool_choice_without_tools", "POST", CHAT, chat(tool_choice="required"), 400, ["needs tools"], "tool_choice"),
+    ("tool_choice_unknown_function", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                         tool_choice={"type": "function",
+                                                                      "function": {"name": "g"}}), 400,
+     ["names function 'g', which is not in tools", "tools: f"], "tool_choice"),
+    ("tool_choice_wrong_value", "POST", CHAT, chat(tool_choice="always"), 400,
+     ["tool_choice must be one of none, auto, required"], "tool_choice"),
+    ("tool_choice_and_response_format", "POST", CHAT, chat(
+        tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+        response_format={"type": "json_object"}), 400, ["both constrain the reply"], "tool_choice"),
     ("tools_wrong_type", "POST", CHAT, chat(tools="all"), 400, ["tools must be an array"], "tools"),
     ("chat_prompt_over_context", "POST", CHAT, chat(messages=[{"role": "user", "content": LONG}]), 400,
      [f"but max_context is {MAX_CONTEXT}", f"at most {MAX_CONTEXT - 1} tokens", "--max-context"], "messages"),
@@ -134,7 +167,8 @@ CASES = [
     ("echo_not_bool", "POST", TEXT, text(echo="yes"), 400, ["echo must be a boolean"], "echo"),
     ("suffix_given", "POST", TEXT, text(suffix="end"), 400, ["suffix", "not supported"], "suffix"),
     ("best_of_2", "POST", TEXT, text(best_of=2), 400, ["best_of=2 is not supported"], "best_of"),
-    ("text_logprobs", "POST", TEXT, text(logprobs=5), 400, ["logprobs are not supported"], "logprobs"),
+    ("text_logprobs_above_20", "POST", TEXT, text(logprobs=25), 400, ["logprobs must be in [0, 20]"], "logprobs"),
+    ("text_echo_and_logprobs", "POST", TEXT, text(logprobs=2, echo=True), 400, ["echo with logprobs"], "echo"),
     ("oversized_body", "POST", CHAT, chat(messages=[{"role": "user", "content": "z" * (MAX_BODY + 10)}]), 413,
      [f"at most {MAX_BODY} bytes", "max_body_bytes"], None),
     ("unknown_route", "POST", "/v1/embeddings", chat(), 404, ["no route /v1/embeddings", "/v1/chat/completions"],
@@ -314,3 +348,21 @@ def test_an_answer_sent_without_the_route_reads_the_body_first(server):
     assert (n, status) == (2, 404) and b"connection" not in headers
     n, status, headers = call([b"x" * (MAX_BODY // 2)] * 3)               # over max_body_bytes by the third part
     assert (n, status) == (3, 404) and headers.get(b"connection") == b"close"
+
+
+@pytest.mark.parametrize("args, texts", [
+    (["--device", "tpu"], ["--device tpu is not a device of this machine's jax backend", "strata doctor"]),
+    (["--expert-cache", "lots"], ["--expert-cache lots is not allowed", '"auto" or a number of experts']),
+    (["--expert-cache", "1"], ["expert_cache 1 (--expert-cache) is below the minimum of 4 slots", "or to auto"]),
+    (["--served-model-name", ","], ["--served-model-name , is not allowed", "comma-separated"]),
+    (["--drain-timeout", "-1"], ["--drain-timeout -1.0 is not allowed", "[0, 86400]"]),
+    (["--cors-origin", ""], ["--cors-origin  is not allowed"]),
+], ids=["device", "expert_cache_word", "expert_cache_below_minimum", "served_name", "drain_timeout", "cors"])
+def test_bad_flags_exit_2_in_the_flags_own_words(args, texts):
+    r = strata_serve("--port", "0", *args)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("strata serve: error: "), r.stderr
+    for t in texts:
+        assert t in last, (t, last)
+    assert "Traceback" not in r.stderr and "_cache_size" not in r.stderr

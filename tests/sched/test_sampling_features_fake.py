@@ -1,0 +1,194 @@
+"""What the scheduler plans and reports for the sampling features, against a FakeExecutor: n choices read their prompt
+once and end one by one; grammar masks go only to the rows that have a grammar and stop lookahead while they decode;
+penalties, bias and logprobs arrays appear only when some request uses them (a plain plan is the plain plan); each
+token's logprob reaches its choice's events."""
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+from fake_executor import FakeExecutor, expected_tokens, fake_logprobs, text_of
+
+from strata.demo_tokenizer import write_demo_tokenizer
+from strata.engine.sampling import mask_words, pack_mask
+from strata.sched.request import Delta, Failed, Finished, Request, SamplingParams
+from strata.sched.scheduler import Scheduler, choice_seed
+from strata.tokenizer import Tokenizer
+
+VOCAB = 624
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    d = tmp_path_factory.mktemp("demo_tokenizer")
+    write_demo_tokenizer(d)
+    return Tokenizer.from_dir(d)
+
+
+def P(text: str) -> tuple[int, ...]:
+    return tuple(text.encode())
+
+
+def run(sched, requests) -> dict:
+    """Submit, run until every stream closed -> {id: [events]}."""
+    events = {r.id: [] for r in requests}
+
+    async def main():
+        with anyio.fail_after(10):
+            streams = {r.id: sched.submit(r) for r in requests}
+            async with anyio.create_task_group() as tg:
+                await tg.start(sched.run)
+                async with anyio.create_task_group() as clients:
+                    for rid, stream in streams.items():
+                        async def drain(stream=stream, out=events[rid]):
+                            async with stream:
+                                async for ev in stream:
+                                    out.append(ev)
+                        clients.start_soon(drain)
+                tg.cancel_scope.cancel()
+    anyio.run(main)
+    return events
+
+
+def choices(events) -> dict:
+    """{index: (text, Finished)} of a request whose every choice finished."""
+    out = {}
+    for ev in events:
+        if isinstance(ev, Delta):
+            text, fin = out.get(ev.index, ("", None))
+            assert fin is None, "a choice's text came after its end"
+            out[ev.index] = (text + ev.content, None)
+        else:
+            assert isinstance(ev, Finished), ev
+            out[ev.index] = (out.get(ev.index, ("", None))[0], ev)
+    return out
+
+
+class Spell:
+    """A matcher that allows exactly one token sequence, then nothing."""
+
+    def __init__(self, tokens):
+        self.tokens, self.i, self.bad = list(tokens), 0, None
+
+    def mask(self):
+        allowed = np.zeros((1, VOCAB), bool)
+        if self.i < len(self.tokens):
+            allowed[0, self.tokens[self.i]] = True
+        return pack_mask(allowed)[0]
+
+    def accept(self, token):
+        ok = self.i < len(self.tokens) and token == self.tokens[self.i]
+        self.bad = None if ok else f"token {token} is not {self.tokens[self.i]}"
+        self.i += 1
+        return ok
+
+    def done(self):
+        return self.i == len(self.tokens)
+
+    def error(self):
+        return self.bad or ""
+
+
+class SpellConstraint:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def matcher(self):
+        return Spell(self.tokens)
+
+
+def test_n_choices_read_the_prompt_once_and_each_finishes(tokenizer):
+    fake = FakeExecutor(slots=3, part_size=4)
+    sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
+    prompt = P("hello world")
+    ev = run(sched, [Request(id="A", prompt_ids=prompt, max_tokens=6, n=3)])["A"]
+    got = choices(ev)
+    want = text_of(expected_tokens(prompt, 6))
+    assert sorted(got) == [0, 1, 2]
+    assert all(text == want and fin.reason == "length" and fin.completion_tokens == 6 and fin.index == i
+               for i, (text, fin) in got.items())
+    parts = [w.plan.part for w in fake.windows if w.plan.part is not None]
+    assert sum(len(p.tokens) for p in parts) == len(prompt), "the prompt is read once"
+    assert [p.copies for p in parts if p.last] == [(1, 2)] and all(not p.copies for p in parts if not p.last)
+    decode = [w.plan for w in fake.windows if w.plan.n_decode]
+    assert all(p.decode_active.tolist() == [True] * 3 for p in decode)
+    seeds = {tuple(p.seeds[i]) for p in decode for i in range(3)}
+    assert len(seeds) == 3, "each choice samples with its own seed"
+    assert all(s["state"] == "free" for s in sched.slots())
+
+
+def test_n_waits_for_its_slots_and_more_than_the_slots_is_refused(tokenizer):
+    fake = FakeExecutor(slots=2, part_size=4)
+    sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
+    with pytest.raises(ValueError, match="n = 3 choices; this server has 2 slots"):
+        sched.submit(Request(id="X", prompt_ids=P("hi"), max_tokens=2, n=3))
+    ev = run(sched, [Request(id="A", prompt_ids=P("abc"), max_tokens=5),
+                     Request(id="B", prompt_ids=P("xyz"), max_tokens=3, n=2)])
+    assert sorted(choices(ev["B"])) == [0, 1] and list(choices(ev["A"])) == [0]
+    b_starts = min(i for i, w in enumerate(fake.windows) if w.plan.part is not None and w.plan.part.tokens[0] == 120)
+    a_last = min(i for i, w in enumerate(fake.windows) if w.plan.decode_active[0] and w.plan.decode_pos[0] == 6)
+    assert a_last < b_starts, "B waited until A's slot was free (A's last token is fed at position 3 + 4 - 1)"
+    assert choice_seed(7, 0) == 7 and choice_seed(7, 1) != choice_seed(7, 2)
+
+
+def test_a_grammar_row_gets_its_mask_and_no_lookahead_while_it_decodes(tokenizer):
+    fake = FakeExecutor(slots=2, part_size=8)
+    sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
+    spell = list(P('{"a": 1}'))
+    ev = run(sched, [Request(id="G", prompt_ids=P("json:"), max_tokens=40, constraint=SpellConstraint(spell)),
+                     Request(id="F", prompt_ids=P("free"), max_tokens=30)])
+    (text, fin), = choices(ev["G"]).values()
+    assert text == '{"a": 1}' and fin.reason == "stop" and fin.completion_tokens == len(spell)
+    (free, _), = choices(ev["F"]).values()
+    assert free == text_of(expected_tokens(P("free"), 30))
+    with_g = [w for w in fake.windows if w.plan.mask is not None]
+    assert with_g and not any(w.ahead for w in with_g)
+    assert all((w.plan.mask[1] == -1).all() for w in with_g), "the row without a grammar allows every token"
+    assert all(w.plan.mask.shape == (2, mask_words(VOCAB)) for w in with_g)
+    after = [w for w in fake.windows if w.plan.mask is None and w.plan.n_decode]
+    assert any(w.ahead for w in after), "lookahead resumes once no row has a grammar"
+
+
+def test_a_token_the_grammar_rejects_fails_the_request(tokenizer):
+    class Liar(SpellConstraint):
+        def matcher(self):
+            m = Spell(self.tokens)
+            m.mask = lambda: np.full(mask_words(VOCAB), -1, np.int32)     # claims every token is allowed
+            return m
+    fake = FakeExecutor(slots=1, part_size=8)
+    sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
+    ev = run(sched, [Request(id="G", prompt_ids=P("x"), max_tokens=9, constraint=Liar([1, 2, 3]))])["G"]
+    assert isinstance(ev[-1], Failed) and "broke the request's grammar at generated token 1" in ev[-1].message
+
+
+def test_optional_arrays_only_when_a_request_uses_them(tokenizer):
+    fake = FakeExecutor(slots=2, part_size=8)
+    sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
+    run(sched, [Request(id="A", prompt_ids=P("plain"), max_tokens=4)])
+    assert all(w.plan.penalties is None and w.plan.bias_ids is None and w.plan.mask is None
+               and w.plan.logprobs is None and not w.plan.shaped for w in fake.windows)
+    fake = FakeExecutor(slots=2, part_size=8)
+    sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
+    sp = SamplingParams(frequency_penalty=0.5, logit_bias=((7, 3.0), (9, -1.0)))
+    run(sched, [Request(id="A", prompt_ids=P("plain"), max_tokens=4),
+                Request(id="B", prompt_ids=P("shaped"), max_tokens=4, sampling=sp, logprobs=2)])
+    both = [w.plan for w in fake.windows if w.plan.decode_active.all()]
+    assert both and all(p.shaped and p.mask is None for p in both)
+    p = both[0]
+    assert p.penalties.tolist() == [[0, 0, 1], [0, 0.5, 1]]
+    assert p.bias_ids.tolist() == [[-1, -1], [7, 9]] and p.bias_values.tolist() == [[0, 0], [3, -1]]
+    assert p.logprobs.tolist() == [-1, 2]
+
+
+def test_logprobs_reach_each_tokens_choice(tokenizer):
+    fake = FakeExecutor(slots=2, part_size=8)
+    sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
+    prompt = P("logprobs")
+    ev = run(sched, [Request(id="A", prompt_ids=prompt, max_tokens=5, logprobs=3, n=2)])["A"]
+    want = expected_tokens(prompt, 5)
+    for index in (0, 1):
+        lps = [lp for e in ev if isinstance(e, Delta) and e.index == index for lp in e.logprobs]
+        assert [lp.token for lp in lps] == want
+        ref = fake_logprobs(want)
+        assert [lp.logprob for lp in lps] == pytest.approx(ref.sampled.tolist())
+        assert all(len(lp.top) == 3 and lp.top[0] == (t, pytest.approx(lp.logprob)) for lp, t in zip(lps, want))

@@ -1,0 +1,120 @@
+"""Grammars (strata/serve/grammar.py) on the demo tokenizer: random walks over the tokens each mask allows (a model
+with random weights, in effect) always end, within a bound, in text that the tool-call parser reads as calls whose
+arguments validate against the tool's schema, or in JSON that validates against the response schema; both tool-call
+forms; a prompt that opened <think> may finish it first; bad schemas are refused with the reason."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from strata.demo import demo_model_dir
+from strata.serve.grammar import GrammarError, Grammars
+from strata.serve.tool_calls import Parsed, ToolCallParser
+from strata.tokenizer import Tokenizer
+
+VOCAB = 624
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                            "units": {"enum": ["C", "F"]}},
+           "required": ["city", "days"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
+REPORT = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 20},
+                                           "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+                                           "ok": {"type": "boolean"}},
+          "required": ["title", "scores", "ok"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_dir(demo_model_dir())
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer, VOCAB, tokenizer.eos_token_ids)
+
+
+def walk(constraint, seed, limit=400, eos=(256, 258)) -> tuple[list[int], bool]:
+    """Tokens drawn uniformly from each mask until the grammar is complete or an end token is drawn -> (tokens,
+    whether it ended within `limit`)."""
+    rng = np.random.default_rng(seed)
+    m, out = constraint.matcher(), []
+    for _ in range(limit):
+        allowed = np.flatnonzero(np.unpackbits(m.mask().view(np.uint8), bitorder="little")[:VOCAB])
+        assert len(allowed), "a mask allowed nothing"
+        tok = int(rng.choice(allowed))
+        if tok in eos:
+            return out, True
+        assert m.accept(tok), m.error()
+        out.append(tok)
+        if m.done():
+            return out, True
+    return out, False
+
+
+@pytest.mark.parametrize("form", ["json", "xml"])
+def test_forced_tool_calls_parse_and_match_their_schema(tokenizer, form):
+    grammars = Grammars(tokenizer, VOCAB, tokenizer.eos_token_ids, form=form)
+    for parallel in (False, True):
+        c = grammars.tool_calls(TOOLS, parallel=parallel)
+        for seed in range(8):
+            toks, ended = walk(c, seed)
+            assert ended, "a forced call did not end within 400 tokens"
+            p = ToolCallParser(TOOLS)
+            out = Parsed()
+            out.add(p.push(tokenizer.decode(toks)))
+            out.add(p.finish())
+            assert out.content == "" and len(out.calls) >= 1
+            assert parallel or len({d.index for d in out.calls}) == 1
+            by_index: dict = {}
+            for d in out.calls:
+                by_index.setdefault(d.index, [d.name, ""])[1] += d.arguments
+            for name, args in by_index.values():
+                schema = WEATHER if name == "get_weather" else {"type": "object", "maxProperties": 0}
+                jsonschema.validate(json.loads(args), schema)
+
+
+def test_a_named_choice_calls_that_function(grammars, tokenizer):
+    c = grammars.tool_calls(TOOLS[:1], parallel=False)
+    toks, ended = walk(c, 3)
+    text = tokenizer.decode(toks)
+    assert ended and text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": ')
+
+
+def test_json_schema_output_validates(grammars, tokenizer):
+    c = grammars.json(REPORT)
+    for seed in range(8):
+        toks, ended = walk(c, seed)
+        assert ended
+        jsonschema.validate(json.loads(tokenizer.decode(toks)), REPORT)
+    any_object = grammars.json(None)               # unbounded: checked on given text, not on random walks
+    m = any_object.matcher()
+    assert all(m.accept(t) for t in tokenizer.encode('{"a": [1, {"b": null}], "c": "d"}')) and m.done()
+    assert not any_object.matcher().accept(tokenizer.encode("[")[0])
+
+
+def test_properties_not_named_are_not_allowed_unless_the_schema_says_so(grammars, tokenizer):
+    c = grammars.json({"type": "object", "properties": {"a": {"type": "boolean"}}})
+    for seed in range(6):
+        toks, _ = walk(c, seed)
+        assert set(json.loads(tokenizer.decode(toks))) <= {"a"}
+
+
+def test_a_prompt_that_opened_think_may_finish_it_first(grammars, tokenizer):
+    c = grammars.json(REPORT, reasoning=True)
+    m = c.matcher()
+    think_end = tokenizer.token_to_id("</think>")
+    answer = tokenizer.encode('\n\n{"title": "t", "scores": [], "ok": true}')
+    toks = tokenizer.encode("let me see") + [think_end] + answer
+    assert all(m.accept(t) for t in toks) and m.done()
+
+
+def test_bad_schemas_are_refused_with_the_reason(grammars):
+    with pytest.raises(GrammarError, match="nonsense"):
+        grammars.json({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+    with pytest.raises(GrammarError, match="tools\\[0\\] needs function.name"):
+        grammars.tool_calls([{"type": "function", "function": {"parameters": {}}}])
