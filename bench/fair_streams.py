@@ -153,7 +153,8 @@ def streams(engine, prefill: int, budget: tuple, prompt_ids, a_prompt, a_tokens:
     m = sched.metrics()
     res["inter_token_ms_beside_parts_mean"] = (1000 * m["inter_token_seconds_beside_parts_sum"]
                                                / max(m["inter_tokens_beside_parts"], 1))
-    say(f"  window_tokens {budget[0]}, prompt_share {budget[1]}: A {res['a_during_read_tok_s']:.1f} tok/s during B's read, "
+    say(f"  window_tokens {budget[0]}, prompt_share {budget[1]}: A {res['a_during_read_tok_s']:.1f} tok/s during "
+        f"B's read, "
         f"{res['a_alone_tok_s']:.1f} alone ({res['a_rate_fraction']:.2f}), gaps p50 {res['a_gap_ms_p50']:.1f} / "
         f"p99 {res['a_gap_ms_p99']:.1f} ms; B read {len(prompt_ids)} tokens in {read_s:.2f} s")
     return res
@@ -243,9 +244,11 @@ def serve_runs(args, budgets, prompt_ids) -> list[dict]:
         finally:
             proc.terminate()
             proc.wait(60)
-        row = {"window_tokens": b[0], "prompt_share": b[1], **{k: float(np.median([r[k] for r in rounds])) for k in rounds[0]},
+        row = {"window_tokens": b[0], "prompt_share": b[1],
+               **{k: float(np.median([r[k] for r in rounds])) for k in rounds[0]},
                "rounds": rounds}
-        say(f"  served, window_tokens {b[0]}, prompt_share {b[1]}: A {row['a_during_read_texts_s']:.1f} texts/s during B's read, "
+        say(f"  served, window_tokens {b[0]}, prompt_share {b[1]}: A {row['a_during_read_texts_s']:.1f} texts/s "
+            f"during B's read, "
             f"{row['a_alone_texts_s']:.1f} alone ({row['a_rate_fraction']:.2f}), gaps p50 {row['a_gap_ms_p50']:.1f} / "
             f"p99 {row['a_gap_ms_p99']:.1f} ms; B's first token after {row['b_ttft_s']:.2f} s")
         out.append(row)
@@ -284,8 +287,8 @@ def main() -> int:
     if args.only_served:
         result = {"bench": "fair_streams", **results_file.stamp(), "model": args.model, "prefill": args.prefill,
                   "prompt_tokens": args.prompt, "load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
-                  "cpu_affinity": sorted(os.sched_getaffinity(0)), "served": serve_runs(args, _budgets(args.served or args.budgets),
-                                                                                 long_prompt)}
+                  "cpu_affinity": sorted(os.sched_getaffinity(0)),
+                  "served": serve_runs(args, _budgets(args.served or args.budgets), long_prompt)}
         results_file.write(result, args.out, f"fair_streams_served_{args.model}_cpu")
         return 0
     ctx = args.prompt + 1024
@@ -312,11 +315,13 @@ def main() -> int:
                     if isinstance(v, float)})
         row["b_read_vs_alone"] = row["b_read_s"] / float(np.median(alone))
         table.append({**row, "rounds": runs[b]})
-    say("| window_tokens | prompt_share | part beside a row | A during B's read, tok/s | A alone, tok/s | A's share | A's gap p50 / p99 ms "
+    say("| window_tokens | prompt_share | part beside a row | A during B's read, tok/s | A alone, tok/s | A's share "
+        "| A's gap p50 / p99 ms "
         "| B's read s | B's read / alone |")
     say("|---|---|---|---|---|---|---|---|---|")
     for r in table:
-        say(f"| {r['window_tokens']} | {r['prompt_share']} | {r['window_part']} | {r['a_during_read_tok_s']:.1f} | {r['a_alone_tok_s']:.1f} | "
+        say(f"| {r['window_tokens']} | {r['prompt_share']} | {r['window_part']} | {r['a_during_read_tok_s']:.1f} | "
+            f"{r['a_alone_tok_s']:.1f} | "
             f"{r['a_rate_fraction']:.2f} | {r['a_gap_ms_p50']:.1f} / {r['a_gap_ms_p99']:.1f} | {r['b_read_s']:.2f} | "
             f"{r['b_read_vs_alone']:.2f} |")
     result = {"bench": "fair_streams", **results_file.stamp(), "model": args.model, "max_context": ctx,
