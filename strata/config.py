@@ -28,7 +28,7 @@ from strata.errors import ConfigError
 KV_DTYPES = {"auto": None, "int8": np.int8, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 # Prompt parts are padded up to one of these token counts, so compilations are bounded (one per bucket used).
-PART_BUCKETS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PART_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def bucket_for(n: int) -> int:
@@ -188,6 +188,13 @@ class SchedSettings(_Group):
         512, _int_range(1, MAX_PREFILL),
         "Prompt part size in tokens: a long prompt is read in parts of at most this many tokens, with the other "
         "slots decoding between the parts.")
+    window_tokens: int = setting(
+        64, _int_range(1, MAX_PREFILL),
+        "Token budget of a window in which slots decode: their rows come first (a token each), then a prompt being "
+        "read gets the rest as one part, padded to a compiled part size no larger than the budget, so a decoding "
+        "stream waits for at most that much prompt per token. With nothing decoding, prompts are read in parts of "
+        "`prefill` tokens; a budget of prefill or more leaves parts at prefill. The default is measured on the demo "
+        "model on a CPU (docs/performance.md); a GPU's window costs differ (the H200's are not measured yet).")
     queue_limit: int = setting(
         16, _int_range(1, 65536), "Requests waiting for a free slot; beyond it requests get 503 with Retry-After.")
     lookahead: bool = setting(

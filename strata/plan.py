@@ -112,6 +112,12 @@ class Capacity:
     slots: int                   # S: decode rows of a window (the parallel slots)
     part_size: int               # the largest prompt part a window carries
     max_context: int             # tokens of one sequence: prompt + generated
+    part_sizes: tuple[int, ...] = ()     # the compiled part sizes, ascending: a part is padded up to the smallest
+                                         # that holds it (empty: every size up to part_size, nothing padded)
+
+    def padded(self, n: int) -> int:
+        """The tokens a part of n tokens costs: the smallest compiled part size that holds it."""
+        return next((s for s in self.part_sizes if s >= n), n)
 
 
 class Executor(Protocol):

@@ -30,7 +30,8 @@ class WindowRunner:
         if part_size > engine.settings.sched.prefill:
             raise ValueError(f"part size {part_size} exceeds the engine's prefill {engine.settings.sched.prefill}")
         self.engine, self.n_slots, self.part_size = engine, n_slots, part_size
-        self.capacity = Capacity(slots=n_slots, part_size=part_size, max_context=engine.settings.model.max_context)
+        self.capacity = Capacity(slots=n_slots, part_size=part_size, max_context=engine.settings.model.max_context,
+                                 part_sizes=tuple(self.buckets()))
         ops = engine.backend
         one = engine.init_state()
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]

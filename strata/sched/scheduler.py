@@ -1,13 +1,13 @@
 """The scheduler: admits requests into slots and plans windows over all of them, continuously; an Executor runs them.
 
 It is given the Executor (strata/plan.py) and what it needs of the model as plain values, and builds neither. Each
-window holds one decode row per generating slot and at most one prompt part (of up to the executor's part size) of
-the earliest-admitted slot still reading its prompt. Executor calls run in a worker thread; the next window is
-dispatched before the previous window's text is sent, and in steady decoding (lookahead, when the executor chains)
-before its tokens are read: dispatch(plan.continued(), after=...); a slot whose request ended on that token is then
-computed one token further and the result dropped. Slots go FREE -> READING -> GENERATING -> FREE; n choices hold n
-slots (one reads the prompt, the others copy its state). Every choice ends with one Finished, or its request with one
-Failed: a window that raises fails its requests only, a non-finite row its request naming the position.
+window holds one decode row per generating slot and at most one prompt part of the earliest-admitted slot still
+reading: beside decode rows, the rest of the window's token budget; alone, the executor's part size. Executor calls run
+in a worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
+(lookahead, when the executor chains) before its tokens are read: dispatch(plan.continued(), after=...); a slot whose
+request ended on that token is then computed one token further and the result dropped. Slots go FREE -> READING ->
+GENERATING -> FREE; n choices hold n slots (one reads the prompt, the others copy its state). Every choice ends with one
+Finished, or its request with one Failed: a window that raises fails its requests only, a non-finite row its request.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import anyio
 import numpy as np
 
-from strata.plan import Executor, Logprobs, PromptPart, WindowPlan, WindowResult
+from strata.plan import Capacity, Executor, Logprobs, PromptPart, WindowPlan, WindowResult
 from strata.sched.output import TextOutput
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, TokenLogprob
 
@@ -65,6 +65,7 @@ class Slot:
     t_read_start: float = 0.0
     t_read_end: float = 0.0
     t_first_token: float = 0.0
+    t_token: float = 0.0                 # when the last token was applied
     events: list = field(default_factory=list)   # produced by the last window, sent after the next is dispatched
 
     def reset(self) -> None:
@@ -74,9 +75,11 @@ class Slot:
 
 class Scheduler:
     def __init__(self, executor: Executor, *, tokenizer, eos_token_ids, queue_limit: int, lookahead: bool = True,
-                 max_context: int | None = None):
+                 max_context: int | None = None, window_tokens: int | None = None):
         """tokenizer: decode_stream and token_to_id (strata/tokenizer.py); eos_token_ids: a request's stop tokens
-        unless it names its own; max_context: tokens of one sequence, at most (and by default) the executor's."""
+        unless it names its own; max_context: tokens of one sequence, at most (and by default) the executor's;
+        window_tokens: the token budget of a window with decode rows (None: none, a part of the part size beside
+        them)."""
         cap = executor.capacity
         max_context = cap.max_context if max_context is None else max_context
         if max_context > cap.max_context:
@@ -84,6 +87,10 @@ class Scheduler:
         self.executor, self.max_context, self.queue_limit = executor, max_context, queue_limit
         self.tokenizer, self.eos_token_ids = tokenizer, tuple(eos_token_ids)
         self.prefill = cap.part_size
+        if window_tokens is not None and window_tokens < 1:
+            raise ValueError(f"window_tokens must be at least 1, found {window_tokens}")
+        self.window_tokens = cap.part_size + cap.slots if window_tokens is None else window_tokens
+        self.window_part = window_part(cap, self.window_tokens)
         # steady decoding dispatches the next window before reading this one (_continuation)
         self.lookahead = lookahead and executor.chains
         self.slots_ = [Slot(i) for i in range(cap.slots)]
@@ -98,7 +105,10 @@ class Scheduler:
         # work (HTTP) running before the scheduler resumes.
         self.stats = {"requests_finished": 0, "requests_failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "windows": 0, "windows_ahead": 0, "window_seconds_sum": 0.0, "device_seconds_sum": 0.0,
-                      "plan_seconds_sum": 0.0, "apply_seconds_sum": 0.0, "handoff_seconds_sum": 0.0}
+                      "plan_seconds_sum": 0.0, "apply_seconds_sum": 0.0, "handoff_seconds_sum": 0.0,
+                      # gaps between a stream's tokens, in windows without and with a prompt part
+                      "inter_token_seconds_sum": 0.0, "inter_tokens": 0,
+                      "inter_token_seconds_beside_parts_sum": 0.0, "inter_tokens_beside_parts": 0}
         self._recent: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens generated, seconds) per window
         self._pending: list[tuple[object, list]] = []                 # ended requests' streams and last events
 
@@ -163,7 +173,9 @@ class Scheduler:
     # --- the engine task
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED):
         seconds = await anyio.to_thread.run_sync(self.executor.warm_up)
-        log.info(f"strata batch: {len(self.slots_)} slots, prompt parts of up to {self.prefill} tokens, "
+        beside = "" if self.window_part == self.prefill else \
+            f" ({self.window_part} beside decode rows: windows of {self.window_tokens} tokens)"
+        log.info(f"strata batch: {len(self.slots_)} slots, prompt parts of up to {self.prefill} tokens{beside}, "
                  f"compiled at warm-up in {seconds * 1000:.0f} ms")
         task_status.started()
         try:
@@ -318,7 +330,7 @@ class Scheduler:
         if reading:
             s = reading[0]
             prompt = s.req.prompt_ids
-            chunk = np.asarray(prompt[s.read:s.read + self.prefill], np.int32)
+            chunk = np.asarray(prompt[s.read:s.read + self._part_tokens(len(gen))], np.int32)
             last = s.read + len(chunk) == len(prompt)
             copies = tuple(o.id for o in self.slots_ if o.lead == s.id) if last else ()
             part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=last, copies=copies)
@@ -358,6 +370,14 @@ class Scheduler:
             out["mask"] = mask
         return out
 
+    def _part_tokens(self, n_decode: int) -> int:
+        """The most prompt tokens a window with n_decode decode rows carries. Alone, the part size: reading with
+        nothing decoding goes at full speed. Beside decode rows, what is left of the budget after them, at most the
+        window's part size; but at least a quarter of that, so a prompt is read however many slots decode."""
+        if not n_decode:
+            return self.prefill
+        return max(min(self.window_part, self.window_tokens - n_decode), max(1, self.window_part // 4))
+
     # --- applying a window's result
     def _apply(self, plan: WindowPlan, box: dict):
         seconds = box["seconds"]
@@ -388,7 +408,7 @@ class Scheduler:
             if plan.part is not None and s.id == plan.part.slot:
                 generated += self._apply_part(s, plan.part, res, started, now)
             else:
-                generated += self._apply_decode(s, res)
+                generated += self._apply_decode(s, res, now, plan.part is not None)
         self._recent.append((generated, seconds))
 
     def _apply_part(self, s: Slot, part: PromptPart, res: WindowResult, started: float, now: float) -> int:
@@ -403,14 +423,14 @@ class Scheduler:
             return 0
         if not part.last:
             return 0
-        s.t_read_end = s.t_first_token = now
+        s.t_read_end = s.t_first_token = s.t_token = now
         if s.parts > 1:
             log.info(f"strata batch: the prompt was read in {s.parts} parts, the slots decoding "
                      f"{s.decode_ms_between_parts:.0f} ms between them")
         copies = [self.slots_[c] for c in part.copies]
         for o in copies:                          # the other choices continue from the state the part left
             o.state, o.lead, o.read, o.pos, o.parts = SlotState.GENERATING, None, s.read, s.pos, s.parts
-            o.t_read_start, o.t_read_end, o.t_first_token = s.t_read_start, now, now
+            o.t_read_start, o.t_read_end, o.t_first_token, o.t_token = s.t_read_start, now, now, now
         s.state = SlotState.GENERATING
         self._take_token(s, res.part_next, res.part_logprobs, 0)
         for j, o in enumerate(copies):
@@ -418,11 +438,15 @@ class Scheduler:
                 self._take_token(o, int(res.copies_next[j]), res.part_logprobs, j + 1)
         return 1 + len(copies)
 
-    def _apply_decode(self, s: Slot, res: WindowResult) -> int:
+    def _apply_decode(self, s: Slot, res: WindowResult, now: float, beside_part: bool) -> int:
         s.pos += 1
         if not res.decode_finite[s.id]:
             self._end(s, Failed(f"non-finite logits at position {s.pos - 1}", 500))
             return 0
+        which = "_beside_parts" if beside_part else ""
+        self.stats[f"inter_token_seconds{which}_sum"] += now - s.t_token
+        self.stats[f"inter_tokens{which}"] += 1
+        s.t_token = now
         self._take_token(s, int(res.decode_next[s.id]), res.decode_logprobs, s.id)
         return 1
 
@@ -507,6 +531,15 @@ class Scheduler:
                         self.cancelled.add(s.req.id)
                         break
                 s.events = []
+
+
+def window_part(cap: Capacity, window_tokens: int) -> int:
+    """The largest prompt part beside decode rows: the most tokens, at most the part size, whose compiled (padded)
+    part size fits window_tokens."""
+    limit = min(window_tokens, cap.part_size)
+    if cap.padded(limit) <= window_tokens:
+        return limit
+    return max((s for s in cap.part_sizes if s <= limit), default=1)
 
 
 def choice_seed(seed: int, choice: int) -> int:

@@ -121,6 +121,12 @@ class _SchedulerCollector:
         if windows is not None and wsum is not None:
             yield SummaryMetricFamily("strata_window_seconds", "Wall time of the scheduler's windows",
                                       count_value=windows, sum_value=wsum)
+        gaps = SummaryMetricFamily("strata_inter_token_seconds", "Gaps between a stream's tokens, by whether the "
+                                   "window also read a prompt part", labels=["window"])
+        for label, key in (("decode", ""), ("part", "_beside_parts")):
+            if (n := num(f"inter_tokens{key}")) is not None:
+                gaps.add_metric([label], count_value=n, sum_value=num(f"inter_token_seconds{key}_sum"))
+        yield gaps
         g = GaugeMetricFamily("strata_slots", "Sequence slots by state", labels=["state"])
         counts = {"free": 0, "reading": 0, "generating": 0}
         for s in slots:

@@ -152,7 +152,8 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
         sched = config.sched
         scheduler = Scheduler(WindowRunner(engine, sched.parallel, sched.prefill), tokenizer=engine.tokenizer,
                               eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
-                              lookahead=sched.lookahead, max_context=config.model.max_context)
+                              lookahead=sched.lookahead, max_context=config.model.max_context,
+                              window_tokens=sched.window_tokens)
         return engine, scheduler
 
     try:

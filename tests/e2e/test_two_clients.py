@@ -7,6 +7,7 @@ runs do not overlap the timing-sensitive disconnect test on the other worker.)""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,10 @@ def test_two_clients_twenty_times(engine, caplog):
                                 "--lines", LINES, "--stall", "120"], capture_output=True, text=True, timeout=600)
             assert r.returncode == 0, f"run {run}: {r.stdout}{r.stderr}"
             assert all(s["state"] == "free" for s in httpx.get(srv.url + "/slots").json())
+        # A's tokens came in windows that also read B's parts (the overlap the client checks, seen by the server)
+        metrics = httpx.get(srv.url + "/metrics").text
+        beside = re.search(r'^strata_inter_token_seconds_count\{window="part"\} (\S+)', metrics, re.M)
+        assert beside and float(beside.group(1)) >= RUNS
     parts = [m for m in caplog.messages if m.startswith("strata batch: the prompt was read in ")]
     assert len(parts) >= RUNS and all(int(m.split(" parts,")[0].rsplit(" ", 1)[1]) > 1 for m in parts)
 

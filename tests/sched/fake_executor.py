@@ -82,9 +82,10 @@ class FakeExecutor:
     refuse_ahead: list = field(default_factory=list)  # exceptions the next dispatches ahead (after=) raise, in turn
     nonfinite: set = field(default_factory=set)       # (slot, position): that row's logits are reported non-finite
     observe: object = None                            # called as observe(index, plan) at each dispatch
+    part_sizes: tuple = ()                            # the "compiled" part sizes it declares (Capacity.part_sizes)
 
     def __post_init__(self):
-        self.capacity = Capacity(self.slots, self.part_size, self.max_context)
+        self.capacity = Capacity(self.slots, self.part_size, self.max_context, tuple(self.part_sizes))
         self.windows: list[Dispatched] = []
         self.warmed = 0
         self.collected: list[int] = []

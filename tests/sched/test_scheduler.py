@@ -34,10 +34,11 @@ async def _collect(receive):
     return text, final
 
 
-def _run(engine, requests, parallel, prefill, concurrent=True, lookahead=True):
+def _run(engine, requests, parallel, prefill, concurrent=True, lookahead=True, window_tokens=None):
     """Serve `requests` (all at once, or one after another) -> {id: (text, final event)}."""
     sched = Scheduler(WindowRunner(engine, parallel, prefill), tokenizer=engine.tokenizer,
-                      eos_token_ids=engine.eos_token_ids, max_context=2048, queue_limit=16, lookahead=lookahead)
+                      eos_token_ids=engine.eos_token_ids, max_context=2048, queue_limit=16, lookahead=lookahead,
+                      window_tokens=window_tokens)
     results = {}
 
     async def main():
@@ -80,3 +81,16 @@ def test_engine_generate_equals_the_scheduler(engine):
     want = engine.generate(list(prompt), 10, stop_token_ids=[])
     got, _ = _run(engine, [Request(id="a", prompt_ids=prompt, max_tokens=10, stop_token_ids=())], 2, 16)
     assert got["a"][0] == engine.tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_a_window_budget_changes_no_token(engine):
+    """Prompts read beside decoding rows in parts of a window budget of 8 (7 tokens beside one row, padded to 8;
+    alone, parts of 64): every request gets what it gets with no budget (parts of 64 beside the rows too)."""
+    reqs = [Request(id=f"r{i}", prompt_ids=p, max_tokens=40 - 10 * i,
+                    sampling=SamplingParams(temperature=0.0 if i != 1 else 0.8, seed=i), stop_token_ids=())
+            for i, p in enumerate(_prompts(engine, 3))]
+    budget, sched = _run(engine, reqs, 2, 64, window_tokens=8)
+    plain, _ = _run(engine, reqs, 2, 64)
+    assert sched.window_part == 8 and sched.metrics()["inter_tokens_beside_parts"] > 20
+    assert {k: v[0] for k, v in budget.items()} == {k: v[0] for k, v in plain.items()}
+    assert all(isinstance(v[1], Finished) and v[1].reason == "length" for v in budget.values())
