@@ -233,7 +233,8 @@ class ServeSettings(_Group):
         None, _name_list("a name, or several (an array; comma-separated on the command line)"),
         "The names clients give as a request's `model`: the first is the one responses and /v1/models carry, the "
         "others are aliases; a request naming another model gets 404 model_not_found. Unset: the model path's "
-        "basename (or \"demo\").", example=["qwen3-next", "gpt-4o-mini"])
+        "basename (or \"demo\"), with \"default\" as an alias (clients that serve one model often send it).",
+        example=["qwen3-next", "gpt-4o-mini"])
     cors_origin: str | list[str] | None = setting(
         None, _name_list("\"*\" or origins such as https://app.example.com (an array; comma-separated on the "
                          "command line)"),
@@ -364,13 +365,13 @@ class Settings:
 
     @property
     def served_names(self) -> list[str]:
-        """Every name a request's `model` may give: served_model_name, else the model path's basename or "demo"."""
+        """Every name a request's `model` may give: served_model_name, else the model path's basename (or "demo")
+        and "default"."""
         names = _names(self.serve.served_model_name) if self.serve.served_model_name is not None else None
         if names:
             return list(dict.fromkeys(names))
-        if self.model.model == "demo":
-            return ["demo"]
-        return [Path(self.model.model).name or str(self.model.model)]
+        name = "demo" if self.model.model == "demo" else Path(self.model.model).name or str(self.model.model)
+        return [name, "default"]
 
 
 def check(key: str, value: Any, where: str = "", as_flag: bool = False) -> None:

@@ -189,7 +189,7 @@ def test_completions_sse_with_usage(server):
 
 def test_models(client, server):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["demo"]
+    assert [m.id for m in models.data] == ["demo", "default"]     # "default": the alias clients of one model send
     assert client.models.retrieve("demo").id == "demo"
     r = httpx.get(server.url + "/v1/models/nope")
     assert r.status_code == 404 and "demo" in r.json()["error"]["message"]
