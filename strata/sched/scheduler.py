@@ -96,8 +96,10 @@ class Scheduler:
             raise ValueError(f"prompt_share must be in (0, 1], found {prompt_share}")
         self.prompt_share = prompt_share
         # device seconds the streams are owed (negative) since the last part beside them: a part is planned beside
-        # decode rows only at 0 (_pace)
+        # decode rows only at 0 (_pace); parts are charged the median of the last few, so one part slowed by
+        # something else (the host descheduled) does not hold the prompt back for many windows
         self.part_credit = 0.0
+        self._part_times: deque[float] = deque(maxlen=5)
         # steady decoding dispatches the next window before reading this one (_continuation)
         self.lookahead = lookahead and executor.chains
         self.slots_ = [Slot(i) for i in range(cap.slots)]
@@ -386,12 +388,16 @@ class Scheduler:
             return self.prefill
         return max(min(self.window_part, self.window_tokens - n_decode), max(1, self.window_part // 4))
 
-    def _pace(self, res: WindowResult) -> None:
+    def _pace(self, plan: WindowPlan, res: WindowResult) -> None:
         """Charge a window with decode rows: its part's device time is owed to the streams, and each window pays
         back the prompt's share of its time, so parts take at most prompt_share of the time while slots decode.
         Nothing is banked: a prompt that arrives after a long decoding spell waits as little as one that does not."""
+        part_s = 0.0
+        if plan.part is not None:
+            self._part_times.append(res.part_s)
+            part_s = float(np.median(self._part_times))
         share = self.prompt_share
-        self.part_credit = min(0.0, self.part_credit + share * (res.decode_s + res.part_s) - res.part_s)
+        self.part_credit = min(0.0, self.part_credit + share * (res.decode_s + part_s) - part_s)
 
     # --- applying a window's result
     def _apply(self, plan: WindowPlan, box: dict):
@@ -410,7 +416,7 @@ class Scheduler:
             return
         res: WindowResult = box["result"]
         if plan.n_decode:
-            self._pace(res)
+            self._pace(plan, res)
         self.stats["device_seconds_sum"] += res.decode_s + res.part_s
         self.stats["handoff_seconds_sum"] += seconds - res.decode_s - res.part_s
         now = time.perf_counter()

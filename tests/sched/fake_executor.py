@@ -85,6 +85,7 @@ class FakeExecutor:
     part_sizes: tuple = ()                            # the "compiled" part sizes it declares (Capacity.part_sizes)
     decode_s: float = 0.0                             # the device seconds it reports for a window's decode rows
     part_s_per_token: float = 0.0                     # and for each token of a part, padded (Capacity.padded)
+    part_s_at: dict = field(default_factory=dict)     # window index -> the part's seconds instead
 
     def __post_init__(self):
         self.capacity = Capacity(self.slots, self.part_size, self.max_context, tuple(self.part_sizes))
@@ -146,6 +147,7 @@ class FakeExecutor:
                 self.length[c] = end
         logprobs = plan.logprobs is not None
         part_s = self.part_s_per_token * self.capacity.padded(len(plan.part.tokens)) if plan.part is not None else 0.0
+        part_s = self.part_s_at.get(index, part_s)
         res = WindowResult(nxt, fin, part_next, part_finite, self.decode_s if plan.n_decode else 0.0, part_s,
                            copies_next=copies_next,
                            decode_logprobs=fake_logprobs(nxt) if logprobs else None,

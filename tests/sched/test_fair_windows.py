@@ -119,6 +119,18 @@ def test_parts_take_at_most_the_prompt_share_of_the_device_time_while_slots_deco
     assert [w.plan.part is not None for w in fake.windows[1:7]] == [True] * 5 + [False]
 
 
+def test_one_slow_part_does_not_hold_the_prompt_back(tokenizer):
+    """Parts are charged the median of the last few: a part that took 50 times its usual time (the host was busy
+    elsewhere) leaves the pattern of the test above as it was."""
+    a, b = P("hi"), P("a grey heron waits by the mill pond")
+    fake = FakeExecutor(slots=2, part_size=16, part_sizes=SIZES, decode_s=1.0, part_s_per_token=0.25,
+                        part_s_at={13: 100.0})                          # B's third part
+    run_checked(fake, tokenizer, [req("A", a, 40), req("B", b, 3)], window_tokens=8, prompt_share=0.25)
+    assert fake.windows[13].plan.part is not None
+    pattern = [w.plan.part is not None for w in fake.windows[1:26]]
+    assert pattern == [True, False, False, False, False, False] * 4 + [True]
+
+
 def test_a_prompt_share_outside_zero_to_one_is_refused(tokenizer):
     for share in (0, -0.5, 1.5):
         with pytest.raises(ValueError, match="prompt_share must be in"):
