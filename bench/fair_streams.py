@@ -7,7 +7,8 @@ process holds one of them, and a window's time then varies many times over.)
 
 Window costs: WindowRunner windows of one decode row, alone and beside a prompt part of each compiled part size at
 positions across the prompt; medians over interleaved rounds. Streams: the Scheduler (no HTTP) serves stream A alone,
-then A while slot B reads the long prompt, under each --budgets value (window_tokens): A's tokens/s and gaps during B's
+then A while slot B reads the long prompt, under each --budgets value (window_tokens[/prompt_share]): A's tokens/s and
+gaps during B's
 read against A alone, and B's read time against B alone. Writes JSON (machine, date, commit, figures) to --out.
 """
 from __future__ import annotations
@@ -85,15 +86,17 @@ def window_costs(engine, prefill: int, prompt: int, rounds: int) -> dict:
     return out
 
 
-def streams(engine, prefill: int, budget: int | None, prompt_ids, a_prompt, a_tokens: int) -> dict:
-    """Stream A alone for a_tokens texts, then B's prompt read while A decodes, under window_tokens = budget."""
+def streams(engine, prefill: int, budget: tuple, prompt_ids, a_prompt, a_tokens: int) -> dict:
+    """Stream A alone for a_tokens texts, then B's prompt read while A decodes, under budget = (window_tokens,
+    prompt_share)."""
     runner = WindowRunner(engine, 2, prefill)
     sched = Scheduler(runner, tokenizer=engine.tokenizer, eos_token_ids=engine.eos_token_ids, queue_limit=4,
-                      max_context=engine.settings.model.max_context, window_tokens=budget, lookahead=True)
+                      max_context=engine.settings.model.max_context, window_tokens=budget[0],
+                      prompt_share=budget[1], lookahead=True)
     ctx = engine.settings.model.max_context
     a = Request(id="A", prompt_ids=tuple(a_prompt), max_tokens=ctx - len(a_prompt), stop_token_ids=())
     b = Request(id="B", prompt_ids=tuple(prompt_ids), max_tokens=1, stop_token_ids=())
-    out: dict = {"window_tokens": budget}
+    out: dict = {}
 
     def generated():
         return next(s["generated"] for s in sched.slots() if s["request"] == "A")
@@ -139,7 +142,7 @@ def streams(engine, prefill: int, budget: int | None, prompt_ids, a_prompt, a_to
     alone = st[(st >= t0) & (st <= t1)]
     during = st[(st > out["b_sent"]) & (st <= out["b_first"])]
     read_s = out["b_first"] - out["b_sent"]
-    res = {"window_tokens": budget, "window_part": sched.window_part,
+    res = {"window_tokens": budget[0], "prompt_share": budget[1], "window_part": sched.window_part,
            "a_alone_tok_s": (g1 - g0) / (t1 - t0),
            "a_during_read_tok_s": (out["a_after"] - out["a_before"]) / read_s,
            "b_read_s": read_s, "b_read_tok_s": len(prompt_ids) / read_s,
@@ -150,7 +153,8 @@ def streams(engine, prefill: int, budget: int | None, prompt_ids, a_prompt, a_to
     m = sched.metrics()
     res["inter_token_ms_beside_parts_mean"] = (1000 * m["inter_token_seconds_beside_parts_sum"]
                                                / max(m["inter_tokens_beside_parts"], 1))
-    say(f"  window_tokens {budget}: A {res['a_during_read_tok_s']:.1f} tok/s during B's read, "
+    say(f"  window_tokens {budget[0]}, prompt_share {budget[1]}: A {res['a_during_read_tok_s']:.1f} tok/s during "
+        f"B's read, "
         f"{res['a_alone_tok_s']:.1f} alone ({res['a_rate_fraction']:.2f}), gaps p50 {res['a_gap_ms_p50']:.1f} / "
         f"p99 {res['a_gap_ms_p99']:.1f} ms; B read {len(prompt_ids)} tokens in {read_s:.2f} s")
     return res
@@ -225,7 +229,7 @@ def serve_runs(args, budgets, prompt_ids) -> list[dict]:
         port = _free_port()
         cmd = [sys.executable, "-m", "strata.cli", "serve", "--model", args.model, "--port", str(port), "--parallel",
                "2", "--max-context", str(len(prompt_ids) + 1024), "--prefill", str(args.prefill), "--window-tokens",
-               str(b), "--compile-cache", cache]
+               str(b[0]), "--prompt-share", str(b[1]), "--compile-cache", cache]
         proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         base = f"http://127.0.0.1:{port}"
         try:
@@ -240,13 +244,20 @@ def serve_runs(args, budgets, prompt_ids) -> list[dict]:
         finally:
             proc.terminate()
             proc.wait(60)
-        row = {"window_tokens": b, **{k: float(np.median([r[k] for r in rounds])) for k in rounds[0]},
+        row = {"window_tokens": b[0], "prompt_share": b[1],
+               **{k: float(np.median([r[k] for r in rounds])) for k in rounds[0]},
                "rounds": rounds}
-        say(f"  served, window_tokens {b}: A {row['a_during_read_texts_s']:.1f} texts/s during B's read, "
+        say(f"  served, window_tokens {b[0]}, prompt_share {b[1]}: A {row['a_during_read_texts_s']:.1f} texts/s "
+            f"during B's read, "
             f"{row['a_alone_texts_s']:.1f} alone ({row['a_rate_fraction']:.2f}), gaps p50 {row['a_gap_ms_p50']:.1f} / "
             f"p99 {row['a_gap_ms_p99']:.1f} ms; B's first token after {row['b_ttft_s']:.2f} s")
         out.append(row)
     return out
+
+
+def _budgets(text: str) -> list[tuple[int, float]]:
+    """"64,128/0.5" -> [(64, 1.0), (128, 0.5)]: window_tokens and prompt_share."""
+    return [(int(b.split("/")[0]), float(b.split("/")[1]) if "/" in b else 1.0) for b in text.split(",")]
 
 
 def _free_port() -> int:
@@ -260,21 +271,24 @@ def main() -> int:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--prompt", type=int, default=16384, help="tokens of the long prompt")
     ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--budgets", default="16,32,64,128,512", help="window_tokens values to serve under")
+    ap.add_argument("--budgets", default="16,32,64,128,512,64/0.5,128/0.5,128/0.33,256/0.33",
+                    help="window_tokens[/prompt_share] values to serve under")
     ap.add_argument("--a-tokens", type=int, default=150, help="A's tokens alone before B arrives")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the window costs")
     ap.add_argument("--stream-rounds", type=int, default=3, help="rounds of the streams over every budget")
-    ap.add_argument("--served", action="store_true", help="also through `strata serve` and HTTP clients")
+    ap.add_argument("--served", default=None, help="window_tokens[/prompt_share] values to serve also through "
+                    "`strata serve` and HTTP clients")
     ap.add_argument("--only-served", action="store_true", help="only through `strata serve`")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = _budgets(args.budgets)
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(0, 256, args.prompt).tolist()
     if args.only_served:
         result = {"bench": "fair_streams", **results_file.stamp(), "model": args.model, "prefill": args.prefill,
                   "prompt_tokens": args.prompt, "load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
-                  "cpu_affinity": sorted(os.sched_getaffinity(0)), "served": serve_runs(args, budgets, long_prompt)}
+                  "cpu_affinity": sorted(os.sched_getaffinity(0)),
+                  "served": serve_runs(args, _budgets(args.served or args.budgets), long_prompt)}
         results_file.write(result, args.out, f"fair_streams_served_{args.model}_cpu")
         return 0
     ctx = args.prompt + 1024
@@ -301,18 +315,20 @@ def main() -> int:
                     if isinstance(v, float)})
         row["b_read_vs_alone"] = row["b_read_s"] / float(np.median(alone))
         table.append({**row, "rounds": runs[b]})
-    say("| window_tokens | part beside a row | A during B's read, tok/s | A alone, tok/s | A's share | A's gap p50 / p99 ms "
+    say("| window_tokens | prompt_share | part beside a row | A during B's read, tok/s | A alone, tok/s | A's share "
+        "| A's gap p50 / p99 ms "
         "| B's read s | B's read / alone |")
-    say("|---|---|---|---|---|---|---|---|")
+    say("|---|---|---|---|---|---|---|---|---|")
     for r in table:
-        say(f"| {r['window_tokens']} | {r['window_part']} | {r['a_during_read_tok_s']:.1f} | {r['a_alone_tok_s']:.1f} | "
+        say(f"| {r['window_tokens']} | {r['prompt_share']} | {r['window_part']} | {r['a_during_read_tok_s']:.1f} | "
+            f"{r['a_alone_tok_s']:.1f} | "
             f"{r['a_rate_fraction']:.2f} | {r['a_gap_ms_p50']:.1f} / {r['a_gap_ms_p99']:.1f} | {r['b_read_s']:.2f} | "
             f"{r['b_read_vs_alone']:.2f} |")
     result = {"bench": "fair_streams", **results_file.stamp(), "model": args.model, "max_context": ctx,
               "prefill": args.prefill, "prompt_tokens": args.prompt, "load_average": os.getloadavg()[0],
               "cpus": os.cpu_count(), "cpu_affinity": sorted(os.sched_getaffinity(0)), "warm_up_s": warm_s,
               "window_costs": costs, "b_alone_read_s": float(np.median(alone)), "b_alone_read_s_rounds": alone,
-              "streams": table, "served": serve_runs(args, budgets, long_prompt) if args.served else None,
+              "streams": table, "served": serve_runs(args, _budgets(args.served), long_prompt) if args.served else None,
               "note": "medians over rounds; a stream's share = its tokens/s while B's prompt is "
                                         "read over its tokens/s alone just before"}
     results_file.write(result, args.out, f"fair_streams_{args.model}_cpu")

@@ -189,12 +189,20 @@ class SchedSettings(_Group):
         "Prompt part size in tokens: a long prompt is read in parts of at most this many tokens, with the other "
         "slots decoding between the parts.")
     window_tokens: int = setting(
-        64, _int_range(1, MAX_PREFILL),
+        128, _int_range(1, MAX_PREFILL),
         "Token budget of a window in which slots decode: their rows come first (a token each), then a prompt being "
         "read gets the rest as one part, padded to a compiled part size no larger than the budget, so a decoding "
         "stream waits for at most that much prompt per token. With nothing decoding, prompts are read in parts of "
-        "`prefill` tokens; a budget of prefill or more leaves parts at prefill. The default is measured on the demo "
-        "model on a CPU (docs/performance.md); a GPU's window costs differ (the H200's are not measured yet).")
+        "`prefill` tokens (the largest part); a budget of prefill or more leaves parts at prefill. The default is "
+        "measured on the demo model on a CPU (docs/performance.md); a GPU's window costs differ (the H200's are an "
+        "open measurement).")
+    prompt_share: float = setting(
+        0.33, Rule(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "The share of the device time of windows in which slots decode that prompt parts may take: after a window "
+        "with a part, windows carry decode rows alone until the part's time is paid back at this share, so a stream "
+        "keeps most of its rate while another slot reads a long prompt, which then reads slower. 1: a part beside "
+        "every window's decode rows (window_tokens alone bounds the wait). The default is measured on the demo model "
+        "on a CPU (docs/performance.md); the H200's is an open measurement.")
     queue_limit: int = setting(
         16, _int_range(1, 65536), "Requests waiting for a free slot; beyond it requests get 503 with Retry-After.")
     lookahead: bool = setting(

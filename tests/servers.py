@@ -46,7 +46,8 @@ def running_server(engine, scheduler=None, **overrides):
         from strata.sched.scheduler import Scheduler
         scheduler = Scheduler(WindowRunner(engine, cfg.sched.parallel, cfg.sched.prefill), tokenizer=engine.tokenizer,
                               eos_token_ids=engine.eos_token_ids, max_context=cfg.model.max_context,
-                              queue_limit=cfg.sched.queue_limit, window_tokens=cfg.sched.window_tokens)
+                              queue_limit=cfg.sched.queue_limit, window_tokens=cfg.sched.window_tokens,
+                              prompt_share=cfg.sched.prompt_share)
     app = create_app(engine, scheduler, cfg)
     sock = bind_socket("127.0.0.1", 0)
     url = socket_url(sock)

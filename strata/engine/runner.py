@@ -137,7 +137,9 @@ class WindowRunner:
         if plan.part is not None:
             if plan.penalties is not None:
                 self.shaping().read_part(plan)
+            t = time.perf_counter()
             w.part_out = self.part.dispatch(plan)
+            w.part_dispatch_s = time.perf_counter() - t
         self.windows += 1
         if self.engine.experts is not None:
             self.engine.path.count_resident_routes(plan.tokens)
@@ -168,9 +170,11 @@ class WindowRunner:
                 part_lp = _logprobs_of(to_host, po.logprobs, rows)
         t2 = time.perf_counter()
         # a window is timed from its dispatch; one that continues another from this collect() on, since its
-        # dispatch came before its predecessor's result (and is the host's time of that window's turn)
+        # dispatch came before its predecessor's result (and is the host's time of that window's turn). A part
+        # computed layer by layer runs inside dispatch(): that time is the part's, not the decode rows'.
         start = t_collect if w.continues else w.t0
-        return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - start, t2 - t1,
+        return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - start - w.part_dispatch_s,
+                            t2 - t1 + w.part_dispatch_s,
                             copies_next=copies_next, decode_logprobs=decode_lp, part_logprobs=part_lp)
 
     def part_out(self, plan: WindowPlan, nxt, fin, logits) -> "PartOut":
@@ -192,6 +196,7 @@ class Window:
     decode: object = None                # the decode rows' handle (the rows strategy's)
     part_out: "PartOut | None" = None    # the prompt part's result on the device
     continues: bool = False              # dispatched to continue another (dispatch(plan, after=...))
+    part_dispatch_s: float = 0.0         # host seconds in the part's dispatch (all of it, computed layer by layer)
 
 
 @dataclass(eq=False)

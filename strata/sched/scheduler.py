@@ -75,11 +75,12 @@ class Slot:
 
 class Scheduler:
     def __init__(self, executor: Executor, *, tokenizer, eos_token_ids, queue_limit: int, lookahead: bool = True,
-                 max_context: int | None = None, window_tokens: int | None = None):
+                 max_context: int | None = None, window_tokens: int | None = None, prompt_share: float = 1.0):
         """tokenizer: decode_stream and token_to_id (strata/tokenizer.py); eos_token_ids: a request's stop tokens
         unless it names its own; max_context: tokens of one sequence, at most (and by default) the executor's;
         window_tokens: the token budget of a window with decode rows (None: none, a part of the part size beside
-        them)."""
+        them); prompt_share: the share of the device time of windows with decode rows that prompt parts may take
+        (1: a part beside every window's rows)."""
         cap = executor.capacity
         max_context = cap.max_context if max_context is None else max_context
         if max_context > cap.max_context:
@@ -91,6 +92,14 @@ class Scheduler:
             raise ValueError(f"window_tokens must be at least 1, found {window_tokens}")
         self.window_tokens = cap.part_size + cap.slots if window_tokens is None else window_tokens
         self.window_part = window_part(cap, self.window_tokens)
+        if not 0 < prompt_share <= 1:
+            raise ValueError(f"prompt_share must be in (0, 1], found {prompt_share}")
+        self.prompt_share = prompt_share
+        # device seconds the streams are owed (negative) since the last part beside them: a part is planned beside
+        # decode rows only at 0 (_pace); parts are charged the median of the last few, so one part slowed by
+        # something else (the host descheduled) does not hold the prompt back for many windows
+        self.part_credit = 0.0
+        self._part_times: deque[float] = deque(maxlen=5)
         # steady decoding dispatches the next window before reading this one (_continuation)
         self.lookahead = lookahead and executor.chains
         self.slots_ = [Slot(i) for i in range(cap.slots)]
@@ -173,8 +182,9 @@ class Scheduler:
     # --- the engine task
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED):
         seconds = await anyio.to_thread.run_sync(self.executor.warm_up)
-        beside = "" if self.window_part == self.prefill else \
-            f" ({self.window_part} beside decode rows: windows of {self.window_tokens} tokens)"
+        paced = f", parts at most {self.prompt_share:.0%} of their time" if self.prompt_share < 1 else ""
+        beside = "" if self.window_part == self.prefill and not paced else \
+            f" ({self.window_part} beside decode rows: windows of {self.window_tokens} tokens{paced})"
         log.info(f"strata batch: {len(self.slots_)} slots, prompt parts of up to {self.prefill} tokens{beside}, "
                  f"compiled at warm-up in {seconds * 1000:.0f} ms")
         task_status.started()
@@ -327,7 +337,7 @@ class Scheduler:
         for s in gen:
             active[s.id], tokens[s.id], pos[s.id] = True, s.last_token, s.pos
         part = None
-        if reading:
+        if reading and (not gen or self.part_credit >= 0):
             s = reading[0]
             prompt = s.req.prompt_ids
             chunk = np.asarray(prompt[s.read:s.read + self._part_tokens(len(gen))], np.int32)
@@ -378,6 +388,17 @@ class Scheduler:
             return self.prefill
         return max(min(self.window_part, self.window_tokens - n_decode), max(1, self.window_part // 4))
 
+    def _pace(self, plan: WindowPlan, res: WindowResult) -> None:
+        """Charge a window with decode rows: its part's device time is owed to the streams, and each window pays
+        back the prompt's share of its time, so parts take at most prompt_share of the time while slots decode.
+        Nothing is banked: a prompt that arrives after a long decoding spell waits as little as one that does not."""
+        part_s = 0.0
+        if plan.part is not None:
+            self._part_times.append(res.part_s)
+            part_s = float(np.median(self._part_times))
+        share = self.prompt_share
+        self.part_credit = min(0.0, self.part_credit + share * (res.decode_s + part_s) - part_s)
+
     # --- applying a window's result
     def _apply(self, plan: WindowPlan, box: dict):
         seconds = box["seconds"]
@@ -394,6 +415,8 @@ class Scheduler:
                                         f"{box['error']}", 500))
             return
         res: WindowResult = box["result"]
+        if plan.n_decode:
+            self._pace(plan, res)
         self.stats["device_seconds_sum"] += res.decode_s + res.part_s
         self.stats["handoff_seconds_sum"] += seconds - res.decode_s - res.part_s
         now = time.perf_counter()

@@ -153,7 +153,7 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
         scheduler = Scheduler(WindowRunner(engine, sched.parallel, sched.prefill), tokenizer=engine.tokenizer,
                               eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
                               lookahead=sched.lookahead, max_context=config.model.max_context,
-                              window_tokens=sched.window_tokens)
+                              window_tokens=sched.window_tokens, prompt_share=sched.prompt_share)
         return engine, scheduler
 
     try:

@@ -6,7 +6,7 @@ ASCII byte (the demo tokenizer decodes ids 32..126 to that one character), for d
 allowed token at or after that one), a part's copies take its state and token, and logprobs are fake_logprobs(token).
 It checks what a real executor relies on (each row continues its slot's sequence, a continuing plan continues the
 window it names, windows are collected in order), records every plan it is given, and can be told to raise in a given
-window or to report the row at a slot's given position non-finite.
+window or to report the row at a slot's given position non-finite, and reports the device times it is given.
 """
 from __future__ import annotations
 
@@ -83,6 +83,9 @@ class FakeExecutor:
     nonfinite: set = field(default_factory=set)       # (slot, position): that row's logits are reported non-finite
     observe: object = None                            # called as observe(index, plan) at each dispatch
     part_sizes: tuple = ()                            # the "compiled" part sizes it declares (Capacity.part_sizes)
+    decode_s: float = 0.0                             # the device seconds it reports for a window's decode rows
+    part_s_per_token: float = 0.0                     # and for each token of a part, padded (Capacity.padded)
+    part_s_at: dict = field(default_factory=dict)     # window index -> the part's seconds instead
 
     def __post_init__(self):
         self.capacity = Capacity(self.slots, self.part_size, self.max_context, tuple(self.part_sizes))
@@ -143,7 +146,10 @@ class FakeExecutor:
             for c in p.copies:
                 self.length[c] = end
         logprobs = plan.logprobs is not None
-        res = WindowResult(nxt, fin, part_next, part_finite, 0.0, 0.0, copies_next=copies_next,
+        part_s = self.part_s_per_token * self.capacity.padded(len(plan.part.tokens)) if plan.part is not None else 0.0
+        part_s = self.part_s_at.get(index, part_s)
+        res = WindowResult(nxt, fin, part_next, part_finite, self.decode_s if plan.n_decode else 0.0, part_s,
+                           copies_next=copies_next,
                            decode_logprobs=fake_logprobs(nxt) if logprobs else None,
                            part_logprobs=fake_logprobs(first) if logprobs and plan.part is not None else None)
         self.windows.append(Dispatched(plan, tokens, after is not None))

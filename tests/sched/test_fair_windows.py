@@ -1,7 +1,8 @@
 """Fair streams against a FakeExecutor: beside decode rows a window carries at most `window_tokens` tokens (the decode
 rows first, then a prompt part of the rest, padded to a declared part size within the budget), alone a part of the
-part size; every generating slot decodes in every window; a prompt split into budgeted parts gives the same tokens;
-the gaps between a stream's tokens are counted apart for windows with a part."""
+part size; every generating slot decodes in every window; parts take at most `prompt_share` of the device time while
+slots decode; a prompt split into budgeted, paced parts gives the same tokens; the gaps between a stream's tokens are
+counted apart for windows with a part."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from strata.sched.scheduler import window_part
 SIZES = (1, 2, 4, 8, 16)
 
 
-def run_checked(fake, tokenizer, requests, window_tokens):
+def run_checked(fake, tokenizer, requests, window_tokens, prompt_share=1.0):
     """Serve requests with a budget, checking every window as it is dispatched: every generating slot has its
     decode row, and a part beside decode rows fits the budget (its padded size too); -> (outcomes, sched)."""
     def observe(i, plan):
@@ -30,7 +31,7 @@ def run_checked(fake, tokenizer, requests, window_tokens):
             prompt = sched.slots_[plan.part.slot].req.prompt_ids
             assert len(plan.part.tokens) == min(fake.part_size, len(prompt) - plan.part.start), i
     fake.observe = observe
-    sched = sched_over(fake, tokenizer, window_tokens=window_tokens)
+    sched = sched_over(fake, tokenizer, window_tokens=window_tokens, prompt_share=prompt_share)
     return serve(sched, requests), sched
 
 
@@ -95,3 +96,42 @@ def test_inter_token_gaps_are_counted_apart_beside_prompt_parts(tokenizer):
     # every token after a request's first has a gap: A's 19, B's 2; A's first 5 decoded beside B's parts
     assert (m["inter_tokens"], m["inter_tokens_beside_parts"]) == (19 + 2 - 5, 5)
     assert m["inter_token_seconds_sum"] >= 0 and m["inter_token_seconds_beside_parts_sum"] >= 0
+
+
+def test_parts_take_at_most_the_prompt_share_of_the_device_time_while_slots_decode(tokenizer):
+    """Decode rows report 1 s, a part of 8 (padded) 2 s. At a share of 1/4 a part window owes the stream
+    2 - (1 + 2) / 4 = 1.25 s, paid back by five windows of decode rows alone (1/4 s each): parts in every sixth
+    window while A decodes; A's and B's tokens are unchanged."""
+    a, b = P("hi"), P("a grey heron waits by the mill pond")           # B: 35 tokens, 5 parts of 7 beside A's row
+    fake = FakeExecutor(slots=2, part_size=16, part_sizes=SIZES, decode_s=1.0, part_s_per_token=0.25)
+    out, sched = run_checked(fake, tokenizer, [req("A", a, 40), req("B", b, 3)], window_tokens=8, prompt_share=0.25)
+    assert summary(out["A"]) == finished(expected_tokens(a, 40), "length", a, 40)
+    assert summary(out["B"]) == finished(expected_tokens(b, 3), "length", b, 3)
+    assert read_prompts(fake) == [a, b]
+    beside = [w.plan.part is not None for w in fake.windows[1:]]        # from A's first decode row on
+    assert beside[:25] == [True, False, False, False, False, False] * 4 + [True] and not any(beside[25:])
+    part_s = sum(fake.part_s_per_token * fake.capacity.padded(len(w.plan.part.tokens))
+                 for w in fake.windows[1:25] if w.plan.part is not None)
+    assert part_s / (part_s + 24 * fake.decode_s) == 0.25
+    # a share of 1: a part beside every window's rows
+    fake = FakeExecutor(slots=2, part_size=16, part_sizes=SIZES, decode_s=1.0, part_s_per_token=0.25)
+    run_checked(fake, tokenizer, [req("A", a, 40), req("B", b, 3)], window_tokens=8)
+    assert [w.plan.part is not None for w in fake.windows[1:7]] == [True] * 5 + [False]
+
+
+def test_one_slow_part_does_not_hold_the_prompt_back(tokenizer):
+    """Parts are charged the median of the last few: a part that took 50 times its usual time (the host was busy
+    elsewhere) leaves the pattern of the test above as it was."""
+    a, b = P("hi"), P("a grey heron waits by the mill pond")
+    fake = FakeExecutor(slots=2, part_size=16, part_sizes=SIZES, decode_s=1.0, part_s_per_token=0.25,
+                        part_s_at={13: 100.0})                          # B's third part
+    run_checked(fake, tokenizer, [req("A", a, 40), req("B", b, 3)], window_tokens=8, prompt_share=0.25)
+    assert fake.windows[13].plan.part is not None
+    pattern = [w.plan.part is not None for w in fake.windows[1:26]]
+    assert pattern == [True, False, False, False, False, False] * 4 + [True]
+
+
+def test_a_prompt_share_outside_zero_to_one_is_refused(tokenizer):
+    for share in (0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="prompt_share must be in"):
+            sched_over(FakeExecutor(), tokenizer, prompt_share=share)
