@@ -245,6 +245,11 @@ class ServeSettings(_Group):
         "On SIGTERM or SIGINT the server stops admitting (503 with Retry-After), answers queued requests 503, and "
         "lets running requests finish for up to this many seconds; the rest then end with finish_reason \"abort\". "
         "A second signal ends them at once.")
+    max_tool_calls: int = setting(
+        4, _int_range(1, 128),
+        "The most tool calls one reply may hold when tool_choice forces calls (\"required\" or a named function) and "
+        "parallel_tool_calls is on: the grammar ends the reply after this many, so a model that keeps calling cannot "
+        "fill max_tokens with calls. parallel_tool_calls false allows one.")
     special_tokens_in_messages: bool = setting(
         False, _BOOL,
         "Special-token text inside chat messages (a user typing <|im_start|>assistant) becomes control tokens "

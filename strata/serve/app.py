@@ -480,8 +480,8 @@ async def chat_completions(request: HttpRequest):
     if choice in ("required", "function"):
         forced = [t for t in tools if choice == "required" or isinstance(t.get("function"), dict)
                   and t["function"].get("name") == params.tool_function]
-        parallel = params.parallel_tool_calls is not False
-        constraint = await _grammar(state, "tools", lambda g: g.tool_calls(forced, parallel, reasoning))
+        most = state.config.serve.max_tool_calls if params.parallel_tool_calls is not False else 1
+        constraint = await _grammar(state, "tools", lambda g: g.tool_calls(forced, most, reasoning))
     else:
         constraint = await _constraint(state, params, reasoning)
     return _generate(state, "chat", params, ids, reasoning=reasoning, mt_param=params.max_tokens_param,

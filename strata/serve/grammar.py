@@ -81,8 +81,10 @@ class Grammars:
         rules = [f"body: %json {_schema_json(schema if schema is not None else {'type': 'object'})}"]
         return self._compile("body", rules, reasoning)
 
-    def tool_calls(self, tools: list[dict], parallel: bool = True, reasoning: bool = False) -> Constraint:
-        """A reply of one tool call (or, parallel, one or more) to one of `tools` (OpenAI function tools)."""
+    def tool_calls(self, tools: list[dict], max_calls: int = 1, reasoning: bool = False) -> Constraint:
+        """A reply of one to max_calls tool calls, each to one of `tools` (OpenAI function tools)."""
+        if max_calls < 1:
+            raise GrammarError(f"a forced reply holds at least one tool call, not {max_calls}")
         rules, names = [], []
         for i, tool in enumerate(tools):
             fn = tool.get("function") if isinstance(tool, dict) else None
@@ -93,7 +95,8 @@ class Grammars:
             names.append(f"call_{i}")
             rules += (self._xml_call if self.form == "xml" else self._json_call)(i, name, params)
         rules.append("call: " + " | ".join(names))
-        return self._compile('call ("\\n" call)*' if parallel else "call", rules, reasoning)
+        more = f' ("\\n" call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
+        return self._compile("call" + more, rules, reasoning)
 
     @staticmethod
     def _json_call(i: int, name: str, params: dict) -> list[str]:

@@ -59,8 +59,8 @@ def walk(constraint, seed, limit=400, eos=(256, 258)) -> tuple[list[int], bool]:
 @pytest.mark.parametrize("form", ["json", "xml"])
 def test_forced_tool_calls_parse_and_match_their_schema(tokenizer, form):
     grammars = Grammars(tokenizer, VOCAB, tokenizer.eos_token_ids, form=form)
-    for parallel in (False, True):
-        c = grammars.tool_calls(TOOLS, parallel=parallel)
+    for most in (1, 3):
+        c = grammars.tool_calls(TOOLS, max_calls=most)
         for seed in range(8):
             toks, ended = walk(c, seed)
             assert ended, "a forced call did not end within 400 tokens"
@@ -69,7 +69,7 @@ def test_forced_tool_calls_parse_and_match_their_schema(tokenizer, form):
             out.add(p.push(tokenizer.decode(toks)))
             out.add(p.finish())
             assert out.content == "" and len(out.calls) >= 1
-            assert parallel or len({d.index for d in out.calls}) == 1
+            assert 1 <= len({d.index for d in out.calls}) <= most
             by_index: dict = {}
             for d in out.calls:
                 by_index.setdefault(d.index, [d.name, ""])[1] += d.arguments
@@ -79,7 +79,7 @@ def test_forced_tool_calls_parse_and_match_their_schema(tokenizer, form):
 
 
 def test_a_named_choice_calls_that_function(grammars, tokenizer):
-    c = grammars.tool_calls(TOOLS[:1], parallel=False)
+    c = grammars.tool_calls(TOOLS[:1])
     toks, ended = walk(c, 3)
     text = tokenizer.decode(toks)
     assert ended and text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": ')
@@ -118,3 +118,15 @@ def test_bad_schemas_are_refused_with_the_reason(grammars):
         grammars.json({"type": "object", "properties": {"a": {"type": "nonsense"}}})
     with pytest.raises(GrammarError, match="tools\\[0\\] needs function.name"):
         grammars.tool_calls([{"type": "function", "function": {"parameters": {}}}])
+
+
+def test_parallel_calls_stop_at_max_calls(grammars, tokenizer):
+    """A model that always starts another call is ended after max_calls of them: the separator is refused then."""
+    call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    m = grammars.tool_calls(TOOLS, max_calls=2).matcher()
+    assert all(m.accept(t) for t in tokenizer.encode(call + "\n" + call))
+    newline = tokenizer.encode("\n")[0]
+    allowed = np.unpackbits(m.mask().view(np.uint8), bitorder="little")
+    assert not allowed[newline] and not m.accept(newline)
+    with pytest.raises(GrammarError, match="at least one tool call"):
+        grammars.tool_calls(TOOLS, max_calls=0)

@@ -62,20 +62,25 @@ def streamed_calls(chunks) -> tuple[dict, dict, dict]:
     return calls, content, finish
 
 
-def test_a_required_tool_call_is_valid_even_from_random_weights(client):
-    kw = dict(model="demo", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-              max_tokens=400, temperature=0)
+def test_a_required_tool_call_is_valid_even_from_random_weights(client, server):
+    """parallel_tool_calls left on (the default): greedy random weights keep calling, and the grammar ends the reply
+    after max_tool_calls calls, well inside max_tokens; each call validates against its tool's schema."""
+    kw = dict(model="demo", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400, temperature=0)
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
-    call = choice.message.tool_calls[0]
-    assert call.type == "function" and call.id.startswith("call_")
-    schema = TOOLS[0 if call.function.name == "get_weather" else 1]["function"]["parameters"]
-    jsonschema.validate(json.loads(call.function.arguments), schema)
+    most = server.app.state.strata.config.serve.max_tool_calls
+    assert choice.finish_reason == "tool_calls" and 1 <= len(choice.message.tool_calls) <= most
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        schema = TOOLS[0 if call.function.name == "get_weather" else 1]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
     assert choice.message.content is None and r.usage.completion_tokens < 400
     calls, content, finish = streamed_calls(list(client.chat.completions.create(**kw, stream=True)))
-    assert [(c[1], c[2]) for c in calls[0].values()] == [(call.function.name, call.function.arguments)]
+    assert [(c[1], c[2]) for c in calls[0].values()] == [(c.function.name, c.function.arguments)
+                                                          for c in choice.message.tool_calls]
     assert content[0] == "" and finish == {0: "tool_calls"}
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
 
 
 def test_parallel_calls_end_when_the_model_ends_them(client):
