@@ -1,13 +1,13 @@
 """The scheduler: admits requests into slots and plans windows over all of them, continuously; an Executor runs them.
 
 It is given the Executor (strata/plan.py) and what it needs of the model as plain values, and builds neither. Each
-window holds one decode row per generating slot and at most one prompt part of the earliest-admitted slot still
-reading: beside decode rows, the rest of the window's token budget; alone, the executor's part size. Executor calls run
-in a worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
-(lookahead, when the executor chains) before its tokens are read (a slot ending on that token is computed one further,
-the result dropped); rows with a grammar are then in every other window (a mask needs the token before it), others in
-every one. Slots go FREE -> READING -> GENERATING -> FREE; n choices hold n slots (one reads the prompt, the others copy
-its state). Every choice ends with one Finished, or its request with one Failed (a failed window: its requests only).
+window holds one decode row per generating slot and at most one prompt part of the earliest-admitted slot still reading:
+beside decode rows, the rest of the window's token budget; alone, the executor's part size. Executor calls run in a
+worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
+(lookahead, when the executor chains) before its tokens are read (a row that ended is computed once more, dropped); rows
+with a grammar then join every other window (a mask needs the token before it). Slots go FREE -> READING -> GENERATING
+-> FREE; n choices hold n slots (one reads the prompt, the others copy its state). Each choice ends with one Finished,
+or its request with one Failed (a raising window fails its requests only, a non-finite row its request).
 """
 from __future__ import annotations
 

@@ -138,13 +138,21 @@ def _alternating(runner, n: int, shaped: bool, chained: bool):
     return toks, lps
 
 
+@pytest.fixture(scope="module")
+def fetching():
+    """The demo model with half its experts in device slots: windows fetch their misses (and still chain)."""
+    return Engine.load("demo", max_context=256, prefill=16, say=lambda line: None, expert_cache=32)
+
+
 @pytest.mark.parametrize("shaped", [False, True], ids=["plain", "shaped"])
-def test_rows_that_drop_out_and_join_give_the_tokens_of_windows_run_one_by_one(engine, shaped):
+@pytest.mark.parametrize("path", ["engine", "fetching"], ids=["resident", "window fetch"])
+def test_rows_that_drop_out_and_join_give_the_tokens_of_windows_run_one_by_one(request, path, shaped):
     """A row that drops out of a continuing window goes to the scratch row (its state untouched) and one that joins
     feeds the token the host gives, merged into the rows on the device: every row's tokens (and logprobs, penalty
     counts kept on the device through the windows a row sits out) are those of windows run one by one."""
-    want = _alternating(WindowRunner(engine, 3, 16), 9, shaped, chained=False)
-    got = _alternating(WindowRunner(engine, 3, 16), 9, shaped, chained=True)
+    e = request.getfixturevalue(path)
+    want = _alternating(WindowRunner(e, 3, 16), 9, shaped, chained=False)
+    got = _alternating(WindowRunner(e, 3, 16), 9, shaped, chained=True)
     assert got == want
     assert len(want[0][2]) == 1 + 4 and (not shaped or all(t % 3 == 0 for t in want[0][2][1:]))
 
@@ -159,7 +167,7 @@ def test_a_grammar_request_beside_a_plain_one_changes_nothing_with_lookahead(eng
     grammars = Grammars(engine.tokenizer, engine.cfg.vocab_size, engine.eos_token_ids)
     schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 4, "maxLength": 12},
                                                "n": {"type": "integer"}}, "required": ["name", "n"]}
-    sampled = dict(sampling=SamplingParams(temperature=0.8, seed=3, frequency_penalty=1.5), logprobs=2)
+    sampled = {"sampling": SamplingParams(temperature=0.8, seed=3, frequency_penalty=1.5), "logprobs": 2}
     prompts = _prompts(engine, 2)
     reqs = [Request(id="json", prompt_ids=prompts[0], max_tokens=80, stop_token_ids=(),
                     constraint=grammars.json(schema), **(sampled if features == "sampled" else {})),
