@@ -28,7 +28,8 @@ class PromptPart:
 class WindowPlan:
     decode_active: np.ndarray    # [S] bool
     decode_tokens: np.ndarray    # [S] int32: the token each active row feeds (-1 in a plan that continues a window
-                                 # dispatched before it was read: the token that window samples, on the device)
+                                 # dispatched before it was read: the token that window samples, on the device;
+                                 # >= 0 there: a row that joins, its token given by the host)
     decode_pos: np.ndarray       # [S] int32: its position
     temperature: np.ndarray      # [S] float32
     top_k: np.ndarray            # [S] int32
@@ -41,7 +42,8 @@ class WindowPlan:
     bias_ids: np.ndarray | None = None     # [S, B] int32 and
     bias_values: np.ndarray | None = None  # [S, B] float32: logit bias entries per row (padding: id -1)
     mask: np.ndarray | None = None         # [S, W] int32: a grammar's allowed next tokens, bit t % 32 of word t // 32
-                                           # (rows without a grammar: all bits set); never in a continued plan
+                                           # (rows without a grammar: all bits set); in a continuing plan only on
+                                           # rows that join (a mask follows the token before it)
     logprobs: np.ndarray | None = None     # [S] int32: alternatives wanted per row, 0..TOP_LOGPROBS (-1: none)
 
     @property
@@ -66,11 +68,12 @@ class WindowPlan:
     def continued(self) -> "WindowPlan":
         """The plan of the window that continues every active row of this one, dispatched before this one is read:
         each row one position and one step on, its token -1 (the one this window samples, kept on the device); no
-        prompt part. (WindowRunner.dispatch(plan, after=...) checks a continuing plan against it.)"""
+        prompt part, no masks. (WindowRunner.dispatch(plan, after=...) checks a continuing plan against it: it may
+        also drop rows of this one and join rows inactive in it, their tokens given by the host.)"""
         on = self.decode_active
         return replace(self, decode_tokens=np.where(on, -1, 0).astype(np.int32),
                        decode_pos=np.where(on, self.decode_pos + 1, self.decode_pos).astype(np.int32),
-                       steps=np.where(on, self.steps + 1, self.steps).astype(np.int32), part=None)
+                       steps=np.where(on, self.steps + 1, self.steps).astype(np.int32), part=None, mask=None)
 
 
 TOP_LOGPROBS = 20               # the most alternatives a row's logprobs report
@@ -123,8 +126,9 @@ class Capacity:
 class Executor(Protocol):
     """Runs WindowPlans. dispatch() starts a window and returns a handle; collect(handle) waits for it and reads its
     WindowResult. Windows are collected in the order they were dispatched. When `chains` is true, a decode-only plan
-    that continues the last dispatched window (plan.continued(), nothing else changed) may be dispatched before that
-    window is collected: dispatch(plan, after=handle)."""
+    that continues the last dispatched window may be dispatched before that window is collected: dispatch(plan,
+    after=handle). Its rows with token -1 continue rows of that window (plan.continued()); it may leave out rows of
+    that window and add rows inactive in it, with their tokens (and masks) given."""
     capacity: Capacity
     chains: bool
 

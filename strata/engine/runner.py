@@ -4,10 +4,10 @@ The states of all slots are stacked on a leading [S] axis and threaded through e
 device order follows data. Decode rows are one token of each slot; a prompt part runs on one slot's state. Inactive
 decode rows write their key/value into the scratch row (capacity - 1, beyond max_context, never visible to a real
 query) and leave the recurrent state unchanged. Compilation: one decode function for S, one prompt-part function
-per bucket, all of them at warm-up. The engine's ExpertPath picks at load how a window runs: decode rows by
-CompiledRows or HostRows, prompt parts by CompiledPart or HostPart. When the next plan asks for exactly the rows a
-window computed (steady decoding), nothing is sent, and the next window can be dispatched before this one is read
-(chains). A shaped plan (penalties, bias, masks, logprobs; WindowPlan.shaped) samples from the logits by Shaping.
+per bucket, all of them at warm-up. The ExpertPath picks at load how a window runs: decode rows by CompiledRows or
+HostRows, prompt parts by CompiledPart or HostPart. Rows a window computed are not sent again, and in steady decoding
+the next window can be dispatched before this one is read (chains): this one's rows continued on the device, less rows
+it drops, plus rows that join with the host's token (merged on the device). Shaped plans sample by Shaping.
 """
 from __future__ import annotations
 
@@ -97,6 +97,12 @@ class WindowRunner:
         for temperature in (np.zeros(s, np.float32), np.ones(s, np.float32)):
             self.run(replace(shaped, decode_active=np.ones(s, bool), temperature=temperature))
             self.run(replace(shaped, part=one, temperature=temperature))
+        if self.chains and s > 1:                 # a continuing window that a row drops out of (merge_rows)
+            full = replace(plan, decode_active=np.ones(s, bool))
+            w = self.dispatch(full)
+            w_next = self.dispatch(replace(full.continued(), decode_active=np.arange(s) > 0), after=w)
+            self.collect(w)
+            self.collect(w_next)
         if self.engine.experts is not None:       # the warm-up's routes are not traffic: counters start at zero
             st = self.engine.experts.cache.stats
             st.hits = st.misses = st.cpu_routes = st.window_copies = 0
@@ -120,8 +126,9 @@ class WindowRunner:
 
     def dispatch(self, plan: WindowPlan, after: "Window | None" = None) -> "Window":
         """Start a window; collect() reads its result. With `after` (a decode-only window dispatched last and not
-        yet continued), plan continues it (Scheduler._continuation): its rows are the ones `after` computes on
-        the device, so it is dispatched before `after`'s tokens reach the host. Windows are collected in order."""
+        yet continued), plan continues it (Scheduler._continuation): its rows with token -1 are the ones `after`
+        computes on the device, so it is dispatched before `after`'s tokens reach the host; others join with their
+        token given, or drop out (_check_continues). Windows are collected in order."""
         w = Window(plan, time.perf_counter())
         if after is not None:
             _check_continues(after, plan, self.chains)
@@ -222,6 +229,7 @@ class DeviceRows:
                                          # [Lp, E], device experts copied [Lp]) until collect() records them
     successor: "DeviceRows | None" = None
     logprobs: tuple | None = None        # device (sampled [S], top ids [S, K], top [S, K]) of a plan with logprobs
+    given: tuple | None = None           # a continuing window's (rows taken from the host [S] bool, host rows [3, S])
 
 
 class CompiledRows:
@@ -241,17 +249,23 @@ class CompiledRows:
         self._logits = e._compile("decode_logits", _decode_logits, donate_argnums=(2,))
         # a window's result rows, copied out of the rows it hands its successor (a fresh [2, S] array)
         self._peel = e.compiled("peel_result", lambda: ops.compile(_result_rows))
+        # a continuing window's rows: the predecessor's (donated) with the host's rows where given
+        self._merge = e.compiled("merge_rows", lambda: ops.compile(partial(_merged, ops.xp), donate_argnums=(0,)))
 
     def dispatch(self, plan: WindowPlan, after: DeviceRows | None) -> DeviceRows:
         r = self.runner
         e, ops = r.engine, r.engine.backend
         pos, active = r.decode_rows(plan)
         stable = r.window_args(plan)
-        rows = None
+        rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos, np.asarray(plan.steps, np.int32)])
+        given = None
         if after is not None:          # the predecessor's rows, still on the device (donated to this one)
             rows_in, after.rows_next = after.rows_next, None
+            take = _given(after.active, plan)
+            if take.any():             # rows that join or drop out take the host's row (a dropped one: scratch)
+                rows_in = self._merge(rows_in, _with_result_rows(rows), take.astype(np.int32))
+            given, rows = (take, rows), None           # its rows are known once the predecessor is read (collect)
         else:
-            rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos, np.asarray(plan.steps, np.int32)])
             # a compiled window takes the rows its predecessor computed (donated) when they are these (an eager
             # backend gets them on the host: DeviceArgs)
             rows_in = r._args.take("rows", _with_result_rows(rows))
@@ -271,7 +285,7 @@ class CompiledRows:
             rows_out, lp = r.shaping().rows(plan, out, rows_in, greedy)
         out = rows_out if ops.eager else self._peel(rows_out)                               # [2, S]
         lp = lp if plan.logprobs is not None else None
-        d = DeviceRows(active, rows, out, None if ops.eager else rows_out, fetched, logprobs=lp)
+        d = DeviceRows(active, rows, out, None if ops.eager else rows_out, fetched, logprobs=lp, given=given)
         if after is not None:
             after.successor = d
         for x in (out, *(fetched or ())[1:], *(lp or ())):     # what collect() reads, its copy queued now
@@ -289,8 +303,9 @@ class CompiledRows:
             rows_after = _rows_after(np, d.rows, nxt, d.active)          # what d.rows_next holds
             if d.rows_next is not None:
                 r._args.known("rows", _with_result_rows(rows_after), d.rows_next)
-            if d.successor is not None:
-                d.successor.rows = rows_after
+            if d.successor is not None:           # what the successor's rows hold (merged as on the device)
+                given, host = d.successor.given
+                d.successor.rows = _merged(np, rows_after, host, given)
         if d.fetched is not None:
             # recorded once read (reading them at dispatch made the host wait for the whole window there)
             table, counts, copied = d.fetched
@@ -467,22 +482,44 @@ def _sampling_of(plan: WindowPlan, i: int) -> tuple:
 
 
 def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
-    """plan may continue prev (its decode rows are the ones prev computes on the device): the same active rows, each
-    one position and one step on, no prompt part, prev decode-only and not continued yet."""
+    """plan may continue prev, a decode-only window not continued yet, with a decode-only plan: each row with token -1
+    continues a row of prev on the device (one position and one step on); a row with a token given (>= 0) joins, and
+    must be inactive in prev (its token is known on the host); rows of prev may drop out (a grammar's next mask needs
+    the token prev samples); masks only on rows that join."""
     if not chains:
         raise ValueError("this runner cannot continue a window before reading it (its decode is layer by layer: "
                          "experts not all resident and no window fetch; or an eager backend)")
     d = prev.decode
-    if prev.plan.part is not None or plan.part is not None or not isinstance(d, DeviceRows) or d.rows_next is None:
+    if (prev.plan.part is not None or plan.part is not None or not plan.n_decode or not isinstance(d, DeviceRows)
+            or d.rows_next is None):
         raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
-    if plan.mask is not None:
-        raise ValueError("a plan with grammar masks cannot continue a window: each mask follows the token before it")
-    on, want = prev.plan.decode_active, prev.plan.continued()
-    if not np.array_equal(on, plan.decode_active):
-        raise ValueError("a continuing plan must decode the same rows as the window it continues")
-    if not (np.array_equal(plan.decode_pos[on], want.decode_pos[on])
-            and np.array_equal(plan.steps[on], want.steps[on])):
+    on, active, want = prev.plan.decode_active, plan.decode_active, prev.plan.continued()
+    device = active & (plan.decode_tokens < 0)
+    if (device & ~on).any():
+        raise ValueError(f"rows {np.flatnonzero(device & ~on).tolist()} of a continuing plan have token -1 (from the "
+                         f"device) but are inactive in the window it continues")
+    if (active & ~device & on).any():
+        raise ValueError(f"rows {np.flatnonzero(active & ~device & on).tolist()} of a continuing plan have a token "
+                         f"given but are in the window it continues, whose token they need (-1)")
+    if not (np.array_equal(plan.decode_pos[device], want.decode_pos[device])
+            and np.array_equal(plan.steps[device], want.steps[device])):
         raise ValueError("a continuing plan's rows must be one position and one step past the window it continues")
+    if plan.mask is not None and (plan.mask[~(active & ~device)] != -1).any():
+        raise ValueError("a continuing plan may have grammar masks only on rows that join (token given): each mask "
+                         "follows the token before it")
+
+
+def _given(prev_active, plan: WindowPlan) -> np.ndarray:
+    """[S] bool: the rows of a plan continuing a window (prev_active [S]) that take the host's row rather than the
+    predecessor's: rows that join (token given) and rows that drop out (inactive now, so to the scratch row)."""
+    on = np.asarray(prev_active) > 0
+    return (plan.decode_active & (plan.decode_tokens >= 0)) | (on & ~plan.decode_active)
+
+
+def _merged(xp, rows, host, given):
+    """rows [R, S] with host [R, S]'s columns where given [S]: a continuing window's rows, computed the same way on
+    the device (from the predecessor's rows) and on the host (from what they hold)."""
+    return xp.where(given[None, :] > 0, host, rows).astype(xp.int32)
 
 
 ROWS = 5      # a window's rows array: tokens, positions, steps (in); next tokens, finite (out)

@@ -1,13 +1,13 @@
 """The scheduler: admits requests into slots and plans windows over all of them, continuously; an Executor runs them.
 
 It is given the Executor (strata/plan.py) and what it needs of the model as plain values, and builds neither. Each
-window holds one decode row per generating slot and at most one prompt part of the earliest-admitted slot still
-reading: beside decode rows, the rest of the window's token budget; alone, the executor's part size. Executor calls run
-in a worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
-(lookahead, when the executor chains) before its tokens are read: dispatch(plan.continued(), after=...); a slot whose
-request ended on that token is then computed one token further and the result dropped. Slots go FREE -> READING ->
-GENERATING -> FREE; n choices hold n slots (one reads the prompt, the others copy its state). Every choice ends with one
-Finished, or its request with one Failed: a window that raises fails its requests only, a non-finite row its request.
+window holds one decode row per generating slot and at most one prompt part of the earliest-admitted slot still reading:
+beside decode rows, the rest of the window's token budget; alone, the executor's part size. Executor calls run in a
+worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
+(lookahead, when the executor chains) before its tokens are read (a row that ended is computed once more, dropped); rows
+with a grammar then join every other window (a mask needs the token before it). Slots go FREE -> READING -> GENERATING
+-> FREE; n choices hold n slots (one reads the prompt, the others copy its state). Each choice ends with one Finished,
+or its request with one Failed (a raising window fails its requests only, a non-finite row its request).
 """
 from __future__ import annotations
 
@@ -252,22 +252,39 @@ class Scheduler:
 
     def _continuation(self, plan: WindowPlan) -> WindowPlan | None:
         """The window after plan when nothing can change between them but the tokens, which stay on the device:
-        every generating slot is in plan, none can end by length after plan's token, no prompt part, no request
-        waiting or cancelled. A row that ends on plan's token (a stop token or string) is computed once more and
-        its result dropped (its slot is free by then; a new sequence clears the state), so a slot's state may run
-        one token past its request's end: whatever snapshots a slot's state (prompt-cache checkpoints) must take it
-        from a window applied to a live request. Otherwise None."""
-        if (not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled
-                or plan.mask is not None):        # a grammar's next mask needs the token this window samples
+        no prompt part or prompt to read, no request waiting or cancelled, and every generating slot without a
+        grammar in plan and not ending by length after plan's token. Those rows continue on the device. A grammar's
+        next mask needs the token before it, so a slot with one drops out when in plan and joins (its token, mask
+        and position given) when not: it decodes every other window. None when no row would be left. A row that
+        ends on plan's token (a stop token or string) is computed once more and its result dropped (its slot is
+        free by then; a new sequence clears the state), so a slot's state may run one token past its request's
+        end: whatever snapshots a slot's state (prompt-cache checkpoints) must take it from a window applied to a
+        live request."""
+        if not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled:
             return None
+        on = plan.decode_active
+        keep, joined = np.zeros_like(on), []
         for s in self.slots_:
-            if s.state is SlotState.READING or (plan.decode_active[s.id] and s.state is not SlotState.GENERATING):
+            if s.state is SlotState.READING or (on[s.id] and s.state is not SlotState.GENERATING):
                 return None                       # a prompt to read, or a row whose request ended
-            if s.state is SlotState.GENERATING and (
-                    not plan.decode_active[s.id] or s.generated + 1 >= s.req.max_tokens
-                    or s.pos + 2 >= self.max_context):
+            if s.state is not SlotState.GENERATING:
+                continue
+            if s.matcher is not None:             # in plan: its token is not known yet; else it was applied
+                if not on[s.id]:
+                    joined.append(s)
+            elif not on[s.id] or s.generated + 1 >= s.req.max_tokens or s.pos + 2 >= self.max_context:
                 return None
-        return plan.continued()
+            else:
+                keep[s.id] = True
+        if not keep.any() and not joined:
+            return None
+        nxt = plan.continued()
+        active, tokens = keep.copy(), np.where(keep, -1, 0).astype(np.int32)
+        pos, steps = nxt.decode_pos.copy(), nxt.steps.copy()
+        for s in joined:
+            active[s.id], tokens[s.id], pos[s.id], steps[s.id] = True, s.last_token, s.pos, s.generated
+        return replace(nxt, decode_active=active, decode_tokens=tokens, decode_pos=pos, steps=steps,
+                       mask=self._masks(joined))
 
     # --- admission and cancellation
     def _admit(self):
@@ -372,13 +389,21 @@ class Scheduler:
                 if s.req.logprobs is not None:
                     lp[s.id] = s.req.logprobs
             out["logprobs"] = lp
-        rows = {s.id: s.matcher.mask() for s in sampled if s.matcher is not None}
-        if rows:
-            mask = np.full((n, len(next(iter(rows.values())))), -1, np.int32)
-            for i, row in rows.items():
-                mask[i] = row
+        mask = self._masks(sampled)
+        if mask is not None:
             out["mask"] = mask
         return out
+
+    def _masks(self, sampled: list[Slot]) -> np.ndarray | None:
+        """The grammar masks [S, W] of the slots a window samples for (others: every token allowed); None when none
+        of them has a grammar."""
+        rows = {s.id: s.matcher.mask() for s in sampled if s.matcher is not None}
+        if not rows:
+            return None
+        mask = np.full((len(self.slots_), len(next(iter(rows.values())))), -1, np.int32)
+        for i, row in rows.items():
+            mask[i] = row
+        return mask
 
     def _part_tokens(self, n_decode: int) -> int:
         """The most prompt tokens a window with n_decode decode rows carries. Alone, the part size: reading with

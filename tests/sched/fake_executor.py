@@ -5,8 +5,9 @@ ASCII byte (the demo tokenizer decodes ids 32..126 to that one character), for d
 (from its last token and position) alike; sampling settings are ignored, but a grammar mask is obeyed (the first
 allowed token at or after that one), a part's copies take its state and token, and logprobs are fake_logprobs(token).
 It checks what a real executor relies on (each row continues its slot's sequence, a continuing plan continues the
-window it names, windows are collected in order), records every plan it is given, and can be told to raise in a given
-window or to report the row at a slot's given position non-finite, and reports the device times it is given.
+window it names: rows of it with token -1, others join with their token given; windows are collected in order),
+records every plan it is given, can be told to raise in a given window or to report the row at a slot's given
+position non-finite, and reports the device times it is given.
 """
 from __future__ import annotations
 
@@ -109,8 +110,8 @@ class FakeExecutor:
             if self.refuse_ahead:
                 raise self.refuse_ahead.pop(0)
             after.continued = True
-            on = plan.decode_active
-            tokens[on] = after.result.decode_next[on]
+            device = plan.decode_active & (tokens < 0)          # the others join with their token given
+            tokens[device] = after.result.decode_next[device]
         elif (tokens[plan.decode_active] < 0).any():
             raise ValueError("a plan with token -1 must be dispatched after the window that samples it")
         nxt = np.zeros(self.slots, np.int32)
@@ -170,12 +171,20 @@ class FakeExecutor:
 
     # --- what a continuing plan must be (as WindowRunner checks it)
     def _check_continues(self, prev: Handle, plan: WindowPlan) -> None:
+        """Rows with token -1 continue rows of prev one position and one step on; rows with a token given join and
+        were inactive in prev; rows of prev may drop out; masks only on rows that join; decode-only, once."""
         if not self.chains:
             raise ValueError("this executor does not chain windows")
-        if prev.plan.part is not None or plan.part is not None or prev.continued:
+        if prev.plan.part is not None or plan.part is not None or prev.continued or not plan.n_decode:
             raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
-        want = prev.plan.continued()
-        on = prev.plan.decode_active
-        if not (np.array_equal(on, plan.decode_active) and np.array_equal(plan.decode_pos, want.decode_pos)
-                and np.array_equal(plan.steps, want.steps) and (plan.decode_tokens[on] == -1).all()):
-            raise ValueError("a continuing plan must be the window it continues, continued")
+        want, on = prev.plan.continued(), prev.plan.decode_active
+        device = plan.decode_active & (plan.decode_tokens < 0)
+        joined = plan.decode_active & ~device
+        if (device & ~on).any() or (joined & on).any():
+            raise ValueError("a continuing plan's rows from the device must be in the window it continues, and its "
+                             "rows with a token given must not")
+        if not (np.array_equal(plan.decode_pos[device], want.decode_pos[device])
+                and np.array_equal(plan.steps[device], want.steps[device])):
+            raise ValueError("a continuing plan's rows must be one position and one step past the window it continues")
+        if plan.mask is not None and (plan.mask[~joined] != -1).any():
+            raise ValueError("a continuing plan has a grammar mask on a row that does not join")

@@ -2,13 +2,15 @@
 runner's dispatch/collect with `after`, and the scheduler's lookahead, which must change nothing a client sees."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from strata import Engine
-from strata.engine.runner import ROWS, WindowRunner
+from strata.engine.runner import ROWS, WindowRunner, _rows_after
+from strata.engine.sampling import mask_words, pack_mask
 from strata.plan import idle_plan
 from strata.plan import PromptPart
 from strata.sched.request import Finished, Request, SamplingParams
@@ -53,14 +55,22 @@ def test_windows_dispatched_ahead_give_the_tokens_of_windows_run_one_by_one(engi
     assert got == want
 
 
-def test_only_a_steady_plan_continues_a_window(engine):
-    runner = WindowRunner(engine, 2, 16)
-    plan = replace(idle_plan(2), decode_active=np.array([True, False]), decode_tokens=np.array([5, 0], np.int32))
+def test_only_a_continuing_plan_continues_a_window(engine):
+    runner = WindowRunner(engine, 3, 16)
+    plan = replace(idle_plan(3), decode_active=np.array([True, False, False]),
+                   decode_tokens=np.array([5, 0, 0], np.int32))
     w = runner.dispatch(plan)
-    with pytest.raises(ValueError, match="same rows"):
-        runner.dispatch(replace(_steady(plan), decode_active=np.array([True, True])), after=w)
-    with pytest.raises(ValueError, match="one position and one step"):
-        runner.dispatch(replace(_steady(plan), decode_pos=np.array([5, 0], np.int32)), after=w)
+    steady = _steady(plan)
+    masked = np.full((3, mask_words(engine.cfg.vocab_size)), -1, np.int32)
+    masked[0, 0] = 0
+    for bad, why in ((replace(steady, decode_active=np.array([True, True, False]),
+                              decode_tokens=np.array([-1, -1, 0], np.int32)), "inactive in the window it continues"),
+                     (replace(steady, decode_tokens=np.array([7, 0, 0], np.int32)), "in the window it continues"),
+                     (replace(steady, decode_pos=np.array([5, 0, 0], np.int32)), "one position and one step"),
+                     (replace(steady, mask=masked), "masks only on rows that join"),
+                     (replace(steady, decode_active=np.zeros(3, bool)), "by a decode-only plan")):
+        with pytest.raises(ValueError, match=why):
+            runner.dispatch(bad, after=w)
     w2 = runner.dispatch(_steady(plan), after=w)
     with pytest.raises(ValueError, match="once"):
         runner.dispatch(_steady(plan), after=w)                      # w's rows went to w2
@@ -72,6 +82,112 @@ def test_only_a_steady_plan_continues_a_window(engine):
     with pytest.raises(ValueError, match="decode-only"):                  # a window with a prompt part
         runner.dispatch(_steady(plan), after=with_part)
     runner.collect(with_part)
+
+
+def _alternating(runner, n: int, shaped: bool, chained: bool):
+    """n windows over 3 rows: rows 0 (greedy) and 1 (sampled) in every one, row 2 (as a grammar row: a mask, a
+    frequency penalty) in every other one from the second, its token given by the host; every row with logprobs when
+    shaped. chained: each window dispatched before the last one is read (rows 0 and 1 continued on the device, row 2
+    joining and dropping out), and the host's copy of the last window's rows is what the device holds. -> ({row:
+    tokens}, {row: logprobs of the sampled tokens})."""
+    vocab = runner.engine.cfg.vocab_size
+    allowed = np.zeros((1, vocab), bool)
+    allowed[0, ::3] = True                          # row 2's "grammar": every third token
+    mask = np.full((3, mask_words(vocab)), -1, np.int32)
+    mask[2] = pack_mask(allowed)[0]
+    base = replace(idle_plan(3), temperature=np.array([0.0, 0.9, 0.7], np.float32),
+                   seeds=np.array([[1, 2], [3, 4], [5, 6]], np.uint32))
+    if shaped:
+        base = replace(base, logprobs=np.full(3, 2, np.int32),
+                       penalties=np.array([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.8, 1.3]], np.float32))
+    toks, lps = {0: [11], 1: [12], 2: [13]}, {0: [], 1: [], 2: []}
+
+    def plan_of(i: int, continuing: bool):
+        g = i % 2 == 1                             # row 2 in this window
+        active = np.array([True, True, g])
+        tokens = np.array([-1 if continuing else toks[0][-1], -1 if continuing else toks[1][-1],
+                           toks[2][-1] if g else 0], np.int32)
+        pos = np.array([i, i, i // 2], np.int32)
+        return replace(base, decode_active=active, decode_tokens=tokens, decode_pos=pos, steps=pos,
+                       mask=mask if g and shaped else None)
+
+    def read(plan, res):
+        for r in np.flatnonzero(plan.decode_active):
+            toks[r].append(int(res.decode_next[r]))
+            if shaped:
+                lps[r].append(float(res.decode_logprobs.sampled[r]))
+            assert res.decode_finite[r]
+    if not chained:
+        for i in range(n):
+            plan = plan_of(i, False)
+            read(plan, runner.run(plan))
+        return toks, lps
+    plan = plan_of(0, False)
+    w = runner.dispatch(plan)
+    for i in range(n):
+        nxt = plan_of(i + 1, True) if i < n - 1 else None
+        w_next = runner.dispatch(nxt, after=w) if nxt is not None else None         # before w is read
+        res = runner.collect(w)
+        read(plan, res)
+        if w_next is None:      # (its rows for a successor: a dropped row's from the host, at the scratch row)
+            d = w.decode
+            held = np.asarray(d.rows_next)[:3]
+            np.testing.assert_array_equal(held, _rows_after(np, d.rows, res.decode_next, d.active))
+            assert held[1, 2] == runner.scratch_pos
+        w, plan = w_next, nxt
+    return toks, lps
+
+
+@pytest.fixture(scope="module")
+def fetching():
+    """The demo model with half its experts in device slots: windows fetch their misses (and still chain)."""
+    return Engine.load("demo", max_context=256, prefill=16, say=lambda line: None, expert_cache=32)
+
+
+@pytest.mark.parametrize("shaped", [False, True], ids=["plain", "shaped"])
+@pytest.mark.parametrize("path", ["engine", "fetching"], ids=["resident", "window fetch"])
+def test_rows_that_drop_out_and_join_give_the_tokens_of_windows_run_one_by_one(request, path, shaped):
+    """A row that drops out of a continuing window goes to the scratch row (its state untouched) and one that joins
+    feeds the token the host gives, merged into the rows on the device: every row's tokens (and logprobs, penalty
+    counts kept on the device through the windows a row sits out) are those of windows run one by one."""
+    e = request.getfixturevalue(path)
+    want = _alternating(WindowRunner(e, 3, 16), 9, shaped, chained=False)
+    got = _alternating(WindowRunner(e, 3, 16), 9, shaped, chained=True)
+    assert got == want
+    assert len(want[0][2]) == 1 + 4 and (not shaped or all(t % 3 == 0 for t in want[0][2][1:]))
+
+
+@pytest.mark.parametrize("features", ["greedy", "sampled"])
+def test_a_grammar_request_beside_a_plain_one_changes_nothing_with_lookahead(engine, features):
+    """A json_schema request (its matcher from strata/serve/grammar.py; greedy, or sampled with a frequency penalty
+    and logprobs, so its penalty counts must survive the windows it sits out) beside a plain greedy one: both get
+    exactly what they get with lookahead off, the JSON validates, and windows were dispatched ahead while the grammar
+    request ran, its row joining every other one with its token and mask from the host."""
+    from strata.serve.grammar import Grammars
+    grammars = Grammars(engine.tokenizer, engine.cfg.vocab_size, engine.eos_token_ids)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 4, "maxLength": 12},
+                                               "n": {"type": "integer"}}, "required": ["name", "n"]}
+    sampled = {"sampling": SamplingParams(temperature=0.8, seed=3, frequency_penalty=1.5), "logprobs": 2}
+    prompts = _prompts(engine, 2)
+    reqs = [Request(id="json", prompt_ids=prompts[0], max_tokens=80, stop_token_ids=(),
+                    constraint=grammars.json(schema), **(sampled if features == "sampled" else {})),
+            Request(id="plain", prompt_ids=prompts[1], max_tokens=40, stop_token_ids=())]
+    seen = []
+    on, sched_on = _run(engine, reqs, 2, 64, lookahead=True, observe=seen)
+    off, sched_off = _run(engine, reqs, 2, 64, lookahead=False)
+    for r in reqs:
+        (t_on, f_on), (t_off, f_off) = on[r.id], off[r.id]
+        assert isinstance(f_on, Finished) and isinstance(f_off, Finished), r.id
+        assert (t_on, f_on.reason, f_on.completion_tokens) == (t_off, f_off.reason, f_off.completion_tokens), r.id
+    assert on["json"][1].reason == "stop" and on["plain"][1].completion_tokens == 40
+    value = json.loads(on["json"][0])
+    assert set(value) == {"name", "n"} and 4 <= len(value["name"]) <= 12 and isinstance(value["n"], int)
+    joined = [plan for plan, ahead in seen if ahead and plan.mask is not None]
+    for plan in joined:     # the grammar row's token from the host, the plain row's from the device
+        g = int(np.flatnonzero((plan.mask != -1).any(axis=1))[0])
+        assert plan.decode_active.all() and plan.decode_tokens[g] >= 0 and plan.decode_tokens[1 - g] == -1
+    assert len(joined) >= on["json"][1].completion_tokens // 2 - 3
+    assert sched_on.stats["windows_ahead"] > len(joined) and sched_off.stats["windows_ahead"] == 0
 
 
 def test_lookahead_changes_nothing_a_client_sees(engine):

@@ -1,5 +1,6 @@
 """What the scheduler plans and reports for the sampling features, against a FakeExecutor: n choices read their prompt
-once and end one by one; grammar masks go only to the rows that have a grammar and stop lookahead while they decode;
+once and end one by one; grammar masks go only to the rows that have a grammar, which decode every other window while
+the others keep lookahead;
 penalties, bias and logprobs arrays appear only when some request uses them (a plain plan is the plain plan); each
 token's logprob reaches its choice's events."""
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
-from fake_executor import FakeExecutor, expected_tokens, fake_logprobs, text_of
+from fake_executor import FakeExecutor, expected_tokens, fake_logprobs, next_token, obey, text_of
 
 from strata.demo_tokenizer import write_demo_tokenizer
 from strata.engine.sampling import mask_words, pack_mask
@@ -16,6 +17,7 @@ from strata.sched.scheduler import Scheduler, choice_seed
 from strata.tokenizer import Tokenizer
 
 VOCAB = 624
+ALNUM = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
 @pytest.fixture(scope="module")
@@ -131,22 +133,95 @@ def test_n_waits_for_its_slots_and_more_than_the_slots_is_refused(tokenizer):
     assert choice_seed(7, 0) == 7 and choice_seed(7, 1) != choice_seed(7, 2)
 
 
-def test_a_grammar_row_gets_its_mask_and_no_lookahead_while_it_decodes(tokenizer):
+class Letters:
+    """A matcher that allows n letters or digits, then nothing: which letter comes depends on the token and position
+    a row is fed (the fake takes the first allowed at or after its own next token)."""
+
+    def __init__(self, n):
+        self.n, self.i = n, 0
+
+    def mask(self):
+        allowed = np.zeros((1, VOCAB), bool)
+        if self.i < self.n:
+            allowed[0, [ord(c) for c in ALNUM]] = True
+        return pack_mask(allowed)[0]
+
+    def accept(self, token):
+        self.i += 1
+        return chr(token) in ALNUM and self.i <= self.n
+
+    def done(self):
+        return self.i == self.n
+
+    def error(self):
+        return "not a letter or digit"
+
+
+class LettersConstraint:
+    def __init__(self, n):
+        self.n = n
+
+    def matcher(self):
+        return Letters(self.n)
+
+
+def letters(prompt, n) -> list[int]:
+    """The tokens the fake gives a request under Letters(n)."""
+    mask = Letters(n).mask()
+    out, last, pos = [], prompt[-1], len(prompt) - 1
+    for _ in range(n):
+        last = obey(mask, next_token(last, pos))
+        out.append(last)
+        pos += 1
+    return out
+
+
+def _grammar_beside_plain(tokenizer, lookahead: bool):
+    fake = FakeExecutor(slots=2, part_size=8)
+    sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4,
+                      lookahead=lookahead)
+    ev = run(sched, [Request(id="G", prompt_ids=P("json:"), max_tokens=40, constraint=LettersConstraint(13)),
+                     Request(id="F", prompt_ids=P("free"), max_tokens=40)])
+    out = {k: [(text, fin.reason, fin.completion_tokens) for text, fin in choices(v).values()] for k, v in ev.items()}
+    return out, fake, sched
+
+
+def test_a_grammar_row_decodes_every_other_window_and_the_others_keep_lookahead(tokenizer):
+    """A grammar's mask needs the token before it: while windows are dispatched ahead, the grammar row drops out of
+    the window after each of its own and joins the next with its token, position and mask given by the host; the plain
+    row is in every window, each dispatched ahead; what both clients get is what they get without lookahead."""
+    on, fake, sched = _grammar_beside_plain(tokenizer, True)
+    off, fake_off, _ = _grammar_beside_plain(tokenizer, False)
+    assert on == off
+    want = letters(P("json:"), 13)
+    assert on["G"] == [(text_of(want), "stop", 13)] and len(set(want)) > 5
+    assert on["F"] == [(text_of(expected_tokens(P("free"), 40)), "length", 40)]
+    g_windows = [i for i, w in enumerate(fake.windows) if w.plan.decode_active[0]]
+    first = min(i for i, w in enumerate(fake.windows) if w.plan.decode_active.all())   # both decode, planned afresh
+    both = fake.windows[first:g_windows[-1] + 1]                                        # until G's last token
+    assert [bool(w.plan.decode_active[0]) for w in both] == [i % 2 == 0 for i in range(len(both))]
+    assert all(w.plan.decode_active[1] and w.plan.part is None for w in both)
+    assert not both[0].ahead and all(w.ahead for w in both[1:]), "every window after the first dispatched ahead"
+    joined = [w for w in both[1:] if w.plan.decode_active[0]]
+    assert len(joined) == 13 - 3      # the 1st from G's part, the 2nd beside F's part, the 3rd in both[0]
+    for w in joined:      # G's token from the host (the one it sampled two windows back), F's from the device
+        assert w.plan.decode_tokens[0] >= 0 and w.plan.decode_tokens[1] == -1
+        assert (w.plan.mask[1] == -1).all() and not (w.plan.mask[0] == -1).all()
+    assert all(w.plan.mask is None for w in both if not w.plan.decode_active[0])
+    assert sched.stats["windows_ahead"] == sum(w.ahead for w in fake.windows) >= len(both) - 1
+    assert not any(w.ahead for w in fake_off.windows)
+    assert any(w.ahead for w in fake.windows[g_windows[-1] + 1:]), "lookahead goes on once no row has a grammar"
+
+
+def test_grammar_rows_alone_get_no_lookahead(tokenizer):
+    """With every generating row under a grammar a continuation would have no row: each window is planned after the
+    last one's tokens, as without lookahead."""
     fake = FakeExecutor(slots=2, part_size=8)
     sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
-    spell = list(P('{"a": 1}'))
-    ev = run(sched, [Request(id="G", prompt_ids=P("json:"), max_tokens=40, constraint=SpellConstraint(spell)),
-                     Request(id="F", prompt_ids=P("free"), max_tokens=30)])
-    (text, fin), = choices(ev["G"]).values()
-    assert text == '{"a": 1}' and fin.reason == "stop" and fin.completion_tokens == len(spell)
-    (free, _), = choices(ev["F"]).values()
-    assert free == text_of(expected_tokens(P("free"), 30))
-    with_g = [w for w in fake.windows if w.plan.mask is not None]
-    assert with_g and not any(w.ahead for w in with_g)
-    assert all((w.plan.mask[1] == -1).all() for w in with_g), "the row without a grammar allows every token"
-    assert all(w.plan.mask.shape == (2, mask_words(VOCAB)) for w in with_g)
-    after = [w for w in fake.windows if w.plan.mask is None and w.plan.n_decode]
-    assert any(w.ahead for w in after), "lookahead resumes once no row has a grammar"
+    ev = run(sched, [Request(id=f"G{i}", prompt_ids=P(f"json{i}:"), max_tokens=40,
+                             constraint=SpellConstraint(list(P('{"b": 2}')))) for i in range(2)])
+    assert all(next(iter(choices(e).values()))[0] == '{"b": 2}' for e in ev.values())
+    assert fake.windows and not any(w.ahead for w in fake.windows) and sched.stats["windows_ahead"] == 0
 
 
 def test_a_token_the_grammar_rejects_fails_the_request(tokenizer):

@@ -34,9 +34,15 @@ async def _collect(receive):
     return text, final
 
 
-def _run(engine, requests, parallel, prefill, concurrent=True, lookahead=True, window_tokens=None, prompt_share=1.0):
-    """Serve `requests` (all at once, or one after another) -> {id: (text, final event)}."""
-    sched = Scheduler(WindowRunner(engine, parallel, prefill), tokenizer=engine.tokenizer,
+def _run(engine, requests, parallel, prefill, concurrent=True, lookahead=True, window_tokens=None, prompt_share=1.0,
+         observe: list | None = None):
+    """Serve `requests` (all at once, or one after another) -> {id: (text, final event)}; observe: a list that gets
+    (plan, whether dispatched ahead) of every window."""
+    runner = WindowRunner(engine, parallel, prefill)
+    if observe is not None:
+        dispatch = runner.dispatch
+        runner.dispatch = lambda plan, after=None: observe.append((plan, after is not None)) or dispatch(plan, after)
+    sched = Scheduler(runner, tokenizer=engine.tokenizer,
                       eos_token_ids=engine.eos_token_ids, max_context=2048, queue_limit=16, lookahead=lookahead,
                       window_tokens=window_tokens, prompt_share=prompt_share)
     results = {}

@@ -182,6 +182,15 @@ def test_shaped_windows_compile_nothing_after_warm_up(runner):
         generate(runner, 3, features=lambda t: {"penalties": pen}, rows=(1, 2), temperature=[0.0, 0.5, 0.0])
         generate(runner, 3, features=lp_only(0), rows=(0, 1, 2))
         generate(runner, 3, features=lambda t: {"penalties": pen}, rows=(1,), chained=runner.chains)
+        if runner.chains:     # a continuing window that a row drops out of and another joins (merge_rows)
+            for extra in ({}, {"penalties": pen}):
+                plan = replace(idle_plan(S), decode_active=np.array([True, True, False]),
+                               decode_tokens=np.array([5, 6, 0], np.int32), **extra)
+                w = runner.dispatch(plan)
+                w_next = runner.dispatch(replace(plan.continued(), decode_active=np.array([True, False, True]),
+                                                 decode_tokens=np.array([-1, 0, 7], np.int32)), after=w)
+                runner.collect(w)
+                runner.collect(w_next)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert lowered == [], f"compiled under load, after warm-up: {lowered}"
