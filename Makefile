@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test bench docs clean
+.PHONY: serve test bench docs train-tiny clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -12,10 +12,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,sycl]'
 	touch $(STAMP)
 
-# The OpenAI-compatible server on 127.0.0.1:8080, serving the demo model (random weights: gibberish by design);
+# The OpenAI-compatible server on 127.0.0.1:8080, serving the built-in tiny model (trained on Python's documentation:
+# it answers in doc-like English; `strata serve` with no --model serves the random-weights demo model);
 # ARGS="--parallel 4 ..." passes flags.
 serve: $(STAMP)
-	$(BIN)/strata serve $(ARGS)
+	$(BIN)/strata serve --model tiny $(ARGS)
 
 # lint-imports: ARCHITECTURE.md's layer order (pyproject.toml's [tool.importlinter]) before the tests
 test: $(STAMP)
@@ -24,6 +25,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_speed.py --model demo
+
+# Retrain the built-in tiny model from scratch, as committed (under an hour on 2 idle CPU cores): the checkpoint, its
+# training log and its loss curves. See docs/tiny-model.md.
+train-tiny: $(STAMP)
+	$(BIN)/pip install -q -e '.[train]'
+	$(BIN)/strata train-tiny --out strata/models/tiny --log bench/results/tiny_training.jsonl --plot docs/tiny-loss.png
 
 # docs/configuration.md and configs/demo.toml, generated from strata/config.py and strata/cli.py
 docs: $(STAMP)

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import numpy as np
 
+from strata.builtin import builtin_note
 from strata.config import GROUPS, KEYS, SPECS, Settings, load_settings, markdown
 from strata.errors import StrataError
+from strata.train_tiny import TINY_RECIPE
 
 
 def _log(msg: str) -> None:
@@ -26,10 +29,9 @@ ONE_SEQUENCE = {"parallel": 1}
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from strata import Engine
-    from strata.demo import DEMO_NOTE
     settings = Settings.build(**ONE_SEQUENCE).with_values(_flag_settings(args, GENERATE_FLAGS), as_flag=True)
-    if settings.model.model == "demo":
-        _log(f"strata generate: {DEMO_NOTE}")
+    if note := builtin_note(settings.model.model):
+        _log(f"strata generate: {note}")
     _check_device(settings)
     t0 = time.perf_counter()
     engine = Engine.load(settings=settings)
@@ -47,14 +49,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     n = 0
     t_first = None
+    # a chat reply's leading blank lines (what is left of an empty <think></think> block once the special tokens are
+    # dropped) say nothing, so the reply is printed from its first visible character; a raw continuation as it is
+    started = args.raw
     for token in engine.stream(ids, args.max_tokens, temperature=args.temperature, seed=args.seed,
                                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p):
         if t_first is None:
             t_first = time.perf_counter()
         n += 1
-        sys.stdout.write(decoder.push(token))
+        piece = decoder.push(token)
+        if not started:
+            piece = piece.lstrip()
+            started = bool(piece)
+        sys.stdout.write(piece)
         sys.stdout.flush()
-    sys.stdout.write(decoder.flush() + "\n")
+    tail = decoder.flush()
+    sys.stdout.write((tail if started else tail.lstrip()) + "\n")
     t2 = time.perf_counter()
     t_first = t_first or t2
     read_ms = (t_first - t1) * 1000
@@ -205,6 +215,33 @@ class _ProgressBar:
             self.stream.flush()
 
 
+def cmd_train_tiny(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from strata import train_tiny
+    # OpenMP threads that spin while they wait at barriers multiply a run's time when other work shares the cores;
+    # waiting passively costs little when nothing does (it changes no result: the work is split the same way)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise StrataError(f"train-tiny needs torch and transformers ({e}); install them with "
+                          f"pip install -e '.[train]'") from None
+    recipe = train_tiny.QUICK_RECIPE if args.quick else train_tiny.TINY_RECIPE
+    recipe = replace(recipe, **{k: v for k, v in (("steps", args.steps), ("seed", args.seed)) if v is not None})
+    if recipe.steps < 1:
+        raise StrataError(f"--steps must be at least 1, found {recipe.steps}")
+    out = Path(args.out)
+    log_path = Path(args.log) if args.log else out / "training_log.jsonl"
+    train_tiny.train(recipe, out, log_path, threads=args.threads, say=_log)
+    if args.plot:
+        train_tiny.plot(log_path, Path(args.plot))
+        _log(f"strata train-tiny: loss curves drawn in {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description="Serve Mixture-of-Experts models larger than the GPU.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
@@ -227,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve a model over an OpenAI-compatible HTTP API (chat and text completions, "
                                    "streamed or not, /v1/models, /health, /slots, /metrics). Every flag has a "
                                    "config-file key of the same name (--max-context -> max_context); flags override "
-                                   "the file. With no arguments it serves the demo model on 127.0.0.1:8080.")
+                                   "the file. With no arguments it serves the demo model (random weights) on "
+                                   "127.0.0.1:8080; --model tiny serves the small model trained on Python's "
+                                   "documentation.")
     s.add_argument("--config", default=None, metavar="FILE.toml", help="TOML file of settings (see configs/demo.toml)")
     _add_setting_flags(s, KEYS)
     s.set_defaults(func=cmd_serve)
@@ -237,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "4096-aligned blob of experts.bin (with a crc32 each in checksums.bin), the other "
                                    "tensors in dense.safetensors, the tokenizer files copied, pack.json last. An "
                                    "interrupted run continues where it stopped when rerun with the same arguments.")
-    k.add_argument("--model", required=True, help="the model to pack: a checkpoint directory, a .gguf file, or 'demo'")
+    k.add_argument("--model", required=True, help="checkpoint directory, .gguf file, 'demo' or 'tiny'")
     k.add_argument("--out", required=True, metavar="DIR", help="the pack directory to write")
     k.add_argument("--experts", default="int4", metavar="FORMAT",
                    help="expert format: int4 (default) | int8 | nvfp4 | bf16 | f32")
@@ -255,6 +294,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated after each prompt (default 32)")
     _add_setting_flags(f, ENGINE_FLAGS, required=("model",))
     f.set_defaults(func=cmd_profile)
+
+    t = sub.add_parser("train-tiny", help="train the built-in `tiny` model on this CPU (about an hour; needs torch)",
+                       description="Train the built-in `tiny` model (the one `--model tiny` serves) from scratch on "
+                                   "the CPU: a Qwen3-Next-architecture MoE with an MTP head, and its byte-level BPE "
+                                   "tokenizer, learnt from Python's documentation topics (pydoc_data) and the "
+                                   "standard library's docstrings, with a seeded part held out. Writes a Hugging "
+                                   "Face checkpoint directory (config.json, model.safetensors, tokenizer files) and "
+                                   "a JSON-lines log: losses per step, held-out loss against a unigram model's, "
+                                   "the MTP head's draft acceptance, greedy sample answers. The same seed, thread "
+                                   "count and Python version reproduce the committed checkpoint. Needs torch and "
+                                   "transformers (pip install -e '.[train]'); --plot also needs matplotlib.")
+    t.add_argument("--out", required=True, metavar="DIR", help="the checkpoint directory to write")
+    t.add_argument("--log", default=None, metavar="FILE.jsonl",
+                   help="the training log (default: DIR/training_log.jsonl)")
+    t.add_argument("--plot", default=None, metavar="FILE.png", help="draw the loss curves of the log into this PNG")
+    t.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps of {TINY_RECIPE.batch_size} x {TINY_RECIPE.seq_len} tokens "
+                        f"(default {TINY_RECIPE.steps}, the committed model's)")
+    t.add_argument("--seed", type=int, default=None, help=f"default {TINY_RECIPE.seed}, the committed model's")
+    t.add_argument("--threads", type=int, default=2,
+                   help="torch threads (default 2, as the committed model was trained; another count sums in "
+                        "another order, so the weights differ within noise)")
+    t.add_argument("--quick", action="store_true",
+                   help="a seconds-long smoke run: a toy model, 2 steps, a sliver of the corpus (for tests)")
+    t.set_defaults(func=cmd_train_tiny)
 
     d = sub.add_parser("doctor", help="list the devices each backend sees, and why one is missing",
                        description="List the JAX and SYCL devices this machine has, and for a missing one what was "

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import ml_dtypes
 import numpy as np
 
+from strata.builtin import is_builtin
 from strata.errors import ConfigError
 
 # The KV cache's formats (ModelSettings.kv): auto is the weights' dtype; int8 keeps a float32 scale per token and
@@ -107,9 +108,10 @@ class _Group:
 class ModelSettings(_Group):
     """What to serve, in which dtype, and how long one sequence may grow."""
     model: str = setting(
-        "demo", _text("a checkpoint directory, a .gguf file, a pack directory, or \"demo\""),
-        "What to serve: a Hugging Face checkpoint directory, a .gguf file, a pack directory (strata pack), or \"demo\" "
-        "(a tiny built-in model with random weights: its text is gibberish by design). Responses and /v1/models name "
+        "demo", _text("a checkpoint directory, a .gguf file, a pack directory, \"demo\" or \"tiny\""),
+        "What to serve: a Hugging Face checkpoint directory, a .gguf file, a pack directory (strata pack), or a "
+        "built-in model: \"demo\" (random weights: its text is gibberish by design, every code path runs) or "
+        "\"tiny\" (trained on Python's documentation: it answers in doc-like English). Responses and /v1/models name "
         "the model by the path's basename.")
     dtype: str = setting(
         "auto", _choice("auto", "float32", "bfloat16"),
@@ -365,17 +367,18 @@ class Settings:
     @property
     def model_name(self) -> str:
         """The name responses and /v1/models carry: served_model_name's first, else the model path's basename, or
-        "demo"."""
+        the built-in model's name."""
         return self.served_names[0]
 
     @property
     def served_names(self) -> list[str]:
-        """Every name a request's `model` may give: served_model_name, else the model path's basename (or "demo")
-        and "default"."""
+        """Every name a request's `model` may give: served_model_name, else the model path's basename (or the
+        built-in model's name) and "default"."""
         names = _names(self.serve.served_model_name) if self.serve.served_model_name is not None else None
         if names:
             return list(dict.fromkeys(names))
-        name = "demo" if self.model.model == "demo" else Path(self.model.model).name or str(self.model.model)
+        model = self.model.model
+        name = model if is_builtin(model) else Path(model).name or str(model)
         return [name, "default"]
 
 

@@ -94,7 +94,7 @@ def test_the_server_block_serves_the_client_example_and_logs_what_the_readme_sho
             time.sleep(0.2)
         (client,) = [b for b in blocks("python") if "openai.OpenAI(" in b]
         client = client.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
-        long_prompt = ("client.chat.completions.create(model='demo', max_tokens=4, messages=[{'role': 'user', "
+        long_prompt = ("client.chat.completions.create(model='tiny', max_tokens=4, messages=[{'role': 'user', "
                        "'content': 'hello world ' * 400}])")
         r = subprocess.run([sys.executable, "-c", client + "\n" + long_prompt], env=env(), capture_output=True,
                            text=True, timeout=300)

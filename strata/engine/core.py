@@ -1,7 +1,7 @@
 """Engine: load a model, own the backend and the sequence state, read prompts in parts, decode.
 
 The facade tests and the CLI use:
-    engine = Engine.load("demo" | checkpoint_dir | file.gguf | pack_dir, settings=None, **flat_settings)
+    engine = Engine.load("demo" | "tiny" | checkpoint_dir | file.gguf | pack_dir, settings=None, **flat_settings)
     engine.logits(token_ids) -> np.float32 [T, vocab]
     engine.generate(token_ids, max_tokens, temperature=0.0, seed=None) -> list[int]
     engine.tokenizer
@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from strata.backend import get_backend
+from strata.builtin import is_builtin
 from strata.config import KV_DTYPES, Settings, bucket_for
 from strata.errors import StrataError
 from strata.model.config import ModelConfig
@@ -369,7 +370,7 @@ def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, seed):
 
 
 def _is_pack(path_or_name) -> bool:
-    if str(path_or_name) == "demo":
+    if is_builtin(path_or_name):
         return False
     from strata.experts.pack import is_pack
     return is_pack(Path(path_or_name))

@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 import ml_dtypes
 import numpy as np
 
+from strata.builtin import builtin_dir
 from strata.errors import ConfigError, ModelLoadError, StrataError
 from strata.weights import quant
 from strata.weights.hf_dir import SafetensorsFile
@@ -138,12 +139,7 @@ class _LayerExperts:
 
 def _source_identity(model) -> dict:
     """What a partial pack was made from: the resolved path and the size and mtime of its weight files."""
-    if str(model) == "demo":
-        from strata.demo import demo_model_dir
-        path = demo_model_dir()
-    else:
-        path = Path(model)
-    path = path.resolve()
+    path = (builtin_dir(model) or Path(model)).resolve()
     if path.is_file():
         files = [path]
     else:
@@ -158,7 +154,7 @@ def _extra_files(model, tok_dir) -> list[Path]:
     if tok_dir is None:
         return []
     tok_dir = Path(tok_dir)
-    src = Path(model) if str(model) != "demo" else tok_dir
+    src = builtin_dir(model) or Path(model)
     gguf = src.is_file()
     out = []
     for p in sorted(tok_dir.iterdir()):

@@ -15,6 +15,7 @@ import time
 from typing import Awaitable, Callable
 
 from strata.backend import compile_cache_backends, enable_compile_cache, resolve_backend
+from strata.builtin import builtin_note
 from strata.config import Settings
 from strata.errors import StrataError
 
@@ -131,9 +132,8 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
     def load():
         from strata.engine import Engine
         from strata.engine.runner import WindowRunner
-        if config.model.model == "demo":
-            from strata.demo import DEMO_NOTE
-            log.info(DEMO_NOTE)
+        if note := builtin_note(config.model.model):
+            log.info(note)
         backend = resolve_backend(config.backend.backend)      # "auto" imports JAX to look
         check_device(config)
         if config.serve.compile_cache:

@@ -8,6 +8,7 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
+from strata.builtin import BUILTIN_MODELS, builtin_dir
 from strata.errors import ModelLoadError
 
 
@@ -26,10 +27,7 @@ class TensorSource(Protocol):
 
 def load_source(path_or_name: str | os.PathLike):
     """-> (HF config dict, TensorSource, directory holding the tokenizer or None)."""
-    if str(path_or_name) == "demo":
-        from strata.demo import demo_model_dir
-        path_or_name = demo_model_dir()
-    path = Path(path_or_name)
+    path = builtin_dir(path_or_name) or Path(path_or_name)
     if path.is_file() and path.suffix == ".gguf":
         from strata.weights.gguf_reader import read_gguf
         config, tensors = read_gguf(path)
@@ -40,4 +38,5 @@ def load_source(path_or_name: str | os.PathLike):
         return config, tensors, path
     what = "is a file but not a .gguf file" if path.is_file() else "not found"
     raise ModelLoadError(f"model {str(path_or_name)!r} {what}: pass a Hugging Face checkpoint directory, "
-                         f"a .gguf file, or 'demo'")
+                         f"a .gguf file, or a built-in model's name: "
+                         f"{' or '.join(repr(name) for name in BUILTIN_MODELS)}")

@@ -139,3 +139,36 @@ def test_int8_kv_equals_a_float32_cache_holding_the_dequantised_rows(case, monke
     monkeypatch.setattr(JaxBackend, "kv_store", store_dequantised)
     ref = read(Engine.load(case["path"], max_context=256))
     _assert_close(ours, ref, f"{case['name']} int8 KV (parts of 7 + decode) vs float32 KV of the dequantised rows")
+
+
+# --- the built-in tiny model: trained weights, stored as bf16, read by both in float32 --------------------------------
+
+def _greedy(model, prompt, n):
+    """transformers' greedy continuation with no stop token (generate's min_new_tokens would instead mask the end
+    tokens out of the argmax)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_tiny_model_matches_transformers():
+    import transformers
+    from pydoc_data.topics import topics
+
+    from strata.builtin import builtin_dir
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(builtin_dir("tiny"), dtype=torch.float32).eval()
+    engine = Engine.load("tiny", max_context=256)
+    prompt = engine.tokenizer.encode(topics["if"])[:PROMPT_LEN]      # a topic whose routers and argmaxes have no near-tie
+    assert len(prompt) == PROMPT_LEN
+    gen = _greedy(model, prompt, GEN)
+    full = prompt + gen
+    with torch.no_grad():
+        out = model(torch.tensor(full)[None], output_router_logits=True)
+    logits = out.logits[0].numpy()
+    routers = [torch.softmax(r.float(), dim=-1).numpy() for r in out.router_logits]
+    why = _near_tie(model.config.num_experts_per_tok, logits, routers, len(prompt))
+    assert why is None, f"the tiny model meets a {why} on this prompt: the comparison needs a prompt without one"
+    _assert_close(engine.logits(full), logits, "tiny full pass")
+    assert engine.generate(prompt, GEN, stop_token_ids=()) == gen
