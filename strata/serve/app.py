@@ -724,7 +724,7 @@ class GenerationResponse:
     async def _send_failed(self, send, f: Failed):
         code = "shutting_down" if f.status == 503 and self.state.phase == "draining" else "generation_failed"
         headers = {"Retry-After": str(RETRY_AFTER_S)} if f.status == 503 else None
-        await _send_json(send, f.status, oa.error_body(f.status, f.message, code=code), headers)
+        await _send_json(send, f.status, _failed_body(f, code), headers)
 
     # -- whole responses
 
@@ -841,8 +841,12 @@ class GenerationResponse:
                                                  "text_completion", terminal.prompt_tokens, completion))
                 buf += oa.sse("[DONE]")
             elif isinstance(terminal, Failed):
+                # each unfinished choice ends with finish_reason "error", then the error object says why
                 self._fail_log(terminal)
-                buf += oa.sse(oa.error_body(terminal.status, terminal.message, code="generation_failed"))
+                for c in self.choices:
+                    if c.finished is None:
+                        buf += oa.sse(self._chunk(c, None, [], "error"))
+                buf += oa.sse(_failed_body(terminal, "generation_failed"))
             if buf:
                 await out(bytes(buf))
                 last_write = time.perf_counter()
@@ -883,6 +887,13 @@ class GenerationResponse:
             c.offset += sum(len(t) for t in lp["tokens"])
         return oa.completion_chunk(rid, model, created, piece or "", reason, include_usage=iu, index=c.index,
                                    logprobs=lp)
+
+
+def _failed_body(f: Failed, code: str) -> dict:
+    """The error object of a failed request: its own code (non_finite) or `code`, and its detail fields."""
+    body = oa.error_body(f.status, f.message, code=f.code or code)
+    body["error"].update(dict(f.detail))
+    return body
 
 
 def _merged(pieces: list) -> list:
