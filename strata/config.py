@@ -4,7 +4,7 @@ Each field is a `setting(default, rule, help)`: its one name, default, allowed v
 the flat TOML keys (the field's name), the CLI flags (`max_context` -> `--max-context`), Engine.load's keywords,
 configs/demo.toml and docs/configuration.md (`make docs`). `check` is the one
 validation: an unknown key, or a value of the wrong type or outside its range, is a ConfigError naming the key (or
-flag), the value and what is allowed. Precedence: flag > config file > STRATA_API_KEY (api_key only) > default.
+flag), the value and what is allowed. Precedence: flag > config file > environment (Spec.env) > default.
 """
 from __future__ import annotations
 
@@ -510,7 +510,7 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
 
 def load_settings(path: str | os.PathLike | None = None, flags: Mapping[str, Any] | None = None,
                   env: Mapping[str, str] | None = None) -> Settings:
-    """Defaults <- environment variables (STRATA_API_KEY) <- the TOML file at `path` <- `flags` (the command line's
+    """Defaults <- environment variables (STRATA_API_KEY, STRATA_DBG_NAN) <- the TOML file at `path` <- `flags` (the command line's
     values; None values are ignored)."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
@@ -556,9 +556,9 @@ Every setting has one name: the key in a TOML file given to `strata serve --conf
 each), the flag of `strata serve` (the key with `-` for `_`; a boolean also has its `--no-` form), and the keyword of
 `Engine.load`. The other commands take the groups that apply to them (see Commands, at the end).
 
-Precedence: command-line flag > config file > environment variable (STRATA_API_KEY, for api_key only) > default. An
-unknown key, or a value of the wrong type or outside its range, stops `strata serve` with exit code 2 and one line
-naming the key (or flag), the value and what is allowed.
+Precedence: command-line flag > config file > environment variable (STRATA_API_KEY for api_key, STRATA_DBG_NAN for
+debug_nan) > default. An unknown key, or a value of the wrong type or outside its range, stops `strata serve` with
+exit code 2 and one line naming the key (or flag), the value and what is allowed.
 """
 
 
@@ -594,4 +594,7 @@ def markdown() -> str:
             flag = f"`{spec.flag}`" + (f", `--no-{spec.flag[2:]}`" if spec.types == (bool,) else "")
             default = f"`{spec.shown_default}`" if spec.default is not None else spec.shown_default
             lines.append(f"| `{spec.key}` | {flag} | {default} | {cell(spec.rule.allowed)} | {cell(spec.help)} |")
+    lines += ["", "## Test-only fault injection", "", " ".join(Faults.__doc__.split()), "",
+              "| key | allowed |", "|---|---|"]
+    lines += [f"| `{key}` | {cell(rule.allowed)} |" for key, (_, rule) in FAULT_KEYS.items()]
     return "\n".join(lines) + "\n"

@@ -4,11 +4,10 @@ The states of all slots are stacked on a leading [S] axis and threaded through e
 device order follows data. Decode rows are one token of each slot; a prompt part runs on one slot's state. Inactive
 decode rows write their key/value into the scratch row (capacity - 1, beyond max_context, never visible to a real
 query) and leave the recurrent state unchanged. Compilation: one decode function for S, one prompt-part function
-per bucket, all of them at warm-up. The engine's ExpertPath picks at load how a window runs: decode rows by
-CompiledRows or HostRows, prompt parts by CompiledPart or HostPart. When the next plan asks for exactly the rows a
-window computed (steady decoding), nothing is sent, and the next window can be dispatched before this one is read
-(chains). A shaped plan (penalties, bias, masks, logprobs; WindowPlan.shaped) samples from the logits by Shaping.
-A slot on a numerics path (strata/engine/numerics.py) has its rows and part computed by that path's rung.
+per bucket, at warm-up. The ExpertPath picks at load how a window runs: decode rows by CompiledRows or HostRows,
+prompt parts by CompiledPart or HostPart; a slot on a guard's numerics path by that path's rung (engine/numerics.py).
+When the next plan asks for exactly the rows a window computed (steady decoding), nothing is sent, and the next window
+can be dispatched before this one is read (chains). A shaped plan (WindowPlan.shaped) samples by Shaping.
 """
 from __future__ import annotations
 

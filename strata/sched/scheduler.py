@@ -1,15 +1,13 @@
 """The scheduler: admits requests into slots and plans windows over all of them, continuously; an Executor runs them.
 
-It is given the Executor (strata/plan.py) and what it needs of the model as plain values, and builds neither. Each
-window holds one decode row per generating slot and at most one prompt part of the earliest-admitted slot still
-reading: beside decode rows, the rest of the window's token budget; alone, the executor's part size. Executor calls run
-in a worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
-(lookahead, when the executor chains) before its tokens are read: dispatch(plan.continued(), after=...); a slot whose
-request ended on that token is then computed one token further and the result dropped. Slots go FREE -> READING ->
-GENERATING -> FREE; n choices hold n slots (one reads the prompt, the others copy its state). Every choice ends with one
-Finished, or its request with one Failed: a window that raises fails its requests only. A non-finite row goes to the
-guard (strata/sched/guard.py): its slot is poisoned until the executor repaired it, and the choice re-reads its prompt
-(and the tokens it already sent) on another numerics path, or its request fails with the error code non_finite.
+It is given the Executor (strata/plan.py) and the model's values, and builds neither. Each window holds one decode
+row per generating slot and at most one prompt part of the earliest-admitted slot still reading: beside decode rows,
+the rest of the window's token budget; alone, the executor's part size. Executor calls run in a worker thread; the
+next window is dispatched before the previous window's text is sent, and in steady decoding (lookahead, when the
+executor chains) before its tokens are read: dispatch(plan.continued(), after=...); a slot whose request ended on that
+token is then computed one token further and the result dropped. Slots go FREE -> READING -> GENERATING -> FREE; n
+choices hold n slots. Every choice ends with one Finished, or its request with one Failed: a window that raises fails
+its requests only; a non-finite row goes to the guard (sched/guard.py): a retry on another numerics path, or failure.
 """
 from __future__ import annotations
 

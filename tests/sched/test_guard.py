@@ -8,11 +8,20 @@ import logging
 
 import pytest
 from fake_executor import FakeExecutor, expected_tokens, text_of
-from test_scheduler_fake import P, req, sched_over, serve, tokenizer  # noqa: F401 - the fixture
+from test_scheduler_fake import P, req, sched_over, serve
 
+from strata.demo_tokenizer import write_demo_tokenizer
 from strata.plan import DEFAULT
 from strata.sched.guard import Attempt, GiveUp, Guard, Retry
 from strata.sched.request import Failed, Finished
+from strata.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    d = tmp_path_factory.mktemp("demo_tokenizer")
+    write_demo_tokenizer(d)
+    return Tokenizer.from_dir(d)
 
 
 # --- the policy alone

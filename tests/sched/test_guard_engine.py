@@ -131,18 +131,26 @@ def test_debug_nan_names_the_first_layer_that_went_non_finite(pack, clean, caplo
 
 
 def test_a_live_server_reports_it_streamed_and_as_http_500(deterministic):
-    messages = [{"role": "user", "content": "a prompt long enough to reach the fault"}]
+    """Streamed: the fault is reached while decoding, after some text was sent; the stream ends with a chunk whose
+    finish_reason is "error", then the error object. A request that fails before its first text (streamed or not)
+    gets HTTP 500 with that object as its body."""
+    short = [{"role": "user", "content": "hi"}]
+    long = [{"role": "user", "content": "a prompt long enough to reach the fault"}]
     with running_server(deterministic, **SHAPE, window_tokens=8) as s:
         with httpx.Client(base_url=s.url, timeout=120) as h:
             with h.stream("POST", "/v1/chat/completions",
-                          json={"messages": messages, "stream": True, "max_tokens": 4}) as r:
+                          json={"messages": short, "stream": True, "max_tokens": 30}) as r:
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-            r2 = h.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4})
+            whole = h.post("/v1/chat/completions", json={"messages": long, "max_tokens": 4})
+            early = h.post("/v1/chat/completions", json={"messages": long, "max_tokens": 4, "stream": True})
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    assert any(c["choices"][0]["delta"].get("content") for c in chunks[:-2])        # text came first
     assert chunks[-2]["choices"][0]["finish_reason"] == "error"
     err = chunks[-1]["error"]
-    assert err["code"] == "non_finite" and len(err["attempts"]) == 2 and err["position"] >= FAULT_AT[1]
-    assert r2.status_code == 500
-    body = r2.json()["error"]
-    assert body["code"] == "non_finite" and body["position"] == err["position"]
-    assert [a["numerics"] for a in body["attempts"]] == ["default", "cpu_experts"]
+    assert err["code"] == "non_finite" and err["position"] == FAULT_AT[1]
+    assert [a["numerics"] for a in err["attempts"]] == ["default", "cpu_experts"]
+    for r in (whole, early):
+        assert r.status_code == 500
+        body = r.json()["error"]
+        assert body["code"] == "non_finite" and body["position"] >= FAULT_AT[1]
+        assert [a["numerics"] for a in body["attempts"]] == ["default", "cpu_experts"]
