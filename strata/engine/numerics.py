@@ -4,7 +4,6 @@ that slot's prompt parts and decode rows differently, so a retry never repeats t
   reference_ops  the backend's reference ops (XLA) in place of its own kernels (Pallas), one compiled function per
                  part or window as usual: offered where some kernel of its own runs and every expert is resident
   cpu_experts    every routed expert computed on the CPU from the host tier, layer by layer (no device slot is read)
-  float32        not built in this engine: a ladder naming it gets it left out at load, with the reason
 `build(engine, ladder)` -> the rungs of the ladder this engine runs, in order, and why each other one is left out.
 Rows on a rung run after the window's other rows, on the same slot bank, and are read at once (never chained).
 """
@@ -44,10 +43,6 @@ def _not_offered(engine, name: str) -> str | None:
         if engine.experts.moe.cpu_ops is None:
             return "no CPU backend"
         return None
-    if name == "float32":
-        if engine.dtype == np.float32:
-            return "the weights are float32 already"
-        return "float32 activations are not built in this engine"
     return "unknown"
 
 

@@ -27,7 +27,7 @@ def tokenizer(tmp_path_factory):
 # --- the policy alone
 
 def test_a_first_failure_retries_on_the_first_rung():
-    g = Guard(("reference_ops", "float32", "cpu_experts"))
+    g = Guard(("reference_ops", "cpu_experts"))
     assert g.failed("r", (Attempt(DEFAULT, 40, 40),), now=0.0) == Retry("reference_ops", rebuild=False)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import anyio
 import httpx
@@ -15,9 +16,11 @@ import pytest
 from servers import running_server
 
 from strata import Engine
-from strata.config import Settings
+from strata.config import Settings, load_settings
+from strata.errors import ConfigError
 from strata.engine.runner import WindowRunner
 from strata.experts.pack import write_pack
+from strata.plan import DEFAULT, PromptPart, idle_plan
 from strata.sched.request import Delta, Failed, Finished, Request
 from strata.sched.scheduler import Scheduler
 
@@ -75,10 +78,47 @@ def serve_all(engine, requests):
     return out, sched
 
 
-def test_fault_keys_are_refused_without_the_test_flag(pack):
-    from strata.errors import ConfigError
+def test_fault_keys_are_refused_without_the_test_flag(pack, tmp_path):
     with pytest.raises(ConfigError, match="test-only fault injection"):
         Engine.load(pack, fault_corrupt_slot=3, **SHAPE)
+    (tmp_path / "c.toml").write_text("fault_nonfinite = [1, 20]\n")
+    with pytest.raises(ConfigError, match="fault_nonfinite is a test-only fault injection"):
+        load_settings(tmp_path / "c.toml")
+    with pytest.raises(ConfigError, match="fault_corrupt_slot"):
+        Settings.build(allow_faults=True, fault_corrupt_slot=-1)
+
+
+def test_the_ladder_is_checked_at_config_time_and_stripped_at_load(tmp_path, caplog):
+    (tmp_path / "c.toml").write_text('guard_ladder = ["cpu_experts", "float32"]\n')
+    with pytest.raises(ConfigError, match="guard_ladder must be distinct names among reference_ops, cpu_experts"):
+        load_settings(tmp_path / "c.toml")
+    assert load_settings(None, env={"STRATA_DBG_NAN": "1"}).backend.debug_nan is True
+    with caplog.at_level(logging.INFO, "strata"):
+        r = WindowRunner(Engine.load("demo", **SHAPE), 2, 8)         # XLA on a CPU: reference_ops is the default
+    assert r.numerics == ("cpu_experts",)
+    assert any("left out: reference_ops (the jax backend runs no kernel of its own here)" in m
+               for m in caplog.messages)
+
+
+def test_the_reference_ops_path_computes_a_clean_engines_tokens(pack):
+    """With the Pallas kernels (interpreted on a CPU), a slot on reference_ops gets its part and decode rows from
+    XLA's ops: a different computation, the same greedy tokens."""
+    r = WindowRunner(Engine.load(pack, kernels="pallas", **SHAPE), 2, 8)
+    assert r.numerics == ("reference_ops", "cpu_experts")
+    toks = np.arange(40, 48, dtype=np.int32)
+    got = {}
+    for numerics in (None, ("reference_ops", DEFAULT)):
+        res = r.run(replace(idle_plan(2), part=PromptPart(slot=0, tokens=toks, start=0, last=True),
+                            numerics=numerics))
+        seq = [res.part_next]
+        for i in range(3):
+            res = r.run(replace(idle_plan(2), decode_active=np.array([True, False]), numerics=numerics,
+                                decode_tokens=np.array([seq[-1], 0], np.int32),
+                                decode_pos=np.array([len(toks) + i, 0], np.int32)))
+            assert res.decode_finite[0]
+            seq.append(int(res.decode_next[0]))
+        got[numerics] = seq
+    assert got[None] == got[("reference_ops", DEFAULT)]
 
 
 def test_a_corrupt_slot_is_repaired_and_the_request_returns_a_clean_engines_output(pack, clean, caplog):
