@@ -105,6 +105,12 @@ class _SchedulerCollector:
             ("expert_cpu_seconds", "strata_expert_cpu_seconds", "Time spent computing experts on the CPU"),
             ("expert_loans", "strata_expert_loans", "Device slots lent to prompt parts"),
             ("expert_swaps", "strata_expert_swaps", "Adaptive expert swaps between windows"),
+            ("nonfinite_rows", "strata_nonfinite_rows", "Rows whose logits or residual went non-finite"),
+            ("guard_retries", "strata_guard_retries", "Requests the numerics guard retried on another numerics path"),
+            ("guard_failed", "strata_guard_failed", "Requests the numerics guard ended with the error non_finite"),
+            ("expert_slots_repaired", "strata_expert_slots_repaired",
+             "Device expert slots that failed their checksum and were rewritten from the host tier"),
+            ("guard_rebuilds", "strata_guard_rebuilds", "Rebuilds of the expert device state after a storm of failures"),
         ):
             if (v := num(key)) is not None:
                 c = CounterMetricFamily(name, doc)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import replace
 
 import anyio
@@ -183,6 +184,7 @@ def test_a_live_server_reports_it_streamed_and_as_http_500(deterministic):
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
             whole = h.post("/v1/chat/completions", json={"messages": long, "max_tokens": 4})
             early = h.post("/v1/chat/completions", json={"messages": long, "max_tokens": 4, "stream": True})
+            metrics = h.get("/metrics").text
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
     assert any(c["choices"][0]["delta"].get("content") for c in chunks[:-2])        # text came first
     assert chunks[-2]["choices"][0]["finish_reason"] == "error"
@@ -194,3 +196,5 @@ def test_a_live_server_reports_it_streamed_and_as_http_500(deterministic):
         body = r.json()["error"]
         assert body["code"] == "non_finite" and body["position"] >= FAULT_AT[1]
         assert [a["numerics"] for a in body["attempts"]] == ["default", "cpu_experts"]
+    assert re.search(r"^strata_guard_failed_total 3", metrics, re.M)
+    assert re.search(r"^strata_guard_retries_total 3", metrics, re.M)
