@@ -32,6 +32,9 @@ class Backend(Protocol):
     # the optional HostFetch capability (below): the backend itself when its compiled windows can read pinned host
     # memory by themselves, else None. Declared by the backend, never probed.
     host_fetch: "HostFetch | None"
+    # the same backend on the same device with its reference ops in place of its own kernels (JAX: XLA instead of
+    # Pallas), when some kernel of its own runs; else None (the numerics guard's reference_ops path)
+    reference: "Backend | None"
 
     # --- placement and memory
     def to_device(self, tree: Any) -> Any: ...
@@ -61,6 +64,7 @@ class Backend(Protocol):
     def set_row(self, x: Array, i: Array, row: Array) -> Array: ...                      # x with x[i] = row
 
     def scope(self, name: str) -> Any: ...                 # a context naming the ops inside it (profiles), or nothing
+    def report(self, fn, *xs: Array) -> None: ...          # fn(*host values of xs) once computed (in a window too)
 
     # --- fused ops (defined in strata/backend.py as compositions of the ops above; a backend inherits
     # ComposedOps or overrides an op with device code that matches the composition)
@@ -207,6 +211,10 @@ class ComposedOps:
         """A context naming the ops traced inside it (the JAX backend: jax.named_scope, so a profile of a compiled
         window groups its kernels by the part of the layer they belong to: bench/prompt_probe.py); here nothing."""
         return contextlib.nullcontext()
+
+    def report(self, fn, *xs):
+        """fn(*the values of xs on the host); an eager backend's are computed already (JAX: jax.debug.callback)."""
+        fn(*(np.asarray(self.to_host(x)) for x in xs))
 
     def norm_linears(self, x, scale, eps, ws):
         """-> (h = rms_norm(x) [T, H], [h @ w.T for w in ws])."""

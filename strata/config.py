@@ -4,7 +4,7 @@ Each field is a `setting(default, rule, help)`: its one name, default, allowed v
 the flat TOML keys (the field's name), the CLI flags (`max_context` -> `--max-context`), Engine.load's keywords,
 configs/demo.toml and docs/configuration.md (`make docs`). `check` is the one
 validation: an unknown key, or a value of the wrong type or outside its range, is a ConfigError naming the key (or
-flag), the value and what is allowed. Precedence: flag > config file > STRATA_API_KEY (api_key only) > default.
+flag), the value and what is allowed. Precedence: flag > config file > environment (Spec.env) > default.
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def bucket_for(n: int) -> int:
 
 
 MAX_PREFILL = PART_BUCKETS[-1]
+
+# The numerics paths a guard's retry can run on (SchedSettings.guard_ladder; strata/engine/numerics.py builds them).
+NUMERICS_RUNGS = ("reference_ops", "cpu_experts")
 MAX_CONTEXT_LIMIT = 1 << 22
 
 
@@ -81,6 +84,11 @@ def _names(v: Any) -> list[str] | None:
 
 def _name_list(what: str) -> Rule:
     return Rule(lambda v: v is None or _names(v) is not None, what)
+
+
+def _ladder(v: Any) -> bool:
+    names = _names(v) if v != [] else []
+    return names is not None and len(set(names)) == len(names) and all(n in NUMERICS_RUNGS for n in names)
 
 
 def _is_device(v) -> bool:
@@ -213,6 +221,27 @@ class SchedSettings(_Group):
         "reach the host: the tokens stay on the device. A request that stops is computed one token further, then "
         "dropped. Applies where decode windows are compiled (every expert on the device, or window_fetch), on the jax "
         "backend.")
+    guard_ladder: str | list[str] = setting(
+        ",".join(NUMERICS_RUNGS), Rule(_ladder, "distinct names among " + ", ".join(NUMERICS_RUNGS) + " (an array; "
+                                   "comma-separated on the command line), or an empty array"),
+        "The numerics guard's retry ladder: a request whose row goes non-finite is retried from the start of its "
+        "prompt on the next of these paths (reference_ops: XLA's ops instead of the Pallas kernels; cpu_experts: "
+        "every routed expert computed on the CPU from the host tier), after its expert slots were verified and "
+        "repaired. A path that would compute exactly what the engine already does (reference_ops where no Pallas "
+        "kernel runs) or that this engine cannot build is left out at load, and the log says so. A second failure "
+        "at the same position ends the request with the error code non_finite.")
+    guard_storm: int = setting(
+        3, _int_range(0, 1 << 16),
+        "Non-finite failures of this many different requests within guard_storm_seconds make the engine verify "
+        "every expert slot and rebuild its expert device state (0: never).")
+    guard_storm_seconds: float = setting(
+        600.0, Rule(lambda v: _is_number(v) and 0 < v <= 1 << 24, "a number of seconds in (0, 16777216]"),
+        "The window in which guard_storm counts failures.")
+
+    @property
+    def ladder(self) -> tuple[str, ...]:
+        """guard_ladder as a tuple of names."""
+        return tuple(_names(self.guard_ladder) or ()) if self.guard_ladder != [] else ()
 
 
 @dataclass(frozen=True)
@@ -283,6 +312,27 @@ class BackendSettings(_Group):
         "The jax backend's kernels: auto (on a GPU, the Pallas kernels that measured faster than XLA; plain XLA on a "
         "CPU), xla (plain XLA everywhere) or pallas (every Pallas kernel; interpreted on a CPU, which is slow: tests "
         "use it).")
+    debug_nan: bool = setting(
+        False, _BOOL,
+        "Check every layer's output for non-finite values and log the first layer and op that produced one (slow: "
+        "for finding where a non-finite row starts). The environment variable STRATA_DBG_NAN=1 turns it on.",
+        env="STRATA_DBG_NAN")
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Test-only fault injection, off by default: never from a config file, a flag or an Engine.load keyword (check
+    refuses the keys); a test sets them with Settings.build(..., allow_faults=True)."""
+    corrupt_slot: int | None = None                   # a device expert slot overwritten after placement (0xFF bytes,
+                                                      # NaN in every float format); the host tier stays good
+    nonfinite: tuple[int, int] | None = None          # (layer, position): that layer's output row is NaN there, on
+                                                      # every numerics path
+
+
+FAULT_KEYS = {"fault_corrupt_slot": ("corrupt_slot", Rule(lambda v: _is_int(v) and v >= 0, "a slot index >= 0")),
+              "fault_nonfinite": ("nonfinite", Rule(lambda v: isinstance(v, tuple) and len(v) == 2
+                                                    and all(_is_int(x) and x >= 0 for x in v),
+                                                    "a (layer, position) pair of integers >= 0"))}
 
 
 GROUPS: dict[str, type] = {"model": ModelSettings, "experts": ExpertSettings, "sched": SchedSettings,
@@ -349,11 +399,21 @@ class Settings:
     sched: SchedSettings = field(default_factory=SchedSettings)
     serve: ServeSettings = field(default_factory=ServeSettings)
     backend: BackendSettings = field(default_factory=BackendSettings)
+    faults: Faults = field(default_factory=Faults)
 
     @classmethod
-    def build(cls, **flat) -> "Settings":
-        """The defaults with flat settings on top: Settings.build(max_context=2048, prefill=64)."""
-        return cls().with_values(flat)
+    def build(cls, allow_faults: bool = False, **flat) -> "Settings":
+        """The defaults with flat settings on top: Settings.build(max_context=2048, prefill=64). allow_faults: a test
+        may set the fault-injection keys (FAULT_KEYS) too."""
+        faults = {}
+        if allow_faults:
+            for key in [k for k in flat if k in FAULT_KEYS]:
+                name, rule = FAULT_KEYS[key]
+                value = flat.pop(key)
+                if not rule.ok(value):
+                    raise ConfigError(f"{key} = {value!r} is not allowed; {key} must be {rule.allowed}")
+                faults[name] = value
+        return replace(cls().with_values(flat), faults=Faults(**faults))
 
     def with_values(self, values: Mapping[str, Any], where: str = "", as_flag: bool = False) -> "Settings":
         """A copy with the flat key -> value pairs set, each checked first (`where` prefixes an error; as_flag:
@@ -386,6 +446,9 @@ def check(key: str, value: Any, where: str = "", as_flag: bool = False) -> None:
     """The one validation of a setting's value: a ConfigError naming the key (or its flag), the value and what the
     setting allows."""
     spec = SPECS.get(key)
+    if key in FAULT_KEYS:
+        raise ConfigError(f"{where}{key} is a test-only fault injection: a config file, a flag or an Engine.load "
+                          f"keyword cannot set it (a test sets it with Settings.build(..., allow_faults=True))")
     if spec is None:
         raise ConfigError(f"{where}unknown key {key!r}{_close_key(key)}; allowed keys: {', '.join(KEYS)}")
     if not spec.rule.ok(value):
@@ -455,13 +518,13 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
 
 def load_settings(path: str | os.PathLike | None = None, flags: Mapping[str, Any] | None = None,
                   env: Mapping[str, str] | None = None) -> Settings:
-    """Defaults <- environment variables (STRATA_API_KEY) <- the TOML file at `path` <- `flags` (the command line's
+    """Defaults <- environment variables (STRATA_API_KEY, STRATA_DBG_NAN) <- the TOML file at `path` <- `flags` (the command line's
     values; None values are ignored)."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     for key, spec in SPECS.items():
         if spec.env and env.get(spec.env):
-            values[key] = env[spec.env]
+            values[key] = _from_env(spec, env[spec.env])
     if path is not None:
         values.update(load_toml(path))
     for key, value in (flags or {}).items():
@@ -469,6 +532,16 @@ def load_settings(path: str | os.PathLike | None = None, flags: Mapping[str, Any
             check(key, value, as_flag=True)
             values[key] = value
     return Settings().with_values(values)
+
+
+def _from_env(spec: Spec, text: str) -> Any:
+    """An environment variable's text as the setting's type: a boolean is 1/true/yes or 0/false/no."""
+    if spec.types == (bool,):
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "0", "false", "no"):
+            return low in ("1", "true", "yes")
+        raise ConfigError(f"{spec.env}={text} is not allowed; {spec.env} must be 1 or 0 (or true, false)")
+    return text
 
 
 # --- generated files: configs/demo.toml and docs/configuration.md
@@ -491,9 +564,9 @@ Every setting has one name: the key in a TOML file given to `strata serve --conf
 each), the flag of `strata serve` (the key with `-` for `_`; a boolean also has its `--no-` form), and the keyword of
 `Engine.load`. The other commands take the groups that apply to them (see Commands, at the end).
 
-Precedence: command-line flag > config file > environment variable (STRATA_API_KEY, for api_key only) > default. An
-unknown key, or a value of the wrong type or outside its range, stops `strata serve` with exit code 2 and one line
-naming the key (or flag), the value and what is allowed.
+Precedence: command-line flag > config file > environment variable (STRATA_API_KEY for api_key, STRATA_DBG_NAN for
+debug_nan) > default. An unknown key, or a value of the wrong type or outside its range, stops `strata serve` with
+exit code 2 and one line naming the key (or flag), the value and what is allowed.
 """
 
 
@@ -529,4 +602,7 @@ def markdown() -> str:
             flag = f"`{spec.flag}`" + (f", `--no-{spec.flag[2:]}`" if spec.types == (bool,) else "")
             default = f"`{spec.shown_default}`" if spec.default is not None else spec.shown_default
             lines.append(f"| `{spec.key}` | {flag} | {default} | {cell(spec.rule.allowed)} | {cell(spec.help)} |")
+    lines += ["", "## Test-only fault injection", "", " ".join(Faults.__doc__.split()), "",
+              "| key | allowed |", "|---|---|"]
+    lines += [f"| `{key}` | {cell(rule.allowed)} |" for key, (_, rule) in FAULT_KEYS.items()]
     return "\n".join(lines) + "\n"

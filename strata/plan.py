@@ -45,6 +45,9 @@ class WindowPlan:
                                            # (rows without a grammar: all bits set); in a continuing plan only on
                                            # rows that join (a mask follows the token before it)
     logprobs: np.ndarray | None = None     # [S] int32: alternatives wanted per row, 0..TOP_LOGPROBS (-1: none)
+    numerics: tuple[str, ...] | None = None  # [S]: the numerics path of each slot's rows and part, DEFAULT or one
+                                             # of the executor's `numerics` (a guard's retry); never in a continued
+                                             # plan
 
     @property
     def sampling(self) -> tuple:
@@ -76,6 +79,7 @@ class WindowPlan:
                        steps=np.where(on, self.steps + 1, self.steps).astype(np.int32), part=None, mask=None)
 
 
+DEFAULT = "default"              # the executor's own numerics path (WindowPlan.numerics)
 TOP_LOGPROBS = 20               # the most alternatives a row's logprobs report
 
 
@@ -93,7 +97,7 @@ class WindowResult:
     decode_next: np.ndarray      # [S] int32 (meaningful where decode_active)
     decode_finite: np.ndarray    # [S] bool: the row's logits were finite
     part_next: int | None        # the token sampled after the part's last row
-    part_finite: bool | None
+    part_finite: bool | None     # the part's last logits and its residual at the part's end were finite
     decode_s: float              # device time of the decode rows
     part_s: float                # device time of the prompt part
     copies_next: np.ndarray | None = None      # [len(part.copies)] int32: the copies' first tokens
@@ -107,6 +111,16 @@ def idle_plan(n_slots: int) -> WindowPlan:
     return WindowPlan(decode_active=z(bool), decode_tokens=z(np.int32), decode_pos=z(np.int32),
                       temperature=z(np.float32), top_k=z(np.int32), top_p=np.ones(n_slots, np.float32),
                       min_p=z(np.float32), seeds=np.zeros((n_slots, 2), np.uint32), steps=z(np.int32))
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What Executor.repair did: expert slots checked against the pack's checksums, the ones that failed (rewritten
+    from the host tier), and whether the whole expert device state was rebuilt."""
+    verified: int = 0
+    bad: tuple[tuple[int, int, int], ...] = ()   # (device slot, MoE layer position, expert)
+    rebuilt: bool = False
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,8 +145,14 @@ class Executor(Protocol):
     that window and add rows inactive in it, with their tokens (and masks) given."""
     capacity: Capacity
     chains: bool
+    numerics: tuple[str, ...]    # the numerics paths it can run besides DEFAULT, each a different computation (the
+                                 # guard's retry ladder, in order)
 
     def warm_up(self) -> float: ...                                     # compile every shape; -> seconds
     def dispatch(self, plan: WindowPlan, after: Any = None) -> Any: ...
     def collect(self, handle: Any) -> WindowResult: ...
     def metrics(self) -> dict: ...                                      # counters for /metrics (flat, numeric)
+    # between windows (none in flight): verify the expert slots and rewrite bad ones from the host tier, clear the
+    # sequence states of `slots` (non-finite rows': NaN must not linger in their KV); rebuild: also rewrite every
+    # expert slot and drop cached device arguments
+    def repair(self, slots: tuple[int, ...], rebuild: bool = False) -> Repair: ...

@@ -44,10 +44,13 @@ def running_server(engine, scheduler=None, **overrides):
     if scheduler is None:
         from strata.engine.runner import WindowRunner
         from strata.sched.scheduler import Scheduler
-        scheduler = Scheduler(WindowRunner(engine, cfg.sched.parallel, cfg.sched.prefill), tokenizer=engine.tokenizer,
+        from strata.sched.guard import Guard
+        runner = WindowRunner(engine, cfg.sched.parallel, cfg.sched.prefill)
+        scheduler = Scheduler(runner, tokenizer=engine.tokenizer,
                               eos_token_ids=engine.eos_token_ids, max_context=cfg.model.max_context,
                               queue_limit=cfg.sched.queue_limit, window_tokens=cfg.sched.window_tokens,
-                              prompt_share=cfg.sched.prompt_share)
+                              prompt_share=cfg.sched.prompt_share,
+                              guard=Guard(runner.numerics, cfg.sched.guard_storm, cfg.sched.guard_storm_seconds))
     app = create_app(engine, scheduler, cfg)
     sock = bind_socket("127.0.0.1", 0)
     url = socket_url(sock)

@@ -24,7 +24,7 @@ from strata.config import KV_DTYPES, Settings, bucket_for
 from strata.errors import StrataError
 from strata.model.config import ModelConfig
 from strata.experts.path import ExpertPath
-from strata.model.forward import LayerByLayer, forward, init_state
+from strata.model.forward import LayerByLayer, Taps, forward, init_state
 from strata.model.params import build_params
 from strata.weights.source import load_source
 
@@ -44,7 +44,10 @@ class Engine:
         self._compiled: dict = {}
         self.experts = None          # an ExpertSet once attach_experts ran (models with routed experts)
         self.path = ExpertPath.no_experts(ops)          # chosen again by attach_experts
-        self.by_layer = LayerByLayer(ops, cfg, self.compiled)
+        # the layer loop's debug hooks (strata/model/forward.py Taps): fixed here, compiled into every window
+        self.taps = Taps(debug_nan=settings.backend.debug_nan, nonfinite=settings.faults.nonfinite,
+                         report=_report_nan)
+        self.by_layer = LayerByLayer(ops, cfg, self.compiled, self.taps)
         self.record_routing = False  # compiled windows report routing counts to the cache (strata profile)
         self._sample = ops.compile(partial(_sample, ops), static_argnames=("greedy",))
 
@@ -52,10 +55,12 @@ class Engine:
     def layout(self):
         return self.experts.layout if self.experts is not None else None
 
-    def _compile(self, name: str, fn, **kw):
-        """fn(ops, cfg, path, layout, ...) compiled once per engine and layout."""
-        return self.compiled((name, self.layout), lambda: self.backend.compile(
-            partial(fn, self.backend, self.cfg, self.path, self.layout), **kw))
+    def _compile(self, name: str, fn, ops=None, path=None, **kw):
+        """fn(ops, cfg, path, layout, ..., taps=) compiled once per engine and layout; ops, path: another backend's
+        and its path (a numerics path's, strata/engine/numerics.py), under a name of its own."""
+        ops, path = ops or self.backend, path or self.path
+        return self.compiled((name, self.layout), lambda: ops.compile(
+            partial(fn, ops, self.cfg, path, self.layout, taps=self.taps), **kw))
 
     def read_part(self, state, tokens, start: int, n_valid: int, all_logits: bool):
         """One part of one sequence -> (logits, new state): one compiled function when every expert is resident, a
@@ -133,7 +138,17 @@ class Engine:
             sparse = any(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
             store = MemoryStore(lay, read_experts(cfg, tensors, np_dtype)) if sparse else None
         engine.attach_experts(store, say)
+        if settings.faults.corrupt_slot is not None:
+            engine._corrupt(settings.faults.corrupt_slot, say)
         return engine
+
+    def _corrupt(self, slot: int, say) -> None:
+        """Test-only fault injection: overwrite a device expert slot (the host tier and the pack stay good)."""
+        if self.experts is None or not 0 <= slot < self.experts.cache.n_slots:
+            raise StrataError(f"fault_corrupt_slot {slot}: this engine has "
+                              f"{0 if self.experts is None else self.experts.cache.n_slots} expert slots")
+        s = self.experts.cache.corrupt(slot)
+        say(f"strata experts: test fault: slot {slot} (layer {s.layer}, expert {s.expert}) overwritten on the device")
 
     def attach_experts(self, store, say=print) -> None:
         """Plan memory for the experts in `store` (an expert source), open the cache and place them."""
@@ -141,7 +156,7 @@ class Engine:
             return
         from strata.experts.setup import build_experts
         # misses computed on the CPU run through a CPU backend's expert op (XLA's, the reference form)
-        cpu = self.settings.experts.miss_policy == "cpu"
+        cpu = self.settings.experts.miss_policy == "cpu" or "cpu_experts" in self.settings.sched.ladder
         cpu_ops = get_backend("jax", device="cpu", kernels="xla") if cpu else None
         self.path = build_experts(self.backend, self.cfg, store, self.settings, self.state_bytes(), self.work_bytes(),
                                   self.compiled, cpu_ops=cpu_ops, say=say)
@@ -267,24 +282,24 @@ class Sequence:
 
 
 def _read(ops, cfg, path, layout, params, args, state, tokens, start, n_valid, all_logits: bool,
-          with_counts: bool = False):
+          with_counts: bool = False, taps=None):
     """One part of one sequence, every expert resident -> (logits, state, routing counts [Lp, E] or None)."""
     counts = [] if with_counts else None
     logits, state = forward(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid, counts),
-                            all_logits)
+                            all_logits, taps)
     if with_counts:
         counts = ops.xp.stack(counts) if counts else ops.xp.zeros((0, path.n_experts), ops.xp.int32)
     return logits, state, counts
 
 
-def _read_one_fetching(ops, cfg, path, layout, params, args, state, tokens, start):
+def _read_one_fetching(ops, cfg, path, layout, params, args, state, tokens, start, taps=None):
     """tokens [1] at position start, as a window-fetch decode row over a bank of one -> (logits [1, V], state,
     routing counts [Lp, E], experts copied [Lp])."""
     bank = [{k: v[None] for k, v in layer.items()} for layer in state]
     active = ops.xp.ones((1,), ops.xp.int32)
     counts, copied = [], []
     logits, bank = forward(ops, cfg, params, bank, tokens, start[None], active,
-                           path.traced(layout, args, active, counts, copied), all_logits=True)
+                           path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps)
     return logits, [{k: v[0] for k, v in layer.items()} for layer in bank], ops.xp.stack(counts), ops.xp.stack(copied)
 
 
@@ -327,12 +342,12 @@ class DeviceArgs:
 
 
 def _decode_step(ops, cfg, path, layout, params, args, state, ints, temperature, top_k, top_p, min_p, seed,
-                 greedy: bool = False):
+                 greedy: bool = False, taps=None):
     """One decoded token of one sequence, every expert resident: ints int32 [3] = (token, position, sampling step)
     -> (the sampled token, int32 scalar; the new state)."""
     n_valid = np.int32(1)
     logits, state = forward(ops, cfg, params, state, ints[0:1], ints[1], n_valid,
-                            path.traced(layout, args, n_valid), all_logits=False)
+                            path.traced(layout, args, n_valid), all_logits=False, taps=taps)
     nxt = _sample(ops, logits, temperature, top_k, top_p, min_p, seed, ints[2], greedy)
     return nxt[0].astype(ops.xp.int32), state
 
@@ -342,6 +357,14 @@ def _sample(ops, logits, temperature, top_k, top_p, min_p, seed, step, greedy: b
     argmax alone (ops.sample's all_greedy)."""
     keys = ops.prng_keys(seed[None], step[None])
     return ops.sample(logits, temperature, top_k, top_p, min_p, keys, all_greedy=greedy)
+
+
+def _report_nan(names: tuple, flags) -> None:
+    """debug_nan's report of one pass: the first check that found a non-finite value, if any."""
+    bad = np.flatnonzero(~np.asarray(flags, bool))
+    if len(bad):
+        log.warning(f"strata debug_nan: the first non-finite value of a pass came from {names[bad[0]]} "
+                    f"({len(bad)} of its {len(names)} checks found one)")
 
 
 def all_greedy(temperature, active=None) -> bool:

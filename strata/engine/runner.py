@@ -3,16 +3,17 @@
 The states of all slots are stacked on a leading [S] axis and threaded through every call as one value (donated), so
 device order follows data. Decode rows are one token of each slot; a prompt part runs on one slot's state. Inactive
 decode rows write their key/value into the scratch row (capacity - 1, beyond max_context, never visible to a real
-query) and leave the recurrent state unchanged. Compilation: one decode function for S, one prompt-part function
-per bucket, all of them at warm-up. The ExpertPath picks at load how a window runs: decode rows by CompiledRows or
-HostRows, prompt parts by CompiledPart or HostPart. Rows a window computed are not sent again, and in steady decoding
-the next window can be dispatched before this one is read (chains): this one's rows continued on the device, less rows
-it drops, plus rows that join with the host's token (merged on the device). Shaped plans sample by Shaping.
+query) and leave the recurrent state unchanged. One decode function for S, one prompt-part function per bucket, all
+compiled at warm-up; the ExpertPath picks CompiledRows or HostRows, CompiledPart or HostPart; a slot on a guard's
+numerics path runs that path's rung (engine/numerics.py). In steady decoding the next window can be dispatched before
+this one is read (chains): its rows continued on the device, less rows it drops, plus rows that join with the host's
+token (merged on the device). Shaped plans sample by Shaping.
 """
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -22,7 +23,9 @@ from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.experts.path import PathKind
 from strata.model.forward import forward
-from strata.plan import Capacity, Logprobs, PromptPart, WindowPlan, WindowResult, idle_plan
+from strata.plan import DEFAULT, Capacity, Logprobs, PromptPart, Repair, WindowPlan, WindowResult, idle_plan
+
+log = logging.getLogger("strata")
 
 
 class WindowRunner:
@@ -51,6 +54,15 @@ class WindowRunner:
         # is one compiled function taking the pool and the slot table by value, so the cache's work between
         # windows, which may then run while two windows are queued, cannot change what a dispatched window reads
         self.chains = isinstance(self.rows, CompiledRows) and not ops.eager
+        from strata.engine.numerics import build
+        self.rungs, left = build(engine, engine.settings.sched.ladder)
+        self.numerics = tuple(self.rungs)        # the guard's retry ladder (Executor.numerics)
+        self._clear = engine.compiled("clear_slot", lambda: ops.compile(partial(_clear_slot, ops),
+                                                                         donate_argnums=(0,)))
+        if engine.settings.sched.ladder:
+            log.info(f"strata guard: retries after a non-finite row run on "
+                     f"{', '.join(self.numerics) or 'nothing (no numerics path offered)'}"
+                     + (f"; left out: {', '.join(left)}" if left else ""))
 
     def shaping(self) -> "Shaping":
         """The shaped sampler's state, made at the first window that needs it."""
@@ -132,20 +144,31 @@ class WindowRunner:
         w = Window(plan, time.perf_counter())
         if after is not None:
             _check_continues(after, plan, self.chains)
+        on_rungs = _rung_rows(plan)                           # the rows of slots on a numerics path
+        if on_rungs:
+            rest = plan.decode_active.copy()
+            for mask in on_rungs.values():
+                rest &= ~mask
+            base = replace(plan, decode_active=rest)
+        else:
+            base = plan
         # with window fetch the last window's refills and swaps run on the host while the device runs this one
         # (their copies queue behind it; this window holds the pool and table it was given, by value)
-        overlap = bool(plan.n_decode) and self.rows.overlaps_cache_work
+        overlap = bool(base.n_decode) and self.rows.overlaps_cache_work
         if not overlap:
             self._between_windows()
-        if plan.n_decode:
-            w.decode = self.rows.dispatch(plan, after.decode if after is not None else None)
+        if base.n_decode:
+            w.decode = self.rows.dispatch(base, after.decode if after is not None else None)
         if overlap:
             self._between_windows()
+        for name, mask in on_rungs.items():
+            w.rung_rows.append((mask, self.rungs[name].rows(self, replace(plan, decode_active=mask))))
         if plan.part is not None:
             if plan.penalties is not None:
                 self.shaping().read_part(plan)
             t = time.perf_counter()
-            w.part_out = self.part.dispatch(plan)
+            numerics = plan.numerics[plan.part.slot] if plan.numerics is not None else DEFAULT
+            w.part_out = self.part.dispatch(plan) if numerics == DEFAULT else self.rungs[numerics].part(self, plan)
             w.part_dispatch_s = time.perf_counter() - t
         self.windows += 1
         if self.engine.experts is not None:
@@ -163,6 +186,9 @@ class WindowRunner:
         decode_lp = None
         if w.decode is not None:
             decode_next, decode_finite, decode_lp = self.rows.collect(w.decode)
+        for mask, (nxt, fin, lp) in w.rung_rows:
+            decode_next, decode_finite = np.where(mask, nxt, decode_next), np.where(mask, fin, decode_finite)
+            decode_lp = _merged_logprobs(decode_lp, lp, mask)
         t1 = time.perf_counter()
         part_next = part_finite = copies_next = part_lp = None
         if w.part_out is not None:
@@ -184,15 +210,35 @@ class WindowRunner:
                             t2 - t1 + w.part_dispatch_s,
                             copies_next=copies_next, decode_logprobs=decode_lp, part_logprobs=part_lp)
 
-    def part_out(self, plan: WindowPlan, nxt, fin, logits) -> "PartOut":
+    def part_out(self, plan: WindowPlan, nxt, fin, logits, residual) -> "PartOut":
         """A dispatched part's result: its copies (n > 1) take its slot's state, and a shaped plan or copies sample
-        from its last row's logits (Shaping.part) instead of the part's own sample (nxt, fin)."""
+        from its last row's logits (Shaping.part) instead of the part's own sample (nxt, fin). Its finite flags
+        include the part's residual at its end (residual, a device scalar), on the device."""
         p = plan.part
         for c in p.copies:
             self.states = self._copy(self.states, np.int32(p.slot), np.int32(c))
         if not (plan.shaped or p.copies):
-            return PartOut(nxt, fin)
-        return self.shaping().part(plan, logits)
+            return PartOut(nxt, fin & residual)
+        out = self.shaping().part(plan, logits)
+        return replace(out, finite=out.finite & residual)
+
+    def repair(self, slots: tuple[int, ...], rebuild: bool = False) -> Repair:
+        """Executor.repair: the slots' sequence states zeroed; every resident expert slot checked against the pack's
+        checksums and the bad ones rewritten from the host tier (rebuild: every one rewritten first, and the
+        device copies of window arguments dropped, so nothing cached on the device outlives it)."""
+        t = time.perf_counter()
+        for i in slots:
+            self.states = self._clear(self.states, np.int32(i))
+        if rebuild:
+            self._args = DeviceArgs(self.engine.backend)
+            self._shaping = None
+        x = self.engine.experts
+        if x is None:
+            return Repair(rebuilt=rebuild, seconds=time.perf_counter() - t)
+        if rebuild:
+            x._table_dev = None
+        verified, bad = x.cache.repair(rewrite_all=rebuild)
+        return Repair(verified, tuple(bad), rebuild, time.perf_counter() - t)
 
 
 @dataclass(eq=False)
@@ -204,6 +250,8 @@ class Window:
     part_out: "PartOut | None" = None    # the prompt part's result on the device
     continues: bool = False              # dispatched to continue another (dispatch(plan, after=...))
     part_dispatch_s: float = 0.0         # host seconds in the part's dispatch (all of it, computed layer by layer)
+    rung_rows: list = field(default_factory=list)   # (rows mask [S], (next, finite, logprobs) on the host) of rows
+                                                    # on a numerics path, read at dispatch
 
 
 @dataclass(eq=False)
@@ -353,10 +401,10 @@ class CompiledPart:
         r, p = self.runner, plan.part
         e = r.engine
         i = p.slot
-        nxt, fin, r.states, logits = self._part(e.params, e.path.args(), r.states, np.int32(i), _padded(p.tokens),
-                                                np.int32(p.start), np.int32(len(p.tokens)), *_sampling_of(plan, i),
-                                                plan.seeds[i], plan.steps[i])
-        return r.part_out(plan, nxt, fin, logits)
+        nxt, fin, r.states, logits, residual = self._part(
+            e.params, e.path.args(), r.states, np.int32(i), _padded(p.tokens), np.int32(p.start),
+            np.int32(len(p.tokens)), *_sampling_of(plan, i), plan.seeds[i], plan.steps[i])
+        return r.part_out(plan, nxt, fin, logits, residual)
 
 
 class HostPart:
@@ -371,11 +419,11 @@ class HostPart:
         i, n = p.slot, len(p.tokens)
         padded = _padded(p.tokens)
         experts = e.path.on_host(np.arange(len(padded)) < n, part=len(padded) > 1, owner=f"prompt part of slot {i}")
-        logits, r.states = e.by_layer.slot_part(e.params, r.states, i, padded, p.start, n, experts)
+        logits, r.states, residual = e.by_layer.slot_part(e.params, r.states, i, padded, p.start, n, experts)
         if plan.shaped or p.copies:
-            return r.part_out(plan, None, None, logits)
+            return r.part_out(plan, None, None, logits, residual)
         nxt, fin = r._sample(logits, *_sampling_of(plan, i), plan.seeds[i:i + 1], plan.steps[i:i + 1])
-        return r.part_out(plan, nxt, fin, logits)
+        return r.part_out(plan, nxt, fin, logits, residual)
 
 
 class Shaping:
@@ -493,6 +541,8 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
     if (prev.plan.part is not None or plan.part is not None or not plan.n_decode or not isinstance(d, DeviceRows)
             or d.rows_next is None):
         raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
+    if plan.numerics is not None or prev.plan.numerics is not None:
+        raise ValueError("a window with rows on a numerics path cannot be continued: those rows are read at once")
     on, active, want = prev.plan.decode_active, plan.decode_active, prev.plan.continued()
     device = active & (plan.decode_tokens < 0)
     if (device & ~on).any():
@@ -537,7 +587,7 @@ def _result_rows(rows):
 
 
 def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, temperature, top_k, top_p, min_p, seeds,
-                 greedy: bool = False):
+                 greedy: bool = False, taps=None):
     """rows int32 [ROWS, S]: (tokens, positions, steps) of S rows of one token each (rows 3, 4 ignored) -> (states,
     rows [ROWS, S]: the successor's rows, then this window's next tokens and finite flags; an eager backend's: the
     result [2, S] alone); window fetch: (states, routing counts [Lp, E], experts copied [Lp], rows).
@@ -545,7 +595,7 @@ def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, tem
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
     logits, states = forward(ops, cfg, params, states, rows[0], rows[1], active,
-                             path.traced(layout, args, active, counts, copied), all_logits=True)      # [S, V]
+                             path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps)  # [S, V]
     rows = _rows_out(ops, rows, _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy),
                      active)
     if fetching:
@@ -553,13 +603,13 @@ def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, tem
     return states, rows
 
 
-def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active):
+def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, taps=None):
     """_decode_rows's forward pass without its sampler -> (states, logits [S, V]); window fetch: (states, routing
     counts, experts copied, logits). The rows are not donated: the shaped sampler that follows takes them."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
     logits, states = forward(ops, cfg, params, states, rows[0], rows[1], active,
-                             path.traced(layout, args, active, counts, copied), all_logits=True)
+                             path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps)
     if fetching:
         return states, ops.xp.stack(counts), ops.xp.stack(copied), logits
     return states, logits
@@ -620,13 +670,40 @@ def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, gr
 
 
 def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, temperature, top_k,
-                 top_p, min_p, seed, step):
-    """One prompt part on one slot's state -> (token sampled after its last row, finite, states, its last row's
-    logits [1, V] for a shaped sampler)."""
+                 top_p, min_p, seed, step, taps=None):
+    """One prompt part on one slot's state -> (token sampled after its last row, its logits finite, states, its
+    last row's logits [1, V] for a shaped sampler, its real rows' residual at the end finite)."""
     xp = ops.xp
     state = [{k: v[slot] for k, v in layer.items()} for layer in states]
-    logits, state = forward(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
-                            all_logits=False)                                               # [1, V]
+    logits, state, residual = forward(ops, cfg, params, state, tokens, start, n_valid,
+                                      path.traced(layout, args, n_valid), all_logits=False, taps=taps,
+                                      residual=True)                                      # [1, V]
     states = [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)]
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))
-    return nxt[0], xp.all(xp.isfinite(logits)), states, logits
+    return nxt[0], xp.all(xp.isfinite(logits)), states, logits, residual
+
+
+def _clear_slot(ops, states, slot):
+    """The slot bank with slot's sequence state zeroed (nothing non-finite left in its KV or recurrent state)."""
+    return [{k: ops.set_row(v, slot, ops.xp.zeros(v.shape[1:], v.dtype)) for k, v in layer.items()}
+            for layer in states]
+
+
+def _rung_rows(plan: WindowPlan) -> dict:
+    """{numerics path: its active decode rows [S] bool} of the slots on a path other than DEFAULT."""
+    if plan.numerics is None:
+        return {}
+    names = np.asarray(plan.numerics)
+    return {n: plan.decode_active & (names == n) for n in dict.fromkeys(plan.numerics) if n != DEFAULT
+            and (plan.decode_active & (names == n)).any()}
+
+
+def _merged_logprobs(base: Logprobs | None, lp: Logprobs | None, mask: np.ndarray) -> Logprobs | None:
+    """base's rows with those of `mask` from lp (either may be None)."""
+    if lp is None:
+        return base
+    if base is None:
+        return lp
+    m = mask[:, None]
+    return Logprobs(np.where(mask, lp.sampled, base.sampled), np.where(m, lp.top_ids, base.top_ids),
+                    np.where(m, lp.top, base.top))

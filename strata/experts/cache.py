@@ -44,6 +44,7 @@ _CODES = (SlotState.FREE, SlotState.FILLING, SlotState.RESIDENT, SlotState.LOANE
 # times the noise of the two counts (sqrt of their sum). The values were chosen in simulation (bench/cache_policy.py):
 # docs/performance.md.
 SWAP_MARGIN = 1.0
+VERIFY_BATCH_BYTES = 256 << 20          # bytes of slots read back at once to be checked
 SWAP_Z = 1.0
 
 
@@ -284,21 +285,48 @@ class ExpertCache:
         return pool
 
     def verify(self, slots=None) -> list[int]:
-        """Check RESIDENT slots' bytes against the pack's checksums; -> the slots that failed (and were evicted,
-        so a bad slot is never read again; the caller refills)."""
+        """Check RESIDENT slots' bytes against the pack's checksums (read back in batches of at most
+        VERIFY_BATCH_BYTES); -> the slots that failed (and were evicted, so a bad slot is never read again; the
+        caller refills)."""
         slots = [i for i in (range(self.n_slots) if slots is None else slots)
                  if self._slots[i].state is SlotState.RESIDENT]
-        if not slots:
-            return []
-        data = self.ops.pool_read(self.pool, np.asarray(slots, np.int32))    # [m, nbytes]
+        per = max(1, VERIFY_BATCH_BYTES // self.nbytes)
         bad = []
-        for row, i in zip(data, slots):
-            s = self._slots[i]
-            if zlib.crc32(row) != self.source.checksum(s.layer, s.expert):
-                bad.append(i)
-                self.evict(i)
+        for a in range(0, len(slots), per):
+            batch = slots[a:a + per]
+            data = self.ops.pool_read(self.pool, np.asarray(batch, np.int32))    # [m, nbytes]
+            for row, i in zip(data, batch):
+                s = self._slots[i]
+                if zlib.crc32(row) != self.source.checksum(s.layer, s.expert):
+                    bad.append(i)
+                    self.evict(i)
         self.stats.verified += len(slots)
         return bad
+
+    def repair(self, rewrite_all: bool = False) -> tuple[int, list[tuple[int, int, int]]]:
+        """Verify every RESIDENT slot and rewrite the bad ones with the same experts from the host tier (verified
+        again); rewrite_all: rewrite every RESIDENT slot first (the device copy rebuilt from the host tier).
+        -> (slots verified, [(slot, layer, expert)] that were bad). A slot still bad after its rewrite raises."""
+        resident = self._resident().tolist()
+        pairs = {i: (self._slots[i].layer, self._slots[i].expert) for i in resident}
+        if rewrite_all:
+            self.pool = self._write(resident, [pairs[i] for i in resident])
+        bad = self.verify(resident)
+        self.fill(bad, [pairs[i] for i in bad])
+        still = self.verify(bad)
+        if still:
+            raise RuntimeError(f"slot {still[0]} does not match the pack after it was rewritten from the host tier: "
+                               f"the copy to the device, or the device memory, is broken (checksum mismatch)")
+        return len(resident), [(i, *pairs[i]) for i in bad]
+
+    def corrupt(self, i: int) -> Slot:
+        """Test-only fault injection: overwrite RESIDENT slot i's bytes on the device with 0xFF (NaN in every float
+        format), its state and the host tier untouched. -> the slot."""
+        s = self._slots[i]
+        if s.state is not SlotState.RESIDENT:
+            raise SlotStateError(f"slot {i} is {s.state.value}; only a resident slot can be corrupted")
+        self.pool = self.ops.pool_write(self.pool, np.asarray([i], np.int32), [np.full(self.nbytes, 0xFF, np.uint8)])
+        return s
 
     def content_matches(self, pool, slots, pairs) -> bool:
         """Does `pool` (the value a computation read) hold exactly the experts `pairs` in `slots`? For tests and

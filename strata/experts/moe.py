@@ -150,6 +150,27 @@ class MoeRunner:
         self.cache.stats.cpu_seconds += time.perf_counter() - t
         return y + self.ops.to_device(y_cpu.astype(h_host.dtype))
 
+    def compute_cpu(self, p: int, h, w, idx, valid: np.ndarray):
+        """Every route of MoE layer p computed on the CPU from the host tier (no device slot is read): the numerics
+        guard's cpu_experts path. Arguments as compute()."""
+        if self.cpu_ops is None:
+            raise ValueError("experts on the CPU need a CPU backend (cpu_ops)")
+        t = time.perf_counter()
+        ids = np.asarray(self.ops.to_host(idx)).astype(np.int32)
+        ids = np.where(valid[:, None], ids, -1)
+        used = np.unique(ids[ids >= 0])
+        h_host = np.asarray(self.ops.to_host(h))
+        if len(used) == 0:
+            return self.ops.to_device(np.zeros_like(h_host))
+        lut = np.full(self.n_experts, -1, np.int32)
+        lut[used] = np.arange(len(used))
+        s = np.where(ids >= 0, lut[np.maximum(ids, 0)], -1).astype(np.int32)
+        y = self._cpu_compute(h_host, s, np.asarray(self.ops.to_host(w)).astype(h_host.dtype),
+                              self.source.blobs(p, used))
+        self.cache.stats.cpu_routes += int((ids >= 0).sum())
+        self.cache.stats.cpu_seconds += time.perf_counter() - t
+        return self.ops.to_device(y.astype(h_host.dtype))
+
     def _cpu_compute(self, h, s, w, blobs):
         c = self.cpu_ops
         return np.asarray(c.to_host(self._cpu_op(*c.to_device((np.asarray(h), s, np.asarray(w), blobs)))))

@@ -110,6 +110,15 @@ class ExpertPath:
             return moe.compute(p, h, w, idx, valid, part=part, owner=owner)
         return resolved
 
+    def on_cpu(self, valid: np.ndarray):
+        """experts(p, h, w, idx) with every route computed on the CPU from the host tier (the numerics guard's
+        cpu_experts path): valid [T] bool on the host."""
+        moe = self.experts.moe
+
+        def on_cpu(p, h, w, idx):
+            return moe.compute_cpu(p, h, w, idx, valid)
+        return on_cpu
+
     def count_resident_routes(self, tokens: int) -> None:
         """A compiled resident window's routes were all hits (they are not read back)."""
         if self.kind is PathKind.RESIDENT and self.experts is not None:

@@ -9,6 +9,7 @@ fixed when the backend is made. Measurements behind these choices: docs/performa
 """
 from __future__ import annotations
 
+import copy
 import math
 from functools import partial
 
@@ -61,6 +62,19 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         # host once per row), elsewhere XLA's loop
         self.copy_rows = copy_host_rows if on_gpu else copy_rows_loop
         self._zeros: dict = {}                # zeros_like's compiled calls, by tree shape
+
+    @property
+    def reference(self) -> "JaxBackend | None":
+        """This backend with plain XLA in place of its Pallas kernels (same device), when it runs any."""
+        if not self.pallas_ops:
+            return None
+        ref = copy.copy(self)
+        ref.kernels, ref.pallas_ops, ref._zeros = "xla", frozenset(), {}
+        return ref
+
+    def report(self, fn, *xs):
+        """fn(*host values of xs) once they are computed, from inside a compiled window too."""
+        jax.debug.callback(fn, *xs)
 
     # --- placement and memory
     def to_device(self, tree):

@@ -11,7 +11,9 @@ LINEAR {"conv": [K-1, C], "ssm": [Hv, dk, dv] fp32}.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import numpy as np
 
@@ -40,10 +42,61 @@ def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None) -> list[di
     return state
 
 
-def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, back):
+@dataclass(frozen=True)
+class Taps:
+    """Debug hooks on the layer loop, fixed when the engine loads. debug_nan: every layer's mixer, routed experts
+    and output are checked for non-finite values in the real rows, and report(names, flags) gets the checks' names
+    and results once per pass (on the host). nonfinite (test-only fault injection): (layer, position) whose output
+    row is made NaN, whatever the numerics path."""
+    debug_nan: bool = False
+    nonfinite: tuple[int, int] | None = None
+    report: Callable | None = None
+
+    def on(self, ops, positions, valid) -> "Tapping | None":
+        """positions, valid [T]: the rows' positions and which are real -> one pass's tapping, or None when off."""
+        if not self.debug_nan and self.nonfinite is None:
+            return None
+        return Tapping(self, ops, positions, valid)
+
+
+NO_TAPS = Taps()
+
+
+class Tapping:
+    """One pass of the layer loop under Taps: after(i, op, x) -> x at each checkpoint, done() at the end."""
+
+    def __init__(self, taps: Taps, ops, positions, valid):
+        self.taps, self.ops, self.positions, self.valid = taps, ops, positions, valid
+        self.names: list[str] = []
+        self.flags: list = []
+
+    def after(self, i: int, op: str, x):
+        xp = self.ops.xp
+        if op == "output" and self.taps.nonfinite is not None and self.taps.nonfinite[0] == i:
+            hit = (self.positions == self.taps.nonfinite[1]) & self.valid
+            x = xp.where(hit[:, None], xp.asarray(float("nan"), x.dtype), x)
+        if self.taps.debug_nan:
+            self.names.append(f"layer {i} {op}")
+            self.flags.append(xp.all(xp.isfinite(x) | ~self.valid[:, None]))
+        return x
+
+    def done(self) -> None:
+        if self.flags and self.taps.report is not None:
+            self.ops.report(partial(self.taps.report, tuple(self.names)), self.ops.xp.stack(self.flags))
+
+
+def row_positions(xp, t: int, start, n_valid):
+    """(positions [T], real [T] bool) of a pass's rows: a part's (start, n_valid scalars) or decode rows' ([T])."""
+    if xp.ndim(start) == 0:
+        at = xp.arange(t)
+        return start + at, at < n_valid
+    return start, n_valid > 0
+
+
+def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, back, tap: Tapping | None = None):
     """THE layer loop, for prompt parts and decode rows on every expert path. x [T, H]; for each layer
     front(lp, st, x, kind) -> layer_front's tuple; for a sparse layer y = experts(p, h, w, idx) (p: the MoE layer's
-    position, counted from 0) and x = back(lp, x, shared, y). -> (x, new states).
+    position, counted from 0) and x = back(lp, x, shared, y). -> (x, new states). tap: Taps' hooks, when on.
     Traced inside one compiled window (front/back/experts traced), or driven from the host with each half compiled
     on its own and the routed experts resolved between them (LayerByLayer; strata/experts/path.py)."""
     states = list(states)
@@ -51,13 +104,24 @@ def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, 
     for i, (kind, lp) in enumerate(zip(cfg.layer_types, params["layers"])):
         x, h, w, idx, shared, states[i] = front(lp, states[i], x, kind)
         if h is not None:
-            x = back(lp, x, shared, experts(p, h, w, idx))
+            if tap is not None:
+                x = tap.after(i, "gated delta rule" if kind == LINEAR else "attention", x)
+            y = experts(p, h, w, idx)
+            if tap is not None:
+                y = tap.after(i, "routed experts", y)
+            x = back(lp, x, shared, y)
             p += 1
+        if tap is not None:
+            x = tap.after(i, "output", x)
+    if tap is not None:
+        tap.done()
     return x, states
 
 
-def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, all_logits: bool):
-    """Traced: one part of one sequence, or a decode window, through run_layers -> (logits, new state).
+def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, all_logits: bool,
+            taps: Taps | None = None, residual: bool = False):
+    """Traced: one part of one sequence, or a decode window, through run_layers -> (logits, new state); residual:
+    (logits, new state, whether the real rows' residual at the end is finite).
 
     One sequence: tokens [T] int32 at positions start..start+T-1 (start, n_valid int32 scalars: one compilation per
     bucket T), state its state; logits [T, V] fp32 if all_logits else [1, V] at row n_valid - 1.
@@ -66,11 +130,22 @@ def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_v
     position given, beyond every real one, and its recurrent state is unchanged.)
     experts(p, h, w, idx) -> y: the routed experts of MoE layer p (strata/experts/path.py)."""
     x = embed(params, tokens)                                                     # [T, H]
+    xp = ops.xp
+    rows = row_positions(xp, x.shape[0], start, n_valid)
 
     def front(lp, st, x, kind):
         return layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
-    x, state = run_layers(cfg, params, state, x, front, experts, partial(layer_back, ops, cfg))
-    return head(ops, cfg, params, x, n_valid, all_logits), state
+    x, state = run_layers(cfg, params, state, x, front, experts, partial(layer_back, ops, cfg),
+                          taps.on(ops, *rows) if taps is not None else None)
+    logits = head(ops, cfg, params, x, n_valid, all_logits)
+    if residual:
+        return logits, state, finite_rows(xp, x, rows[1])
+    return logits, state
+
+
+def finite_rows(xp, x, valid):
+    """Whether every real row (valid [T]) of x [T, H] is finite."""
+    return xp.all(xp.isfinite(x) | ~valid[:, None])
 
 
 class LayerByLayer:
@@ -79,8 +154,8 @@ class LayerByLayer:
     experts(p, h, w, idx) (strata/experts/moe.py). Three shapes of state: one sequence's (Engine sequences), one
     slot of a runner's bank (a prompt part), all slots of the bank (decode rows, one token each)."""
 
-    def __init__(self, ops, cfg: ModelConfig, compiled):
-        self.ops, self.cfg = ops, cfg
+    def __init__(self, ops, cfg: ModelConfig, compiled, taps: Taps = NO_TAPS):
+        self.ops, self.cfg, self.taps = ops, cfg, taps
         c = ops.compile
         self._embed = compiled("st_embed", lambda: c(embed))
         self._front = compiled("st_front", lambda: c(partial(_front, ops, cfg), donate_argnums=(1,),
@@ -89,28 +164,40 @@ class LayerByLayer:
                                                                static_argnames=("kind",)))
         self._back = compiled("st_back", lambda: c(partial(layer_back, ops, cfg)))
         self._head = compiled("st_head", lambda: c(partial(head, ops, cfg), static_argnames=("all_logits",)))
+        self._finite = compiled("st_finite", lambda: c(partial(_finite_part, ops)))
 
     def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool, experts):
         """One sequence's part (T tokens, the first n_valid real) -> (logits, new state)."""
         def front(lp, st, x, kind):
             return self._front(lp, st, x, np.int32(start), np.int32(n_valid), kind=kind)
-        return self._run(params, state, tokens, front, experts, np.int32(n_valid), all_logits)
+        rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
+        return self._run(params, state, tokens, front, experts, np.int32(n_valid), all_logits, rows)[:2]
 
     def slot_part(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts):
-        """A prompt part on one slot of a bank -> (logits [1, V] of its last real row, new bank)."""
+        """A prompt part on one slot of a bank -> (logits [1, V] of its last real row, new bank, whether its real
+        rows' residual at the end is finite (a device scalar))."""
         def front(lp, st, x, kind):
             return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), kind=kind)
-        return self._run(params, bank, tokens, front, experts, np.int32(n_valid), False)
+        rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
+        return self._run(params, bank, tokens, front, experts, np.int32(n_valid), False, rows)
 
     def rows(self, params, bank: list, tokens, pos, active, experts):
         """One token for each slot of the bank (tokens, pos, active [S]) -> (logits [S, V], new bank)."""
         def front(lp, st, x, kind):
             return self._front(lp, st, x, pos, active, kind=kind)
-        return self._run(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), True)
+        rows = (np.asarray(pos), np.asarray(active) > 0)
+        return self._run(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), True, rows)[:2]
 
-    def _run(self, params, states, tokens, front, experts, n_valid, all_logits):
-        x, states = run_layers(self.cfg, params, states, self._embed(params, tokens), front, experts, self._back)
-        return self._head(params, x, n_valid, all_logits=all_logits), states
+    def _run(self, params, states, tokens, front, experts, n_valid, all_logits, rows):
+        tap = self.taps.on(self.ops, *(self.ops.to_device(r) for r in rows)) if self.taps.debug_nan or \
+            self.taps.nonfinite is not None else None
+        x, states = run_layers(self.cfg, params, states, self._embed(params, tokens), front, experts, self._back, tap)
+        return self._head(params, x, n_valid, all_logits=all_logits), states, self._finite(x, n_valid)
+
+
+def _finite_part(ops, x, n_valid):
+    """Whether x's first n_valid rows are finite (a part's residual at its end)."""
+    return finite_rows(ops.xp, x, ops.valid_mask(x.shape[0], n_valid))
 
 
 def _front(ops, cfg, lp, st, x, start, n_valid, kind):

@@ -87,6 +87,8 @@ class Failed:
     """The request's end, whatever its choices had done."""
     message: str                 # a person can act on it
     status: int = 500
+    code: str | None = None      # the error object's code, when a client can act on it by code ("non_finite")
+    detail: tuple[tuple[str, object], ...] = ()   # more fields of the error object (JSON values), in order
 
 
 Event = Delta | Finished | Failed

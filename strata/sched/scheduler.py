@@ -1,13 +1,13 @@
 """The scheduler: admits requests into slots and plans windows over all of them, continuously; an Executor runs them.
 
-It is given the Executor (strata/plan.py) and what it needs of the model as plain values, and builds neither. Each
-window holds one decode row per generating slot and at most one prompt part of the earliest-admitted slot still reading:
-beside decode rows, the rest of the window's token budget; alone, the executor's part size. Executor calls run in a
-worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
-(lookahead, when the executor chains) before its tokens are read (a row that ended is computed once more, dropped); rows
-with a grammar then join every other window (a mask needs the token before it). Slots go FREE -> READING -> GENERATING
--> FREE; n choices hold n slots (one reads the prompt, the others copy its state). Each choice ends with one Finished,
-or its request with one Failed (a raising window fails its requests only, a non-finite row its request).
+It is given the Executor (strata/plan.py) and the model's values, and builds neither. Each window holds one decode
+row per generating slot and at most one prompt part of the earliest-admitted slot still reading: beside decode rows,
+the rest of the window's token budget; alone, the executor's part size. Executor calls run in a worker thread; the
+next window is dispatched before the previous window's text is sent, and in steady decoding (lookahead, when the
+executor chains) before its tokens are read (a row that ended is computed once more, dropped); rows with a grammar
+then join every other window (a mask needs the token before it). Slots go FREE -> READING -> GENERATING -> FREE; n
+choices hold n slots. Every choice ends with one Finished, or its request with one Failed: a window that raises fails
+its requests only; a non-finite row goes to the guard (sched/guard.py): a retry on another numerics path, or failure.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 import anyio
 import numpy as np
 
-from strata.plan import Capacity, Executor, Logprobs, PromptPart, WindowPlan, WindowResult
+from strata.plan import DEFAULT, Capacity, Executor, Logprobs, PromptPart, Repair, WindowPlan, WindowResult
+from strata.sched.guard import Attempt, GiveUp, Guard
 from strata.sched.output import TextOutput
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, TokenLogprob
 
@@ -67,6 +68,14 @@ class Slot:
     t_first_token: float = 0.0
     t_token: float = 0.0                 # when the last token was applied
     events: list = field(default_factory=list)   # produced by the last window, sent after the next is dispatched
+    sent: list = field(default_factory=list)     # the tokens generated so far (a retry reads them after the prompt)
+    numerics: str = DEFAULT              # the numerics path of this attempt (the guard's rung on a retry)
+    attempts: tuple = ()                 # the guard's Attempts that failed
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        """What the slot reads: the prompt, and on a retry the tokens already sent (they are not sent again)."""
+        return self.req.prompt_ids + tuple(self.sent)
 
     def reset(self) -> None:
         """Back to FREE with nothing of the last request (the device state is cleared when a sequence starts)."""
@@ -75,12 +84,14 @@ class Slot:
 
 class Scheduler:
     def __init__(self, executor: Executor, *, tokenizer, eos_token_ids, queue_limit: int, lookahead: bool = True,
-                 max_context: int | None = None, window_tokens: int | None = None, prompt_share: float = 1.0):
+                 max_context: int | None = None, window_tokens: int | None = None, prompt_share: float = 1.0,
+                 guard: Guard | None = None):
         """tokenizer: decode_stream and token_to_id (strata/tokenizer.py); eos_token_ids: a request's stop tokens
         unless it names its own; max_context: tokens of one sequence, at most (and by default) the executor's;
         window_tokens: the token budget of a window with decode rows (None: none, a part of the part size beside
         them); prompt_share: the share of the device time of windows with decode rows that prompt parts may take
-        (1: a part beside every window's rows)."""
+        (1: a part beside every window's rows); guard: the numerics guard's policy (default: the executor's numerics
+        paths as its ladder)."""
         cap = executor.capacity
         max_context = cap.max_context if max_context is None else max_context
         if max_context > cap.max_context:
@@ -103,6 +114,14 @@ class Scheduler:
         # steady decoding dispatches the next window before reading this one (_continuation)
         self.lookahead = lookahead and executor.chains
         self.slots_ = [Slot(i) for i in range(cap.slots)]
+        self.guard = guard if guard is not None else Guard(executor.numerics)
+        unknown = [r for r in self.guard.ladder if r not in executor.numerics]
+        if unknown:
+            raise ValueError(f"the guard's ladder names {unknown}, which the executor does not run; it runs "
+                             f"{list(executor.numerics)}")
+        # slots whose device state a non-finite row poisoned, until the executor's repair cleared it: nothing may
+        # snapshot or reuse their state (a prompt cache's checkpoints included); slot -> rebuild everything
+        self.poisoned: dict[int, bool] = {}
         self.queue: deque[tuple[Request, object]] = deque()
         self.cancelled: set[str] = set()
         self.aborted: set[str] = set()           # cancelled with a Finished("abort") rather than a Failed (drain)
@@ -117,7 +136,11 @@ class Scheduler:
                       "plan_seconds_sum": 0.0, "apply_seconds_sum": 0.0, "handoff_seconds_sum": 0.0,
                       # gaps between a stream's tokens, in windows without and with a prompt part
                       "inter_token_seconds_sum": 0.0, "inter_tokens": 0,
-                      "inter_token_seconds_beside_parts_sum": 0.0, "inter_tokens_beside_parts": 0}
+                      "inter_token_seconds_beside_parts_sum": 0.0, "inter_tokens_beside_parts": 0,
+                      # the numerics guard: rows that went non-finite, retries, requests it ended, expert slots
+                      # found corrupt (and rewritten), full rebuilds
+                      "nonfinite_rows": 0, "guard_retries": 0, "guard_failed": 0, "expert_slots_repaired": 0,
+                      "guard_rebuilds": 0}
         self._recent: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens generated, seconds) per window
         self._pending: list[tuple[object, list]] = []                 # ended requests' streams and last events
 
@@ -169,7 +192,8 @@ class Scheduler:
 
     def slots(self) -> list[dict]:
         return [{"id": s.id, "state": s.state.value, "request": s.req.id if s.req else None,
-                 "prompt_tokens": len(s.req.prompt_ids) if s.req else 0, "read": s.read, "generated": s.generated}
+                 "prompt_tokens": len(s.req.prompt_ids) if s.req else 0, "read": s.read, "generated": s.generated,
+                 "numerics": s.numerics, "attempts": len(s.attempts), "poisoned": s.id in self.poisoned}
                 for s in self.slots_]
 
     def metrics(self) -> dict:
@@ -204,6 +228,8 @@ class Scheduler:
         while True:
             t0 = time.perf_counter()
             if ahead is None:
+                if self.poisoned:                 # no window in flight: the executor repairs what they read
+                    await self._repair()
                 self._drop_cancelled()
                 self._admit()
                 plan, window = self._plan(), None
@@ -260,7 +286,8 @@ class Scheduler:
         free by then; a new sequence clears the state), so a slot's state may run one token past its request's
         end: whatever snapshots a slot's state (prompt-cache checkpoints) must take it from a window applied to a
         live request."""
-        if not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled:
+        if (not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled
+                or plan.numerics is not None or self.poisoned):     # rows on a numerics path are read at once
             return None
         on = plan.decode_active
         keep, joined = np.zeros_like(on), []
@@ -356,14 +383,16 @@ class Scheduler:
         part = None
         if reading and (not gen or self.part_credit >= 0):
             s = reading[0]
-            prompt = s.req.prompt_ids
+            prompt = s.prompt
             chunk = np.asarray(prompt[s.read:s.read + self._part_tokens(len(gen))], np.int32)
             last = s.read + len(chunk) == len(prompt)
             copies = tuple(o.id for o in self.slots_ if o.lead == s.id) if last else ()
             part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=last, copies=copies)
         sampled = gen + ([self.slots_[i] for i in (part.slot, *part.copies)] if part is not None and part.last else [])
+        numerics = tuple(s.numerics for s in self.slots_)
         return WindowPlan(decode_active=active, decode_tokens=tokens, decode_pos=pos, temperature=temp, top_k=top_k,
                           top_p=top_p, min_p=min_p, seeds=seeds, steps=steps, part=part,
+                          numerics=numerics if any(n != DEFAULT for n in numerics) else None,
                           **self._shaping([s for s in self.slots_ if s.req is not None], sampled))
 
     def _shaping(self, live: list[Slot], sampled: list[Slot]) -> dict:
@@ -455,7 +484,7 @@ class Scheduler:
                 continue
             if plan.part is not None and s.id == plan.part.slot:
                 generated += self._apply_part(s, plan.part, res, started, now)
-            else:
+            elif s.state is SlotState.GENERATING:  # (not a slot the guard sent back to read, computed ahead)
                 generated += self._apply_decode(s, res, now, plan.part is not None)
         self._recent.append((generated, seconds))
 
@@ -467,7 +496,7 @@ class Scheduler:
         s.pos = s.read
         self.stats["prompt_tokens"] += len(part.tokens)
         if not res.part_finite:
-            self._end(s, Failed(f"non-finite logits at position {s.pos - 1} while reading the prompt", 500))
+            self._nonfinite(s, part.start, s.pos - 1)
             return 0
         if not part.last:
             return 0
@@ -489,7 +518,7 @@ class Scheduler:
     def _apply_decode(self, s: Slot, res: WindowResult, now: float, beside_part: bool) -> int:
         s.pos += 1
         if not res.decode_finite[s.id]:
-            self._end(s, Failed(f"non-finite logits at position {s.pos - 1}", 500))
+            self._nonfinite(s, s.pos - 1, s.pos - 1)
             return 0
         which = "_beside_parts" if beside_part else ""
         self.stats[f"inter_token_seconds{which}_sum"] += now - s.t_token
@@ -498,11 +527,64 @@ class Scheduler:
         self._take_token(s, int(res.decode_next[s.id]), res.decode_logprobs, s.id)
         return 1
 
+    # --- the numerics guard
+    def _nonfinite(self, s: Slot, first: int, last: int) -> None:
+        """Slot s's row (positions first..last) went non-finite: nothing of it is emitted, the slot is poisoned until
+        repaired, and the guard decides between a retry on another numerics path and an explicit error."""
+        self.stats["nonfinite_rows"] += 1
+        attempts = s.attempts + (Attempt(s.numerics, first, last),)
+        d = self.guard.failed(s.req.id, attempts, time.monotonic())
+        self.poisoned[s.id] = self.poisoned.get(s.id, False) or d.rebuild
+        where = f"position {last}" if first == last else f"the prompt part {first}..{last} (logits at {last})"
+        head = (f"strata guard: non-finite at {where}, request {s.req.id} on slot {s.id}, attempt {len(attempts)} "
+                f"on {s.numerics} numerics: nothing of it is sent")
+        if d.rebuild:
+            self.stats["guard_rebuilds"] += 1
+            log.warning(f"strata guard: {self.guard.storm} different requests went non-finite within "
+                        f"{self.guard.window_s:.0f} s: every expert slot is verified and the expert device state "
+                        f"rebuilt before the next window")
+        if isinstance(d, GiveUp):
+            self.stats["guard_failed"] += 1
+            log.warning(f"{head}; {d.message()}: the request ends with error non_finite")
+            self._end(s, Failed(d.message(), 500, "non_finite", d.detail()))
+            return
+        self.stats["guard_retries"] += 1
+        log.warning(f"{head}; the expert slots are verified, then it reads its prompt again from the start "
+                    f"({len(s.prompt)} tokens, the {len(s.sent)} already sent among them) on {d.numerics} numerics")
+        s.state, s.read, s.pos, s.parts = SlotState.READING, 0, 0, 0
+        s.numerics, s.attempts = d.numerics, attempts
+
+    async def _repair(self) -> None:
+        """Between windows: the executor verifies the expert slots (rewriting bad ones from the host tier), clears
+        the poisoned slots' state and, after a storm of failures, rebuilds the expert device state."""
+        slots, rebuild = tuple(sorted(self.poisoned)), any(self.poisoned.values())
+        self.poisoned = {}
+        try:
+            rep: Repair = await anyio.to_thread.run_sync(self.executor.repair, slots, rebuild)
+        except Exception as exc:                  # noqa: BLE001 - the slots' requests fail, not the server
+            log.error(f"strata guard: repairing after a non-finite row failed ({type(exc).__name__}: {exc}); "
+                      f"ending the requests of slots {list(slots)}")
+            for i in slots:
+                s = self.slots_[i]
+                if s.req is not None:
+                    self._end(s, Failed(f"the engine failed repairing after a non-finite row: {exc}", 500))
+            return
+        self.stats["expert_slots_repaired"] += len(rep.bad)
+        found = "all matched" if not rep.bad else (
+            f"{len(rep.bad)} did not and were rewritten from the host tier: "
+            + ", ".join(f"slot {i} (layer {p}, expert {e})" for i, p, e in rep.bad)
+            + "; device memory that changes under the engine points at the device (check it for memory errors)")
+        (log.warning if rep.bad else log.info)(
+            f"strata guard: verified {rep.verified} expert slots against the pack's checksums in "
+            f"{rep.seconds * 1000:.0f} ms{', rebuilt the expert device state' if rep.rebuilt else ''}: {found}; "
+            f"cleared the state of slot{'s' if len(slots) > 1 else ''} {', '.join(map(str, slots))}")
+
     def _take_token(self, s: Slot, token: int, logprobs: Logprobs | None = None, row: int = 0):
         """A sampled token: stream its text (and logprob), advance its grammar, or end the choice (end-of-sequence,
         stop string, the grammar complete, length)."""
         s.generated += 1
         s.last_token = token
+        s.sent.append(token)
         self.stats["generated_tokens"] += 1
         if token in s.stops:
             self._finish(s, "stop")
@@ -540,7 +622,8 @@ class Scheduler:
         n = len(s.req.prompt_ids)
         log.info(f"strata serve: prompt {n} tokens = 0 reused + {n} read in {read_ms:.0f} ms "
                  f"({n / max(read_ms / 1000, 1e-9):.1f} tok/s), {s.generated} generated in {gen_ms:.0f} ms "
-                 f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s), finish {reason} ({s.req.id})")
+                 f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s), finish {reason} ({s.req.id})"
+                 + (f", attempt {len(s.attempts) + 1} on {s.numerics} numerics" if s.attempts else ""))
         self._end(s, Finished(reason, n, s.generated, {"read_ms": read_ms, "generate_ms": gen_ms,
                                                        "parts": s.parts}, index=s.choice))
 

@@ -105,6 +105,12 @@ class _SchedulerCollector:
             ("expert_cpu_seconds", "strata_expert_cpu_seconds", "Time spent computing experts on the CPU"),
             ("expert_loans", "strata_expert_loans", "Device slots lent to prompt parts"),
             ("expert_swaps", "strata_expert_swaps", "Adaptive expert swaps between windows"),
+            ("nonfinite_rows", "strata_nonfinite_rows", "Rows whose logits or residual went non-finite"),
+            ("guard_retries", "strata_guard_retries", "Requests the numerics guard retried on another numerics path"),
+            ("guard_failed", "strata_guard_failed", "Requests the numerics guard ended with the error non_finite"),
+            ("expert_slots_repaired", "strata_expert_slots_repaired",
+             "Device expert slots that failed their checksum and were rewritten from the host tier"),
+            ("guard_rebuilds", "strata_guard_rebuilds", "Rebuilds of the expert device state after a storm of failures"),
         ):
             if (v := num(key)) is not None:
                 c = CounterMetricFamily(name, doc)
@@ -724,7 +730,7 @@ class GenerationResponse:
     async def _send_failed(self, send, f: Failed):
         code = "shutting_down" if f.status == 503 and self.state.phase == "draining" else "generation_failed"
         headers = {"Retry-After": str(RETRY_AFTER_S)} if f.status == 503 else None
-        await _send_json(send, f.status, oa.error_body(f.status, f.message, code=code), headers)
+        await _send_json(send, f.status, _failed_body(f, code), headers)
 
     # -- whole responses
 
@@ -841,8 +847,12 @@ class GenerationResponse:
                                                  "text_completion", terminal.prompt_tokens, completion))
                 buf += oa.sse("[DONE]")
             elif isinstance(terminal, Failed):
+                # each unfinished choice ends with finish_reason "error", then the error object says why
                 self._fail_log(terminal)
-                buf += oa.sse(oa.error_body(terminal.status, terminal.message, code="generation_failed"))
+                for c in self.choices:
+                    if c.finished is None:
+                        buf += oa.sse(self._chunk(c, None, [], "error"))
+                buf += oa.sse(_failed_body(terminal, "generation_failed"))
             if buf:
                 await out(bytes(buf))
                 last_write = time.perf_counter()
@@ -883,6 +893,13 @@ class GenerationResponse:
             c.offset += sum(len(t) for t in lp["tokens"])
         return oa.completion_chunk(rid, model, created, piece or "", reason, include_usage=iu, index=c.index,
                                    logprobs=lp)
+
+
+def _failed_body(f: Failed, code: str) -> dict:
+    """The error object of a failed request: its own code (non_finite) or `code`, and its detail fields."""
+    body = oa.error_body(f.status, f.message, code=f.code or code)
+    body["error"].update(dict(f.detail))
+    return body
 
 
 def _merged(pieces: list) -> list:

@@ -121,6 +121,7 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
     code: 0 after a shutdown, 1 when the scheduler stopped; a model that fails to load or warm up is a StrataError."""
     from strata.serve.app import create_app
     try:
+        from strata.sched.guard import Guard
         from strata.sched.scheduler import Scheduler
     except ImportError as e:
         raise StrataError(f"the scheduler is not available in this build ({e})") from None
@@ -150,10 +151,12 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
                  engine.cfg.num_experts, engine.dtype)
         # the server owns the engine; the scheduler is given its runner (the Executor) and the model's values
         sched = config.sched
-        scheduler = Scheduler(WindowRunner(engine, sched.parallel, sched.prefill), tokenizer=engine.tokenizer,
+        runner = WindowRunner(engine, sched.parallel, sched.prefill)
+        scheduler = Scheduler(runner, tokenizer=engine.tokenizer,
                               eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
                               lookahead=sched.lookahead, max_context=config.model.max_context,
-                              window_tokens=sched.window_tokens, prompt_share=sched.prompt_share)
+                              window_tokens=sched.window_tokens, prompt_share=sched.prompt_share,
+                              guard=Guard(runner.numerics, sched.guard_storm, sched.guard_storm_seconds))
         return engine, scheduler
 
     try:

@@ -7,7 +7,10 @@ allowed token at or after that one), a part's copies take its state and token, a
 It checks what a real executor relies on (each row continues its slot's sequence, a continuing plan continues the
 window it names: rows of it with token -1, others join with their token given; windows are collected in order),
 records every plan it is given, can be told to raise in a given window or to report the row at a slot's given
-position non-finite, and reports the device times it is given.
+position non-finite, and reports the device times it is given. Non-finite rows come in three kinds: on every numerics
+path (a deterministic failure), on the default path only (a kernel's numerics), or until the next repair (a corrupt
+expert slot, which repair() reports and fixes). A slot whose row went non-finite is poisoned: a prompt part on it
+before repair() cleared its state is refused.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.plan import TOP_LOGPROBS, Capacity, Logprobs, WindowPlan, WindowResult
+from strata.plan import DEFAULT, TOP_LOGPROBS, Capacity, Logprobs, Repair, WindowPlan, WindowResult
 
 FIRST, SPAN = 32, 95
 
@@ -82,6 +85,10 @@ class FakeExecutor:
     raise_at: dict = field(default_factory=dict)      # window index (from 0) -> exception raised at its collect()
     refuse_ahead: list = field(default_factory=list)  # exceptions the next dispatches ahead (after=) raise, in turn
     nonfinite: set = field(default_factory=set)       # (slot, position): that row's logits are reported non-finite
+    nonfinite_default: set = field(default_factory=set)   # (slot, position): non-finite on the DEFAULT path only
+    corrupt: dict = field(default_factory=dict)       # (slot, position) -> (expert slot, layer, expert): non-finite
+                                                      # until a repair() finds that expert slot bad and rewrites it
+    numerics: tuple = ("reference_ops", "cpu_experts")   # the paths it runs besides DEFAULT
     observe: object = None                            # called as observe(index, plan) at each dispatch
     part_sizes: tuple = ()                            # the "compiled" part sizes it declares (Capacity.part_sizes)
     decode_s: float = 0.0                             # the device seconds it reports for a window's decode rows
@@ -94,6 +101,9 @@ class FakeExecutor:
         self.warmed = 0
         self.collected: list[int] = []
         self.length = [0] * self.slots                # tokens in each slot's sequence state
+        self.poisoned: set[int] = set()               # slots a non-finite row left unusable until repair()
+        self.repairs: list[tuple[tuple, bool]] = []   # repair() calls: (slots, rebuild)
+        self.paths: list[tuple[int, int, str]] = []   # (slot, position, numerics) of every row and part row computed
 
     # --- the Executor protocol
     def warm_up(self) -> float:
@@ -116,6 +126,11 @@ class FakeExecutor:
             raise ValueError("a plan with token -1 must be dispatched after the window that samples it")
         nxt = np.zeros(self.slots, np.int32)
         fin = np.ones(self.slots, bool)
+        numerics = plan.numerics or (DEFAULT,) * self.slots
+        if len(numerics) != self.slots or any(n != DEFAULT and n not in self.numerics for n in numerics):
+            raise ValueError(f"numerics {numerics}: one per slot, each {DEFAULT!r} or one of {self.numerics}")
+        if plan.numerics is not None and after is not None:
+            raise ValueError("a plan with numerics paths cannot continue a window")
         for s in np.flatnonzero(plan.decode_active):
             pos = int(plan.decode_pos[s])
             if pos != self.length[s] or pos >= self.max_context:
@@ -124,7 +139,8 @@ class FakeExecutor:
             nxt[s] = next_token(tokens[s], pos)
             if plan.mask is not None:
                 nxt[s] = obey(plan.mask[s], nxt[s])
-            fin[s] = (s, pos) not in self.nonfinite
+            fin[s] = self._finite(s, pos, numerics[s])
+            self.paths.append((int(s), pos, numerics[s]))
             self.length[s] += 1
         part_next = part_finite = copies_next = None
         if plan.part is not None:
@@ -133,6 +149,8 @@ class FakeExecutor:
                 raise ValueError(f"a prompt part of {len(p.tokens)} tokens (1 to {self.part_size})")
             if plan.decode_active[p.slot]:
                 raise ValueError(f"slot {p.slot} has a decode row and a prompt part in one window")
+            if p.slot in self.poisoned:
+                raise ValueError(f"slot {p.slot}: a prompt part on a state a non-finite row poisoned (not repaired)")
             if p.start != 0 and p.start != self.length[p.slot]:
                 raise ValueError(f"slot {p.slot}: a part at {p.start} but its sequence holds {self.length[p.slot]}")
             end = p.start + len(p.tokens)
@@ -142,10 +160,14 @@ class FakeExecutor:
             if plan.mask is not None and p.last:
                 first = [obey(plan.mask[i], t) for i, t in zip((p.slot, *p.copies), first)]
             part_next, copies_next = first[0], (np.array(first[1:], np.int32) if p.copies else None)
-            part_finite = not any((p.slot, q) in self.nonfinite for q in range(p.start, end))
+            part_finite = all([self._finite(p.slot, q, numerics[p.slot]) for q in range(p.start, end)])
+            self.paths += [(p.slot, q, numerics[p.slot]) for q in range(p.start, end)]
+            if not part_finite:
+                self.poisoned.add(p.slot)
             self.length[p.slot] = end
             for c in p.copies:
                 self.length[c] = end
+        self.poisoned.update(int(s) for s in np.flatnonzero(plan.decode_active & ~fin))
         logprobs = plan.logprobs is not None
         part_s = self.part_s_per_token * self.capacity.padded(len(plan.part.tokens)) if plan.part is not None else 0.0
         part_s = self.part_s_at.get(index, part_s)
@@ -168,6 +190,23 @@ class FakeExecutor:
 
     def metrics(self) -> dict:
         return {"fake_windows": len(self.windows)}
+
+    def repair(self, slots: tuple, rebuild: bool = False) -> Repair:
+        """The corrupt expert slots are found and rewritten (their rows are finite from now on); `slots`' states are
+        cleared (a part on them must start at 0)."""
+        if any(not 0 <= i < self.slots for i in slots):
+            raise ValueError(f"repair of slots {slots}: this executor has {self.slots}")
+        self.repairs.append((tuple(slots), rebuild))
+        bad = tuple(sorted(set(self.corrupt.values())))
+        self.corrupt.clear()
+        for i in slots:
+            self.poisoned.discard(i)
+            self.length[i] = 0
+        return Repair(verified=64, bad=bad, rebuilt=rebuild)
+
+    def _finite(self, slot: int, pos: int, numerics: str) -> bool:
+        at = (int(slot), int(pos))
+        return not (at in self.nonfinite or at in self.corrupt or (numerics == DEFAULT and at in self.nonfinite_default))
 
     # --- what a continuing plan must be (as WindowRunner checks it)
     def _check_continues(self, prev: Handle, plan: WindowPlan) -> None:

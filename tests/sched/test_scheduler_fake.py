@@ -104,7 +104,7 @@ def read_prompts(fake) -> list[tuple]:
 
 def slot(id, state="free", request=None, prompt=0, read=0, generated=0) -> dict:
     return {"id": id, "state": state, "request": request, "prompt_tokens": prompt, "read": read,
-            "generated": generated}
+            "generated": generated, "numerics": "default", "attempts": 0, "poisoned": False}
 
 
 def test_admission_order_slot_states_and_windows(tokenizer):
@@ -333,14 +333,18 @@ def test_a_window_that_raises_fails_only_its_requests(tokenizer, caplog):
 
 
 def test_a_non_finite_row_fails_only_its_request_naming_the_position(tokenizer):
+    """Rows non-finite on every numerics path: each request is retried once on the guard's first rung, then ends with
+    the explicit error naming the position and the attempts; the steady request beside them is untouched."""
     a, b, c = P("steady"), P("flaky"), P("a long prompt")
     bad = len(b) + 2                                  # B's third decode row
     fake = FakeExecutor(slots=3, part_size=4, nonfinite={(1, bad), (2, 5)})   # and C's second part (4..7)
     out = serve(sched_over(fake, tokenizer), [req("A", a, 12), req("B", b, 12), req("C", c, 12)])
     assert summary(out["A"]) == finished(expected_tokens(a, 12), "length", a, 12)
     assert summary(out["B"]) == (text_of(expected_tokens(b, 3)),                  # the row emits nothing
-                                 ("Failed", 500, f"non-finite logits at position {bad}"))
-    assert summary(out["C"]) == ("", ("Failed", 500, "non-finite logits at position 7 while reading the prompt"))
+                                 ("Failed", 500, f"non-finite logits at position {bad} again at the same position "
+                                                 f"after 2 attempts (default, reference_ops); resending the same "
+                                                 f"request is likely to fail the same way"))
+    assert summary(out["C"])[1][2].startswith("non-finite logits at position 7 again at the same position")
 
 
 def test_every_request_ends_once_when_the_scheduler_stops(tokenizer):

@@ -32,6 +32,13 @@ async def fail_midway(req: Request, sched: "FakeScheduler"):
     yield Failed("non-finite logits at position 7", 500)
 
 
+async def fail_non_finite(req: Request, sched: "FakeScheduler"):
+    yield Delta(content="partial ")
+    yield Failed("non-finite logits at position 9 again at the same position after 2 attempts", 500, "non_finite",
+                 (("position", 9), ("attempts", [{"numerics": "default", "position": 9},
+                                                 {"numerics": "cpu_experts", "position": 9}])))
+
+
 async def fail_at_once(req: Request, sched: "FakeScheduler"):
     yield Failed("non-finite logits at position 3 while reading the prompt", 500)
 

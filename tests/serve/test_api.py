@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from fake_scheduler import FakeScheduler, fail_at_once, fail_midway, hold
+from fake_scheduler import FakeScheduler, fail_at_once, fail_midway, fail_non_finite, hold
 from servers import serve_command
 from strata.sched.request import Delta, Finished
 from strata.serve.app import ends_inside_think
@@ -384,6 +384,25 @@ def test_failures_from_the_scheduler(demo_engine, serve):
         fake.script = fail_at_once
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 500 and "position 3" in r.json()["error"]["message"]
+
+
+def test_a_non_finite_failure_reaches_clients_as_an_explicit_error(demo_engine, serve):
+    """Streamed: the text so far, a chunk with finish_reason "error", then the error object with code non_finite,
+    the position and the attempts; not streamed: HTTP 500 with that object."""
+    fake = FakeScheduler(parallel=1, script=fail_non_finite)
+    attempts = [{"numerics": "default", "position": 9}, {"numerics": "cpu_experts", "position": 9}]
+    with serve(demo_engine, scheduler=fake, parallel=1) as s:
+        with httpx.Client(base_url=s.url, timeout=30) as h, h.stream(
+                "POST", "/v1/chat/completions", json={"messages": HI, "stream": True}) as r:
+            chunks = [json.loads(e) for e in sse_events(r)]
+        assert chunks[-2]["choices"][0]["finish_reason"] == "error"
+        err = chunks[-1]["error"]
+        assert (err["code"], err["position"], err["attempts"]) == ("non_finite", 9, attempts)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert (err["code"], err["position"], err["attempts"], err["type"]) == ("non_finite", 9, attempts,
+                                                                                "server_error")
 
 
 def test_scheduler_that_stops_turns_into_503(demo_engine, serve):
