@@ -215,6 +215,17 @@ class SchedSettings(_Group):
         "on a CPU (docs/performance.md); the H200's is an open measurement.")
     queue_limit: int = setting(
         16, _int_range(1, 65536), "Requests waiting for a free slot; beyond it requests get 503 with Retry-After.")
+    checkpoint_every: int = setting(
+        512, _int_range(1, 1 << 20),
+        "Prompt cache: a checkpoint of the recurrent state (linear layers) every this many tokens of a sequence, "
+        "besides the ones at the start of the last assistant header of a prompt and at the end of each reply. A new "
+        "prompt that shares a prefix with a stored conversation reads from the nearest checkpoint at or before the "
+        "point where they differ: at most this many tokens more than its new ones.")
+    checkpoint_ram_gib: float = setting(
+        4.0, Rule(lambda v: _is_number(v) and 0 <= v <= 4096, "a number of GiB in [0, 4096]"),
+        "Prompt cache: host RAM for checkpoints and parked conversations (a conversation whose slot another request "
+        "needs: its KV and checkpoints, resumed later without re-reading), least recently used first out. 0: only "
+        "each slot's newest checkpoint, on the device.")
     lookahead: bool = setting(
         True, _BOOL,
         "Steady decoding (no prompt to read, nobody waiting) dispatches the next window before the last one's tokens "

@@ -137,12 +137,30 @@ class Capacity:
         return next((s for s in self.part_sizes if s >= n), n)
 
 
+@dataclass(frozen=True, eq=False)
+class Saved:
+    """A copy an Executor keeps of part of one slot's sequence state for the prompt cache: the recurrent state of
+    the linear layers (a checkpoint: Executor.snapshot) or the attention KV of positions 0..tokens-1 (a parked
+    conversation: Executor.save_kv). Opaque to the scheduler but for its size and where it lives."""
+    data: Any                    # the executor's own
+    nbytes: int
+    on_host: bool                # in host RAM (else on the device)
+    tokens: int = 0              # save_kv: the positions it holds
+
+
 class Executor(Protocol):
     """Runs WindowPlans. dispatch() starts a window and returns a handle; collect(handle) waits for it and reads its
     WindowResult. Windows are collected in the order they were dispatched. When `chains` is true, a decode-only plan
     that continues the last dispatched window may be dispatched before that window is collected: dispatch(plan,
     after=handle). Its rows with token -1 continue rows of that window (plan.continued()); it may leave out rows of
-    that window and add rows inactive in it, with their tokens (and masks) given."""
+    that window and add rows inactive in it, with their tokens (and masks) given.
+
+    The prompt cache's copies act on a slot as every window dispatched so far leaves it: snapshot(slot) copies its
+    recurrent state (conv + delta rule; the KV stays in the slot), restore(slot, saved) puts one back (a part that
+    starts at the checkpoint's position then continues it, the KV beyond it overwritten before it is visible),
+    to_host moves a snapshot to host RAM, save_kv/load_kv copy the KV of a sequence's first n positions to host RAM
+    and back into a slot (parking a conversation; after load_kv the slot's recurrent state is a restore's to set).
+    None of them is called on a slot that a non-finite row poisoned until repair() has cleared it."""
     capacity: Capacity
     chains: bool
     numerics: tuple[str, ...]    # the numerics paths it can run besides DEFAULT, each a different computation (the
@@ -152,6 +170,11 @@ class Executor(Protocol):
     def dispatch(self, plan: WindowPlan, after: Any = None) -> Any: ...
     def collect(self, handle: Any) -> WindowResult: ...
     def metrics(self) -> dict: ...                                      # counters for /metrics (flat, numeric)
+    def snapshot(self, slot: int) -> Saved: ...                         # on the device
+    def restore(self, slot: int, saved: Saved) -> None: ...
+    def to_host(self, saved: Saved) -> Saved: ...
+    def save_kv(self, slot: int, n: int) -> Saved: ...                  # on the host
+    def load_kv(self, slot: int, saved: Saved) -> None: ...
     # between windows (none in flight): verify the expert slots and rewrite bad ones from the host tier, clear the
     # sequence states of `slots` (non-finite rows': NaN must not linger in their KV); rebuild: also rewrite every
     # expert slot and drop cached device arguments

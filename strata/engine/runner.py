@@ -21,9 +21,10 @@ import numpy as np
 from strata.config import PART_BUCKETS, bucket_for
 from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
+from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
 from strata.experts.path import PathKind
 from strata.model.forward import forward
-from strata.plan import DEFAULT, Capacity, Logprobs, PromptPart, Repair, WindowPlan, WindowResult, idle_plan
+from strata.plan import DEFAULT, Capacity, Logprobs, PromptPart, Repair, Saved, WindowPlan, WindowResult, idle_plan
 
 log = logging.getLogger("strata")
 
@@ -47,6 +48,7 @@ class WindowRunner:
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
         self._copy = engine.compiled("copy_slot", lambda: ops.compile(partial(_copy_slot, ops), donate_argnums=(0,)))
         self._shaping: Shaping | None = None
+        self.copies = SlotCopies(self)
         path = engine.path
         self.rows = CompiledRows(self) if path.compiled_rows else HostRows(self)
         self.part = CompiledPart(self) if path.compiled_parts else HostPart(self)
@@ -90,6 +92,22 @@ class WindowRunner:
                     expert_cpu_routes=st.cpu_routes, expert_cpu_seconds=st.cpu_seconds, expert_loans=st.loans,
                     expert_swaps=st.swaps, expert_slots_resident=x.cache.n_resident)
 
+    # --- the prompt cache's copies of a slot's state (Executor; strata/engine/slot_copies.py)
+    def snapshot(self, slot: int) -> Saved:
+        return self.copies.snapshot(slot)
+
+    def restore(self, slot: int, saved: Saved) -> None:
+        self.copies.restore(slot, saved)
+
+    def to_host(self, saved: Saved) -> Saved:
+        return self.copies.to_host(saved)
+
+    def save_kv(self, slot: int, n: int) -> Saved:
+        return self.copies.save_kv(slot, n)
+
+    def load_kv(self, slot: int, saved: Saved) -> None:
+        self.copies.load_kv(slot, saved)
+
     def buckets(self) -> list[int]:
         return [b for b in PART_BUCKETS if b <= bucket_for(self.part_size)]
 
@@ -109,6 +127,11 @@ class WindowRunner:
         for temperature in (np.zeros(s, np.float32), np.ones(s, np.float32)):
             self.run(replace(shaped, decode_active=np.ones(s, bool), temperature=temperature))
             self.run(replace(shaped, part=one, temperature=temperature))
+        # the prompt cache's copies: a checkpoint out and back (from the device and from the host: the two compile
+        # apart), a KV block to the host and back
+        self.restore(0, self.snapshot(0))
+        self.restore(0, self.to_host(self.snapshot(0)))
+        self.load_kv(0, self.save_kv(0, 1))
         if self.chains and s > 1:                 # a continuing window that a row drops out of (merge_rows)
             full = replace(plan, decode_active=np.ones(s, bool))
             w = self.dispatch(full)
@@ -627,7 +650,8 @@ def _shaped_rows(ops, logits, rows, active, temperature, top_k, top_p, min_p, se
 
 def _copy_slot(ops, states, src, dst):
     """The slot bank with slot dst's sequence state a copy of slot src's."""
-    return [{k: ops.set_row(v, dst, ops.take_row(v, src)) for k, v in layer.items()} for layer in states]
+    every = range(len(states))
+    return put_slot(ops, states, dst, every, take_slot(ops, states, src, every))
 
 
 def _logprobs_of(to_host, lp, rows=None) -> Logprobs:

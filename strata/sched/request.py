@@ -52,6 +52,9 @@ class Request:
     n: int = 1                                   # choices: the prompt is read once, each choice samples its own
     logprobs: int | None = None                  # report each token's logprob and this many alternatives (<= 20)
     constraint: TokenConstraint | None = None    # a grammar every choice's tokens must follow
+    cache_prompt: bool = True                    # reuse a stored conversation's prefix (prompt cache)
+    checkpoints: bool = True                     # store this request's conversation with checkpoints
+    turn_at: int | None = None                   # where the last assistant header starts (a checkpoint there)
 
 
 @dataclass(frozen=True)

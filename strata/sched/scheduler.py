@@ -1,13 +1,13 @@
 """The scheduler: admits requests into slots and plans windows over all of them, continuously; an Executor runs them.
 
 It is given the Executor (strata/plan.py) and the model's values, and builds neither. Each window holds one decode
-row per generating slot and at most one prompt part of the earliest-admitted slot still reading: beside decode rows,
-the rest of the window's token budget; alone, the executor's part size. Executor calls run in a worker thread; the
-next window is dispatched before the previous window's text is sent, and in steady decoding (lookahead, when the
-executor chains) before its tokens are read (a row that ended is computed once more, dropped); rows with a grammar
-then join every other window (a mask needs the token before it). Slots go FREE -> READING -> GENERATING -> FREE; n
-choices hold n slots. Every choice ends with one Finished, or its request with one Failed: a window that raises fails
-its requests only; a non-finite row goes to the guard (sched/guard.py): a retry on another numerics path, or failure.
+row per generating slot and at most one prompt part of the earliest-admitted slot still reading (beside decode rows,
+the rest of the window's token budget; alone, the part size). Executor calls run in a worker thread; the next window
+is dispatched before the previous window's text is sent, and in steady decoding (lookahead) before its tokens are read
+(a row that ended is computed once more, dropped); grammar rows then join every other window. Slots go FREE ->
+READING -> GENERATING -> FREE; n choices hold n slots. Each choice ends with one Finished, or its request with one
+Failed; a non-finite row goes to the guard (sched/guard.py). The prompt cache (sched/prompt_cache.py) picks a slot and
+the checkpoint it reads from; a checkpoint is taken only of a live request's exact, finite, default-path state.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import numpy as np
 from strata.plan import DEFAULT, Capacity, Executor, Logprobs, PromptPart, Repair, WindowPlan, WindowResult
 from strata.sched.guard import Attempt, GiveUp, Guard
 from strata.sched.output import TextOutput
+from strata.sched.prompt_cache import PromptCache
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, TokenLogprob
 
 log = logging.getLogger("strata.sched")
@@ -56,7 +57,8 @@ class Slot:
     output: TextOutput | None = None
     stops: frozenset = frozenset()
     seed: tuple[int, int] = (0, 0)
-    read: int = 0                        # prompt tokens read
+    read: int = 0                        # prompt tokens read (or reused)
+    reused: int = 0                      # prompt tokens reused from the prompt cache
     pos: int = 0                         # tokens in the slot's sequence state
     generated: int = 0
     last_token: int = 0
@@ -85,13 +87,14 @@ class Slot:
 class Scheduler:
     def __init__(self, executor: Executor, *, tokenizer, eos_token_ids, queue_limit: int, lookahead: bool = True,
                  max_context: int | None = None, window_tokens: int | None = None, prompt_share: float = 1.0,
-                 guard: Guard | None = None):
+                 checkpoint_every: int = 512, checkpoint_ram_gib: float = 0.0, guard: Guard | None = None):
         """tokenizer: decode_stream and token_to_id (strata/tokenizer.py); eos_token_ids: a request's stop tokens
         unless it names its own; max_context: tokens of one sequence, at most (and by default) the executor's;
         window_tokens: the token budget of a window with decode rows (None: none, a part of the part size beside
         them); prompt_share: the share of the device time of windows with decode rows that prompt parts may take
-        (1: a part beside every window's rows); guard: the numerics guard's policy (default: the executor's numerics
-        paths as its ladder)."""
+        (1: a part beside every window's rows); checkpoint_every, checkpoint_ram_gib: the prompt cache's (its
+        checkpoints' spacing in tokens, and the host RAM for checkpoints and parked conversations); guard: the
+        numerics guard's policy (default: the executor's numerics paths as its ladder)."""
         cap = executor.capacity
         max_context = cap.max_context if max_context is None else max_context
         if max_context > cap.max_context:
@@ -114,6 +117,8 @@ class Scheduler:
         # steady decoding dispatches the next window before reading this one (_continuation)
         self.lookahead = lookahead and executor.chains
         self.slots_ = [Slot(i) for i in range(cap.slots)]
+        self.cache = PromptCache(executor, cap.slots, checkpoint_every, int(checkpoint_ram_gib * (1 << 30)))
+        self._ahead_rows: np.ndarray | None = None   # the decode rows of a window dispatched after the one applied
         self.guard = guard if guard is not None else Guard(executor.numerics)
         unknown = [r for r in self.guard.ladder if r not in executor.numerics]
         if unknown:
@@ -191,15 +196,23 @@ class Scheduler:
         return len(self.queue) + sum(s.req is not None for s in self.slots_)
 
     def slots(self) -> list[dict]:
-        return [{"id": s.id, "state": s.state.value, "request": s.req.id if s.req else None,
-                 "prompt_tokens": len(s.req.prompt_ids) if s.req else 0, "read": s.read, "generated": s.generated,
-                 "numerics": s.numerics, "attempts": len(s.attempts), "poisoned": s.id in self.poisoned}
-                for s in self.slots_]
+        out = []
+        for s in self.slots_:
+            conv = self.cache.live[s.id]
+            out.append({"id": s.id, "state": s.state.value, "request": s.req.id if s.req else None,
+                        "prompt_tokens": len(s.req.prompt_ids) if s.req else 0, "reused": s.reused,
+                        "read": s.read - s.reused, "generated": s.generated,
+                        "numerics": s.numerics, "attempts": len(s.attempts), "poisoned": s.id in self.poisoned,
+                        "conversation_tokens": len(conv.tokens) if conv is not None else 0,
+                        "checkpoints": [c.pos for c in conv.checkpoints] if conv is not None else []})
+        return out
 
     def metrics(self) -> dict:
         toks = sum(n for n, _ in self._recent)
         secs = sum(t for _, t in self._recent)
         out = dict(self.stats, queue_depth=len(self.queue), tokens_per_s=toks / secs if secs > 0 else 0.0)
+        out.update(self.cache.stats, checkpoint_ram_bytes=self.cache.ram_bytes(),
+                   conversations_parked_now=len(self.cache.parked))
         out.update(self.executor.metrics())
         return out
 
@@ -247,6 +260,7 @@ class Scheduler:
                 tg.start_soon(self._run_window, plan, window, following, box)
                 self._send_pending()              # the previous window's text, while this one runs
             t2 = time.perf_counter()
+            self._ahead_rows = following.decode_active if box.get("following") is not None else None
             self._apply(plan, box)
             ahead = (following, box["following"]) if box.get("following") is not None else None
             t3 = time.perf_counter()
@@ -285,7 +299,7 @@ class Scheduler:
         ends on plan's token (a stop token or string) is computed once more and its result dropped (its slot is
         free by then; a new sequence clears the state), so a slot's state may run one token past its request's
         end: whatever snapshots a slot's state (prompt-cache checkpoints) must take it from a window applied to a
-        live request."""
+        live request (_exact). None also before a window after which a continuing row takes a checkpoint."""
         if (not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled
                 or plan.numerics is not None or self.poisoned):     # rows on a numerics path are read at once
             return None
@@ -299,7 +313,8 @@ class Scheduler:
             if s.matcher is not None:             # in plan: its token is not known yet; else it was applied
                 if not on[s.id]:
                     joined.append(s)
-            elif not on[s.id] or s.generated + 1 >= s.req.max_tokens or s.pos + 2 >= self.max_context:
+            elif (not on[s.id] or s.generated + 1 >= s.req.max_tokens or s.pos + 2 >= self.max_context
+                  or self._checkpoint_at(s, s.pos + 1)):   # (a checkpoint is taken of plan's state)
                 return None
             else:
                 keep[s.id] = True
@@ -326,6 +341,14 @@ class Scheduler:
             base = secrets.randbits(63) if req.sampling.seed is None else req.sampling.seed
             stops = req.stop_token_ids if req.stop_token_ids is not None else self.eos_token_ids
             group = Group(send, req.n)
+            ids = [s.id for s in self.slots_ if s.state is SlotState.FREE]
+            reuse = req.cache_prompt and req.sampling.repetition_penalty == 1    # (its prompt set starts at 0)
+            lead, reused = self.cache.start(req.prompt_ids, ids, reuse)
+            ids.remove(lead)
+            free = [self.slots_[lead]]
+            for _ in range(req.n - 1):
+                free.append(self.slots_[self.cache.claim(ids)])
+                ids.remove(free[-1].id)
             for i, slot in enumerate(free):
                 seed = choice_seed(base, i)
                 slot.reset()
@@ -335,6 +358,7 @@ class Scheduler:
                 slot.stops = frozenset(stops)
                 slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning)
                 slot.matcher = req.constraint.matcher() if req.constraint is not None else None
+            free[0].read = free[0].pos = free[0].reused = reused
 
     def _drop_cancelled(self):
         if not self.cancelled:
@@ -384,7 +408,8 @@ class Scheduler:
         if reading and (not gen or self.part_credit >= 0):
             s = reading[0]
             prompt = s.prompt
-            chunk = np.asarray(prompt[s.read:s.read + self._part_tokens(len(gen))], np.int32)
+            size = min(self._part_tokens(len(gen)), self._next_checkpoint(s) - s.read)
+            chunk = np.asarray(prompt[s.read:s.read + size], np.int32)
             last = s.read + len(chunk) == len(prompt)
             copies = tuple(o.id for o in self.slots_ if o.lead == s.id) if last else ()
             part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=last, copies=copies)
@@ -422,6 +447,29 @@ class Scheduler:
         if mask is not None:
             out["mask"] = mask
         return out
+
+    def _checkpoint_at(self, s: Slot, pos: int) -> bool:
+        """Whether the slot's request takes a checkpoint after its first pos tokens: every checkpoint_every tokens
+        and where its prompt's last assistant header starts; never on a guard retry's numerics path (a cache hit
+        must give a default-path read's tokens)."""
+        return (s.req.checkpoints and s.numerics == DEFAULT and pos > 0
+                and (pos % self.cache.every == 0 or pos == s.req.turn_at))
+
+    def _next_checkpoint(self, s: Slot) -> int:
+        """Where the part that reads from s.read ends at the latest: the next checkpoint position (or the prompt's
+        end)."""
+        n, at = len(s.prompt), s.read
+        if not s.req.checkpoints or s.numerics != DEFAULT:
+            return n
+        nxt = (at // self.cache.every + 1) * self.cache.every
+        if s.req.turn_at is not None and at < s.req.turn_at:
+            nxt = min(nxt, s.req.turn_at)
+        return min(nxt, n)
+
+    def _exact(self, s: Slot) -> bool:
+        """Whether the slot's device state is the one the windows applied to its request left: no window that
+        computes its row was dispatched after the one applied last (lookahead)."""
+        return self._ahead_rows is None or not self._ahead_rows[s.id]
 
     def _masks(self, sampled: list[Slot]) -> np.ndarray | None:
         """The grammar masks [S, W] of the slots a window samples for (others: every token allowed); None when none
@@ -498,6 +546,8 @@ class Scheduler:
         if not res.part_finite:
             self._nonfinite(s, part.start, s.pos - 1)
             return 0
+        if self._checkpoint_at(s, s.pos):
+            self.cache.take(s.id, s.pos, s.prompt)
         if not part.last:
             return 0
         s.t_read_end = s.t_first_token = s.t_token = now
@@ -507,6 +557,7 @@ class Scheduler:
         copies = [self.slots_[c] for c in part.copies]
         for o in copies:                          # the other choices continue from the state the part left
             o.state, o.lead, o.read, o.pos, o.parts = SlotState.GENERATING, None, s.read, s.pos, s.parts
+            o.reused = s.reused
             o.t_read_start, o.t_read_end, o.t_first_token, o.t_token = s.t_read_start, now, now, now
         s.state = SlotState.GENERATING
         self._take_token(s, res.part_next, res.part_logprobs, 0)
@@ -525,13 +576,21 @@ class Scheduler:
         self.stats[f"inter_tokens{which}"] += 1
         s.t_token = now
         self._take_token(s, int(res.decode_next[s.id]), res.decode_logprobs, s.id)
+        if s.req is not None and self._checkpoint_at(s, s.pos) and self._exact(s):
+            self.cache.take(s.id, s.pos, self._fed(s))
         return 1
+
+    @staticmethod
+    def _fed(s: Slot) -> list:
+        """The tokens of the slot's sequence: its prompt and the tokens generated (the last one not fed yet)."""
+        return list(s.req.prompt_ids) + s.sent
 
     # --- the numerics guard
     def _nonfinite(self, s: Slot, first: int, last: int) -> None:
         """Slot s's row (positions first..last) went non-finite: nothing of it is emitted, the slot is poisoned until
         repaired, and the guard decides between a retry on another numerics path and an explicit error."""
         self.stats["nonfinite_rows"] += 1
+        self.cache.drop(s.id)                     # its conversation and the checkpoints of this attempt
         attempts = s.attempts + (Attempt(s.numerics, first, last),)
         d = self.guard.failed(s.req.id, attempts, time.monotonic())
         self.poisoned[s.id] = self.poisoned.get(s.id, False) or d.rebuild
@@ -551,7 +610,7 @@ class Scheduler:
         self.stats["guard_retries"] += 1
         log.warning(f"{head}; the expert slots are verified, then it reads its prompt again from the start "
                     f"({len(s.prompt)} tokens, the {len(s.sent)} already sent among them) on {d.numerics} numerics")
-        s.state, s.read, s.pos, s.parts = SlotState.READING, 0, 0, 0
+        s.state, s.read, s.pos, s.parts, s.reused = SlotState.READING, 0, 0, 0, 0
         s.numerics, s.attempts = d.numerics, attempts
 
     async def _repair(self) -> None:
@@ -620,12 +679,18 @@ class Scheduler:
         read_ms = (s.t_read_end - s.t_read_start) * 1000
         gen_ms = (now - s.t_first_token) * 1000
         n = len(s.req.prompt_ids)
-        log.info(f"strata serve: prompt {n} tokens = 0 reused + {n} read in {read_ms:.0f} ms "
-                 f"({n / max(read_ms / 1000, 1e-9):.1f} tok/s), {s.generated} generated in {gen_ms:.0f} ms "
-                 f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s), finish {reason} ({s.req.id})"
+        # the end of the reply: a checkpoint of the state after the last token fed, when exact
+        if (s.req.checkpoints and s.numerics == DEFAULT and self._exact(s) and s.pos > 0
+                and s.pos == n + s.generated - 1):
+            self.cache.take(s.id, s.pos, self._fed(s))
+        read = n - s.reused
+        log.info(f"strata serve: prompt {n} tokens = {s.reused} reused + {read} read in {read_ms:.0f} ms "
+                 f"({read / max(read_ms / 1000, 1e-9):.1f} tok/s), {s.generated} generated in {gen_ms:.0f} ms "
+                 f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s), "
+                 f"{self.cache.checkpoints(s.id)} checkpoints, finish {reason} ({s.req.id})"
                  + (f", attempt {len(s.attempts) + 1} on {s.numerics} numerics" if s.attempts else ""))
         self._end(s, Finished(reason, n, s.generated, {"read_ms": read_ms, "generate_ms": gen_ms,
-                                                       "parts": s.parts}, index=s.choice))
+                                                       "parts": s.parts, "reused": s.reused}, index=s.choice))
 
     def _end(self, s: Slot, final):
         """Queue the choice's last event and free the slot (its state is garbage until a new sequence starts). A
@@ -634,16 +699,27 @@ class Scheduler:
         s.events.append(final)
         self._pending.append((g, s.events))
         s.events = []
+        self._keep(s, final)
         s.reset()
         g.live -= 1
         if isinstance(final, Failed):
             for o in self.slots_:
                 if o.group is g:
+                    self._keep(o, final)
                     o.reset()
                     g.live -= 1
         if g.live == 0:
             self.stats["requests_finished" if isinstance(final, Finished) else "requests_failed"] += 1
             self._pending.append((g, None))       # the stream closes after its last events
+
+    def _keep(self, s: Slot, final) -> None:
+        """What the prompt cache keeps of a slot whose choice ends: its conversation up to the tokens its state
+        holds; nothing after an error other than a client's cancel (its state may be poisoned or unknown)."""
+        if isinstance(final, Failed) and final.status != 499 or s.lead is not None or self.cache.live[s.id] is None:
+            self.cache.drop(s.id)
+            return
+        fed = self._fed(s)[:s.pos]
+        self.cache.end(s.id, fed, len(fed))
 
     def _send_pending(self):
         """Send every event produced so far: ended choices' last events (closing a request's stream after its last

@@ -105,6 +105,17 @@ class _SchedulerCollector:
             ("expert_cpu_seconds", "strata_expert_cpu_seconds", "Time spent computing experts on the CPU"),
             ("expert_loans", "strata_expert_loans", "Device slots lent to prompt parts"),
             ("expert_swaps", "strata_expert_swaps", "Adaptive expert swaps between windows"),
+            ("prompt_cache_hits", "strata_prompt_cache_hits", "Prompts that continued a stored conversation"),
+            ("prompt_cache_tokens_reused", "strata_prompt_cache_tokens_reused",
+             "Prompt tokens reused from the prompt cache instead of read"),
+            ("checkpoints_taken", "strata_checkpoints_taken", "Prompt-cache checkpoints taken"),
+            ("checkpoints_evicted", "strata_checkpoints_evicted",
+             "Checkpoints dropped to keep the checkpoint RAM budget (least recently used first)"),
+            ("conversations_parked", "strata_conversations_parked",
+             "Conversations whose KV and checkpoints moved to host RAM when their slot was needed"),
+            ("conversations_resumed", "strata_conversations_resumed", "Parked conversations resumed into a slot"),
+            ("conversations_dropped", "strata_conversations_dropped",
+             "Stored conversations dropped (the RAM budget, an error in their slot)"),
             ("nonfinite_rows", "strata_nonfinite_rows", "Rows whose logits or residual went non-finite"),
             ("guard_retries", "strata_guard_retries", "Requests the numerics guard retried on another numerics path"),
             ("guard_failed", "strata_guard_failed", "Requests the numerics guard ended with the error non_finite"),
@@ -118,6 +129,11 @@ class _SchedulerCollector:
                 yield c
         if (v := num("expert_slots_resident")) is not None:
             yield GaugeMetricFamily("strata_expert_slots_resident", "Device slots holding an expert", value=v)
+        if (v := num("checkpoint_ram_bytes")) is not None:
+            yield GaugeMetricFamily("strata_checkpoint_ram_bytes",
+                                    "Host RAM held by checkpoints and parked conversations", value=v)
+        if (v := num("conversations_parked_now")) is not None:
+            yield GaugeMetricFamily("strata_conversations_parked_now", "Conversations parked in host RAM", value=v)
         if (v := num("queue_depth")) is not None:
             yield GaugeMetricFamily("strata_queue_depth", "Requests waiting for a slot", value=v)
         if (v := num("tokens_per_s")) is not None:
@@ -483,6 +499,7 @@ async def chat_completions(request: HttpRequest):
         raise oa.bad("messages", f"the conversation cannot be rendered with the model's chat template: {e}",
                      code="invalid_messages") from None
     reasoning = ends_inside_think(text[-4096:])
+    turn_at = await anyio.to_thread.run_sync(lambda: _turn_at(state.tokenizer, messages, tools, text, ids, kwargs))
     if choice in ("required", "function"):
         forced = [t for t in tools if choice == "required" or isinstance(t.get("function"), dict)
                   and t["function"].get("name") == params.tool_function]
@@ -491,7 +508,22 @@ async def chat_completions(request: HttpRequest):
     else:
         constraint = await _constraint(state, params, reasoning)
     return _generate(state, "chat", params, ids, reasoning=reasoning, mt_param=params.max_tokens_param,
-                     constraint=constraint, tools=tools)
+                     constraint=constraint, tools=tools, turn_at=turn_at)
+
+
+def _turn_at(tok, messages: list[dict], tools, text: str, ids: list[int], kwargs: dict) -> int | None:
+    """Where the prompt's generation prompt (the last assistant header) starts, in tokens: the prompt cache takes a
+    checkpoint there, where the next turn's prompt stops sharing this one. None when the template's text without
+    the generation prompt is not a prefix of the prompt's, or its tokens do not end the prompt's."""
+    try:
+        bare = tok.apply_chat_template(messages, add_generation_prompt=False, tools=tools, **kwargs)
+    except ChatTemplateError:
+        return None
+    if not text.startswith(bare) or len(bare) == len(text):
+        return None
+    tail = tok.encode(text[len(bare):], add_special_tokens=False)
+    at = len(ids) - len(tail)
+    return at if 0 < at and list(ids[at:]) == tail else None
 
 
 async def _constraint(state: ServeState, params, reasoning: bool):
@@ -527,7 +559,8 @@ async def completions(request: HttpRequest):
 
 
 def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning: bool,
-              mt_param: str, echo_text: str = "", constraint=None, tools: list | None = None) -> "GenerationResponse":
+              mt_param: str, echo_text: str = "", constraint=None, tools: list | None = None,
+              turn_at: int | None = None) -> "GenerationResponse":
     n, limit = len(ids), state.max_context
     if n == 0:
         raise oa.bad("messages" if kind == "chat" else "prompt", "the prompt is empty after tokenization",
@@ -554,7 +587,8 @@ def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning
                                           repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias),
                   stop=tuple(params.stop), reasoning=reasoning,
                   stop_token_ids=() if params.ignore_eos else None, n=params.choices, logprobs=params.logprob_count,
-                  constraint=constraint)
+                  constraint=constraint, cache_prompt=params.cache_prompt is not False,
+                  checkpoints=params.strata_checkpoint is not False, turn_at=turn_at)
     try:
         events = state.scheduler.submit(req)
     except QueueFull as e:

@@ -411,6 +411,12 @@ class _Body(Body):
         None, description='{"include_usage": true} adds a final chunk with the usage.')
     user: Str() = Field(None, description="Accepted; not used.")
     ignore_eos: Bool = Field(None, description="Generate through end-of-sequence tokens (as llama.cpp's server).")
+    cache_prompt: Bool = Field(
+        None, description="Reuse the prefix this prompt shares with a stored conversation (prompt cache, as "
+                          "llama.cpp's server); default true. false: read the whole prompt.")
+    strata_checkpoint: Bool = Field(
+        None, description="Store this request's conversation with checkpoints for later prompts to reuse; default "
+                          "true. false: none are taken (a prompt that will not come back).")
     n: Int(1, lambda lim: lim.slots, "(choices: one slot each)") = Field(
         None, description="Choices to sample (the prompt is read once); at most the server's slots.")
     response_format: Annotated[Optional[dict], BeforeValidator(_check_response_format)] = Field(

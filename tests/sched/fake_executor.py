@@ -1,16 +1,13 @@
 """FakeExecutor: the Executor protocol (strata/plan.py) in plain numpy, with tokens a test computes by hand.
 
-The next token after a row that feeds token t at position p is next_token(t, p) = 32 + (7 t + p) % 95, a printable
-ASCII byte (the demo tokenizer decodes ids 32..126 to that one character), for decode rows and for a prompt part
-(from its last token and position) alike; sampling settings are ignored, but a grammar mask is obeyed (the first
-allowed token at or after that one), a part's copies take its state and token, and logprobs are fake_logprobs(token).
-It checks what a real executor relies on (each row continues its slot's sequence, a continuing plan continues the
-window it names: rows of it with token -1, others join with their token given; windows are collected in order),
-records every plan it is given, can be told to raise in a given window or to report the row at a slot's given
-position non-finite, and reports the device times it is given. Non-finite rows come in three kinds: on every numerics
-path (a deterministic failure), on the default path only (a kernel's numerics), or until the next repair (a corrupt
-expert slot, which repair() reports and fixes). A slot whose row went non-finite is poisoned: a prompt part on it
-before repair() cleared its state is refused.
+next_token(t, p) = 32 + (7 t + p) % 95 follows a row feeding token t at position p (decode rows and a part's last
+token alike; the demo tokenizer decodes ids 32..126 to that character); a grammar mask is obeyed (the first allowed
+token from there), a part's copies take its state and token, logprobs are fake_logprobs(token). It checks what a real
+executor relies on (rows continue their slot's sequence; a continuing plan's -1 rows continue the window it names,
+others join with their token; collects in order), records plans, raises or reports given rows non-finite (on every
+path, on DEFAULT only, or until repair(): a corrupt expert slot) and reports given device times. A slot's state is
+`kv` (the token at each position) and `rec` (what its recurrent state read; None after load_kv until a restore); a
+poisoned slot (a non-finite row, until repair() clears it) refuses parts, snapshot, restore, save_kv and load_kv.
 """
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.plan import DEFAULT, TOP_LOGPROBS, Capacity, Logprobs, Repair, WindowPlan, WindowResult
+from strata.plan import DEFAULT, TOP_LOGPROBS, Capacity, Logprobs, Repair, Saved, WindowPlan, WindowResult
 
 FIRST, SPAN = 32, 95
 
@@ -100,11 +97,24 @@ class FakeExecutor:
         self.windows: list[Dispatched] = []
         self.warmed = 0
         self.collected: list[int] = []
-        self.length = [0] * self.slots                # tokens in each slot's sequence state
+        self.kv: list[list] = [[] for _ in range(self.slots)]
+        self.rec: list[list | None] = [[] for _ in range(self.slots)]
+        self.prompts: list[tuple[int, tuple]] = []
+        self.calls: list[tuple] = []                  # (name, slot, tokens) of each prompt-cache call
         self.poisoned: set[int] = set()               # slots a non-finite row left unusable until repair()
         self.repairs: list[tuple[tuple, bool]] = []   # repair() calls: (slots, rebuild)
         self.paths: list[tuple[int, int, str]] = []   # (slot, position, numerics) of every row and part row computed
 
+    @property
+    def length(self) -> list:
+        """Tokens in each slot's sequence state."""
+        return [len(r) if r is not None else -1 for r in self.rec]
+
+    def _feed(self, slot: int, tokens, start: int) -> None:
+        kv = self.kv[slot]
+        del kv[start:]
+        kv.extend(int(t) for t in tokens)
+        self.rec[slot] = list(kv)
     # --- the Executor protocol
     def warm_up(self) -> float:
         self.warmed += 1
@@ -141,7 +151,7 @@ class FakeExecutor:
                 nxt[s] = obey(plan.mask[s], nxt[s])
             fin[s] = self._finite(s, pos, numerics[s])
             self.paths.append((int(s), pos, numerics[s]))
-            self.length[s] += 1
+            self._feed(s, [tokens[s]], pos)
         part_next = part_finite = copies_next = None
         if plan.part is not None:
             p = plan.part
@@ -153,6 +163,8 @@ class FakeExecutor:
                 raise ValueError(f"slot {p.slot}: a prompt part on a state a non-finite row poisoned (not repaired)")
             if p.start != 0 and p.start != self.length[p.slot]:
                 raise ValueError(f"slot {p.slot}: a part at {p.start} but its sequence holds {self.length[p.slot]}")
+            if p.start != 0 and self.kv[p.slot][:p.start] != self.rec[p.slot]:
+                raise ValueError(f"slot {p.slot}: its KV below {p.start} is not what its recurrent state read")
             end = p.start + len(p.tokens)
             if end > self.max_context:
                 raise ValueError(f"slot {p.slot}: a part up to position {end - 1} beyond max_context {self.max_context}")
@@ -164,9 +176,11 @@ class FakeExecutor:
             self.paths += [(p.slot, q, numerics[p.slot]) for q in range(p.start, end)]
             if not part_finite:
                 self.poisoned.add(p.slot)
-            self.length[p.slot] = end
+            self._feed(p.slot, p.tokens, p.start)
             for c in p.copies:
-                self.length[c] = end
+                self.kv[c], self.rec[c] = list(self.kv[p.slot]), list(self.rec[p.slot])
+            if p.last:
+                self.prompts.append((p.slot, tuple(self.rec[p.slot])))
         self.poisoned.update(int(s) for s in np.flatnonzero(plan.decode_active & ~fin))
         logprobs = plan.logprobs is not None
         part_s = self.part_s_per_token * self.capacity.padded(len(plan.part.tokens)) if plan.part is not None else 0.0
@@ -191,6 +205,48 @@ class FakeExecutor:
     def metrics(self) -> dict:
         return {"fake_windows": len(self.windows)}
 
+    # --- the prompt cache's copies
+    def _clean(self, slot: int, what: str) -> None:
+        if slot in self.poisoned:
+            raise ValueError(f"slot {slot}: {what} of a state a non-finite row poisoned (not repaired)")
+
+    def snapshot(self, slot: int) -> Saved:
+        self._clean(slot, "a snapshot")
+        if self.rec[slot] is None:
+            raise ValueError(f"slot {slot}: a snapshot of a state no restore set after load_kv")
+        self.calls.append(("snapshot", slot, tuple(self.rec[slot])))
+        return Saved(("rec", tuple(self.rec[slot])), 100, on_host=False)
+
+    def restore(self, slot: int, saved: Saved) -> None:
+        self._clean(slot, "a restore")
+        kind, tokens = saved.data
+        if kind != "rec":
+            raise ValueError("restore takes a snapshot")
+        if tuple(self.kv[slot][:len(tokens)]) != tokens:
+            raise ValueError(f"slot {slot}: restoring a checkpoint of {len(tokens)} tokens whose KV the slot does not "
+                             f"hold")
+        self.calls.append(("restore", slot, tokens))
+        self.rec[slot] = list(tokens)
+
+    def to_host(self, saved: Saved) -> Saved:
+        return Saved(saved.data, saved.nbytes, on_host=True)
+
+    def save_kv(self, slot: int, n: int) -> Saved:
+        self._clean(slot, "saving the KV")
+        if n > len(self.kv[slot]):
+            raise ValueError(f"slot {slot}: saving {n} positions of a KV of {len(self.kv[slot])}")
+        self.calls.append(("save_kv", slot, tuple(self.kv[slot][:n])))
+        return Saved(("kv", tuple(self.kv[slot][:n])), 10 * n, on_host=True, tokens=n)
+
+    def load_kv(self, slot: int, saved: Saved) -> None:
+        self._clean(slot, "loading a KV")
+        kind, tokens = saved.data
+        if kind != "kv":
+            raise ValueError("load_kv takes a saved KV")
+        self.calls.append(("load_kv", slot, tokens))
+        self.kv[slot] = list(tokens) + self.kv[slot][len(tokens):]
+        self.rec[slot] = None
+
     def repair(self, slots: tuple, rebuild: bool = False) -> Repair:
         """The corrupt expert slots are found and rewritten (their rows are finite from now on); `slots`' states are
         cleared (a part on them must start at 0)."""
@@ -201,7 +257,7 @@ class FakeExecutor:
         self.corrupt.clear()
         for i in slots:
             self.poisoned.discard(i)
-            self.length[i] = 0
+            self.kv[i], self.rec[i] = [], []
         return Repair(verified=64, bad=bad, rebuilt=rebuild)
 
     def _finite(self, slot: int, pos: int, numerics: str) -> bool:

@@ -1,0 +1,112 @@
+"""Copies of one slot's sequence state for the prompt cache (the Executor's snapshot, restore, to_host, save_kv and
+load_kv in strata/plan.py), built on the row take/put that copies a slot for an n-choice request (take_slot, put_slot).
+
+A snapshot is the recurrent state of the linear layers (conv + delta rule) of one slot, a device copy; the attention
+KV is not copied, since a part that continues a restored state overwrites the positions beyond it before any query
+sees them. Parking copies the KV of a sequence's first n positions to host RAM in blocks of a fixed size that divides
+the cache's rows (one compiled shape), and back. Every function runs on the bank as the windows dispatched so far
+leave it (the bank is threaded through as a value, so device order follows data).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from strata.model.config import LINEAR
+from strata.plan import Saved
+
+KV_BLOCK_MAX = 4096           # rows per block of a parked KV, at most (a power of two dividing the cache's rows)
+
+
+def take_slot(ops, states, slot, layers):
+    """Slot `slot`'s rows of the given layers of a bank: [{name: [...]}] (each a fresh array on the device)."""
+    return [{k: ops.take_row(v, slot) + 0 for k, v in states[i].items()} for i in layers]
+
+
+def put_slot(ops, states, slot, layers, rows):
+    """The bank with slot `slot`'s rows of the given layers set to `rows` (take_slot's form)."""
+    states = list(states)
+    for i, row in zip(layers, rows):
+        states[i] = {k: ops.set_row(v, slot, row[k]) for k, v in states[i].items()}
+    return states
+
+
+def _take_block(ops, layers, block, states, slot, index):
+    """KV rows index * block .. + block of one slot, per attention layer."""
+    out = []
+    for i in layers:
+        layer = {}
+        for k, v in states[i].items():
+            row = ops.take_row(v, slot)
+            layer[k] = ops.take_row(row.reshape((row.shape[0] // block, block) + row.shape[1:]), index) + 0
+        out.append(layer)
+    return out
+
+
+def _put_block(ops, layers, block, states, slot, index, rows):
+    states = list(states)
+    for i, row in zip(layers, rows):
+        states[i] = {k: ops.set_row(v, slot, ops.kv_write(ops.take_row(v, slot), row[k], index * block))
+                     for k, v in states[i].items()}
+    return states
+
+
+def kv_block(capacity: int) -> int:
+    """The largest power of two up to KV_BLOCK_MAX that divides the cache's rows."""
+    b = 1
+    while b * 2 <= KV_BLOCK_MAX and capacity % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+class SlotCopies:
+    """The runner's state copies (WindowRunner delegates the Executor's prompt-cache methods here)."""
+
+    def __init__(self, runner):
+        self.runner = r = runner
+        e = r.engine
+        ops = self.ops = e.backend
+        types = e.cfg.layer_types
+        self.linear = tuple(i for i, t in enumerate(types) if t == LINEAR)
+        self.full = tuple(i for i, t in enumerate(types) if t != LINEAR)
+        self.block = kv_block(e.capacity)
+        c = ops.compile
+        self._take = e.compiled("take_recurrent", lambda: c(partial(take_slot, ops, layers=self.linear)))
+        self._put = e.compiled("put_recurrent", lambda: c(partial(put_slot, ops, layers=self.linear),
+                                                          donate_argnums=(0,)))
+        self._take_kv = e.compiled("take_kv_block", lambda: c(partial(_take_block, ops, self.full, self.block)))
+        self._put_kv = e.compiled("put_kv_block", lambda: c(partial(_put_block, ops, self.full, self.block),
+                                                            donate_argnums=(0,)))
+
+    def snapshot(self, slot: int) -> Saved:
+        rows = self._take(self.runner.states, np.int32(slot))
+        return Saved(rows, _nbytes(rows), on_host=False)
+
+    def restore(self, slot: int, saved: Saved) -> None:
+        r = self.runner
+        r.states = self._put(r.states, np.int32(slot), rows=saved.data)
+
+    def to_host(self, saved: Saved) -> Saved:
+        if saved.on_host:
+            return saved
+        to_host = self.ops.to_host
+        return Saved([{k: np.asarray(to_host(v)) for k, v in layer.items()} for layer in saved.data], saved.nbytes,
+                     on_host=True)
+
+    def save_kv(self, slot: int, n: int) -> Saved:
+        to_host = self.ops.to_host
+        blocks = []
+        for b in range(-(-n // self.block)):
+            rows = self._take_kv(self.runner.states, np.int32(slot), np.int32(b))
+            blocks.append([{k: np.asarray(to_host(v)) for k, v in layer.items()} for layer in rows])
+        return Saved(blocks, sum(_nbytes(x) for x in blocks), on_host=True, tokens=n)
+
+    def load_kv(self, slot: int, saved: Saved) -> None:
+        r = self.runner
+        for b, rows in enumerate(saved.data):
+            r.states = self._put_kv(r.states, np.int32(slot), np.int32(b), rows)
+
+
+def _nbytes(rows) -> int:
+    return int(sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for layer in rows for v in layer.values()))
