@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import jax
 import numpy as np
 
+from lowerings import lowered
 from strata import Engine
 from strata.engine.runner import WindowRunner
 from strata.plan import idle_plan
@@ -55,18 +55,9 @@ def test_runner_tokens_equal_all_resident_and_nothing_compiles_under_load():
 
     runner = WindowRunner(e, SLOTS, PART)
     runner.warm_up()
-    lowered = []
-
-    def listen(name, secs, **kw):
-        if name.endswith("jaxpr_to_mlir_module_duration"):
-            lowered.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowered() as compiled:
         got = _drive(runner, e.cfg.vocab_size)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert lowered == [], f"{len(lowered)} functions were compiled under load, after warm-up"
+    assert compiled == [], f"{len(compiled)} functions were compiled under load, after warm-up"
     assert all(np.array_equal(a, b) for a, b in zip(got, want)) and len(got) == len(want), "tokens differ"
     st = e.experts.cache.stats
     assert st.window_copies > 0 and st.loans > 0, st.as_dict()         # both paths ran

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from lowerings import lowered
 from strata import Engine
 from strata.engine.core import DeviceArgs
 from strata.engine.runner import WindowRunner
@@ -49,28 +50,18 @@ def test_warm_up_compiles_greedy_and_sampled_windows():
     """A window whose rows are all greedy compiles without the sampler's sort of the vocabulary (ops.sample's
     all_greedy), a static choice: the warm-up compiles both forms, so windows of either kind, and mixed ones,
     compile nothing under load."""
-    import jax
     engine = Engine.load("demo", max_context=256, prefill=16)
     runner = WindowRunner(engine, 3, 16)
     runner.warm_up()
-    lowered = []
-
-    def listen(name, secs, **kw):
-        if name.endswith("jaxpr_to_mlir_module_duration"):
-            lowered.append(name)
-
     base = replace(idle_plan(3), decode_active=np.array([True, True, False]), decode_tokens=np.array([5, 6, 0],
                    np.int32), decode_pos=np.array([3, 4, 0], np.int32), seeds=np.array([[1, 0], [2, 0], [3, 0]],
                                                                                        np.uint32))
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowered() as compiled:
         for temperature in ([0.0, 0.0, 0.0], [0.0, 0.8, 0.0], [0.0, 0.0, 5.0]):   # greedy, mixed, an idle row hot
             res = runner.run(replace(base, temperature=np.array(temperature, np.float32)))
             assert res.decode_finite.all()
             base = replace(base, decode_tokens=res.decode_next, decode_pos=base.decode_pos + 1)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert lowered == [], f"{len(lowered)} functions were compiled under load, after warm-up"
+    assert compiled == [], f"{len(compiled)} functions were compiled under load, after warm-up"
     # an inactive row's temperature does not make a window sampled; the greedy and general forms' tokens for greedy
     # rows are one and the same (tests/test_sampling.py)
     from strata.engine.core import all_greedy

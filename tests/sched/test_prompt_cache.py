@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lowerings import lowered
 from strata import Engine
 from strata.engine.runner import WindowRunner
 from strata.sched.prompt_cache import common_prefix
@@ -222,24 +223,15 @@ def test_twelve_turns_past_8k_tokens():
 
 
 def test_the_copies_compile_nothing_after_warm_up(engine):
-    import jax
     import numpy as np
     r = WindowRunner(engine, 2, 64)
     r.warm_up()
-    lowered = []
-
-    def listen(name, secs, **kw):
-        if name.endswith("jaxpr_to_mlir_module_duration"):
-            lowered.append(name)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with lowered() as compiled:
         snap = r.snapshot(1)
         r.restore(0, snap)
         r.restore(1, r.to_host(snap))
         r.load_kv(1, r.save_kv(0, 3 * r.copies.block + 5))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert lowered == [], f"{len(lowered)} functions were compiled after warm-up"
+    assert compiled == [], f"{len(compiled)} functions were compiled after warm-up"
     assert r.copies.block > 1 and engine.capacity % r.copies.block == 0
     assert isinstance(snap.nbytes, int) and snap.nbytes == sum(np.asarray(v).nbytes for layer in snap.data
                                                               for v in layer.values())
