@@ -70,6 +70,13 @@ KEYS = (
         (Source("offload_speed", ("runs", "uniform", "decode", "b1", "tok_s"), require=(("window_fetch", True),)),)),
     Key("followup_ttft_ms_64k", "time to first token of a follow-up turn on a 64K conversation", "ms",
         (Source("followup_ttft", ("ttft_ms_64k",)),)),
+    # speculative decoding (bench/spec_speed.py at real shapes, 4 drafts + 1, random weights)
+    Key("spec_verify_cost_ratio_b1", "speculative decoding: a verify window of 4 drafts + 1 over a 1-token window, "
+        "batch 1", "x", (Source("spec_speed", ("spec_verify_cost_ratio_b1",),
+                                require=(("model", "qwen3-next-80b shapes, random weights"), ("k", 4))),)),
+    Key("spec_tok_s_b1", "speculative decoding, batch 1, at the tiny model's measured acceptance", "tok/s",
+        (Source("spec_speed", ("spec_tok_s_b1",), require=(("model", "qwen3-next-80b shapes, random weights"),
+                                                            ("k", 4))),)),
     # peers, measured on the same machine and shapes by bench/transformers_speed.py
     Key("peer_transformers_prompt_tok_s_4k", "peer: Hugging Face transformers, prompt of 4K tokens (bf16 experts)",
         "tok/s", (Source("transformers_speed", ("prompt_tok_s_48_layers",), fitted=True),)),

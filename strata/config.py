@@ -232,6 +232,22 @@ class SchedSettings(_Group):
         "reach the host: the tokens stay on the device. A request that stops is computed one token further, then "
         "dropped. Applies where decode windows are compiled (every expert on the device, or window_fetch), on the jax "
         "backend.")
+    spec: int = setting(
+        0, _int_range(0, 8),
+        "Speculative decoding: each generating slot drafts up to this many tokens with the model's MTP head (needs "
+        "`mtp`) and the next window verifies them with the slot's next token, K + 1 positions a row; 0: off. Greedy "
+        "rows keep the longest matching prefix, sampled rows the speculative-sampling rule, so the output is the "
+        "model's own. A slot whose drafts are rejected drafts fewer, and no slot drafts while the measured windows "
+        "say verifying costs more than it saves. Needs compiled decode windows (every expert on the device, or "
+        "window_fetch) on the jax backend; windows that verify are not dispatched ahead (lookahead).")
+    mtp: bool = setting(
+        False, _BOOL,
+        "Load the model's multi-token-prediction head (mtp.* tensors; the demo model has one): the draft model of "
+        "`spec`.")
+    spec_min_p: float = setting(
+        0.0, Rule(lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+        "A slot stops drafting at a draft whose probability under the MTP head is below this; 0: drafts up to "
+        "`spec` tokens.")
     guard_ladder: str | list[str] = setting(
         ",".join(NUMERICS_RUNGS), Rule(_ladder, "distinct names among " + ", ".join(NUMERICS_RUNGS) + " (an array; "
                                    "comma-separated on the command line), or an empty array"),

@@ -45,6 +45,9 @@ class WindowPlan:
                                            # (rows without a grammar: all bits set); in a continuing plan only on
                                            # rows that join (a mask follows the token before it)
     logprobs: np.ndarray | None = None     # [S] int32: alternatives wanted per row, 0..TOP_LOGPROBS (-1: none)
+    draft_len: np.ndarray | None = None    # [S] int32: a verify window (speculative decoding): the most drafts each
+                                           # row verifies, of those the window before left on the device (0: none,
+                                           # it drafts for the next); None: a window that neither verifies nor drafts
     numerics: tuple[str, ...] | None = None  # [S]: the numerics path of each slot's rows and part, DEFAULT or one
                                              # of the executor's `numerics` (a guard's retry); never in a continued
                                              # plan
@@ -103,6 +106,10 @@ class WindowResult:
     copies_next: np.ndarray | None = None      # [len(part.copies)] int32: the copies' first tokens
     decode_logprobs: Logprobs | None = None    # B = S (a plan with logprobs)
     part_logprobs: Logprobs | None = None      # B = 1 + len(part.copies): the part's slot, then its copies
+    # a verify window's rows: decode_next follows the drafts each accepted; a row emits accepted[:n] + [next]
+    decode_accepted: np.ndarray | None = None  # [S, K] int32: the accepted drafts, the first decode_n_accepted
+    decode_n_accepted: np.ndarray | None = None    # [S] int32
+    decode_n_drafts: np.ndarray | None = None      # [S] int32: drafts verified (offered)
 
 
 def idle_plan(n_slots: int) -> WindowPlan:
@@ -131,6 +138,8 @@ class Capacity:
     max_context: int             # tokens of one sequence: prompt + generated
     part_sizes: tuple[int, ...] = ()     # the compiled part sizes, ascending: a part is padded up to the smallest
                                          # that holds it (empty: every size up to part_size, nothing padded)
+    draft: int = 0                       # K: the most drafts a row verifies in one window (0: no speculative
+                                         # decoding; WindowPlan.draft_len)
 
     def padded(self, n: int) -> int:
         """The tokens a part of n tokens costs: the smallest compiled part size that holds it."""

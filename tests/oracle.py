@@ -50,3 +50,65 @@ def build_hf_model(arch: str, seed: int, **overrides):
 def save_hf_model(model, path: Path) -> Path:
     model.save_pretrained(path)
     return path
+
+
+def build_mtp_head(model, seed: int):
+    """Qwen3-Next's MTP head built from transformers' own decoder layer and norms (transformers does not load
+    mtp.*), every parameter re-randomised as build_hf_model's. forward(model, hidden [B, T, H] after the final
+    norm, next_ids [B, T], position_ids [B, T]) -> draft logits [B, T, V]."""
+    import torch
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+
+    class MTPHead(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            H, eps = config.hidden_size, config.rms_norm_eps
+            self.fc = torch.nn.Linear(2 * H, H, bias=False)
+            self.pre_fc_norm_embedding = Qwen3NextRMSNorm(H, eps=eps)
+            self.pre_fc_norm_hidden = Qwen3NextRMSNorm(H, eps=eps)
+            # built at the index of a full-attention MoE layer, so it is that kind of layer
+            self.layers = torch.nn.ModuleList([Qwen3NextDecoderLayer(config, config.layer_types.index(
+                "full_attention"))])
+            self.norm = Qwen3NextRMSNorm(H, eps=eps)
+
+        def forward(self, model, hidden, next_ids, position_ids):
+            e = model.model.embed_tokens(next_ids)
+            x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)], dim=-1))
+            mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                      position_ids=position_ids)
+            x = self.layers[0](x, position_embeddings=model.model.rotary_emb(x, position_ids), attention_mask=mask,
+                               position_ids=position_ids)
+            return model.lm_head(self.norm(x))
+
+    head = MTPHead(model.config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, p in head.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(p.shape[-1]) * 1.5)
+    head.eval()
+    return head
+
+
+def save_mtp_head(head, path: Path) -> Path:
+    """head's tensors as mtp.* in Hugging Face's on-disk names (routed experts one by one) -> path/mtp.safetensors,
+    beside the model's own file."""
+    from safetensors.torch import save_file
+    out = {}
+    for name, t in head.state_dict().items():
+        t = t.detach().contiguous()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"mtp.{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = t[e, :half].contiguous()
+                out[f"mtp.{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = t[e, half:].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"mtp.{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out["mtp." + name] = t
+    save_file(out, str(path / "mtp.safetensors"))
+    return path

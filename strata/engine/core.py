@@ -49,6 +49,7 @@ class Engine:
                          report=_report_nan)
         self.by_layer = LayerByLayer(ops, cfg, self.compiled, self.taps)
         self.record_routing = False  # compiled windows report routing counts to the cache (strata profile)
+        self.mtp = None              # (MtpHead, its expert pool) once loaded (mtp setting; strata/engine/spec.py)
         self._sample = ops.compile(partial(_sample, ops), static_argnames=("greedy",))
 
     @property
@@ -138,6 +139,9 @@ class Engine:
             sparse = any(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
             store = MemoryStore(lay, read_experts(cfg, tensors, np_dtype)) if sparse else None
         engine.attach_experts(store, say)
+        if settings.sched.mtp:
+            from strata.engine.spec import load_mtp
+            engine.mtp = load_mtp(engine, tensors, pack)
         if settings.faults.corrupt_slot is not None:
             engine._corrupt(settings.faults.corrupt_slot, say)
         return engine

@@ -81,7 +81,7 @@ class ReferenceOps:
     def part(self, r, plan: WindowPlan):
         e, p = self.engine, plan.part
         i = p.slot
-        nxt, fin, r.states, logits, residual = self._part(
+        nxt, fin, r.states, logits, residual, _ = self._part(
             e.params, e.path.args(), r.states, np.int32(i), _padded(p.tokens), np.int32(p.start),
             np.int32(len(p.tokens)), *_sampling_of(plan, i), plan.seeds[i], plan.steps[i])
         return r.part_out(plan, nxt, fin, logits, residual)

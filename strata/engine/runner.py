@@ -23,7 +23,7 @@ from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
 from strata.experts.path import PathKind
-from strata.model.forward import forward
+from strata.model.forward import finite_rows, forward, forward_hidden, head, row_positions
 from strata.plan import DEFAULT, Capacity, Logprobs, PromptPart, Repair, Saved, WindowPlan, WindowResult, idle_plan
 
 log = logging.getLogger("strata")
@@ -56,6 +56,11 @@ class WindowRunner:
         # is one compiled function taking the pool and the slot table by value, so the cache's work between
         # windows, which may then run while two windows are queued, cannot change what a dispatched window reads
         self.chains = isinstance(self.rows, CompiledRows) and not ops.eager
+        self.spec = None
+        if engine.settings.sched.spec:
+            from strata.engine.spec import Spec
+            self.spec = Spec(self)
+            self.capacity = replace(self.capacity, draft=engine.settings.sched.spec)
         from strata.engine.numerics import build
         self.rungs, left = build(engine, engine.settings.sched.ladder)
         self.numerics = tuple(self.rungs)        # the guard's retry ladder (Executor.numerics)
@@ -121,6 +126,12 @@ class WindowRunner:
         self.run(replace(plan, decode_active=np.ones(s, bool), temperature=np.ones(s, np.float32)))   # or sampled
         for b in self.buckets():
             self.run(replace(plan, part=PromptPart(slot=0, tokens=np.zeros(b, np.int32), start=0, last=True)))
+        if self.spec is not None:                 # verify windows, and parts that are not a prompt's last
+            k = np.full(s, self.capacity.draft, np.int32)
+            for temperature in (np.zeros(s, np.float32), np.ones(s, np.float32)):
+                self.run(replace(plan, decode_active=np.ones(s, bool), temperature=temperature, draft_len=k))
+            for b in self.buckets():
+                self.run(replace(plan, part=PromptPart(slot=0, tokens=np.zeros(b, np.int32), start=0, last=False)))
         # shaped windows (any row with penalties, a bias, a grammar or logprobs) and a part's copies (n > 1)
         shaped = replace(plan, logprobs=np.zeros(s, np.int32))
         one = PromptPart(slot=0, tokens=np.zeros(1, np.int32), start=0, last=True, copies=tuple(range(1, min(s, 2))))
@@ -180,8 +191,13 @@ class WindowRunner:
         overlap = bool(base.n_decode) and self.rows.overlaps_cache_work
         if not overlap:
             self._between_windows()
-        if base.n_decode:
+        if base.n_decode and base.draft_len is not None:
+            w.decode = self.spec.dispatch(base)          # a verify window (strata/engine/spec.py)
+        elif base.n_decode:
             w.decode = self.rows.dispatch(base, after.decode if after is not None else None)
+        if self.spec is not None:                        # rows that did not verify left their drafts behind
+            self.spec.stale(plan.decode_active & ~base.decode_active if base.draft_len is not None
+                            else plan.decode_active)
         if overlap:
             self._between_windows()
         for name, mask in on_rungs.items():
@@ -191,7 +207,12 @@ class WindowRunner:
                 self.shaping().read_part(plan)
             t = time.perf_counter()
             numerics = plan.numerics[plan.part.slot] if plan.numerics is not None else DEFAULT
-            w.part_out = self.part.dispatch(plan) if numerics == DEFAULT else self.rungs[numerics].part(self, plan)
+            if numerics != DEFAULT:
+                w.part_out = self.rungs[numerics].part(self, plan)
+                if self.spec is not None:
+                    self.spec.stale(np.isin(np.arange(self.n_slots), (plan.part.slot, *plan.part.copies)))
+            else:
+                w.part_out = self.part.dispatch(plan) if self.spec is None else self.spec.part(plan)
             w.part_dispatch_s = time.perf_counter() - t
         self.windows += 1
         if self.engine.experts is not None:
@@ -206,8 +227,10 @@ class WindowRunner:
         to_host = self.engine.backend.to_host
         decode_next = np.zeros(self.n_slots, np.int32)
         decode_finite = np.ones(self.n_slots, bool)
-        decode_lp = None
-        if w.decode is not None:
+        decode_lp = verified = None
+        if w.decode is not None and w.plan.draft_len is not None:
+            decode_next, decode_finite, *verified = self.spec.collect(w.decode)
+        elif w.decode is not None:
             decode_next, decode_finite, decode_lp = self.rows.collect(w.decode)
         for mask, (nxt, fin, lp) in w.rung_rows:
             decode_next, decode_finite = np.where(mask, nxt, decode_next), np.where(mask, fin, decode_finite)
@@ -229,9 +252,10 @@ class WindowRunner:
         # dispatch came before its predecessor's result (and is the host's time of that window's turn). A part
         # computed layer by layer runs inside dispatch(): that time is the part's, not the decode rows'.
         start = t_collect if w.continues else w.t0
+        spec = dict(zip(("decode_accepted", "decode_n_accepted", "decode_n_drafts"), verified or ()))
         return WindowResult(decode_next, decode_finite, part_next, part_finite, t1 - start - w.part_dispatch_s,
                             t2 - t1 + w.part_dispatch_s,
-                            copies_next=copies_next, decode_logprobs=decode_lp, part_logprobs=part_lp)
+                            copies_next=copies_next, decode_logprobs=decode_lp, part_logprobs=part_lp, **spec)
 
     def part_out(self, plan: WindowPlan, nxt, fin, logits, residual) -> "PartOut":
         """A dispatched part's result: its copies (n > 1) take its slot's state, and a shaped plan or copies sample
@@ -246,12 +270,15 @@ class WindowRunner:
         return replace(out, finite=out.finite & residual)
 
     def repair(self, slots: tuple[int, ...], rebuild: bool = False) -> Repair:
-        """Executor.repair: the slots' sequence states zeroed; every resident expert slot checked against the pack's
-        checksums and the bad ones rewritten from the host tier (rebuild: every one rewritten first, and the
-        device copies of window arguments dropped, so nothing cached on the device outlives it)."""
+        """Executor.repair: the slots' sequence states (and the MTP head's) zeroed; every resident expert slot
+        checked against the pack's checksums and the bad ones rewritten from the host tier (rebuild: every one
+        rewritten first, and the device copies of window arguments dropped, so nothing cached on the device outlives
+        it)."""
         t = time.perf_counter()
         for i in slots:
             self.states = self._clear(self.states, np.int32(i))
+        if self.spec is not None:
+            self.spec.clear(slots)
         if rebuild:
             self._args = DeviceArgs(self.engine.backend)
             self._shaping = None
@@ -424,7 +451,7 @@ class CompiledPart:
         r, p = self.runner, plan.part
         e = r.engine
         i = p.slot
-        nxt, fin, r.states, logits, residual = self._part(
+        nxt, fin, r.states, logits, residual, _ = self._part(
             e.params, e.path.args(), r.states, np.int32(i), _padded(p.tokens), np.int32(p.start),
             np.int32(len(p.tokens)), *_sampling_of(plan, i), plan.seeds[i], plan.steps[i])
         return r.part_out(plan, nxt, fin, logits, residual)
@@ -566,6 +593,9 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
         raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
     if plan.numerics is not None or prev.plan.numerics is not None:
         raise ValueError("a window with rows on a numerics path cannot be continued: those rows are read at once")
+    if plan.draft_len is not None or prev.plan.draft_len is not None:
+        raise ValueError("a verify window neither continues nor is continued: its rows' positions are known once it "
+                         "is read")
     on, active, want = prev.plan.decode_active, plan.decode_active, prev.plan.continued()
     device = active & (plan.decode_tokens < 0)
     if (device & ~on).any():
@@ -696,15 +726,17 @@ def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, gr
 def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, temperature, top_k,
                  top_p, min_p, seed, step, taps=None):
     """One prompt part on one slot's state -> (token sampled after its last row, its logits finite, states, its
-    last row's logits [1, V] for a shaped sampler, its real rows' residual at the end finite)."""
+    last row's logits [1, V] for a shaped sampler, its real rows' residual at the end finite, that residual x [T, H]
+    (the MTP head reads it: strata/engine/spec.py))."""
     xp = ops.xp
     state = [{k: v[slot] for k, v in layer.items()} for layer in states]
-    logits, state, residual = forward(ops, cfg, params, state, tokens, start, n_valid,
-                                      path.traced(layout, args, n_valid), all_logits=False, taps=taps,
-                                      residual=True)                                      # [1, V]
+    x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
+                              taps=taps)
+    logits = head(ops, cfg, params, x, n_valid, all_logits=False)                          # [1, V]
     states = [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)]
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))
-    return nxt[0], xp.all(xp.isfinite(logits)), states, logits, residual
+    residual = finite_rows(xp, x, row_positions(xp, x.shape[0], start, n_valid)[1])
+    return nxt[0], xp.all(xp.isfinite(logits)), states, logits, residual, x
 
 
 def _clear_slot(ops, states, slot):

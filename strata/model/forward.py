@@ -34,12 +34,18 @@ def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None) -> list[di
                                 np.float32),
             })
         else:
-            shape = (capacity, cfg.num_kv_heads, cfg.head_dim)
-            layer = {"k": np.zeros(shape, kv_dtype), "v": np.zeros(shape, kv_dtype)}
-            if kv_dtype == np.int8:
-                layer.update(k_scale=np.zeros(shape[:2], np.float32), v_scale=np.zeros(shape[:2], np.float32))
-            state.append(layer)
+            state.append(kv_state(cfg, capacity, kv_dtype))
     return state
+
+
+def kv_state(cfg: ModelConfig, capacity: int, kv_dtype) -> dict:
+    """An empty attention layer's cache (host): {"k", "v"} (int8: with their scales)."""
+    kv_dtype = np.dtype(kv_dtype)
+    shape = (capacity, cfg.num_kv_heads, cfg.head_dim)
+    layer = {"k": np.zeros(shape, kv_dtype), "v": np.zeros(shape, kv_dtype)}
+    if kv_dtype == np.int8:
+        layer.update(k_scale=np.zeros(shape[:2], np.float32), v_scale=np.zeros(shape[:2], np.float32))
+    return layer
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,12 @@ class Tapping:
 
 
 def row_positions(xp, t: int, start, n_valid):
-    """(positions [T], real [T] bool) of a pass's rows: a part's (start, n_valid scalars) or decode rows' ([T])."""
+    """(positions [T], real [T] bool) of a pass's rows: a part's (start, n_valid scalars), decode rows' ([T]) or a
+    verify window's ([steps, S], step-major like its rows)."""
     if xp.ndim(start) == 0:
         at = xp.arange(t)
         return start + at, at < n_valid
-    return start, n_valid > 0
+    return start.reshape(-1), n_valid.reshape(-1) > 0
 
 
 def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, back, tap: Tapping | None = None):
@@ -119,9 +126,8 @@ def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, 
 
 
 def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, all_logits: bool,
-            taps: Taps | None = None, residual: bool = False):
-    """Traced: one part of one sequence, or a decode window, through run_layers -> (logits, new state); residual:
-    (logits, new state, whether the real rows' residual at the end is finite).
+            taps: Taps | None = None):
+    """Traced: one part of one sequence, or a decode window, through run_layers -> (logits, new state).
 
     One sequence: tokens [T] int32 at positions start..start+T-1 (start, n_valid int32 scalars: one compilation per
     bucket T), state its state; logits [T, V] fp32 if all_logits else [1, V] at row n_valid - 1.
@@ -129,18 +135,20 @@ def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_v
     sequences ({name: [S, ...]} per layer); all_logits True: logits [S, V]. (A padding row's key goes to the
     position given, beyond every real one, and its recurrent state is unchanged.)
     experts(p, h, w, idx) -> y: the routed experts of MoE layer p (strata/experts/path.py)."""
+    x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, experts, taps=taps)
+    return head(ops, cfg, params, x, n_valid, all_logits), state
+
+
+def forward_hidden(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, mix=None,
+                   taps: Taps | None = None):
+    """forward() up to the final norm -> (x [T, H], new state). mix: the mixers' form (mix_rows's signature; None:
+    mix_rows), e.g. the verify form that runs several positions of each row and keeps each position's state."""
     x = embed(params, tokens)                                                     # [T, H]
-    xp = ops.xp
-    rows = row_positions(xp, x.shape[0], start, n_valid)
 
     def front(lp, st, x, kind):
-        return layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
-    x, state = run_layers(cfg, params, state, x, front, experts, partial(layer_back, ops, cfg),
-                          taps.on(ops, *rows) if taps is not None else None)
-    logits = head(ops, cfg, params, x, n_valid, all_logits)
-    if residual:
-        return logits, state, finite_rows(xp, x, rows[1])
-    return logits, state
+        return layer_front(ops, cfg, kind, lp, st, x, start, n_valid, mix)
+    tap = taps.on(ops, *row_positions(ops.xp, x.shape[0], start, n_valid)) if taps is not None else None
+    return run_layers(cfg, params, state, x, front, experts, partial(layer_back, ops, cfg), tap)
 
 
 def finite_rows(xp, x, valid):
@@ -176,10 +184,20 @@ class LayerByLayer:
     def slot_part(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts):
         """A prompt part on one slot of a bank -> (logits [1, V] of its last real row, new bank, whether its real
         rows' residual at the end is finite (a device scalar))."""
+        x, bank, finite = self.slot_part_hidden(params, bank, slot, tokens, start, n_valid, experts)
+        return self.head(params, x, n_valid), bank, finite
+
+    def slot_part_hidden(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts):
+        """slot_part's last layer output x [T, H] (before the final norm) instead of its logits -> (x, new bank,
+        finite)."""
         def front(lp, st, x, kind):
             return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), kind=kind)
         rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
-        return self._run(params, bank, tokens, front, experts, np.int32(n_valid), False, rows)
+        return self._hidden(params, bank, tokens, front, experts, np.int32(n_valid), rows)
+
+    def head(self, params, x, n_valid: int):
+        """The logits [1, V] of row n_valid - 1 of a last layer output x."""
+        return self._head(params, x, np.int32(n_valid), all_logits=False)
 
     def rows(self, params, bank: list, tokens, pos, active, experts):
         """One token for each slot of the bank (tokens, pos, active [S]) -> (logits [S, V], new bank)."""
@@ -189,10 +207,15 @@ class LayerByLayer:
         return self._run(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), True, rows)[:2]
 
     def _run(self, params, states, tokens, front, experts, n_valid, all_logits, rows):
+        x, states, finite = self._hidden(params, states, tokens, front, experts, n_valid, rows)
+        return self._head(params, x, n_valid, all_logits=all_logits), states, finite
+
+    def _hidden(self, params, states, tokens, front, experts, n_valid, rows):
+        """run_layers under the taps -> (x, states, whether x's first n_valid rows are finite)."""
         tap = self.taps.on(self.ops, *(self.ops.to_device(r) for r in rows)) if self.taps.debug_nan or \
             self.taps.nonfinite is not None else None
         x, states = run_layers(self.cfg, params, states, self._embed(params, tokens), front, experts, self._back, tap)
-        return self._head(params, x, n_valid, all_logits=all_logits), states, self._finite(x, n_valid)
+        return x, states, self._finite(x, n_valid)
 
 
 def _finite_part(ops, x, n_valid):
@@ -214,31 +237,30 @@ def embed(params: dict, tokens):
     return params["embed"][tokens]
 
 
-def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, n_valid):
+def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, n_valid, mix=None):
     """One layer up to its routed experts: the mixer and, for a dense layer, its MLP. x [T, H]: T tokens of one
     sequence (start, n_valid scalars; st its state) or one token of each of T sequences (start, n_valid [T]; st their
     bank).
     -> (x, h, w, idx, shared, st): for a sparse layer h [T, H] is the experts' input, (w, idx) [T, k] the routes and
     shared the shared expert's gate, up and scalar-gate projections of h (or None), and the layer ends with
-    layer_back(.., shared, y) once the experts' output y is known; for a dense layer h = w = idx = shared = None."""
+    layer_back(.., shared, y) once the experts' output y is known; for a dense layer h = w = idx = shared = None.
+    mix: the mixer from the input projections to the output before its projection (None: mix_rows)."""
     eps = cfg.rms_norm_eps
     sparse = is_sparse(lp)
     parts = projections(cfg, kind, sparse)
+    mix = mix or mix_rows
     if kind == LINEAR:
         with ops.scope("delta_proj"):
-            _, (qkv, z, b, a) = project(ops, lp, "in_proj", parts, x, lp["in_norm"], eps)
+            _, ys = project(ops, lp, "in_proj", parts, x, lp["in_norm"], eps)
         with ops.scope("delta_rule"):
-            o, conv, ssm = ops.delta_block(qkv, z, b, a, st["conv"], lp["conv"], st["ssm"], lp["A_log"],
-                                           lp["dt_bias"], lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads)
+            o, st = mix(ops, cfg, kind, lp, st, ys, start, n_valid)
         with ops.scope("delta_out"):
-            x, st = ops.linear_add(o, lp["out"], x), {"conv": conv, "ssm": ssm}
+            x = ops.linear_add(o, lp["out"], x)
     else:
-        # Qwen3-Next adds a sigmoid output gate per head (gated_attention)
         with ops.scope("attn_proj"):
             _, ys = project(ops, lp, "in_proj", parts, x, lp["in_norm"], eps)
         with ops.scope("attn"):
-            o, st = ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
-                                        lp["k_norm"], eps, st, start, n_valid, cfg.rotary_dim, cfg.rope_theta)
+            o, st = mix(ops, cfg, kind, lp, st, ys, start, n_valid)
         with ops.scope("attn_out"):
             x = ops.linear_add(o, lp["o"], x)
     if not sparse:
@@ -250,6 +272,20 @@ def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, 
         h, ys = project(ops, lp, "post_proj", parts, x, lp["post_norm"], eps)
         w, idx = route(ops, cfg, lp, ys[0])
     return x, h, w, idx, (tuple(ys[1:]) if len(ys) > 1 else None), st
+
+
+def mix_rows(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, ys: list, start, n_valid):
+    """A layer's mixer from its input projections ys to its output before the output projection -> (o, state):
+    the gated delta rule (LINEAR; ys = qkv, z, b, a) or attention over the KV cache (ys = q, k, v and, Qwen3-Next's
+    gated attention, a sigmoid output gate per head)."""
+    eps = cfg.rms_norm_eps
+    if kind == LINEAR:
+        qkv, z, b, a = ys
+        o, conv, ssm = ops.delta_block(qkv, z, b, a, st["conv"], lp["conv"], st["ssm"], lp["A_log"], lp["dt_bias"],
+                                       lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads)
+        return o, {"conv": conv, "ssm": ssm}
+    return ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
+                               lp["k_norm"], eps, st, start, n_valid, cfg.rotary_dim, cfg.rope_theta)
 
 
 def layer_back(ops, cfg: ModelConfig, lp: dict, x, shared, y):

@@ -1,13 +1,13 @@
 """The scheduler: admits requests into slots and plans windows over all of them, continuously; an Executor runs them.
 
 It is given the Executor (strata/plan.py) and the model's values, and builds neither. Each window holds one decode
-row per generating slot and at most one prompt part of the earliest-admitted slot still reading (beside decode rows,
-the rest of the window's token budget; alone, the part size). Executor calls run in a worker thread; the next window
-is dispatched before the previous window's text is sent, and in steady decoding (lookahead) before its tokens are read
-(a row that ended is computed once more, dropped); grammar rows then join every other window. Slots go FREE ->
-READING -> GENERATING -> FREE; n choices hold n slots. Each choice ends with one Finished, or its request with one
-Failed; a non-finite row goes to the guard (sched/guard.py). The prompt cache (sched/prompt_cache.py) picks a slot and
-the checkpoint it reads from; a checkpoint is taken only of a live request's exact, finite, default-path state.
+row per generating slot (a verify row: sched/drafts.py) and at most one prompt part of the earliest-admitted slot
+still reading (beside decode rows, the rest of the window's token budget; alone, the part size). Executor calls run
+in a worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
+(lookahead) before its tokens are read (a row that ended is computed once more, dropped); grammar rows then join every
+other window. Slots go FREE -> READING -> GENERATING -> FREE; n choices hold n slots. Each choice ends with one
+Finished, or its request with one Failed; a non-finite row goes to the guard (sched/guard.py). The prompt cache
+(sched/prompt_cache.py) picks a slot and its checkpoint; one is taken only of exact, finite, default-path state.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 
 from strata.plan import DEFAULT, Capacity, Executor, Logprobs, PromptPart, Repair, WindowPlan, WindowResult
+from strata.sched.drafts import DraftPolicy
 from strata.sched.guard import Attempt, GiveUp, Guard
 from strata.sched.output import TextOutput
 from strata.sched.prompt_cache import PromptCache
@@ -69,6 +70,9 @@ class Slot:
     t_read_end: float = 0.0
     t_first_token: float = 0.0
     t_token: float = 0.0                 # when the last token was applied
+    drafts: int = 0                      # drafts verified (speculative decoding)
+    accepted: int = 0                    # of which accepted
+    fed_past: int = 0                    # tokens a verify window fed past the one applied last (ended before them)
     events: list = field(default_factory=list)   # produced by the last window, sent after the next is dispatched
     sent: list = field(default_factory=list)     # the tokens generated so far (a retry reads them after the prompt)
     numerics: str = DEFAULT              # the numerics path of this attempt (the guard's rung on a retry)
@@ -87,14 +91,16 @@ class Slot:
 class Scheduler:
     def __init__(self, executor: Executor, *, tokenizer, eos_token_ids, queue_limit: int, lookahead: bool = True,
                  max_context: int | None = None, window_tokens: int | None = None, prompt_share: float = 1.0,
-                 checkpoint_every: int = 512, checkpoint_ram_gib: float = 0.0, guard: Guard | None = None):
+                 checkpoint_every: int = 512, checkpoint_ram_gib: float = 0.0, guard: Guard | None = None,
+                 drafts: DraftPolicy | None = None):
         """tokenizer: decode_stream and token_to_id (strata/tokenizer.py); eos_token_ids: a request's stop tokens
         unless it names its own; max_context: tokens of one sequence, at most (and by default) the executor's;
         window_tokens: the token budget of a window with decode rows (None: none, a part of the part size beside
         them); prompt_share: the share of the device time of windows with decode rows that prompt parts may take
         (1: a part beside every window's rows); checkpoint_every, checkpoint_ram_gib: the prompt cache's (its
         checkpoints' spacing in tokens, and the host RAM for checkpoints and parked conversations); guard: the
-        numerics guard's policy (default: the executor's numerics paths as its ladder)."""
+        numerics guard's policy (default: the executor's numerics paths as its ladder); drafts: how much slots draft
+        when the executor verifies drafts (capacity.draft > 0; default DraftPolicy, adaptive)."""
         cap = executor.capacity
         max_context = cap.max_context if max_context is None else max_context
         if max_context > cap.max_context:
@@ -116,6 +122,7 @@ class Scheduler:
         self._part_times: deque[float] = deque(maxlen=5)
         # steady decoding dispatches the next window before reading this one (_continuation)
         self.lookahead = lookahead and executor.chains
+        self.drafts = (drafts or DraftPolicy(cap.draft)) if cap.draft else None
         self.slots_ = [Slot(i) for i in range(cap.slots)]
         self.cache = PromptCache(executor, cap.slots, checkpoint_every, int(checkpoint_ram_gib * (1 << 30)))
         self._ahead_rows: np.ndarray | None = None   # the decode rows of a window dispatched after the one applied
@@ -145,7 +152,7 @@ class Scheduler:
                       # the numerics guard: rows that went non-finite, retries, requests it ended, expert slots
                       # found corrupt (and rewritten), full rebuilds
                       "nonfinite_rows": 0, "guard_retries": 0, "guard_failed": 0, "expert_slots_repaired": 0,
-                      "guard_rebuilds": 0}
+                      "guard_rebuilds": 0, "drafts_verified": 0, "drafts_accepted": 0, "windows_verifying": 0}
         self._recent: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens generated, seconds) per window
         self._pending: list[tuple[object, list]] = []                 # ended requests' streams and last events
 
@@ -205,6 +212,8 @@ class Scheduler:
                         "numerics": s.numerics, "attempts": len(s.attempts), "poisoned": s.id in self.poisoned,
                         "conversation_tokens": len(conv.tokens) if conv is not None else 0,
                         "checkpoints": [c.pos for c in conv.checkpoints] if conv is not None else []})
+            if self.drafts is not None:         # only with spec on: the shape is unchanged otherwise
+                out[-1].update(drafts=s.drafts, drafts_accepted=s.accepted)
         return out
 
     def metrics(self) -> dict:
@@ -301,6 +310,7 @@ class Scheduler:
         end: whatever snapshots a slot's state (prompt-cache checkpoints) must take it from a window applied to a
         live request (_exact). None also before a window after which a continuing row takes a checkpoint."""
         if (not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled
+                or plan.draft_len is not None           # a verify window's positions are known once it is read
                 or plan.numerics is not None or self.poisoned):     # rows on a numerics path are read at once
             return None
         on = plan.decode_active
@@ -320,6 +330,8 @@ class Scheduler:
                 keep[s.id] = True
         if not keep.any() and not joined:
             return None
+        if self.drafts is not None and self.drafts.on(int(keep.sum()) + len(joined)):
+            return None                           # the next window verifies drafts: planned once this one is read
         nxt = plan.continued()
         active, tokens = keep.copy(), np.where(keep, -1, 0).astype(np.int32)
         pos, steps = nxt.decode_pos.copy(), nxt.steps.copy()
@@ -358,6 +370,8 @@ class Scheduler:
                 slot.stops = frozenset(stops)
                 slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning)
                 slot.matcher = req.constraint.matcher() if req.constraint is not None else None
+                if self.drafts is not None:
+                    self.drafts.reset(slot.id)
             free[0].read = free[0].pos = free[0].reused = reused
 
     def _drop_cancelled(self):
@@ -415,10 +429,23 @@ class Scheduler:
             part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=last, copies=copies)
         sampled = gen + ([self.slots_[i] for i in (part.slot, *part.copies)] if part is not None and part.last else [])
         numerics = tuple(s.numerics for s in self.slots_)
-        return WindowPlan(decode_active=active, decode_tokens=tokens, decode_pos=pos, temperature=temp, top_k=top_k,
+        plan = WindowPlan(decode_active=active, decode_tokens=tokens, decode_pos=pos, temperature=temp, top_k=top_k,
                           top_p=top_p, min_p=min_p, seeds=seeds, steps=steps, part=part,
                           numerics=numerics if any(n != DEFAULT for n in numerics) else None,
                           **self._shaping([s for s in self.slots_ if s.req is not None], sampled))
+        return self._drafting(plan, gen)
+
+    def _drafting(self, plan: WindowPlan, gen: list[Slot]) -> WindowPlan:
+        """A verify window when the executor verifies drafts, the policy wants them at this batch and no row is
+        shaped (penalties, bias, grammar, logprobs): each row offers what its slot drafts, within its request's
+        max_tokens and max_context (it feeds positions pos..pos+k). A slot on a guard's numerics path offers none."""
+        if self.drafts is None or not gen or plan.shaped or not self.drafts.on(len(gen)):
+            return plan
+        k = np.zeros(len(self.slots_), np.int32)
+        for s in (s for s in gen if s.numerics == DEFAULT and s.id not in self.poisoned):
+            room = min(s.req.max_tokens - s.generated - 1, self.max_context - s.pos - 2)
+            k[s.id] = max(0, min(self.drafts.length(s.id), room))
+        return replace(plan, draft_len=k)
 
     def _shaping(self, live: list[Slot], sampled: list[Slot]) -> dict:
         """The plan's optional arrays, each only when some slot needs it: every live slot's penalties, logit bias
@@ -469,7 +496,7 @@ class Scheduler:
     def _exact(self, s: Slot) -> bool:
         """Whether the slot's device state is the one the windows applied to its request left: no window that
         computes its row was dispatched after the one applied last (lookahead)."""
-        return self._ahead_rows is None or not self._ahead_rows[s.id]
+        return not s.fed_past and (self._ahead_rows is None or not self._ahead_rows[s.id])
 
     def _masks(self, sampled: list[Slot]) -> np.ndarray | None:
         """The grammar masks [S, W] of the slots a window samples for (others: every token allowed); None when none
@@ -519,6 +546,9 @@ class Scheduler:
         res: WindowResult = box["result"]
         if plan.n_decode:
             self._pace(plan, res)
+            self._measure(plan, res)
+        if plan.draft_len is not None:
+            self.stats["windows_verifying"] += 1
         self.stats["device_seconds_sum"] += res.decode_s + res.part_s
         self.stats["handoff_seconds_sum"] += seconds - res.decode_s - res.part_s
         now = time.perf_counter()
@@ -566,19 +596,45 @@ class Scheduler:
                 self._take_token(o, int(res.copies_next[j]), res.part_logprobs, j + 1)
         return 1 + len(copies)
 
+    def _measure(self, plan: WindowPlan, res: WindowResult) -> None:
+        """The draft policy's view of a window of decode rows alone, all on the default numerics path: tokens
+        emitted, device time; a verify window only when it verified drafts (one after a window that did not has
+        none to verify)."""
+        if self.drafts is None or plan.part is not None or plan.numerics is not None:
+            return
+        on = plan.decode_active
+        if plan.draft_len is None:
+            self.drafts.window(plan.n_decode, False, plan.n_decode, res.decode_s)
+        elif res.decode_n_drafts[on].sum():
+            self.drafts.window(plan.n_decode, True, int(plan.n_decode + res.decode_n_accepted[on].sum()), res.decode_s)
+
     def _apply_decode(self, s: Slot, res: WindowResult, now: float, beside_part: bool) -> int:
-        s.pos += 1
         if not res.decode_finite[s.id]:
-            self._nonfinite(s, s.pos - 1, s.pos - 1)
+            offered = int(res.decode_n_drafts[s.id]) if res.decode_n_drafts is not None else 0
+            self._nonfinite(s, s.pos, s.pos + offered, verify=offered > 0)
             return 0
         which = "_beside_parts" if beside_part else ""
         self.stats[f"inter_token_seconds{which}_sum"] += now - s.t_token
         self.stats[f"inter_tokens{which}"] += 1
         s.t_token = now
-        self._take_token(s, int(res.decode_next[s.id]), res.decode_logprobs, s.id)
+        tokens = [int(res.decode_next[s.id])]
+        if res.decode_n_accepted is not None:         # a verify window: the accepted drafts come first
+            a, offered = int(res.decode_n_accepted[s.id]), int(res.decode_n_drafts[s.id])
+            tokens = res.decode_accepted[s.id, :a].tolist() + tokens
+            s.drafts += offered
+            s.accepted += a
+            self.stats["drafts_verified"] += offered
+            self.stats["drafts_accepted"] += a
+            self.drafts.record(s.id, offered, a)
+        for i, token in enumerate(tokens):
+            s.pos += 1
+            s.fed_past = len(tokens) - 1 - i      # accepted tokens the device fed past this one
+            self._take_token(s, token, res.decode_logprobs, s.id)
+            if s.state is not SlotState.GENERATING:      # ended: the tokens after its end are dropped
+                return i + 1
         if s.req is not None and self._checkpoint_at(s, s.pos) and self._exact(s):
             self.cache.take(s.id, s.pos, self._fed(s))
-        return 1
+        return len(tokens)
 
     @staticmethod
     def _fed(s: Slot) -> list:
@@ -586,15 +642,17 @@ class Scheduler:
         return list(s.req.prompt_ids) + s.sent
 
     # --- the numerics guard
-    def _nonfinite(self, s: Slot, first: int, last: int) -> None:
-        """Slot s's row (positions first..last) went non-finite: nothing of it is emitted, the slot is poisoned until
-        repaired, and the guard decides between a retry on another numerics path and an explicit error."""
+    def _nonfinite(self, s: Slot, first: int, last: int, verify: bool = False) -> None:
+        """Slot s's row (positions first..last: a decode row's one, a prompt part's, or a verify row's, its drafts'
+        included) went non-finite: nothing of it is emitted, the slot is poisoned until repaired, and the guard
+        decides between a retry on another numerics path and an explicit error."""
         self.stats["nonfinite_rows"] += 1
         self.cache.drop(s.id)                     # its conversation and the checkpoints of this attempt
         attempts = s.attempts + (Attempt(s.numerics, first, last),)
         d = self.guard.failed(s.req.id, attempts, time.monotonic())
         self.poisoned[s.id] = self.poisoned.get(s.id, False) or d.rebuild
-        where = f"position {last}" if first == last else f"the prompt part {first}..{last} (logits at {last})"
+        where = (f"position {last}" if first == last else f"the verify row {first}..{last}" if verify
+                 else f"the prompt part {first}..{last} (logits at {last})")
         head = (f"strata guard: non-finite at {where}, request {s.req.id} on slot {s.id}, attempt {len(attempts)} "
                 f"on {s.numerics} numerics: nothing of it is sent")
         if d.rebuild:
@@ -684,13 +742,16 @@ class Scheduler:
                 and s.pos == n + s.generated - 1):
             self.cache.take(s.id, s.pos, self._fed(s))
         read = n - s.reused
+        drafts = f", drafts accepted {s.accepted} of {s.drafts}" if self.drafts is not None else ""
         log.info(f"strata serve: prompt {n} tokens = {s.reused} reused + {read} read in {read_ms:.0f} ms "
                  f"({read / max(read_ms / 1000, 1e-9):.1f} tok/s), {s.generated} generated in {gen_ms:.0f} ms "
-                 f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s), "
+                 f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s){drafts}, "
                  f"{self.cache.checkpoints(s.id)} checkpoints, finish {reason} ({s.req.id})"
                  + (f", attempt {len(s.attempts) + 1} on {s.numerics} numerics" if s.attempts else ""))
-        self._end(s, Finished(reason, n, s.generated, {"read_ms": read_ms, "generate_ms": gen_ms,
-                                                       "parts": s.parts, "reused": s.reused}, index=s.choice))
+        timings = {"read_ms": read_ms, "generate_ms": gen_ms, "parts": s.parts, "reused": s.reused}
+        if self.drafts is not None:
+            timings.update(drafts=s.drafts, drafts_accepted=s.accepted)
+        self._end(s, Finished(reason, n, s.generated, timings, index=s.choice))
 
     def _end(self, s: Slot, final):
         """Queue the choice's last event and free the slot (its state is garbage until a new sequence starts). A

@@ -116,6 +116,9 @@ class _SchedulerCollector:
             ("conversations_resumed", "strata_conversations_resumed", "Parked conversations resumed into a slot"),
             ("conversations_dropped", "strata_conversations_dropped",
              "Stored conversations dropped (the RAM budget, an error in their slot)"),
+            ("windows_verifying", "strata_windows_verifying", "Windows that verified drafts (speculative decoding)"),
+            ("drafts_verified", "strata_drafts_verified", "Drafts verified"),
+            ("drafts_accepted", "strata_drafts_accepted", "Drafts accepted"),
             ("nonfinite_rows", "strata_nonfinite_rows", "Rows whose logits or residual went non-finite"),
             ("guard_retries", "strata_guard_retries", "Requests the numerics guard retried on another numerics path"),
             ("guard_failed", "strata_guard_failed", "Requests the numerics guard ended with the error non_finite"),
@@ -158,6 +161,13 @@ class _SchedulerCollector:
         for st, n in counts.items():
             g.add_metric([st], n)
         yield g
+        drafting = [s for s in slots if isinstance(s, dict) and "drafts" in s]
+        if drafting:
+            acc = GaugeMetricFamily("strata_slot_draft_acceptance", "Share of the drafts verified for a slot's request "
+                                    "that were accepted", labels=["slot"])
+            for s in drafting:
+                acc.add_metric([str(s["id"])], s["drafts_accepted"] / s["drafts"] if s["drafts"] else 0.0)
+            yield acc
 
 
 class ServeMetrics:

@@ -2,8 +2,9 @@
 text with the prompt cache as on a cold engine (the same scheduler and runner, every prompt read from token 0 with
 no checkpoints), and each turn reads only the tokens it does not share with the stored conversation plus at most
 checkpoint_every. Also with three interleaved conversations on three slots (lookahead on), with conversations parked
-and resumed, on the SYCL backend's eager path, with a partial expert cache, for random conversation trees
-(hypothesis), and at the issue's size (12 turns growing past 8K tokens, about a minute). The policy itself is tested against the fake in test_prompt_cache_fake.py."""
+and resumed, with speculative decoding, on the SYCL backend's eager path, with a partial expert cache, for random
+conversation trees (hypothesis), and at the issue's size (12 turns growing past 8K tokens, about a minute). The
+policy itself is tested against the fake in test_prompt_cache_fake.py."""
 from __future__ import annotations
 
 import time
@@ -66,10 +67,12 @@ def stored(sched, prompt) -> tuple:
 
 
 def converse(engine, n_convs, turns, parallel, *, every=64, user_words=40, max_tokens=24, lookahead=True,
-             together=True, ram_gib=1.0):
+             together=True, ram_gib=1.0, cached_engine=None):
     """n_convs conversations of `turns` turns each, turns of the conversations sent together (or one after
-    another) -> (the cached scheduler, [(prompt, reused, tokens the conversation shared before)])."""
-    cached, cold = scheduler(engine, parallel, every, lookahead, ram_gib), scheduler(engine, parallel, every, lookahead)
+    another) -> (the cached scheduler, [(prompt, reused, tokens the conversation shared before)]). cached_engine:
+    the cached scheduler's engine (default engine, the cold one's)."""
+    cached = scheduler(cached_engine or engine, parallel, every, lookahead, ram_gib)
+    cold = scheduler(engine, parallel, every, lookahead)
     rows = []
 
     async def cached_turn(c, k, messages, before, got):
@@ -125,6 +128,15 @@ def test_conversations_parked_and_resumed(engine):
     sched, rows = converse(engine, 2, 3, parallel=1, together=False)
     m = sched.metrics()
     assert m["conversations_parked"] == 5 and m["conversations_resumed"] == 4 and m["prompt_cache_hits"] == 4
+
+
+def test_turns_with_speculative_decoding(engine):
+    """With spec 2 on the cached side (verify windows, the head's cache restored with nothing of its own): the same
+    text as the cold engine without spec, conversations parked and resumed on one slot."""
+    spec = Engine.load("demo", max_context=4096, prefill=64, spec=2, mtp=True)
+    sched, rows = converse(engine, 2, 3, parallel=1, together=False, cached_engine=spec)
+    m = sched.metrics()
+    assert m["prompt_cache_hits"] == 4 and m["conversations_resumed"] == 4 and m["windows_verifying"] > 0
 
 
 def test_snapshots_restore_exactly_on_both_backends():

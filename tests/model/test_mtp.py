@@ -1,0 +1,65 @@
+"""The MTP head against an oracle built from transformers' own Qwen3-Next decoder layer and norms (float32, CPU):
+draft logits at every position of a sequence, from the main model's final hidden states and the next tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from oracle import build_hf_model, build_mtp_head, save_mtp_head  # noqa: E402
+from strata import Engine  # noqa: E402
+from strata.engine.spec import sequence_draft_logits  # noqa: E402
+
+TOL = 1e-4           # of the logit range, float32
+NEAR_TIE = 1e-4      # router probability margin of the head's MoE block
+N = 40
+
+
+def _oracle(model, head, tokens):
+    """The head's draft logits [N-1, V] and its router probabilities [N-1, E]."""
+    seen = {}
+    hook = head.layers[0].mlp.register_forward_pre_hook(lambda m, args: seen.update(h=args[0]))
+    with torch.no_grad():
+        ids = torch.tensor(tokens)[None]
+        hidden = model.model(input_ids=ids).last_hidden_state
+        pos = torch.arange(N - 1)[None]
+        logits = head(model, hidden[:, :-1], ids[:, 1:], pos)[0].numpy()
+        gate = head.layers[0].mlp.gate.weight
+        probs = torch.softmax(seen["h"].reshape(-1, gate.shape[1]) @ gate.T, dim=-1).numpy()
+    hook.remove()
+    return logits, probs
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_draft_logits_match_transformers(tmp_path, tied):
+    rejected = []
+    for seed in range(20):
+        model = build_hf_model("qwen3_next", seed, tie_word_embeddings=tied)
+        head = build_mtp_head(model, seed)
+        tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, N).tolist()
+        ref, probs = _oracle(model, head, tokens)
+        top = np.sort(probs, axis=-1)[:, ::-1]
+        k = model.config.num_experts_per_tok
+        margin = (top[:, k - 1] - top[:, k]).min()
+        if margin >= NEAR_TIE:
+            break
+        rejected.append(f"seed {seed}: router margin {margin:.2e}")
+    else:
+        pytest.fail(f"no tie-free head in 20 seeds: {rejected}")
+    path = tmp_path / "model"
+    model.save_pretrained(path)
+    save_mtp_head(head, path)
+    engine = Engine.load(path, max_context=256, mtp=True)
+    ours = sequence_draft_logits(engine, tokens)
+    span = float(ref.max() - ref.min())
+    err = float(np.abs(ours - ref).max())
+    assert np.isfinite(ours).all()
+    assert err <= TOL * span, f"max |diff| {err:.3e} > {TOL} x logit range {span:.3f}"
+
+
+def test_mtp_needs_a_head(tmp_path):
+    model = build_hf_model("qwen3_next", 0)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(Exception, match="no MTP head"):
+        Engine.load(tmp_path, max_context=64, mtp=True)
