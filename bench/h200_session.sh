@@ -21,6 +21,8 @@
 #   bash bench/h200_session.sh probe48   # prompt_probe (with the stream's gaps) at 48 layers
 #   bash bench/h200_session.sh spec      # bench/spec_speed.py at 48 layers, int4: verify 4+1 (and 1+1, 2+1 at batch 1)
 #                                        # against 1-token windows at batch 1, 4, 16; the JSON rewritten as it goes
+#   bash bench/h200_session.sh spec-probe  # prompt_probe --verify 4: a verify window's kernels by part of the layer
+#                                        # against a 1-token window's (8 layers, batch 1 and 4)
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -124,6 +126,11 @@ case "${1:-}" in
     timeout 570 python3 bench/spec_speed.py --real-shapes --layers 48 --experts int4 --also-k 1,2 \
       --tokens-per-window 2.14 --out "$OUT/spec_speed_h200_48_layers_int4.json" 2>&1 | grep -v "^wrote" \
       | tee "$OUT/spec_speed.log"
+    ;;
+  spec-probe)
+    timeout 400 python3 bench/prompt_probe.py --layers 8 --verify 4 --batches 1,4 \
+      --out "$OUT/prompt_probe_verify_h200_8_layers.json" 2>&1 | grep -E "^\||^decode|^verify|wrote|Error" \
+      | tee "$OUT/prompt_probe_verify.log"
     ;;
   probe48)    # at all 48 layers: the scopes probe with the compute stream's idle gaps (timeline), for the prompt
               # part and decode windows of 1 and 4 rows

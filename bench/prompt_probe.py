@@ -9,7 +9,8 @@ hlo_module). So every kernel of one traced call is charged to a scope: delta_pro
 attn, attn_out, router, routed_experts, shared_expert, head (or "other"). Per scope: the kernels' total time, their
 count, the busiest kernels, and the floor of that scope's work at these shapes: max(FLOPs / bf16 rate, bytes / HBM
 rate) with the rates of ../shared/notes/pallas-gpu.md. Cases: one prompt part of --prompt tokens at position 0, and
-decode windows of 1 and 4 rows at --context through the WindowRunner (the server's path).
+decode windows of 1 and 4 rows at --context through the WindowRunner (the server's path); with --verify K, instead of
+the prompt part, verify windows of K drafts + 1 per row (the MTP head's work charged to "mtp"; floors not counted).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402
 
 SCOPES = ("delta_proj", "delta_rule", "delta_out", "attn_proj", "attn", "attn_out", "mlp", "router",
-          "routed_experts", "shared_expert", "head")
+          "routed_experts", "shared_expert", "head", "mtp")
 HBM = 3.6e12        # bytes/s, read + write (measured on the H200)
 BF16 = 790e12       # FLOP/s, dense bf16 (the H200's rate used by kernel_speed)
 
@@ -45,7 +46,10 @@ def hlo_scopes(dump_dir: str) -> dict:
     calls = re.compile(r"calls=%?([\w.\-]+)")
 
     def scope_of(name: str) -> str:
-        return next((p for p in reversed(name.split("/")) if p in SCOPES), "other")
+        parts = name.split("/")
+        if "mtp" in parts:                   # the MTP head's layer is charged to the head as a whole
+            return "mtp"
+        return next((p for p in reversed(parts) if p in SCOPES), "other")
     for path in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
         module, comp = None, None
         votes: dict = {}                 # computation -> {scope: count}
@@ -239,6 +243,7 @@ def main() -> int:
     ap.add_argument("--kernels", default="auto", choices=("auto", "xla", "pallas"))
     ap.add_argument("--command-buffers", action="store_true", help="keep XLA's command buffers (CUDA graphs) on")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--verify", type=int, default=0, help="K: verify windows of K drafts + 1 instead of a prompt part")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dump = tempfile.mkdtemp(prefix="strata_hlo_")
@@ -264,33 +269,41 @@ def main() -> int:
     if args.smoke:
         args.prompt, args.context = min(args.prompt, 256), min(args.context, 256)
     cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, num_hidden_layers=args.layers, **over), source="prompt probe")
-    backend = get_backend("jax", kernels=args.kernels)
-    params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
     batches = [int(b) for b in args.batches.split(",") if b]
-    engine = Engine(cfg, params, backend, Settings.build(
-        dtype="bfloat16", max_context=max(args.prompt, args.context) + 64, prefill=args.prompt,
-        parallel=max(batches + [1]), kernels=args.kernels))
-    n_moe = sum(cfg.is_sparse_layer(i) for i in range(args.layers))
-    store = SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
-    engine.attach_experts(store, say=lambda line: None)
+    if args.verify:
+        from spec_speed import offer_drafts, real_engine
+        engine = real_engine(args.layers, args.verify, args.context, "int4", args.smoke)
+        backend = engine.backend
+        store_bytes = engine.mtp[0].layout.nbytes
+    else:
+        backend = get_backend("jax", kernels=args.kernels)
+        params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
+        engine = Engine(cfg, params, backend, Settings.build(
+            dtype="bfloat16", max_context=max(args.prompt, args.context) + 64, prefill=args.prompt,
+            parallel=max(batches + [1]), kernels=args.kernels))
+        n_moe = sum(cfg.is_sparse_layer(i) for i in range(args.layers))
+        store = SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
+        engine.attach_experts(store, say=lambda line: None)
+        store_bytes = store.layout.nbytes
     result = {"bench": "prompt_probe", **results_file.stamp(), "layers": args.layers, "prompt": args.prompt,
               "context": args.context, "kernels": args.kernels, "pallas_ops": sorted(backend.pallas_ops),
-              "device": str(jax.devices()[0]), "hbm_bytes_per_s": HBM, "bf16_flops": BF16, "cases": {}}
+              "device": str(jax.devices()[0]), "hbm_bytes_per_s": HBM, "bf16_flops": BF16, "verify": args.verify,
+              "cases": {}}
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt).tolist()
-
-    def read():
-        seq = engine.sequence()
-        seq.read(ids, part_size=args.prompt)
-        return seq
-    read()
-    wall = 1000 * timed(read, 3)
-    events = traced_events(read)
-    if isinstance(events, dict):
-        print(f"trace: {events['error']}")
-        return 1
-    # (key, title, wall ms, events, floors) per case; charged once every case has compiled (and so been dumped)
-    cases = [("prompt", f"prompt part of {args.prompt} tokens, {args.layers} layers", wall, events,
-              floors(cfg, args.prompt, 0, store.layout.nbytes, prompt=True))]
+    cases = []       # (key, title, wall ms, events, floors) per case; charged once every case has compiled (dumped)
+    if not args.verify:
+        def read():
+            seq = engine.sequence()
+            seq.read(ids, part_size=args.prompt)
+            return seq
+        read()
+        wall = 1000 * timed(read, 3)
+        events = traced_events(read)
+        if isinstance(events, dict):
+            print(f"trace: {events['error']}")
+            return 1
+        cases.append(("prompt", f"prompt part of {args.prompt} tokens, {args.layers} layers", wall, events,
+                      floors(cfg, args.prompt, 0, store_bytes, prompt=True)))
     from dataclasses import replace
 
     from strata.engine.runner import WindowRunner
@@ -306,7 +319,21 @@ def main() -> int:
             window()
         wall = 1000 * (time.perf_counter() - t) / 16
         cases.append((f"decode_b{b}", f"decode window of {b} rows at {args.context}", wall, traced_events(window),
-                      floors(cfg, b, args.context, store.layout.nbytes, prompt=False)))
+                      floors(cfg, b, args.context, store_bytes, prompt=False)))
+        if args.verify:
+            k = args.verify
+            vplan = replace(plan, draft_len=np.full(b, k, np.int32))
+
+            def verify():
+                offer_drafts(runner, k)
+                return runner.run(vplan)
+            verify()
+            t = time.perf_counter()
+            for _ in range(16):
+                verify()
+            wall = 1000 * (time.perf_counter() - t) / 16
+            cases.append((f"verify_b{b}", f"verify window of {k}+1 positions a row, {b} rows at {args.context}", wall,
+                          traced_events(verify), floors(cfg, b * (k + 1), args.context, store_bytes, prompt=False)))
     scopes = hlo_scopes(dump)
     for key, title, wall, events, floor in cases:
         result["cases"][key] = report(title, wall, charge(events, scopes), floor, timeline(events))

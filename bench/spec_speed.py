@@ -35,7 +35,6 @@ REAL_LAYERS = 48
 def window_seconds(runner, batch: int, context: int, windows: int, k: int | None) -> float:
     """Median over ROUNDS of the seconds per window of `batch` rows at position `context`, read one by one (verify
     windows are never dispatched ahead): k None a 1-token window, else a verify window offering k drafts a row."""
-    from strata.engine.spec import Spec
     from strata.plan import idle_plan
     plan = replace(idle_plan(runner.n_slots), decode_active=np.arange(runner.n_slots) < batch,
                    decode_pos=np.full(runner.n_slots, context, np.int32))
@@ -43,11 +42,8 @@ def window_seconds(runner, batch: int, context: int, windows: int, k: int | None
         plan = replace(plan, draft_len=np.full(runner.n_slots, k, np.int32))
 
     def one(i):
-        if k is not None:                   # drafts offered in every window (a constant token each)
-            s: Spec = runner.spec
-            s.bank = {**s.bank, "drafted": runner.engine.backend.to_device(
-                np.concatenate([np.full((k, runner.n_slots), 7), np.full((1, runner.n_slots), k)]).astype(np.int32))}
-            s.fresh[:] = True
+        if k is not None:
+            offer_drafts(runner, k)
         runner.run(replace(plan, decode_tokens=np.full(runner.n_slots, 5, np.int32), decode_pos=plan.decode_pos + i))
     one(0)                                  # compiles
     rounds = []
@@ -57,6 +53,14 @@ def window_seconds(runner, batch: int, context: int, windows: int, k: int | None
             one(i % 8)
         rounds.append((time.perf_counter() - t) / windows)
     return float(np.median(rounds))
+
+
+def offer_drafts(runner, k: int) -> None:
+    """k drafts (a constant token) on the device for every slot, fresh: the next verify window offers them all."""
+    s = runner.spec
+    s.bank = {**s.bank, "drafted": runner.engine.backend.to_device(
+        np.concatenate([np.full((k, runner.n_slots), 7), np.full((1, runner.n_slots), k)]).astype(np.int32))}
+    s.fresh[:] = True
 
 
 def emitted(alpha: float, k: int) -> float:

@@ -198,13 +198,14 @@ def _verify_rows(ops, cfg, path, layout, geo: Geometry, head: MtpHead, params, a
               for kind, st in zip(cfg.layer_types, states)]
     # the head reads the accepted positions: (h_i, t_{i+1}) with t the accepted drafts, then the next token
     padded = xp.concatenate([drafts, xp.zeros((1, S), i32)])
-    m_tok = xp.where(j < a[None], padded, nxt[None]).reshape(-1)
-    m_valid = (j <= a[None]) & on[None]
-    m_pos = xp.where(m_valid, rows[1][None] + j, geo.scratch).astype(i32)
-    g, kv = mtp_hidden(ops, cfg, params, bank["kv"], m_tok, hn, m_pos, m_valid.astype(i32),
-                       head.experts(ops, pool, m_valid.reshape(-1).astype(i32)), mix=stepwise(T))
-    g = g.reshape(T, S, -1)[a, every]
-    drafted, kv = _drafts(ops, cfg, geo, params, head, pool, kv, g, rows[1] + a + 1, on)
+    with ops.scope("mtp"):
+        m_tok = xp.where(j < a[None], padded, nxt[None]).reshape(-1)
+        m_valid = (j <= a[None]) & on[None]
+        m_pos = xp.where(m_valid, rows[1][None] + j, geo.scratch).astype(i32)
+        g, kv = mtp_hidden(ops, cfg, params, bank["kv"], m_tok, hn, m_pos, m_valid.astype(i32),
+                           head.experts(ops, pool, m_valid.reshape(-1).astype(i32)), mix=stepwise(T))
+        g = g.reshape(T, S, -1)[a, every]
+        drafted, kv = _drafts(ops, cfg, geo, params, head, pool, kv, g, rows[1] + a + 1, on)
     emitted = xp.where(j < a[None], padded, xp.where(j == a[None], nxt[None], 0))
     out = xp.concatenate([emitted, a[None], finite.astype(i32)[None], n[None]]).astype(i32)
     bank = {"kv": kv, "h": bank["h"], "drafted": xp.where(on[None], drafted, bank["drafted"])}
