@@ -155,15 +155,19 @@ def _drafts(ops, cfg, geo: Geometry, params, head: MtpHead, pool, kv, g, at, on)
         lg = draft_logits(ops, params, g)
         d = xp.argmax(lg, axis=-1).astype(xp.int32)
         drafts.append(d)
-        probs.append(xp.max(ops.softmax(lg), axis=-1))
+        if geo.min_p > 0:               # a softmax over the vocabulary per draft, only when a floor asks for it
+            probs.append(xp.max(ops.softmax(lg), axis=-1))
         if i + 1 < geo.k:
             pos = at + i
             ok = on & (pos < geo.limit)
             valid = ok.astype(xp.int32)
             g, kv = mtp_hidden(ops, cfg, params, kv, d, g, xp.where(ok, pos, geo.scratch).astype(xp.int32), valid,
                                head.experts(ops, pool, valid))
-    keep = xp.cumprod((xp.stack(probs) >= geo.min_p).astype(xp.int32), axis=0)
-    n = xp.sum(keep, axis=0) * on.astype(xp.int32)
+    if probs:
+        n = xp.sum(xp.cumprod((xp.stack(probs) >= geo.min_p).astype(xp.int32), axis=0), axis=0)
+    else:
+        n = xp.full(on.shape, geo.k, xp.int32)
+    n = n * on.astype(xp.int32)
     return xp.concatenate([xp.stack(drafts), n[None]]).astype(xp.int32), kv
 
 

@@ -278,6 +278,31 @@ def test_the_heads_drafts_follow_the_sequence(plain, spec4):
         assert ref[draft] >= ref.max() - 1e-4 * (ref.max() - ref.min()), (pos, draft, int(ref.argmax()))
 
 
+def _offered_after_prompt(engine, prompt) -> tuple[int, int]:
+    """Read prompt in parts on slot 0 of one -> (its first token, the drafts the head left on the device to offer)."""
+    runner = WindowRunner(engine, 1, PART)
+    for a in range(0, len(prompt), PART):
+        chunk = np.asarray(prompt[a:a + PART], np.int32)
+        res = runner.run(replace(idle_plan(1), part=PromptPart(slot=0, tokens=chunk, start=a,
+                                                               last=a + PART >= len(prompt))))
+    drafted = np.asarray(engine.backend.to_host(runner.spec.bank["drafted"]))
+    return int(res.part_next), int(drafted[engine.settings.sched.spec, 0])
+
+
+def test_spec_min_p_stops_drafting_at_an_unlikely_draft(spec4):
+    """The first draft's probability under the head (its sequence form: softmax of the draft logits after the prompt
+    and the first token) decides: spec_min_p just below it offers drafts, just above it offers none."""
+    req = _requests(spec4, 1)[0]
+    first, offered = _offered_after_prompt(spec4, req.prompt_ids)
+    assert offered == 4                                        # spec_min_p 0: every draft
+    logits = sequence_draft_logits(spec4, list(req.prompt_ids) + [first])[-1].astype(np.float64)
+    p1 = float(np.max(np.exp(logits - logits.max())) / np.exp(logits - logits.max()).sum())
+    for min_p, drafts in ((p1 * 0.99, lambda n: n >= 1), (p1 * 1.01, lambda n: n == 0)):
+        e = Engine.load("demo", max_context=CTX, prefill=PART, spec=4, mtp=True, spec_min_p=min_p, say=_quiet)
+        got_first, n = _offered_after_prompt(e, req.prompt_ids)
+        assert got_first == first and drafts(n), (min_p, p1, n)
+
+
 def test_sampled_rows_keep_the_targets_distribution(tmp_path):
     """Over a vocabulary of 12, the first token a verify window emits (an accepted draft or the residual draw) is
     distributed as the model's own next token (transformers' probabilities): 2400 draws (16 slots a window, seeded
