@@ -233,6 +233,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
     backend = get_backend("jax", kernels=kernels, kernel_config=kernel_config or KernelConfig())
     changed = backend.kernel_config.changed()
     out = {"layers": {}, "hbm_bytes_per_s": hbm_bandwidth(), "kernels": kernels,
+           "free_memory_bytes_at_start": backend.free_memory_bytes(),
            "pallas_ops": sorted(backend.pallas_ops), "kernel_config": asdict(backend.kernel_config), "kv": kv}
     if changed:                                        # never a headline (bench/summary.py)
         out["comparison"] = ", ".join(f"{k} {v}" for k, v in changed.items())
@@ -298,6 +299,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
 
 def main() -> int:
     from strata.jax_backend.kernel_config import KernelConfig
+    from strata.jax_backend.xla_flags import command_buffer_update
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--real-shapes", action="store_true")
@@ -313,10 +315,13 @@ def main() -> int:
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
                         help=f"real shapes: the JAX backend's KernelConfig.{f.name} (default {f.default})")
     ap.add_argument("--kv", default="auto", choices=("auto", "int8", "bfloat16"), help="real shapes: the KV cache")
+    ap.add_argument("--command-buffer-update", default="skip_temp", choices=("skip_temp", "xla_default"),
+                    help="the server's command_buffer_update setting, applied before JAX starts (default: the server's)")
     ap.add_argument("--smoke", action="store_true",
                     help="real shapes but 16 experts and a 4K vocabulary: checks the script on a CPU in seconds")
     ap.add_argument("--out", default=None, help="JSON file to write (default bench/results/<name>.json)")
     args = ap.parse_args()
+    say(command_buffer_update(args.command_buffer_update))          # before the first JAX call (stamp's)
     stamp = results_file.stamp()
     if args.real_shapes:
         prompt = args.prompt or 4096

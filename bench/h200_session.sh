@@ -19,6 +19,8 @@
 #   bash bench/h200_session.sh copies    # bench/launch_probe.py's copy probes (device_put, kernel, kernel on stream 1)
 #   bash bench/h200_session.sh offload   # bench/offload_speed.py, uniform routing, decode at batch 1 and 4
 #   bash bench/h200_session.sh probe48   # prompt_probe (with the stream's gaps) at 48 layers
+#   bash bench/h200_session.sh routes48  # engine48 with decode_expert_max_routes 320 (16 and 32 rows through the
+#                                        # decode expert kernel, not the grouped one): a comparison run
 #   bash bench/h200_session.sh spec      # bench/spec_speed.py at 48 layers, int4: verify 4+1 (and 1+1, 2+1 at batch 1)
 #                                        # against 1-token windows at batch 1, 4, 16; the JSON rewritten as it goes
 #   bash bench/h200_session.sh spec-probe  # prompt_probe --verify 4: a verify window's kernels by part of the layer
@@ -87,6 +89,11 @@ case "${1:-}" in
     timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 48 --prompt 4096 --repeat 3 \
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers.json" 2>&1 \
       | grep -E "layers:|\] |\| |wrote|Error"
+    ;;
+  routes48)
+    timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 48 --prompt 4096 --repeat 3 \
+      --kernels auto --decode-expert-max-routes 320 \
+      --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers_routes320.json" 2>&1 | grep -E "layers:|\] |\| |wrote|Error"
     ;;
   engine-gdn) # the XLA chunked rule at other settings, a comparison run: GDN_DOTS (default tf32x3) and GDN_CHUNK
               # (default 64), LAYERS=8,12 by default

@@ -25,10 +25,14 @@ def commit() -> str:
 
 def stamp() -> dict:
     import jax
+
+    from strata.jax_backend.xla_flags import SET_BY_STRATA
     d = jax.devices()[0]
+    xla_flags, ours = os.environ.get("XLA_FLAGS", ""), os.environ.get(SET_BY_STRATA, "")
     return {"machine": f"{d.platform}:{getattr(d, 'device_kind', '')} ({platform.node()}, jax {jax.__version__})",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}     # compiler flags change timings: a result names them
+            # compiler flags change timings: a result names them (the ones Strata sets by default apart)
+            "xla_flags": xla_flags.replace(ours, "").strip() if ours else xla_flags, "default_xla_flags": ours}
 
 
 def write(result: dict, out: str | None, default_name: str) -> Path:

@@ -334,6 +334,11 @@ class BackendSettings(_Group):
         None, Rule(_is_device, "a device string such as gpu, cpu (jax) or level_zero:gpu:0, opencl:cpu (sycl)"),
         "The backend's device: gpu or cpu for jax; level_zero:gpu:0, opencl:gpu, opencl:cpu for sycl (strata doctor "
         "lists them). Unset: the backend's default.", example="gpu")
+    command_buffer_update: str = setting(
+        "skip_temp", _choice("skip_temp", "xla_default"),
+        "jax on an NVIDIA GPU: how XLA updates a window's command buffer (CUDA graph). skip_temp keeps its temporaries "
+        "at fixed addresses (XLA's VMM allocator), so windows dispatched ahead run at the device's pace; set where the "
+        "installed jaxlib knows the mode, unless XLA_FLAGS names one. xla_default: XLA's own mode.")
     kernels: str = setting(
         "auto", _choice("auto", "xla", "pallas"),
         "The jax backend's kernels: auto (on a GPU, the Pallas kernels that measured faster than XLA; plain XLA on a "

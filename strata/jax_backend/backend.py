@@ -22,6 +22,7 @@ from strata.errors import ConfigError
 from strata.jax_backend.kernel_config import KernelConfig
 from strata.jax_backend.kernels import decode_attention as k_attention
 from strata.jax_backend.kernels import expert_decode as k_expert_decode
+from strata.jax_backend import cuda_memory
 from strata.jax_backend.kernels import expert_grouped as k_expert_grouped
 from strata.jax_backend.kernels import gated_delta as k_gated_delta
 from strata.jax_backend.kernels import route as k_route
@@ -101,11 +102,16 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         # window's small result read back on demand cost a large share of a decode window: docs/performance.md)
         x.copy_to_host_async()
 
-    def free_memory_bytes(self) -> int | None:
-        stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    def free_memory_bytes(self, driver=None) -> int | None:
+        """The allocator's limit less what it holds; on a GPU whose allocator says nothing (XLA's VMM allocator),
+        the CUDA driver's free memory (driver: its library, a stub in tests)."""
+        stats = self.device.memory_stats()
+        if stats and "bytes_limit" in stats:
+            return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        if self.device.platform == "gpu":
+            got = cuda_memory.free_total(self.device.local_hardware_id, driver)
+            return None if got is None else got[0]
+        return None
 
     @staticmethod
     def scope(name):
@@ -346,21 +352,25 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
 
     def experts_pool(self, x, slots, weight, pool, layout, max_distinct):
         """The expert op over the slot pool: x [T, H]; slots, weight [T, k] (slot -1: not computed here); pool uint8
-        [N, layout.nbytes]. Prompt parts (more than GATHER_ROUTES_MAX routes) through the grouped Pallas kernel,
-        decode rows of int4 blobs, kernel_config.decode_expert_min_tokens tokens or more, through the decode kernel,
-        when chosen; otherwise (and for shapes a kernel does not take) strata/jax_backend/kernels/experts.py in XLA."""
+        [N, layout.nbytes]. Windows of int4 blobs with kernel_config.decode_expert_min_tokens tokens or more and at
+        most decode_expert_max_routes routes through the decode kernel, other windows of more than GATHER_ROUTES_MAX
+        routes (prompt parts) through the grouped kernel, when chosen; otherwise (and for shapes a kernel does not
+        take) strata/jax_backend/kernels/experts.py in XLA."""
         t, kk = slots.shape
         single = not isinstance(pool, (tuple, list))
+        cfg = self.kernel_config
         try:
-            if single and t * kk > GATHER_ROUTES_MAX and "experts_grouped" in self.pallas_ops:
-                return k_expert_grouped.experts_grouped(layout, pool, x, slots, weight, interpret=self.interpret,
-                                                        max_distinct=max_distinct)
-            cfg = self.kernel_config
-            if (single and t >= cfg.decode_expert_min_tokens and t * kk <= GATHER_ROUTES_MAX
+            if (single and cfg.decode_expert_min_tokens <= t and t * kk <= cfg.decode_expert_max_routes
                     and "experts_decode" in self.pallas_ops and layout.fmt in k_expert_decode.FORMATS):
                 return k_expert_decode.experts_decode(layout, pool, x, slots, weight, interpret=self.interpret,
                                                       block=cfg.decode_expert_rows, warps=cfg.decode_expert_warps)
         except ValueError:                   # shapes or a format the kernel does not take
+            pass
+        try:
+            if single and t * kk > GATHER_ROUTES_MAX and "experts_grouped" in self.pallas_ops:
+                return k_expert_grouped.experts_grouped(layout, pool, x, slots, weight, interpret=self.interpret,
+                                                        max_distinct=max_distinct)
+        except ValueError:
             pass
         return experts_from_pool(layout, pool, x, slots, weight, max_distinct)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 from strata.errors import ConfigError
 from strata.jax_backend.kernels import expert_decode, gated_delta
+from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX
 
 
 def _pow2(n) -> bool:
@@ -27,6 +28,9 @@ class KernelConfig:
     decode_expert_rows: int = expert_decode.BLOCK_ROWS
     decode_expert_warps: int = expert_decode.WARPS
     decode_expert_min_tokens: int = 1
+    # routes (tokens x k) up to which a window's experts go through the decode kernel rather than the grouped
+    # prompt-part kernel (whose blocks of EXPERT_BLOCK rows idle at a few rows an expert)
+    decode_expert_max_routes: int = GATHER_ROUTES_MAX
 
     def __post_init__(self):
         if not (_pow2(self.gdn_chunk) and 16 <= self.gdn_chunk <= 256):
@@ -38,6 +42,8 @@ class KernelConfig:
                 raise ConfigError(f"{name} {getattr(self, name)!r} must be a power of two")
         if not (isinstance(self.decode_expert_min_tokens, int) and self.decode_expert_min_tokens >= 1):
             raise ConfigError(f"decode_expert_min_tokens {self.decode_expert_min_tokens!r} must be an integer >= 1")
+        if not (isinstance(self.decode_expert_max_routes, int) and self.decode_expert_max_routes >= 1):
+            raise ConfigError(f"decode_expert_max_routes {self.decode_expert_max_routes!r} must be an integer >= 1")
 
     def changed(self) -> dict:
         """The fields that differ from their defaults, by name (what makes a run a comparison)."""

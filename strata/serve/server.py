@@ -135,6 +135,9 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
         from strata.engine.runner import WindowRunner
         if note := builtin_note(config.model.model):
             log.info(note)
+        if config.backend.backend in ("jax", "auto"):          # before JAX makes its GPU client
+            from strata.jax_backend.xla_flags import command_buffer_update
+            log.info(command_buffer_update(config.backend.command_buffer_update))
         backend = resolve_backend(config.backend.backend)      # "auto" imports JAX to look
         check_device(config)
         if config.serve.compile_cache:

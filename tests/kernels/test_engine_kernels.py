@@ -103,7 +103,8 @@ def test_the_kernel_config_is_frozen_checked_and_given_at_load():
                        (dict(gdn_dots="tf32"), "gdn_dots 'tf32' is not allowed; allowed: ieee, tf32x3, bf16x6"),
                        (dict(decode_expert_rows=12), "decode_expert_rows 12 must be a power of two"),
                        (dict(decode_expert_warps=0), "decode_expert_warps 0 must be a power of two"),
-                       (dict(decode_expert_min_tokens=0), "decode_expert_min_tokens 0 must be an integer >= 1")):
+                       (dict(decode_expert_min_tokens=0), "decode_expert_min_tokens 0 must be an integer >= 1"),
+                       (dict(decode_expert_max_routes=0), "decode_expert_max_routes 0 must be an integer >= 1")):
         with pytest.raises(ConfigError, match=match):
             KernelConfig(**bad)
     with pytest.raises(ConfigError, match="kernel_config must be a KernelConfig, not dict"):
@@ -121,6 +122,30 @@ def spying(monkeypatch, module, name):
 
     monkeypatch.setattr(module, name, spied)
     return calls
+
+
+def test_decode_expert_max_routes_moves_windows_off_the_grouped_kernel(monkeypatch):
+    """A window of 24 tokens x 4 routes (96, over GATHER_ROUTES_MAX): the grouped kernel by default, the decode
+    kernel when decode_expert_max_routes allows 96; both equal the numpy reference."""
+    from test_expert_op import LIMIT, poisoned_pool, rel_err, routes
+
+    from strata.weights import quant
+    rng = np.random.default_rng(3)
+    lay = quant.layout("int4", 256, 128)
+    pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
+    slots, weight = routes(rng, 24, 4, slot_of)
+    x = rng.standard_normal((24, 256)).astype(np.float32)
+    want = quant.expert_reference(lay, pool, x, slots, weight)
+    decode = spying(monkeypatch, jb.k_expert_decode, "experts_decode")
+    grouped = spying(monkeypatch, jb.k_expert_grouped, "experts_grouped")
+    for max_routes, kernel in ((None, grouped), (96, decode)):
+        cfg = KernelConfig() if max_routes is None else KernelConfig(decode_expert_max_routes=max_routes)
+        got = np.asarray(jb.JaxBackend(kernels="pallas", kernel_config=cfg).experts_pool(x, slots, weight, pool, lay,
+                                                                                          10))
+        assert rel_err(got, want) <= LIMIT["float32"]["int4"]
+        assert len(kernel) == 1 and len(decode) + len(grouped) == 1, (max_routes, decode, grouped)
+        decode.clear()
+        grouped.clear()
 
 
 @pytest.mark.parametrize("fmt", ["int4", "bf16"])
