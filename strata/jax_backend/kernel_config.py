@@ -9,7 +9,6 @@ from dataclasses import dataclass, fields
 
 from strata.errors import ConfigError
 from strata.jax_backend.kernels import expert_decode, gated_delta
-from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX
 
 
 def _pow2(n) -> bool:
@@ -29,8 +28,9 @@ class KernelConfig:
     decode_expert_warps: int = expert_decode.WARPS
     decode_expert_min_tokens: int = 1
     # routes (tokens x k) up to which a window's experts go through the decode kernel rather than the grouped
-    # prompt-part kernel (whose blocks of EXPERT_BLOCK rows idle at a few rows an expert)
-    decode_expert_max_routes: int = GATHER_ROUTES_MAX
+    # prompt-part kernel (whose blocks of EXPERT_BLOCK rows idle at a few rows an expert): 16 decode rows of top-10
+    # measured faster through the decode kernel (docs/performance.md)
+    decode_expert_max_routes: int = 256
 
     def __post_init__(self):
         if not (_pow2(self.gdn_chunk) and 16 <= self.gdn_chunk <= 256):

@@ -125,8 +125,8 @@ def spying(monkeypatch, module, name):
 
 
 def test_decode_expert_max_routes_moves_windows_off_the_grouped_kernel(monkeypatch):
-    """A window of 24 tokens x 4 routes (96, over GATHER_ROUTES_MAX): the grouped kernel by default, the decode
-    kernel when decode_expert_max_routes allows 96; both equal the numpy reference."""
+    """A window of 24 tokens x 4 routes (96, over GATHER_ROUTES_MAX): the grouped kernel when
+    decode_expert_max_routes is below 96, the decode kernel from 96 (as by default); both equal the numpy reference."""
     from test_expert_op import LIMIT, poisoned_pool, rel_err, routes
 
     from strata.weights import quant
@@ -138,8 +138,9 @@ def test_decode_expert_max_routes_moves_windows_off_the_grouped_kernel(monkeypat
     want = quant.expert_reference(lay, pool, x, slots, weight)
     decode = spying(monkeypatch, jb.k_expert_decode, "experts_decode")
     grouped = spying(monkeypatch, jb.k_expert_grouped, "experts_grouped")
-    for max_routes, kernel in ((None, grouped), (96, decode)):
-        cfg = KernelConfig() if max_routes is None else KernelConfig(decode_expert_max_routes=max_routes)
+    assert KernelConfig().decode_expert_max_routes >= 96
+    for max_routes, kernel in ((95, grouped), (96, decode)):
+        cfg = KernelConfig(decode_expert_max_routes=max_routes)
         got = np.asarray(jb.JaxBackend(kernels="pallas", kernel_config=cfg).experts_pool(x, slots, weight, pool, lay,
                                                                                           10))
         assert rel_err(got, want) <= LIMIT["float32"]["int4"]
