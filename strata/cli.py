@@ -136,7 +136,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for text in lines:
         text = text.replace("\\n", "\n")
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-        ids = ids[:max(1, settings.model.max_context - args.max_tokens)]
+        ids = ids[:max(1, engine.settings.model.max_context - args.max_tokens)]
         out = engine.generate(ids, args.max_tokens)
         tokens += len(ids) + len(out) - 1                  # the last generated token is not read back
     counts = engine.experts.cache.routed
