@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,22 +20,18 @@ from strata.errors import ConfigError
 Array = Any
 
 
-@dataclass(frozen=True)
-class Rope:
+class Rope(Protocol):
     """RoPE as the ops apply it (strata/model/rope.py computes it from the model's config, once): the inverse
-    frequencies of the rotated pairs (fp32 values; the first 2 x len features of a head rotate NeoX-style, the rest
-    pass through) and the factor on cos and sin (YaRN's attention factor; 1 otherwise). Hashable: a compile-time
-    constant."""
+    frequencies of the rotated pairs (fp32 values; the first rotary_dim features of a head rotate NeoX-style, the
+    rest pass through) and the factor on cos and sin (YaRN's attention factor; 1 otherwise). Hashable: a
+    compile-time constant."""
     inv_freq: tuple[float, ...]
-    scale: float = 1.0
+    scale: float
 
     @property
-    def rotary_dim(self) -> int:
-        return 2 * len(self.inv_freq)
+    def rotary_dim(self) -> int: ...
 
-    def table(self) -> np.ndarray:
-        """fp32 [rotary_dim / 2 + 1]: the inverse frequencies, then the scale (the layout device kernels read)."""
-        return np.array(self.inv_freq + (self.scale,), np.float32)
+    def table(self) -> np.ndarray: ...     # fp32 [rotary_dim / 2 + 1]: the frequencies, then the scale (for kernels)
 
 
 class Backend(Protocol):

@@ -10,9 +10,8 @@ import operator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from strata.backend import Rope
 from strata.errors import ModelLoadError
-from strata.model.rope import RopeScaling, read_scaling, rope_for, scaling_for
+from strata.model.rope import Rope, RopeScaling, read_scaling, rope_for, scaling_for
 
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_moe")
 LINEAR, FULL = "linear_attention", "full_attention"

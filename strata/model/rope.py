@@ -2,7 +2,7 @@
 implements (linear, dynamic NTK, YaRN with its attention factor on cos and sin), over the rotated part of a head.
 
 `read_scaling` reads a checkpoint's `rope_scaling` or `rope_parameters` as transformers does; `scaling_for` is the
-rope_scaling / rope_scale settings over it; `rope_for` gives the backend's Rope (strata/backend.py). Dynamic NTK is
+rope_scaling / rope_scale settings over it; `rope_for` gives the `Rope` every backend applies. Dynamic NTK is
 computed for one sequence length, the serving context (`RopeScaling.seq_len`): transformers recomputes it per call
 from the longest position, and the two agree when a sequence reaches that length; a KV cache cannot keep keys rotated
 under a base that moves as the sequence grows.
@@ -14,10 +14,25 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from strata.backend import Rope
 from strata.errors import ConfigError, ModelLoadError
 
 KINDS = ("linear", "dynamic", "yarn")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """What attention's RoPE applies (strata/backend.py's Rope protocol): the fp32 inverse frequencies of the rotated
+    pairs and the factor on cos and sin. Hashable: a compile-time constant."""
+    inv_freq: tuple[float, ...]
+    scale: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * len(self.inv_freq)
+
+    def table(self) -> np.ndarray:
+        """fp32 [rotary_dim / 2 + 1]: the inverse frequencies, then the scale (the layout device kernels read)."""
+        return np.array(self.inv_freq + (self.scale,), np.float32)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dpnp
 import numpy as np
 
-from strata.backend import Rope
 from strata.sycl_backend.kernels import Kernels, i32, u32
 
 
@@ -16,7 +15,8 @@ def rope(k: Kernels, x, positions, freqs, rotary_dim: int, out=None):
     return out
 
 
-def rope_reference(x, positions, rope: Rope):
+def rope_reference(x, positions, rope):
+    """rope: strata/backend.py's Rope (inverse frequencies, factor on cos and sin)."""
     x = np.asarray(x, np.float64)
     # the angles in fp32, as the JAX backend forms them (at positions in the thousands their rounding is the
     # dominant error, and it is the op's definition); cos and sin in float64
