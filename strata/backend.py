@@ -20,6 +20,20 @@ from strata.errors import ConfigError
 Array = Any
 
 
+class Rope(Protocol):
+    """RoPE as the ops apply it (strata/model/rope.py computes it from the model's config, once): the inverse
+    frequencies of the rotated pairs (fp32 values; the first rotary_dim features of a head rotate NeoX-style, the
+    rest pass through) and the factor on cos and sin (YaRN's attention factor; 1 otherwise). Hashable: a
+    compile-time constant."""
+    inv_freq: tuple[float, ...]
+    scale: float
+
+    @property
+    def rotary_dim(self) -> int: ...
+
+    def table(self) -> np.ndarray: ...     # fp32 [rotary_dim / 2 + 1]: the frequencies, then the scale (for kernels)
+
+
 class Backend(Protocol):
     name: str
     xp: Any
@@ -50,7 +64,7 @@ class Backend(Protocol):
     def sigmoid(self, x: Array) -> Array: ...
     def softplus(self, x: Array) -> Array: ...
     def softmax(self, x: Array) -> Array: ...                                          # over the last axis, fp32
-    def rope(self, x: Array, positions: Array, rotary_dim: int, theta: float) -> Array: ...  # [T, heads, hd]
+    def rope(self, x: Array, positions: Array, rope: Rope) -> Array: ...               # [T, heads, hd]
 
     # --- sequence state
     def kv_write(self, cache: Array, new: Array, start: Array) -> Array: ...    # [Cap, ...] <- [T, ...] at start
@@ -74,8 +88,8 @@ class Backend(Protocol):
     def swiglu_out(self, g, u, w_down, residual, add=None, gate=None) -> Array: ...
     def route(self, logits: Array, k: int, renormalize: bool) -> tuple[Array, Array]: ...
     def expert_slots(self, table_row: Array, idx: Array, n_valid: Array) -> Array: ...
-    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv: dict, start, n_valid, rotary_dim,
-                        theta) -> tuple[Array, dict]: ...
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv: dict, start, n_valid,
+                        rope: Rope) -> tuple[Array, dict]: ...
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
                     n_k_heads) -> tuple[Array, Array, Array]: ...
 
@@ -252,7 +266,7 @@ class ComposedOps:
         valid = n_valid > 0 if is_rows(n_valid) else self.valid_mask(idx.shape[0], n_valid)
         return self.xp.where(valid[:, None], table_row[idx], -1)
 
-    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta):
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
         """Gated attention from its projections to the gated output (before o_proj): q/k RMSNorm per head, partial
         NeoX RoPE at positions start.., the new keys and values written at rows start.. of the layer's cache,
         causal GQA attention, the output times sigmoid(gate) (gate None: ungated).
@@ -261,7 +275,7 @@ class ComposedOps:
         if is_rows(start):
             def one(q, k, v, g, kv, s, n):
                 o, kv = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
-                                             k_norm, eps, kv, s, n, rotary_dim, theta)
+                                             k_norm, eps, kv, s, n, rope)
                 return o[0], kv
             return self.vmap(one)(q, k, v, q if gate is None else gate, kv, start, n_valid)
         xp = self.xp
@@ -270,8 +284,8 @@ class ComposedOps:
         hq = q.shape[1] // hd
         positions = start + xp.arange(t)
         valid = self.valid_mask(t, n_valid)
-        q = self.rope(self.rms_norm(q.reshape(t, hq, hd), q_norm, eps), positions, rotary_dim, theta)
-        k = self.rope(self.rms_norm(k.reshape(t, hkv, hd), k_norm, eps), positions, rotary_dim, theta)
+        q = self.rope(self.rms_norm(q.reshape(t, hq, hd), q_norm, eps), positions, rope)
+        k = self.rope(self.rms_norm(k.reshape(t, hkv, hd), k_norm, eps), positions, rope)
         kv = self.kv_store(kv, k, v.reshape(t, hkv, hd), start)
         # padded rows look at key 0 only (their output is discarded), so the keys visited follow the real rows
         o = self.attention(q, kv["k"], kv["v"], xp.where(valid, positions, 0), hd ** -0.5, kv.get("k_scale"),

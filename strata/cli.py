@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # The settings flags of generate and profile: the model and backend groups
-ENGINE_FLAGS = ("model", "dtype", "kv", "max_context", "backend", "device", "kernels")
+ENGINE_FLAGS = ("model", "dtype", "kv", "max_context", "rope_scaling", "rope_scale", "backend", "device", "kernels")
 # generate also takes the expert settings, so a pack can be tried with a small cache before it is served
 GENERATE_FLAGS = ENGINE_FLAGS + tuple(k for k in KEYS if SPECS[k].group == "experts")
 
@@ -136,7 +136,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for text in lines:
         text = text.replace("\\n", "\n")
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-        ids = ids[:max(1, settings.model.max_context - args.max_tokens)]
+        ids = ids[:max(1, engine.settings.model.max_context - args.max_tokens)]
         out = engine.generate(ids, args.max_tokens)
         tokens += len(ids) + len(out) - 1                  # the last generated token is not read back
     counts = engine.experts.cache.routed

@@ -41,6 +41,8 @@ MAX_PREFILL = PART_BUCKETS[-1]
 # The numerics paths a guard's retry can run on (SchedSettings.guard_ladder; strata/engine/numerics.py builds them).
 NUMERICS_RUNGS = ("reference_ops", "cpu_experts")
 MAX_CONTEXT_LIMIT = 1 << 22
+# max_context auto's cap where the device does not report its free memory (a CPU)
+AUTO_CONTEXT_CAP = 32768
 
 
 @dataclass(frozen=True)
@@ -128,10 +130,25 @@ class ModelSettings(_Group):
         "auto", _choice(*KV_DTYPES),
         "The attention layers' KV cache: auto is the weights' dtype; int8 keeps one float32 scale per token and KV "
         "head beside the int8 values (about a quarter of float32's bytes, half of bfloat16's).")
-    max_context: int = setting(
-        32768, _int_range(16, MAX_CONTEXT_LIMIT),
+    max_context: int | str = setting(
+        "auto", Rule(lambda v: v == "auto" or (_is_int(v) and 16 <= v <= MAX_CONTEXT_LIMIT),
+                     f"\"auto\" or an integer in [16, {MAX_CONTEXT_LIMIT}]"),
         "Tokens of one sequence, prompt and generated together; the sequence state is sized by it. A longer prompt "
-        "gets 400 naming both numbers; a request's max_tokens defaults to what is left of it.")
+        "gets 400 naming both numbers; a request's max_tokens defaults to what is left of it. auto: the positions "
+        "the model supports (max_position_embeddings, times the factor with rope scaling), at most "
+        f"{AUTO_CONTEXT_CAP} where the device does not report its free memory, and where it does, at most what "
+        "lets the sequence state of every slot take half of the memory left beside the working buffers; the plan's "
+        "log line says which. A number above the model's positions is refused.")
+    rope_scaling: str = setting(
+        "auto", _choice("auto", "none", "linear", "dynamic", "yarn"),
+        "RoPE scaling, to serve contexts past the model's max_position_embeddings: auto is what the checkpoint's "
+        "config says (rope_scaling or rope_parameters); none turns a checkpoint's scaling off; linear, dynamic "
+        "(NTK, computed for max_context) or yarn with factor rope_scale over the checkpoint's max_position_embeddings, "
+        "as transformers computes them (yarn: Qwen3-Next's model card asks for it past 262,144 tokens).")
+    rope_scale: float | None = setting(
+        None, Rule(lambda v: v is None or (_is_number(v) and 1 <= v <= 1024), "a number in [1, 1024]"),
+        "The factor of rope_scaling (linear, dynamic, yarn): the model then supports max_position_embeddings times "
+        "this many positions. With rope_scaling auto it replaces the checkpoint's own factor.", example=4.0)
 
 
 @dataclass(frozen=True)

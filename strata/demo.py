@@ -46,7 +46,7 @@ DEMO_CONFIG = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
     "hidden_act": "silu",
-    "max_position_embeddings": 32768,
+    "max_position_embeddings": 262144,
     "num_nextn_predict_layers": 1,
 }
 

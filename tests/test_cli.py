@@ -85,8 +85,8 @@ def test_serve_help_is_generated_from_the_settings():
 def test_a_bad_setting_flag_names_the_flag_in_its_own_words():
     r = strata("generate", "--prompt", "hi", "--max-context", "lots")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip() == ("strata generate: error: --max-context lots is not allowed; max_context must be an "
-                                "integer in [16, 4194304]"), r.stderr
+    assert r.stderr.strip() == ('strata generate: error: --max-context lots is not allowed; max_context must be "auto" '
+                                "or an integer in [16, 4194304]"), r.stderr
     r = strata("serve", "--expert-cache", "lots")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == ('strata serve: error: --expert-cache lots is not allowed; expert_cache must be "auto" '

@@ -26,7 +26,7 @@ def test_every_setting_has_one_group_a_help_and_a_default_its_rule_allows():
     s = Settings()
     assert all(getattr(getattr(s, spec.group), key) == spec.default for key, spec in SPECS.items())
     # the defaults the engine and the server share (the server's former ones)
-    assert (s.sched.prefill, s.model.max_context, s.sched.parallel) == (512, 32768, 2)
+    assert (s.sched.prefill, s.model.max_context, s.sched.parallel) == (512, "auto", 2)
     assert "sequences" not in SPECS and "n_slots" not in SPECS
 
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from strata.backend import get_backend
 from strata.builtin import is_builtin
-from strata.config import KV_DTYPES, Settings, bucket_for
-from strata.errors import StrataError
+from strata.config import AUTO_CONTEXT_CAP, KV_DTYPES, Settings, bucket_for
+from strata.errors import ConfigError, StrataError
 from strata.model.config import ModelConfig
 from strata.experts.path import ExpertPath
 from strata.model.forward import LayerByLayer, Taps, forward, init_state
@@ -37,6 +37,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.dtype = params["embed"].dtype
         self.kv_dtype = np.dtype(KV_DTYPES[settings.model.kv] or self.dtype)
+        if settings.model.max_context == "auto":
+            raise ConfigError("an Engine built directly needs max_context as a number of tokens; Engine.load "
+                              "chooses it for auto")
         # KV rows beyond max_context absorb the padding of the last part, so a write never runs off the cache
         self.capacity = settings.model.max_context + bucket_for(min(settings.sched.prefill,
                                                                     settings.model.max_context))
@@ -117,11 +120,15 @@ class Engine:
             config, tensors, tok_dir = pack.config, pack.dense(), pack.dir
         else:
             config, tensors, tok_dir = load_source(path_or_name)
-        cfg = ModelConfig.from_hf(config, source=f"{path_or_name} config")
+        cfg = ModelConfig.from_hf(config, source=f"{path_or_name} config").with_rope_settings(
+            settings.model.rope_scaling, settings.model.rope_scale)
         dtype = settings.model.dtype
         if dtype == "auto":
             dtype = "float32" if ops.device.platform == "cpu" else "bfloat16"
         np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+        max_context = _max_context(cfg, settings, ops, np_dtype, say)
+        settings = settings.with_values({"max_context": max_context})
+        cfg = cfg.for_context(max_context)
         params = ops.to_device(build_params(cfg, tensors, np_dtype, ops.joins_projections))
         tokenizer = None
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
@@ -177,12 +184,7 @@ class Engine:
         return init_state(self.cfg, self.capacity, self.dtype, self.kv_dtype)
 
     def work_bytes(self) -> int:
-        """Activations of the largest prompt part, estimated: per token the residual stream and its temporaries
-        (8 x hidden), the routed experts' intermediate (2 x k x moe_intermediate), and the logits."""
-        c = self.cfg
-        t = bucket_for(min(self.settings.sched.prefill, self.settings.model.max_context))
-        per_token = 8 * c.hidden_size + 2 * c.num_experts_per_tok * c.moe_intermediate_size + c.vocab_size
-        return t * per_token * 4
+        return _work_bytes(self.cfg, self.settings.sched.prefill, self.settings.model.max_context)
 
     # --- sequences
     def sequence(self) -> "Sequence":
@@ -394,6 +396,39 @@ def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, seed):
     need(0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], found {min_p}")
     need(seed is None or (isinstance(seed, int) and 0 <= seed < 2 ** 63),
          f"seed must be an integer in [0, 2^63), found {seed!r}")
+
+
+def _work_bytes(cfg: ModelConfig, prefill: int, max_context: int) -> int:
+    """Activations of the largest prompt part, estimated: per token the residual stream and its temporaries
+    (8 x hidden), the routed experts' intermediate (2 x k x moe_intermediate), and the logits."""
+    t = bucket_for(min(prefill, max_context))
+    per_token = 8 * cfg.hidden_size + 2 * cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.vocab_size
+    return t * per_token * 4
+
+
+def _max_context(cfg: ModelConfig, settings: Settings, ops, dtype, say) -> int:
+    """max_context as set, checked against the positions the model supports (with rope scaling), or auto's choice
+    (strata/experts/planner.py auto_context), said in one plan line."""
+    positions, n = cfg.max_positions, settings.model.max_context
+    if n != "auto":
+        if n > positions:
+            scaled = (f" with rope scaling {cfg.rope_scaling.describe()}" if cfg.rope_scaling is not None else
+                      "; rope scaling (--rope-scaling yarn --rope-scale F) extends it F times")
+            raise ConfigError(f"max_context {n} is beyond the {positions} positions this model supports{scaled}: "
+                              f"set max_context to at most {positions}")
+        return n
+    from strata.experts.planner import auto_context
+    kv = np.dtype(KV_DTYPES[settings.model.kv] or dtype)
+    sequences = settings.sched.parallel + 1          # as state_bytes counts them
+    one, two = (sum(a.nbytes for layer in init_state(cfg, c, dtype, kv) for a in layer.values()) for c in (0, 1))
+    pad = bucket_for(min(settings.sched.prefill, positions))
+    n, line = auto_context(positions, ops.free_memory_bytes(), cap=AUTO_CONTEXT_CAP,
+                           reserve_mib=settings.experts.vram_reserve_mib,
+                           work_bytes=_work_bytes(cfg, settings.sched.prefill, positions),
+                           fixed_state_bytes=sequences * one, token_state_bytes=sequences * (two - one), pad=pad,
+                           sequences=sequences)
+    say(line)
+    return n
 
 
 def _is_pack(path_or_name) -> bool:

@@ -1,5 +1,5 @@
 """The memory planner: from one device's own free-memory figure, how many expert slots fit beside the sequence state
-and the working buffers, and how many experts the host mirror holds.
+and the working buffers, and how many experts the host mirror holds; and max_context auto (`auto_context`).
 
 Each device is sized from its own query, taken before the plan allocates anything on it (never from a process-wide
 figure that includes another device's allocations: ../shared/seeds/002_*.txt, part 2). The plan is printed, and
@@ -55,6 +55,30 @@ class MemoryPlan:
             out.append(f"strata plan: host mirror holds all {self.total_experts} experts "
                        f"({self.mirror_bytes / GIB:.2f} GiB of RAM)")
         return out
+
+
+def auto_context(positions: int, free_bytes: int | None, *, cap: int, reserve_mib: int, work_bytes: int,
+                 fixed_state_bytes: int, token_state_bytes: int, pad: int, sequences: int) -> tuple[int, str]:
+    """max_context auto -> (tokens, the plan line saying why): the model's positions, at most `cap` where the device
+    does not report its free memory, else at most what lets the sequence state of `sequences` sequences (their fixed
+    bytes plus their bytes per token times max_context + pad rows) take half of the room beside the reserve and the
+    working buffers: the other half stays for expert slots."""
+    head = f"strata plan: max_context {{}} (auto): the model supports {positions} positions"
+    if free_bytes is None:
+        n = min(positions, cap)
+        why = f", capped at {cap} (the device does not report its free memory)" if n < positions else ""
+        return n, head.format(n) + why
+    room = free_bytes - reserve_mib * MIB - work_bytes
+    budget = room // 2
+    fit = (budget - fixed_state_bytes) // max(token_state_bytes, 1) - pad
+    if fit >= positions:
+        return positions, head.format(positions)
+    # a round number below what fits, never under 16 (a plan that cannot hold even that refuses on its own)
+    n = max(16, fit - fit % 1024 if fit >= 2048 else fit)
+    used = fixed_state_bytes + (n + pad) * token_state_bytes
+    return n, head.format(n) + (f"; {sequences} sequence states of {n} tokens take {used / GIB:.2f} "
+                                f"GiB, at most half of the {max(room, 0) / GIB:.2f} GiB left beside the reserve and "
+                                f"working buffers (set max_context to trade expert slots for context)")
 
 
 def plan_memory(free_bytes: int | None, *, slot_bytes: int, total_experts: int, state_bytes: int, work_bytes: int,

@@ -145,12 +145,14 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         return jax.nn.softmax(x.astype(jnp.float32), axis=-1)
 
     @staticmethod
-    def rope(x, positions, rotary_dim, theta):
+    def rope(x, positions, rope):
         # NeoX rotate-half on the first rotary_dim features; the rest pass through.  x: [T, heads, hd]
-        inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+        rotary_dim = rope.rotary_dim
+        inv_freq = jnp.asarray(np.array(rope.inv_freq, np.float32))
         freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]          # [T, rotary_dim/2]
         emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]                   # [T, 1, rotary_dim]
-        cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+        # the scale multiplies cos and sin in fp32 before they take x's dtype, as transformers does
+        cos, sin = (jnp.cos(emb) * rope.scale).astype(x.dtype), (jnp.sin(emb) * rope.scale).astype(x.dtype)
         rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
         half = rotary_dim // 2
         rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
@@ -225,20 +227,20 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         o = jnp.einsum("tgrc,cgd->tgrd", p, _dequantized(v_cache, v_scale, 0, cap), precision=hi)
         return o.reshape(t, hq, hd).astype(q.dtype)
 
-    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta):
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
         """The composition (strata/backend.py), but a decode window's attention (rows mode: one query per
         sequence over its own cache in the bank) is one Pallas kernel over every row (kernels/decode_attention.py),
         whose cost follows each row's length rather than the cache's capacity."""
         if "attention" not in self.pallas_ops or not is_rows(start):
-            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta)
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         s = q.shape[0]
         _, _, hkv, hd = kv["k"].shape
         hq = q.shape[1] // hd
         scales = (kv.get("k_scale"), kv.get("v_scale"))
-        qr = self.rope(self.rms_norm(q.reshape(s, hq, hd), q_norm, eps), start, rotary_dim, theta)     # [S, Hq, hd]
+        qr = self.rope(self.rms_norm(q.reshape(s, hq, hd), q_norm, eps), start, rope)     # [S, Hq, hd]
         if not k_attention.supported(qr[:, None], kv["k"], kv["v"], *scales, start):     # e.g. hd not a power of 2
-            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta)
-        kr = self.rope(self.rms_norm(k.reshape(s, hkv, hd), k_norm, eps), start, rotary_dim, theta)
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
+        kr = self.rope(self.rms_norm(k.reshape(s, hkv, hd), k_norm, eps), start, rope)
         kv = jax.vmap(lambda c, k1, v1, p: self.kv_store(c, k1[None], v1[None], p))(
             kv, kr, v.reshape(s, hkv, hd), start)
         # an inactive row attends to key 0 only (as the composition's): its output is discarded

@@ -1,14 +1,17 @@
 """Model configuration: one typed, validated view of a Hugging Face config.json (Hub or transformers-saved form).
 
 The model code reads only `ModelConfig`; where a key comes from (Hub's top-level `rope_theta` or transformers'
-`rope_parameters`, `num_experts` or `num_local_experts`) is settled here, once.
+`rope_parameters`, `num_experts` or `num_local_experts`) is settled here, once. RoPE scaling (strata/model/rope.py)
+is part of it: `cfg.rope` is what every backend applies, `cfg.max_positions` the context the model supports.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from strata.errors import ModelLoadError
+from strata.model.rope import Rope, RopeScaling, read_scaling, rope_for, scaling_for
 
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_moe")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -44,6 +47,27 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())
+    max_position_embeddings: int = 32768  # transformers' default for both model types
+    rope_scaling: RopeScaling | None = None
+
+    @cached_property
+    def rope(self) -> Rope:
+        """The inverse frequencies and the factor on cos and sin that attention's RoPE applies."""
+        return rope_for(self.head_dim, self.partial_rotary_factor, self.rope_theta, self.rope_scaling)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the model supports: max_position_embeddings, or the scaled window with rope scaling."""
+        return self.rope_scaling.positions if self.rope_scaling is not None else self.max_position_embeddings
+
+    def with_rope_settings(self, kind: str, scale: float | None) -> "ModelConfig":
+        """The rope_scaling / rope_scale settings over this checkpoint's own scaling (strata/model/rope.py)."""
+        return replace(self, rope_scaling=scaling_for(self.rope_scaling, kind, scale, self.max_position_embeddings))
+
+    def for_context(self, max_context: int) -> "ModelConfig":
+        """Dynamic NTK scaling computed for sequences of max_context tokens; any other form is unchanged."""
+        s = self.rope_scaling
+        return replace(self, rope_scaling=replace(s, seq_len=max_context)) if s and s.kind == "dynamic" else self
 
     @property
     def zero_centred_norms(self) -> bool:
@@ -92,20 +116,17 @@ def _get(d: dict, key: str, source: str, kind=int, default=None):
         raise ModelLoadError(f"{source}: key '{key}' must be {kind.__name__}, found {value!r}") from None
 
 
-def _rope(d: dict, source: str, is_next: bool) -> tuple[float, float]:
-    # transformers writes rope_parameters {rope_theta, partial_rotary_factor, rope_type}; Hub files use top-level keys
-    rp = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
-    rope_type = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ModelLoadError(f"{source}: rope_type '{rope_type}' is not supported; supported: default")
+def _rope(d: dict, source: str, is_next: bool) -> tuple[float, float, RopeScaling | None]:
+    # transformers writes rope_parameters {rope_theta, partial_rotary_factor, rope_type, ...}; Hub files use top-level
+    # keys and rope_scaling
+    rp, scaling = read_scaling(d, source)
     theta = _get(rp if rp.get("rope_theta") is not None else d, "rope_theta", source, float, 10000.0)
     # Qwen3-MoE rotates the whole head (transformers ignores partial_rotary_factor there); Qwen3-Next defaults to 0.25
     partial = _get(rp if rp.get("partial_rotary_factor") is not None else d, "partial_rotary_factor", source, float,
                    0.25) if is_next else 1.0
     if not 0.0 < partial <= 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor must be in (0, 1], found {partial}")
-    return theta, partial
+    return theta, partial, scaling
 
 
 def _int_list(d: dict, key: str, source: str) -> tuple[int, ...]:
@@ -147,7 +168,7 @@ def _parse(d: dict, source: str) -> ModelConfig:
     if len(types) != layers or any(t not in (LINEAR, FULL) for t in types):
         raise ModelLoadError(f"{source}: layer_types must list {layers} entries of "
                              f"'{LINEAR}' or '{FULL}', found {types!r}")
-    theta, partial = _rope(d, source, is_next)
+    theta, partial, scaling = _rope(d, source, is_next)
     num_experts = g("num_experts" if d.get("num_experts") is not None else "num_local_experts", int, 0)
     cfg = ModelConfig(
         model_type=model_type,
@@ -176,6 +197,8 @@ def _parse(d: dict, source: str) -> ModelConfig:
         linear_value_head_dim=g("linear_value_head_dim", int, 0) if is_next else 0,
         linear_conv_kernel_dim=g("linear_conv_kernel_dim", int, 0) if is_next else 0,
         eos_token_ids=_int_list(d, "eos_token_id", source),
+        max_position_embeddings=g("max_position_embeddings", int, 32768),
+        rope_scaling=scaling,
     )
     _validate(cfg, source)
     return cfg
@@ -190,6 +213,10 @@ def _validate(c: ModelConfig, source: str) -> None:
     need(c.num_heads % c.num_kv_heads == 0, f"num_attention_heads ({c.num_heads}) must be a multiple of "
          f"num_key_value_heads ({c.num_kv_heads})")
     need(c.rotary_dim % 2 == 0, f"head_dim * partial_rotary_factor = {c.rotary_dim} must be even")
+    need(c.max_position_embeddings >= 1, f"max_position_embeddings must be positive, found "
+         f"{c.max_position_embeddings}")
+    need(c.rotary_dim > 2 or c.rope_scaling is None or c.rope_scaling.kind != "dynamic",
+         f"dynamic rope scaling needs a rotary dimension above 2, found {c.rotary_dim}")
     need(c.decoder_sparse_step >= 1, f"decoder_sparse_step must be >= 1, found {c.decoder_sparse_step}")
     if any(c.is_sparse_layer(i) for i in range(c.num_layers)):
         need(0 < c.num_experts_per_tok <= c.num_experts, f"num_experts_per_tok ({c.num_experts_per_tok}) must be "

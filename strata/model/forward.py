@@ -285,7 +285,7 @@ def mix_rows(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, ys: list, sta
                                        lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads)
         return o, {"conv": conv, "ssm": ssm}
     return ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
-                               lp["k_norm"], eps, st, start, n_valid, cfg.rotary_dim, cfg.rope_theta)
+                               lp["k_norm"], eps, st, start, n_valid, cfg.rope)
 
 
 def layer_back(ops, cfg: ModelConfig, lp: dict, x, shared, y):

@@ -237,7 +237,8 @@ class ServeState:
         return self.phase == "ready"
 
     @property
-    def max_context(self) -> int:
+    def max_context(self) -> int | str:
+        """The scheduler's; while loading, the setting (which may still be "auto")."""
         return int(self.scheduler.max_context) if self.scheduler is not None else self.config.model.max_context
 
     @property

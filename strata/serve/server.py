@@ -157,7 +157,7 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
         runner = WindowRunner(engine, sched.parallel, sched.prefill)
         scheduler = Scheduler(runner, tokenizer=engine.tokenizer,
                               eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
-                              lookahead=sched.lookahead, max_context=config.model.max_context,
+                              lookahead=sched.lookahead, max_context=engine.settings.model.max_context,
                               window_tokens=sched.window_tokens, prompt_share=sched.prompt_share,
                               checkpoint_every=sched.checkpoint_every, checkpoint_ram_gib=sched.checkpoint_ram_gib,
                               guard=Guard(runner.numerics, sched.guard_storm, sched.guard_storm_seconds))
@@ -175,7 +175,7 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
                          on_ready=lambda: [hook() for hook in ready_hooks])
         state = app.state.strata
         names = config.served_names
-        log.info("serving %s on %s: %d parallel, prompt parts of %d tokens, max_context %d, queue limit %d, "
+        log.info("serving %s on %s: %d parallel, prompt parts of %d tokens, max_context %s, queue limit %d, "
                  "bodies up to %d bytes, API key %s%s (loading; /health answers 503 until ready)", config.model_name,
                  url, config.sched.parallel, config.sched.prefill, config.model.max_context, config.sched.queue_limit,
                  config.serve.max_body_bytes, "required" if config.serve.api_key else "off",

@@ -336,10 +336,10 @@ class SyclBackend(ComposedOps):
         self._op()
         return k_norms.softmax(self.kernels, self._f32(x))
 
-    def rope(self, x, positions, rotary_dim, theta):
+    def rope(self, x, positions, rope):
         self._op()
-        freqs = self._const(("rope", rotary_dim, float(theta)), lambda: k_rope.inv_freq(rotary_dim, theta))
-        return k_rope.rope(self.kernels, self._f32(x), self._positions(positions), freqs, rotary_dim)
+        freqs = self._const(("rope", rope), rope.table)
+        return k_rope.rope(self.kernels, self._f32(x), self._positions(positions), freqs, rope.rotary_dim)
 
     def _positions(self, p):
         p = self._dev(p, np.dtype(np.int64))
@@ -519,15 +519,15 @@ class SyclBackend(ComposedOps):
         self._rows_last = (host, dev)
         return dev
 
-    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim, theta):
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
         self._op()
         if not (_is_host(start) and _is_host(n_valid)):
-            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rotary_dim,
-                                           theta)
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
+        rotary_dim = rope.rotary_dim
         t = q.shape[0]
         hd = kv["k"].shape[-1]
         kv = self._kv(kv["k"], kv["v"], kv.get("k_scale"), kv.get("v_scale"), update=True)
-        freqs = self._const(("rope", rotary_dim, float(theta)), lambda: k_rope.inv_freq(rotary_dim, theta))
+        freqs = self._const(("rope", rope), rope.table)
         gate = None if gate is None else self._f32(gate)
         if is_rows(start):                     # a decode window: row s on its own caches [S, cap, hkv, hd]
             rows = self._rows(start, n_valid)

@@ -294,7 +294,7 @@ def test_config_precedence(tmp_path):
     d = Settings()
     assert (d.model.model, d.serve.host, d.serve.port, d.sched.parallel, d.sched.prefill, d.model.max_context,
             d.sched.queue_limit, d.serve.max_body_bytes, d.serve.api_key, d.backend.backend, d.model.dtype) == \
-        ("demo", "127.0.0.1", 8080, 2, 512, 32768, 16, 16 << 20, None, "jax", "auto")
+        ("demo", "127.0.0.1", 8080, 2, 512, "auto", 16, 16 << 20, None, "jax", "auto")
     with pytest.raises(ConfigError, match="parallel = 0 is not allowed; parallel must be an integer in"):
         SchedSettings(parallel=0)
     with pytest.raises(dataclasses_frozen_error()):

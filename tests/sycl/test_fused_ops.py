@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from strata.backend import ComposedOps
+from strata.model.rope import RopeScaling, rope_for
 from strata.reference import quantize_kv
 from strata.sycl_backend.kernels import gated_delta as k_gdn
 from strata.sycl_backend.kernels import linear as k_linear
@@ -150,6 +151,8 @@ def same_cache(got, want, what):
 
 
 ATT = dict(hq=4, hkv=2, hd=32, rot=8, cap=24)
+# YaRN x4 over a 16-position window on a quarter of the head: scaled frequencies and a factor on cos and sin
+ROPE = rope_for(ATT["hd"], ATT["rot"] / ATT["hd"], 10000.0, RopeScaling("yarn", 4.0, 16))
 
 
 def attention_inputs(ops, rng, rows: int, gated: bool):
@@ -170,10 +173,9 @@ def attention_inputs(ops, rng, rows: int, gated: bool):
 def test_attention_block(ops, rng, t, start, n_valid, gated, kv):
     args = attention_inputs(ops, rng, t, gated)
     cache = kv_cache(ops, rng, (ATT["cap"], ATT["hkv"], ATT["hd"]), kv)
-    rot = ATT["rot"]
 
     def run(fn, *lead):
-        return fn(*lead, *args, 1e-6, copy_of(ops, cache), np.int32(start), np.int32(n_valid), rot, 10000.0)
+        return fn(*lead, *args, 1e-6, copy_of(ops, cache), np.int32(start), np.int32(n_valid), ROPE)
     o, kv1 = run(ops.attention_block)
     o0, kv0 = run(ComposedOps.attention_block, ops)
     same_cache(kv1, kv0, "attention_block cache")
@@ -261,10 +263,9 @@ def test_attention_block_rows(ops, rng, s, gated, kv):
     args = attention_inputs(ops, rng, s, gated)
     cache = kv_cache(ops, rng, (s, ATT["cap"], ATT["hkv"], ATT["hd"]), kv)
     pos, active = rows_of(rng, s, ATT["cap"])
-    rot = ATT["rot"]
 
     def run(fn, *lead):
-        return fn(*lead, *args, 1e-6, copy_of(ops, cache), pos, active, rot, 10000.0)
+        return fn(*lead, *args, 1e-6, copy_of(ops, cache), pos, active, ROPE)
     o, kv1 = run(ops.attention_block)
     o0, kv0 = run(ComposedOps.attention_block, ops)         # row by row, through the one-sequence kernels
     same_cache(kv1, kv0, "attention_block rows: caches")

@@ -6,6 +6,7 @@ import dpnp
 import numpy as np
 import pytest
 
+from strata.model.rope import RopeScaling, rope_for
 from strata.reference import quantize_kv
 
 from strata.sycl_backend.kernels import attention as k_attention
@@ -68,13 +69,14 @@ def test_widen_bf16(ops, rng):
 
 
 @pytest.mark.parametrize("t,heads,hd,rot", [(1, 4, 16, 4), (9, 2, 32, 32), (5, 3, 24, 12)])
-def test_rope(ops, rng, t, heads, hd, rot):
+@pytest.mark.parametrize("scaling", [None, RopeScaling("yarn", 4.0, 64)])
+def test_rope(ops, rng, t, heads, hd, rot, scaling):
     x = rng.standard_normal((t, heads, hd)).astype(np.float32)
     pos = rng.integers(0, 3000, t).astype(np.int64)
     out = poisoned(ops, x.shape)
-    freqs = ops.to_device(k_rope.inv_freq(rot, 10000.0))
-    k_rope.rope(ops.kernels, ops.to_device(x), ops.to_device(pos), freqs, rot, out=out)
-    close(out, k_rope.rope_reference(x, pos, rot, 10000.0), rel=2e-5, what="rope")
+    rope = rope_for(hd, rot / hd, 10000.0, scaling)
+    k_rope.rope(ops.kernels, ops.to_device(x), ops.to_device(pos), ops.to_device(rope.table()), rot, out=out)
+    close(out, k_rope.rope_reference(x, pos, rope), rel=2e-5, what="rope")
 
 
 @pytest.mark.parametrize("t,hq,hkv,hd,cap", [(1, 4, 2, 16, 20), (6, 8, 2, 8, 12), (3, 2, 2, 64, 40)])

@@ -133,7 +133,7 @@ static void attention_input_head(__global const float* src, __global float* dst,
             if (d >= rot) { b[d] = a[d]; continue; }
             const int j = d < hr ? d : d - hr;
             const float f = (float)position * inv_freq[j];
-            const float c = cos(f), s = sin(f);
+            const float c = cos(f) * inv_freq[hr], s = sin(f) * inv_freq[hr];
             b[d] = d < hr ? a[d] * c + (-a[d + hr]) * s : a[d] * c + a[d - hr] * s;
         }
     }
@@ -148,7 +148,7 @@ static void attention_input_head(__global const float* src, __global float* dst,
 // The inputs of attention_block's attention, one work-group per (row, head) over q, k and v heads: q to q_out, k and
 // v into the caches at row s0 + t (s0: start clamped as kv_write clamps), q and k normed and rotated at start + t.
 // q [T, hq * hd], k, v [T, hkv * hd]; q_out [T, hq, hd]; kc, vc [cap, hkv, hd]; ks, vs [cap, hkv];
-// inv_freq [rot / 2].
+// inv_freq [rot / 2 + 1] (as rope's).
 __kernel void CAT(attention_inputs_, KV_SUFFIX)(__global const float* q, __global const float* k,
                                                 __global const float* v, __global const float* q_norm,
                                                 __global const float* k_norm, __global const float* inv_freq,
