@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402
-from synthetic_experts import SyntheticStore  # noqa: E402
+from strata.experts.synthetic import SyntheticStore  # noqa: E402
 
 REAL_BLOB = 1_646_592          # an int4 (group 128) expert at Qwen3-Next-80B shapes, bytes
 

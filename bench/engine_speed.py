@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import zlib
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -22,16 +21,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import results_file  # noqa: E402  (bench/, beside this script)
+from strata.demo import QWEN3_NEXT_80B  # noqa: E402
+from strata.jax_backend.random_weights import RandomDeviceReader  # noqa: E402
 import summary  # noqa: E402  (bench/, beside this script)
 
-QWEN3_NEXT_80B = {
-    "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_attention_heads": 16,
-    "num_key_value_heads": 2, "head_dim": 256, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10,
-    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
-    "intermediate_size": 5120, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "full_attention_interval": 4,
-}
 REAL_LAYERS = 48
 ROUNDS = 3          # decode timings: rounds of `decode` tokens or windows each, the median round kept
 
@@ -149,34 +142,6 @@ def measure_batched(engine, batch: int, context: int, windows: int, ahead: bool 
 # --- real shapes, random weights built on the device
 
 
-class RandomDeviceReader:
-    """Stands in for a checkpoint: every tensor the model asks for, drawn on the device (no host copy)."""
-
-    def __init__(self, dtype):
-        import jax
-        import jax.numpy as jnp
-        self.jax, self.xp, self.dtype = jax, jnp, dtype
-
-    def has(self, name: str) -> bool:
-        return not (name.endswith("experts.gate_up_proj") or name.startswith("mtp."))
-
-    def get(self, name, shape, dtype=None):
-        jax, jnp = self.jax, self.xp
-        key = jax.random.key(zlib.crc32(name.encode()))
-        dtype = dtype or self.dtype
-        if name.endswith("A_log"):
-            return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0))
-        if name.endswith("dt_bias"):
-            return jnp.ones(shape, jnp.float32)
-        if len(shape) == 1:                                    # norms
-            return (0.05 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-        return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[-1])).astype(dtype)
-
-    def norm(self, name, dim, zero_centred):
-        w = self.get(name, (dim,), np.float32)
-        return 1.0 + w if zero_centred else w
-
-
 def decode_bytes_per_token(cfg, params, context: int, expert_bytes: int, kv_dtype) -> dict:
     """HBM bytes one decoded token must move: weights it reads (k experts of expert_bytes each per sparse layer) +
     state it reads and writes (the KV cache in kv_dtype: int8 with a float32 scale per token and head)."""
@@ -247,7 +212,7 @@ def real_shapes(layer_counts: list[int], prompt_len: int, decode_tokens: int, re
         engine = Engine(cfg, params, backend, Settings.build(
             dtype="bfloat16", max_context=prompt_len + 2 * decode_tokens + 8, prefill=min(prompt_len, 4096),
             parallel=max(BATCHES), kernels=kernels, kv=kv))
-        from synthetic_experts import SyntheticStore         # bench/, beside this script
+        from strata.experts.synthetic import SyntheticStore
         n_moe = sum(cfg.is_sparse_layer(i) for i in range(n))
         store = SyntheticStore(experts, cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
         t = time.perf_counter()

@@ -21,6 +21,8 @@
 #   bash bench/h200_session.sh probe48   # prompt_probe (with the stream's gaps) at 48 layers
 #   bash bench/h200_session.sh routes48  # engine48 with decode_expert_max_routes 320 (16 and 32 rows through the
 #                                        # decode expert kernel, not the grouped one): a comparison run
+#   bash bench/h200_session.sh serve     # bench/serve_load.py: `strata serve --model random:qwen3-next-80b-a3b`
+#                                        # (48 layers, int4), 1, 4 and 16 streaming clients of 64 tokens
 #   bash bench/h200_session.sh spec      # bench/spec_speed.py at 48 layers, int4: verify 4+1 (and 1+1, 2+1 at batch 1)
 #                                        # against 1-token windows at batch 1, 4, 16; the JSON rewritten as it goes
 #   bash bench/h200_session.sh spec-probe  # prompt_probe --verify 4: a verify window's kernels by part of the layer
@@ -89,6 +91,11 @@ case "${1:-}" in
     timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 48 --prompt 4096 --repeat 3 \
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers.json" 2>&1 \
       | grep -E "layers:|\] |\| |wrote|Error"
+    ;;
+  serve)
+    timeout 560 python3 bench/serve_load.py --model random:qwen3-next-80b-a3b --clients 1,4,16 --tokens 64 \
+      --serve-args "--max-context 8192 --prefill 512" --out "$OUT/serve_load_h200_random_80b.json" 2>&1 \
+      | grep -vE "^INFO|^\s*$" | tail -40
     ;;
   routes48)
     timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 48 --prompt 4096 --repeat 3 \

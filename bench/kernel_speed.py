@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402
-from synthetic_experts import SyntheticStore  # noqa: E402
+from strata.experts.synthetic import SyntheticStore  # noqa: E402
 
 HBM_BYTES_PER_S = 3.6e12      # measured on the H200 this project uses (read + write)
 BF16_FLOPS = 790e12           # the H200's dense bf16 rate (the device README)

@@ -3,7 +3,7 @@
     python bench/offload_speed.py                  # GPU: Qwen3-Next-80B-A3B shapes, 48 layers, int4 experts
     python bench/offload_speed.py --smoke          # the same script on a CPU in a minute (tiny shapes)
 
-Random weights at real shapes; the routed experts in int4 (group 128) come from host RAM (bench/synthetic_experts.py),
+Random weights at real shapes; the routed experts in int4 (group 128) come from host RAM (strata/experts/synthetic.py),
 the device cache is capped at --cache-gib (12 GiB stands for a 16 GB card). Routing from random weights is near
 uniform; the skewed run adds a fixed router bias so that ~20% of each layer's experts take ~80% of the routes, and the
 adaptive policy (decayed counts, swaps between windows) has something to find.
@@ -28,8 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402
 import summary  # noqa: E402
-from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader, timed  # noqa: E402
-from synthetic_experts import SyntheticStore  # noqa: E402
+from engine_speed import timed  # noqa: E402
+from strata.demo import QWEN3_NEXT_80B  # noqa: E402
+from strata.jax_backend.random_weights import RandomDeviceReader  # noqa: E402
+from strata.experts.synthetic import SyntheticStore  # noqa: E402
 from trace_summary import print_summary, trace_summary  # noqa: E402
 
 GIB = 1 << 30

@@ -47,8 +47,9 @@ def demo_engine(max_context: int, prefill: int):
 def real_engine(layers: int, experts: str, max_context: int, prefill: int):
     """Random weights at Qwen3-Next-80B-A3B shapes (bench/engine_speed.py's), every expert resident."""
     import ml_dtypes
-    from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader          # bench/, beside this script
-    from synthetic_experts import SyntheticStore
+    from strata.demo import QWEN3_NEXT_80B
+    from strata.jax_backend.random_weights import RandomDeviceReader
+    from strata.experts.synthetic import SyntheticStore
     from strata.backend import get_backend
     from strata.config import Settings
     from strata.engine import Engine

@@ -257,13 +257,15 @@ def main() -> int:
     import jax
     import ml_dtypes
 
-    from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader, timed
+    from engine_speed import timed
+    from strata.demo import QWEN3_NEXT_80B
+    from strata.jax_backend.random_weights import RandomDeviceReader
     from strata.backend import get_backend
     from strata.config import Settings
     from strata.engine import Engine
     from strata.model.config import ModelConfig
     from strata.model.params import params_from_reader
-    from synthetic_experts import SyntheticStore
+    from strata.experts.synthetic import SyntheticStore
     from trace_summary import traced_events
     over = {"num_experts": 16, "vocab_size": 4096} if args.smoke else {}
     if args.smoke:

@@ -137,7 +137,9 @@ def main() -> int:
     import jax
     dev = jax.devices()[0]
     out = {"bench": "serve_load", **results_file.stamp(), "model": args.model, "max_tokens": args.tokens,
-           "results": results}
+           "results": results,
+           **{f"aggregate_tok_s_{r['clients']}_clients": r["aggregate_tok_s"] for r in results},
+           **{f"inter_event_ms_p99_{r['clients']}": r["inter_event_ms_p99"] for r in results}}
     print("| clients | TTFT ms | per-client tok/s | aggregate tok/s | inter-event p50 ms | p99 ms | sched overhead "
           "| plan / apply / handoff |")
     print("|---|---|---|---|---|---|---|---|")

@@ -101,8 +101,9 @@ def real_engine(n_layers: int, k: int, context: int, experts: str, smoke: bool):
     given format), every expert resident (bench/engine_speed.py's reader and synthetic experts)."""
     import ml_dtypes
 
-    from engine_speed import QWEN3_NEXT_80B, RandomDeviceReader
-    from synthetic_experts import SyntheticStore
+    from strata.demo import QWEN3_NEXT_80B
+    from strata.jax_backend.random_weights import RandomDeviceReader
+    from strata.experts.synthetic import SyntheticStore
     from strata.backend import get_backend
     from strata.config import Settings
     from strata.engine import Engine

@@ -68,6 +68,12 @@ KEYS = (
         (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 32768, skip=ENGINE, fitted=True),)),
     Key("offload_decode_tok_s_b1", "decode, batch 1, 12 GiB expert cache (32%), the rest in host RAM", "tok/s",
         (Source("offload_speed", ("runs", "uniform", "decode", "b1", "tok_s"), require=(("window_fetch", True),)),)),
+    # the real server (bench/serve_load.py) on the random-weights model at real shapes, 64 tokens a client
+    Key("serve_tok_s_16_clients", "server: 16 streaming clients, tokens/s in all (random weights at real shapes)",
+        "tok/s", (Source("serve_load", ("aggregate_tok_s_16_clients",),
+                         require=(("model", "random:qwen3-next-80b-a3b"),)),)),
+    Key("serve_itl_ms_p99_16", "server: 16 streaming clients, p99 time between a client's text events", "ms",
+        (Source("serve_load", ("inter_event_ms_p99_16",), require=(("model", "random:qwen3-next-80b-a3b"),)),)),
     Key("followup_ttft_ms_64k", "time to first token of a follow-up turn on a 64K conversation", "ms",
         (Source("followup_ttft", ("ttft_ms_64k",)),)),
     # speculative decoding (bench/spec_speed.py at real shapes, 4 drafts + 1, random weights)

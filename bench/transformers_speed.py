@@ -22,7 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402
-from engine_speed import QWEN3_NEXT_80B, REAL_LAYERS  # noqa: E402
+from engine_speed import REAL_LAYERS  # noqa: E402
+from strata.demo import QWEN3_NEXT_80B  # noqa: E402
 
 
 def hf_config(n_layers: int, smoke: bool):

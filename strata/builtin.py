@@ -1,5 +1,6 @@
-"""The models Strata knows by name, in one table: `demo` (random weights, written on first use) and `tiny` (trained
-weights shipped inside the package). Everything that takes a model path or name asks `builtin_dir` what a name is,
+"""The models Strata knows by name, in one table: `demo` (random weights, written on first use), `tiny` (trained
+weights shipped inside the package) and `random:<shape>` (random weights at a real model's shapes, drawn on the device
+at load: for measuring speed). Everything that takes a model path or name asks `builtin_dir` what a name is,
 and logs `builtin_note` when one is loaded.
 """
 from __future__ import annotations
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from strata.demo import DEMO_NOTE
+from strata.demo import DEMO_NOTE, RANDOM_SHAPES
 from strata.errors import ModelLoadError
 
 TINY_DIR = Path(__file__).parent / "models" / "tiny"
@@ -34,7 +35,23 @@ def _tiny_dir() -> Path:
     return TINY_DIR
 
 
-BUILTIN_MODELS = {"demo": Builtin(DEMO_NOTE, _demo_dir), "tiny": Builtin(TINY_NOTE, _tiny_dir)}
+RANDOM_PREFIX = "random:"
+RANDOM_NOTE = ("random weights at {shape}'s shapes (int4 experts, drawn on the device): for measuring speed; its text "
+               "is filler tokens")
+
+
+def _random(shape: str) -> Builtin:
+    from strata.demo import random_model_dir
+    return Builtin(RANDOM_NOTE.format(shape=shape), lambda: random_model_dir(shape))
+
+
+BUILTIN_MODELS = {"demo": Builtin(DEMO_NOTE, _demo_dir), "tiny": Builtin(TINY_NOTE, _tiny_dir),
+                  **{RANDOM_PREFIX + shape: _random(shape) for shape in RANDOM_SHAPES}}
+
+
+def is_random(name) -> bool:
+    """A `random:<shape>` model: its weights are drawn at load, not read."""
+    return str(name).startswith(RANDOM_PREFIX) and is_builtin(name)
 
 
 def is_builtin(name) -> bool:

@@ -51,6 +51,20 @@ DEMO_CONFIG = {
 }
 
 
+# Qwen3-Next-80B-A3B's shapes (its config.json's values that matter to Strata)
+QWEN3_NEXT_80B = {
+    "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+    "intermediate_size": 5120, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "full_attention_interval": 4,
+    "num_hidden_layers": 48, "max_position_embeddings": 262144, "architectures": ["Qwen3NextForCausalLM"],
+}
+# the `random:<name>` models: random weights at these shapes (strata/builtin.py)
+RANDOM_SHAPES = {"qwen3-next-80b-a3b": QWEN3_NEXT_80B}
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("STRATA_CACHE_DIR") or Path.home() / ".cache" / "strata")
 
@@ -79,6 +93,27 @@ def demo_model_dir() -> Path:
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def random_model_dir(shape: str) -> Path:
+    """A directory holding the config and tokenizer of the random-weights model at RANDOM_SHAPES[shape] (no weights:
+    Engine.load draws them on the device), written on first use."""
+    from strata.demo_tokenizer import write_filler_tokenizer
+    cfg = RANDOM_SHAPES[shape]
+    target = cache_root() / f"random-{shape}-{demo_fingerprint()}"
+    if not (target / "config.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".random-", dir=target.parent))
+        try:
+            write_filler_tokenizer(tmp, cfg["vocab_size"])
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            try:
+                os.replace(tmp, target)
+            except OSError:  # another process got there first; theirs is identical
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -222,6 +222,22 @@ def write_demo_tokenizer(dir: Path) -> int:
     return DEMO_VOCAB_SIZE
 
 
+def write_filler_tokenizer(dir: Path, vocab_size: int) -> None:
+    """The demo tokenizer over a vocabulary of vocab_size (a random-weights model at a real model's shapes): ids past
+    the merged tokens are filler tokens " t<id>" that text never encodes to but that decode visibly, so every token
+    such a model samples streams as text. Same chat template and control tokens as the demo's."""
+    dir = Path(dir)
+    write_demo_tokenizer(dir)
+    vocab = _merged_vocab()
+    byte = _bytes_to_unicode()[ord(" ")]
+    vocab.update((f"{byte}t{i}", i) for i in range(max(vocab.values()) + 1, vocab_size))
+    backend = _Backend(models.BPE(vocab=vocab, merges=list(_learn_merges())))
+    backend.pre_tokenizer = _pre_tokenizer()
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    _write_json(dir / "tokenizer.json", json.loads(backend.to_str()))
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, which byte-level tokenizers use to store raw bytes as vocab strings."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

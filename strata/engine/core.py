@@ -8,6 +8,7 @@ The facade tests and the CLI use:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -19,13 +20,13 @@ import ml_dtypes
 import numpy as np
 
 from strata.backend import get_backend
-from strata.builtin import is_builtin
+from strata.builtin import builtin_dir, is_builtin, is_random
 from strata.config import AUTO_CONTEXT_CAP, KV_DTYPES, Settings, bucket_for
 from strata.errors import ConfigError, StrataError
 from strata.model.config import ModelConfig
 from strata.experts.path import ExpertPath
 from strata.model.forward import LayerByLayer, Taps, forward, init_state
-from strata.model.params import build_params
+from strata.model.params import build_params, params_from_reader
 from strata.weights.source import load_source
 
 log = logging.getLogger("strata")
@@ -113,11 +114,17 @@ class Engine:
         say = say or (lambda line: log.info(line))
         ops = get_backend(opts.backend, **({"device": opts.device} if opts.device else {}),
                           **({"kernels": opts.kernels} if opts.kernels != "auto" else {}))
-        pack = None
+        pack, random = None, is_random(path_or_name)
         if _is_pack(path_or_name):
             from strata.experts.pack import PackReader
             pack = PackReader(path_or_name)
             config, tensors, tok_dir = pack.config, pack.dense(), pack.dir
+        elif random:                         # weights drawn on the device below; the directory holds the rest
+            if ops.name != "jax":
+                raise ConfigError(f"model {path_or_name} draws its weights with JAX: use backend = \"jax\", not "
+                                  f"{ops.name!r}")
+            tok_dir = builtin_dir(path_or_name)
+            config, tensors = json.loads((tok_dir / "config.json").read_text()), None
         else:
             config, tensors, tok_dir = load_source(path_or_name)
         cfg = ModelConfig.from_hf(config, source=f"{path_or_name} config").with_rope_settings(
@@ -129,7 +136,11 @@ class Engine:
         max_context = _max_context(cfg, settings, ops, np_dtype, say)
         settings = settings.with_values({"max_context": max_context})
         cfg = cfg.for_context(max_context)
-        params = ops.to_device(build_params(cfg, tensors, np_dtype, ops.joins_projections))
+        if random:
+            from strata.jax_backend.random_weights import RandomDeviceReader
+            params = params_from_reader(cfg, RandomDeviceReader(np_dtype), ops.joins_projections)
+        else:
+            params = ops.to_device(build_params(cfg, tensors, np_dtype, ops.joins_projections))
         tokenizer = None
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
             from strata.tokenizer import Tokenizer
@@ -138,6 +149,10 @@ class Engine:
         if pack is not None:
             from strata.experts.tiers import PackStore
             store = PackStore(pack, stream=settings.experts.stream_experts)
+        elif random:
+            from strata.experts.synthetic import SyntheticStore
+            store = SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size,
+                                   sum(cfg.is_sparse_layer(i) for i in range(cfg.num_layers)), cfg.num_experts)
         else:
             from strata.experts.tiers import MemoryStore
             from strata.model.params import read_experts

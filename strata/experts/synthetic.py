@@ -1,4 +1,4 @@
-"""Random experts at real shapes for benchmarks, without writing tens of GB: an expert source (blob(p, e),
+"""Random experts at real shapes (benchmarks, the `random:` models), without writing tens of GB: an expert source (blob(p, e),
 checksum(p, e): strata/experts/tiers.py's ExpertSource) over `distinct` genuinely encoded random experts, expert (p, e)
 being distinct blob (p * E + e) % distinct. Bytes moved per expert are the real format's; only the number of
 different contents is small, which no timing depends on."""
