@@ -92,8 +92,10 @@ case "${1:-}" in
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers.json" 2>&1 \
       | grep -E "layers:|\] |\| |wrote|Error"
     ;;
-  serve)
-    timeout 560 python3 bench/serve_load.py --model random:qwen3-next-80b-a3b --clients 1,4,16 --tokens 64 \
+  serve)      # the lent machine's image lacks the server's packages: carry .wheels/ (py3.12 wheels, installed
+              # without their dependencies into .pylib)
+    python3 -m pip install -q --no-deps --no-index --target .pylib .wheels/*.whl && export PYTHONPATH="$PWD/.pylib"
+    timeout 540 python3 bench/serve_load.py --model random:qwen3-next-80b-a3b --clients 1,4,16 --tokens 64 \
       --serve-args "--max-context 8192 --prefill 512" --out "$OUT/serve_load_h200_random_80b.json" 2>&1 \
       | grep -vE "^INFO|^\s*$" | tail -40
     ;;
