@@ -6,9 +6,13 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = str(RESULTS.parents[1])
+if ROOT not in sys.path:              # stamp() reads strata's own names: every bench script finds the package
+    sys.path.insert(0, ROOT)
 
 
 def commit() -> str:

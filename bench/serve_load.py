@@ -140,6 +140,7 @@ def main() -> int:
            "results": results,
            **{f"aggregate_tok_s_{r['clients']}_clients": r["aggregate_tok_s"] for r in results},
            **{f"inter_event_ms_p99_{r['clients']}": r["inter_event_ms_p99"] for r in results}}
+    results_file.write(out, args.out, f"serve_load_{args.model.replace(':', '_')}_{dev.platform}")
     print("| clients | TTFT ms | per-client tok/s | aggregate tok/s | inter-event p50 ms | p99 ms | sched overhead "
           "| plan / apply / handoff |")
     print("|---|---|---|---|---|---|---|---|")
@@ -151,7 +152,6 @@ def main() -> int:
               + " / ".join("" if r[f"{p}_seconds"] is None or not r["window_seconds"] else
                            f"{100 * r[f'{p}_seconds'] / r['window_seconds']:.1f}%" for p in ("plan", "apply", "handoff"))
               + " |")
-    results_file.write(out, args.out, f"serve_load_{args.model}_{dev.platform}")
     return 0
 
 

@@ -84,3 +84,17 @@ def test_decode_headlines_prefer_windows_dispatched_ahead(tmp_path):
                                       decode_ahead_tok_s_b1_48_layers=140.0))
     s = summary.collect(tmp_path)
     assert s["decode_tok_s_b1"]["value"] == 140.0 and s["decode_tok_s_b1"]["commit"] == "bbb"
+
+
+def test_a_bench_script_stamps_its_result_with_only_bench_on_its_path(tmp_path):
+    """results_file.stamp() (machine, date, commit, flags) works in a script run as `python bench/x.py` from
+    anywhere, with nothing but bench/ on its path: the stamp reads strata's own names."""
+    import os
+    import subprocess
+    code = ("import sys; sys.path[:] = [p for p in sys.path if 'strata' not in p and p not in ('', '.')]; "
+            f"sys.path.insert(0, {str(ROOT / 'bench')!r}); import results_file; s = results_file.stamp(); "
+            "print(s['commit'], repr(s['xla_flags']))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
