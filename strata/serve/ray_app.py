@@ -42,9 +42,10 @@ KNOWN = 4096                   # request ids whose replica is remembered for the
 DEATHS = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
-def flat(settings: Settings) -> dict[str, Any]:
-    """Every setting by key, as Settings.with_values takes them (what crosses to the replicas)."""
-    return {key: getattr(getattr(settings, SPECS[key].group), key) for key in KEYS}
+def flat(settings: Settings, leave: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every setting by key but the groups in `leave`, as Settings.with_values takes them (what crosses to the
+    deployments)."""
+    return {key: getattr(getattr(settings, SPECS[key].group), key) for key in KEYS if SPECS[key].group not in leave}
 
 
 class EngineReplica:
@@ -297,7 +298,8 @@ def application(settings: Settings):
         graceful_shutdown_timeout_s=settings.serve.drain_timeout)
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine.bind(values), values)
+    # the replicas are not given the ray group: a change of routing or replica count does not restart them
+    return ingress.bind(engine.bind(flat(settings, leave=("ray",))), values)
 
 
 def build(args: dict):
