@@ -33,9 +33,8 @@ def block_keys(ids: Sequence[int], block: int) -> list[int]:
 
 
 class AffinityIndex:
-    def __init__(self, block: int, min_tokens: int, margin: int, capacity: int, routing: str = "affinity"):
+    def __init__(self, block: int, min_tokens: int, margin: int, capacity: int):
         self.block, self.min_tokens, self.margin, self.capacity = block, min_tokens, margin, capacity
-        self.routing = routing
         self.trees: dict[Hashable, OrderedDict] = {}
         self.turn = 0
 
@@ -66,15 +65,16 @@ class AffinityIndex:
         for r in [r for r in self.trees if r not in set(replicas)]:
             del self.trees[r]
 
-    def choose(self, replicas: Sequence[Hashable], keys: list[int], loads: dict) -> Choice:
-        """The replicas in order of preference for a prompt of these keys; loads: requests in flight per replica."""
+    def choose(self, replicas: Sequence[Hashable], keys: list[int], loads: dict, routing: str = "affinity") -> Choice:
+        """The replicas in order of preference for a prompt of these keys; loads: requests in flight per replica;
+        routing: affinity, or round_robin (in turn, whatever the prompt)."""
         ring = sorted(replicas, key=str)
         if not ring:
             return Choice([], "miss", 0)
         start = self.turn % len(ring)
         self.turn += 1
         ring = ring[start:] + ring[:start]
-        if self.routing == "round_robin":
+        if routing == "round_robin":
             return Choice(ring, "round_robin", self.matched(ring[0], keys))
         by_load = sorted(ring, key=lambda r: loads.get(r, 0))        # stable: ties keep the ring's turn
         best = max(ring, key=lambda r: self.matched(r, keys))

@@ -92,8 +92,10 @@ class EngineReplica:
                                       self.engine.eos_token_ids)
         return Constraint(self._grammars.tok, lark, self._grammars.vocab)
 
-    async def generate(self, req: Request, lark: str | None = None, route: dict | None = None):
-        """Batches of events; the first batch starts with a dict naming this replica, its slots and the route."""
+    async def generate(self, req: Request, lark: str | None = None, routing: str = "affinity",
+                       route: dict | None = None):
+        """Batches of events; the first batch starts with a dict naming this replica, its slots and the route
+        (the router's decision; `routing` is the policy the router was asked for)."""
         route = dict(route or {})
         if route.get("first", self.name) != self.name:
             route["kind"] = "fallback"          # Serve passed over the router's first choice (its queue was full)
@@ -134,9 +136,9 @@ class RemoteScheduler:
     """What app.py asks of a scheduler (submit, cancel, run, drain, abort, slots, metrics, max_context), carried out
     by the engine deployment through a streaming handle."""
 
-    def __init__(self, handle, max_context: int):
+    def __init__(self, handle, max_context: int, routing: str):
         self.handle = handle.options(stream=True)
-        self.max_context = max_context
+        self.max_context, self.routing = max_context, routing
         self.served: OrderedDict[str, str] = OrderedDict()      # request id -> replica
         self.replicas: dict[str, dict] = {}                      # replica -> its last head (pid, node, slots)
         self.per_replica: dict[str, int] = defaultdict(int)
@@ -202,7 +204,7 @@ class RemoteScheduler:
                 for attempt in range(RETRIES):
                     tokens = False
                     try:
-                        gen = self.handle.generate.remote(wire, lark)
+                        gen = self.handle.generate.remote(wire, lark, routing=self.routing)
                         async for batch in gen:
                             for item in batch:
                                 if isinstance(item, dict):
@@ -266,7 +268,7 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         config = self.config
-        remote = RemoteScheduler(self.engine_handle, config.model.max_context)
+        remote = RemoteScheduler(self.engine_handle, config.model.max_context, config.ray.routing)
 
         def load():
             from strata.engine.facts import model_facts
@@ -289,7 +291,7 @@ def application(settings: Settings):
     router = RequestRouterConfig(
         request_router_class="strata.serve.ray_router:AffinityRouter",
         request_router_kwargs={"block": r.affinity_block, "min_tokens": r.affinity_min_tokens,
-                               "margin": r.affinity_margin, "capacity": r.affinity_blocks, "routing": r.routing})
+                               "margin": r.affinity_margin, "capacity": r.affinity_blocks})
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=max(1, r.replicas),
         max_ongoing_requests=settings.sched.parallel + settings.sched.queue_limit,

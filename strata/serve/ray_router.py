@@ -3,7 +3,8 @@
 It runs inside the ingress's deployment handle. A request to the engine deployment's `generate` carries its
 Request first; the router hashes the prompt's blocks, ranks the replicas (one replica a rank, so Serve only moves
 past the preferred one when that one's queue is full), records the blocks on the replica the request went to, and
-writes its decision into the request's `route` keyword: the replica echoes it back, and the ingress counts it.
+writes its decision into the request's `route` keyword: the replica echoes it back, and the ingress counts it. The
+ingress names the policy in the `routing` keyword (affinity | round_robin), so changing it restarts no replica.
 Other calls (no prompt) go to the least loaded replica. A replica that dies or leaves is dropped from the tree.
 """
 from __future__ import annotations
@@ -17,9 +18,8 @@ from strata.serve.affinity import AffinityIndex, block_keys
 
 
 class AffinityRouter(RequestRouter):
-    def initialize_state(self, block: int = 64, min_tokens: int = 256, margin: int = 4, capacity: int = 1 << 20,
-                         routing: str = "affinity"):
-        self.index = AffinityIndex(block, min_tokens, margin, capacity, routing)
+    def initialize_state(self, block: int = 64, min_tokens: int = 256, margin: int = 4, capacity: int = 1 << 20):
+        self.index = AffinityIndex(block, min_tokens, margin, capacity)
         self.in_flight: dict = defaultdict(int)
         self.keys: dict[str, list[int]] = {}        # internal request id -> its prompt's block keys
 
@@ -38,7 +38,7 @@ class AffinityRouter(RequestRouter):
         keys = self.keys.get(rid_key)
         if keys is None:
             keys = self.keys[rid_key] = block_keys(prompt, self.index.block)
-        choice = self.index.choose(list(by_id), keys, loads)
+        choice = self.index.choose(list(by_id), keys, loads, pending_request.kwargs.get("routing", "affinity"))
         pending_request.kwargs["route"] = {"kind": choice.kind, "first": choice.order[0].unique_id,
                                            "matched": choice.matched}
         return [[by_id[rid]] for rid in choice.order]
