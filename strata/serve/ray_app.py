@@ -1,15 +1,13 @@
 """Strata on Ray Serve (pip install strata[ray]): an OpenAI ingress in front of a deployment of engine replicas.
 
 The ingress is serve/app.py's own app (routes, validation, tokenizing, SSE) over a RemoteScheduler: a Request goes
-to the engine deployment through a streaming handle whose router is serve/ray_router.py's AffinityRouter, and the
-events come back as they are made. Each EngineReplica is one engine, its scheduler and its prompt cache
-(server.load_model), with the GPUs ray_actor_options gives it. Responses name their replica (x-strata-replica);
-the ingress's /metrics counts requests per replica and the router's hits, misses and fallbacks. A replica that
-dies before a request's first token is retried on another; one that dies mid-stream ends the stream with an error
-chunk, the error object and [DONE], and Serve restarts it.
-
-    serve run configs/ray_serve.yaml                        # import_path strata.serve.ray_app:build
-    strata serve --replicas 2                               # a local Ray instance: serve_ray(settings)
+to the engine deployment through a streaming handle routed by serve/ray_router.py, and its events come back as they
+are made. Each EngineReplica is one engine, scheduler and prompt cache (server.load_model) on its own GPUs.
+Responses name their replica (x-strata-replica); /metrics counts requests per replica and the router's decisions.
+A replica that dies before a request's first token is retried on another; one that dies mid-stream ends the stream
+with an error chunk, the error object and [DONE], and Serve restarts it.
+    serve run configs/ray_serve.yaml          # import_path strata.serve.ray_app:build
+    strata serve --replicas 2                 # a local Ray instance: serve_ray(settings)
 """
 from __future__ import annotations
 
