@@ -49,7 +49,7 @@ def run(client, tag: str, turns: int, first_words: int) -> list[dict]:
                          "prompt_tokens": usage.prompt_tokens, "ttft_ms": ((first or end) - t0) * 1000,
                          "total_ms": (end - t0) * 1000})
             h += [{"role": "assistant", "content": "".join(reply)},
-                  {"role": "user", "content": f"Turn {turn + 1}: " + text(turn + 10 * c, 60)}]
+                  {"role": "user", "content": f"Turn {turn + 1}: " + text(turn + 10 * c, 20)}]
     return rows
 
 
@@ -66,7 +66,7 @@ def summary(rows: list[dict]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--first-words", type=int, default=1500, help="words of each conversation's first message")
+    p.add_argument("--first-words", type=int, default=450, help="words of each conversation's first message")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
