@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,sycl]'
+	$(BIN)/pip install -q -e '.[test,sycl,ray]'
 	touch $(STAMP)
 
 # The OpenAI-compatible server on 127.0.0.1:8080, serving the built-in tiny model (trained on Python's documentation:

@@ -83,6 +83,12 @@ def _check_device(settings: Settings) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, {key: getattr(args, key) for key in KEYS})
+    if settings.ray.replicas > 0 or settings.ray.ray_address:
+        try:
+            from strata.serve.ray_app import serve_ray
+        except ImportError as e:
+            raise StrataError(f"--replicas needs Ray Serve ({e}); install it with pip install 'strata[ray]'") from None
+        return serve_ray(settings)
     from strata.serve.server import serve_forever
     return serve_forever(settings)
 

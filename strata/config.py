@@ -1,6 +1,5 @@
-"""Settings, declared once: frozen, typed groups (model, experts, sched, serve, backend) gathered in `Settings`.
-
-Each field is a `setting(default, rule, help)`: its one name, default, allowed values and help. From the fields come
+"""Settings, declared once: frozen, typed groups (model, experts, sched, serve, backend, ray) gathered in
+`Settings`. Each field is a `setting(default, rule, help)`: its one name, default, allowed values and help. From the fields come
 the flat TOML keys (the field's name), the CLI flags (`max_context` -> `--max-context`), Engine.load's keywords,
 configs/demo.toml and docs/configuration.md (`make docs`). `check` is the one
 validation: an unknown key, or a value of the wrong type or outside its range, is a ConfigError naming the key (or
@@ -369,6 +368,44 @@ class BackendSettings(_Group):
 
 
 @dataclass(frozen=True)
+class RaySettings(_Group):
+    """Scale-out on Ray Serve (pip install strata[ray]): engine replicas behind one OpenAI ingress, each
+    conversation routed back to the replica whose prompt cache holds it."""
+    replicas: int = setting(
+        0, _int_range(0, 1024),
+        "Engine replicas on Ray Serve, each one engine with its own scheduler and prompt cache behind one ingress "
+        "(strata serve starts a local Ray instance); 0 serves without Ray.")
+    ray_address: str | None = setting(
+        None, _text("a Ray address such as auto or ray://head:10001", optional=True),
+        "The Ray cluster to join (auto: the one `ray start` began on this machine). Unset: a local instance.",
+        example="auto")
+    gpus_per_replica: float = setting(
+        0.0, Rule(lambda v: _is_number(v) and 0 <= v <= 64, "a number of GPUs in [0, 64]"),
+        "GPUs Ray reserves for each engine replica (ray_actor_options num_gpus); 0 on a CPU.")
+    cpus_per_replica: float = setting(
+        1.0, Rule(lambda v: _is_number(v) and 0 <= v <= 1024, "a number of CPUs in [0, 1024]"),
+        "CPUs Ray reserves for each engine replica (ray_actor_options num_cpus).")
+    routing: str = setting(
+        "affinity", _choice("affinity", "round_robin"),
+        "How the ingress picks a replica: affinity (the replica whose earlier prompts share the longest prefix with "
+        "this one, else the least loaded) or round_robin (in turn, ignoring the prompt).")
+    affinity_block: int = setting(
+        64, _int_range(1, 65536),
+        "Tokens per hashed block of the affinity router's prefix tree: a prompt matches a replica in whole blocks.")
+    affinity_min_tokens: int = setting(
+        256, _int_range(0, 1 << 24),
+        "The shortest prefix match that routes a request to its replica; a shorter one goes to the least-loaded "
+        "replica (counted as an affinity miss).")
+    affinity_margin: int = setting(
+        4, _int_range(0, 1 << 20),
+        "How many more requests in flight than the least-loaded replica the matched replica may have before the "
+        "request goes to the least-loaded one instead (a fallback).")
+    affinity_blocks: int = setting(
+        1 << 20, _int_range(1, 1 << 30),
+        "Blocks the router remembers per replica, least recently used dropped first.")
+
+
+@dataclass(frozen=True)
 class Faults:
     """Test-only fault injection, off by default: never from a config file, a flag or an Engine.load keyword (check
     refuses the keys); a test sets them with Settings.build(..., allow_faults=True)."""
@@ -385,7 +422,7 @@ FAULT_KEYS = {"fault_corrupt_slot": ("corrupt_slot", Rule(lambda v: _is_int(v) a
 
 
 GROUPS: dict[str, type] = {"model": ModelSettings, "experts": ExpertSettings, "sched": SchedSettings,
-                           "serve": ServeSettings, "backend": BackendSettings}
+                           "serve": ServeSettings, "backend": BackendSettings, "ray": RaySettings}
 
 
 @dataclass(frozen=True)
@@ -448,6 +485,7 @@ class Settings:
     sched: SchedSettings = field(default_factory=SchedSettings)
     serve: ServeSettings = field(default_factory=ServeSettings)
     backend: BackendSettings = field(default_factory=BackendSettings)
+    ray: RaySettings = field(default_factory=RaySettings)
     faults: Faults = field(default_factory=Faults)
 
     @classmethod

@@ -224,6 +224,11 @@ class ServeState:
         self.responses = 0                         # generation responses in flight
         self.on_scheduler_exit = on_scheduler_exit
         self._grammars = None
+        # set by a front end whose scheduler is remote (serve/ray_app.py): the slots one request may use (default:
+        # the scheduler's), headers naming who served a request, and [DONE] after a stream's error object
+        self.slot_count: int | None = None
+        self.response_headers: Callable[[str], dict] | None = None
+        self.done_after_error = False
         if engine is not None:
             self.attach(engine, scheduler)
 
@@ -246,8 +251,11 @@ class ServeState:
         return int(self.engine.cfg.vocab_size)
 
     def limits(self) -> oa.Limits:
-        return oa.Limits(vocab_size=self.vocab_size, max_context=self.max_context,
-                         slots=len(self.scheduler.slots()))
+        slots = self.slot_count if self.slot_count is not None else len(self.scheduler.slots())
+        return oa.Limits(vocab_size=self.vocab_size, max_context=self.max_context, slots=slots)
+
+    def headers_for(self, request_id: str) -> dict:
+        return self.response_headers(request_id) if self.response_headers is not None else {}
 
     def grammars(self):
         """The model's tokenizer for grammars and token bytes (serve/grammar.py), made at first use (in a worker
@@ -774,8 +782,8 @@ class GenerationResponse:
 
     async def _send_failed(self, send, f: Failed):
         code = "shutting_down" if f.status == 503 and self.state.phase == "draining" else "generation_failed"
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if f.status == 503 else None
-        await _send_json(send, f.status, _failed_body(f, code), headers)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if f.status == 503 else {}
+        await _send_json(send, f.status, _failed_body(f, code), {**headers, **self.state.headers_for(self.req.id)})
 
     # -- whole responses
 
@@ -795,7 +803,7 @@ class GenerationResponse:
                 elif isinstance(ev, Finished):
                     self.choices[ev.index].finished = ev
                     if all(c.finished is not None for c in self.choices):
-                        await _send_json(send, 200, self._whole_body(ev))
+                        await _send_json(send, 200, self._whole_body(ev), self.state.headers_for(self.req.id))
                         return
                 elif isinstance(ev, Failed):
                     self._fail_log(ev)
@@ -835,9 +843,10 @@ class GenerationResponse:
                         "more_body": True})
 
         async def start():
+            extra = [(k.lower().encode(), v.encode()) for k, v in self.state.headers_for(rid).items()]
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+                                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"), *extra]})
             for c in self.choices:
                 if chat:
                     await out(oa.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
@@ -898,6 +907,8 @@ class GenerationResponse:
                     if c.finished is None:
                         buf += oa.sse(self._chunk(c, None, [], "error"))
                 buf += oa.sse(_failed_body(terminal, "generation_failed"))
+                if self.state.done_after_error:
+                    buf += oa.sse("[DONE]")
             if buf:
                 await out(bytes(buf))
                 last_write = time.perf_counter()

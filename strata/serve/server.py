@@ -114,6 +114,44 @@ def check_device(config: Settings) -> None:
                           f"lists the devices)") from None
 
 
+def load_model(config: Settings, ready_hooks: list | None = None) -> tuple:
+    """Load the model and build its scheduler: -> (engine, scheduler), for the app's lifespan (here, and in each
+    Ray Serve engine replica). ready_hooks gets the compile cache's report, to call once the warm-up is done."""
+    from strata.engine import Engine
+    from strata.engine.runner import WindowRunner
+    from strata.sched.guard import Guard
+    from strata.sched.scheduler import Scheduler
+    if note := builtin_note(config.model.model):
+        log.info(note)
+    if config.backend.backend in ("jax", "auto"):          # before JAX makes its GPU client
+        from strata.jax_backend.xla_flags import command_buffer_update
+        log.info(command_buffer_update(config.backend.command_buffer_update))
+    backend = resolve_backend(config.backend.backend)      # "auto" imports JAX to look
+    check_device(config)
+    if config.serve.compile_cache:
+        hook = _compile_cache(backend, config.serve.compile_cache)
+        if hook is not None and ready_hooks is not None:
+            ready_hooks.append(hook)
+    t0 = time.perf_counter()
+    engine = Engine.load(settings=config.with_values({"backend": backend}))
+    if engine.tokenizer is None:
+        raise StrataError(f"{config.model.model} has no tokenizer.json beside it; strata serve needs one to render "
+                          f"chat prompts")
+    log.info("model %s loaded in %.0f ms (%s, %d layers, %d experts, %s)", config.model_name,
+             (time.perf_counter() - t0) * 1000, engine.cfg.model_type, engine.cfg.num_layers,
+             engine.cfg.num_experts, engine.dtype)
+    # the server owns the engine; the scheduler is given its runner (the Executor) and the model's values
+    sched = config.sched
+    runner = WindowRunner(engine, sched.parallel, sched.prefill)
+    scheduler = Scheduler(runner, tokenizer=engine.tokenizer,
+                          eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
+                          lookahead=sched.lookahead, max_context=engine.settings.model.max_context,
+                          window_tokens=sched.window_tokens, prompt_share=sched.prompt_share,
+                          checkpoint_every=sched.checkpoint_every, checkpoint_ram_gib=sched.checkpoint_ram_gib,
+                          guard=Guard(runner.numerics, sched.guard_storm, sched.guard_storm_seconds))
+    return engine, scheduler
+
+
 async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
                 hurry_event: asyncio.Event | None = None) -> int:
     """Listen, then load the model, build the scheduler and warm it up in the background; serve until
@@ -131,37 +169,7 @@ async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
     ready_hooks: list[Callable[[], None]] = []
 
     def load():
-        from strata.engine import Engine
-        from strata.engine.runner import WindowRunner
-        if note := builtin_note(config.model.model):
-            log.info(note)
-        if config.backend.backend in ("jax", "auto"):          # before JAX makes its GPU client
-            from strata.jax_backend.xla_flags import command_buffer_update
-            log.info(command_buffer_update(config.backend.command_buffer_update))
-        backend = resolve_backend(config.backend.backend)      # "auto" imports JAX to look
-        check_device(config)
-        if config.serve.compile_cache:
-            hook = _compile_cache(backend, config.serve.compile_cache)
-            if hook is not None:
-                ready_hooks.append(hook)
-        t0 = time.perf_counter()
-        engine = Engine.load(settings=config.with_values({"backend": backend}))
-        if engine.tokenizer is None:
-            raise StrataError(f"{config.model.model} has no tokenizer.json beside it; strata serve needs one to render "
-                              f"chat prompts")
-        log.info("model %s loaded in %.0f ms (%s, %d layers, %d experts, %s)", config.model_name,
-                 (time.perf_counter() - t0) * 1000, engine.cfg.model_type, engine.cfg.num_layers,
-                 engine.cfg.num_experts, engine.dtype)
-        # the server owns the engine; the scheduler is given its runner (the Executor) and the model's values
-        sched = config.sched
-        runner = WindowRunner(engine, sched.parallel, sched.prefill)
-        scheduler = Scheduler(runner, tokenizer=engine.tokenizer,
-                              eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
-                              lookahead=sched.lookahead, max_context=engine.settings.model.max_context,
-                              window_tokens=sched.window_tokens, prompt_share=sched.prompt_share,
-                              checkpoint_every=sched.checkpoint_every, checkpoint_ram_gib=sched.checkpoint_ram_gib,
-                              guard=Guard(runner.numerics, sched.guard_storm, sched.guard_storm_seconds))
-        return engine, scheduler
+        return load_model(config, ready_hooks)
 
     try:
         url = socket_url(sock)

@@ -1,0 +1,74 @@
+"""Ray Serve's RequestRouter with conversation affinity (serve/affinity.py holds the logic and its state).
+
+It runs inside the ingress's deployment handle. A request to the engine deployment's `generate` carries its
+Request first; the router hashes the prompt's blocks, ranks the replicas (one replica a rank, so Serve only moves
+past the preferred one when that one's queue is full), records the blocks on the replica the request went to, and
+writes its decision into the request's `route` keyword: the replica echoes it back, and the ingress counts it. The
+ingress names the policy in the `routing` keyword (affinity | round_robin), so changing it restarts no replica.
+Other calls (no prompt) go to the least loaded replica. A replica that dies or leaves is dropped from the tree.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from strata.sched.request import Request
+from strata.serve.affinity import AffinityIndex, block_keys
+
+
+class AffinityRouter(RequestRouter):
+    def initialize_state(self, block: int = 64, min_tokens: int = 256, margin: int = 4, capacity: int = 1 << 20):
+        self.index = AffinityIndex(block, min_tokens, margin, capacity)
+        self.in_flight: dict = defaultdict(int)
+        self.keys: dict[str, list[int]] = {}        # internal request id -> its prompt's block keys
+
+    def _load(self, rid: ReplicaID) -> int:
+        cached = self.replica_queue_len_cache.get(rid)
+        return max(self.in_flight.get(rid, 0), cached or 0)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        loads = {rid: self._load(rid) for rid in by_id}
+        prompt = _prompt(pending_request)
+        if prompt is None:
+            return [sorted(candidate_replicas, key=lambda r: loads[r.replica_id])]
+        rid_key = pending_request.metadata.internal_request_id
+        keys = self.keys.get(rid_key)
+        if keys is None:
+            keys = self.keys[rid_key] = block_keys(prompt, self.index.block)
+        choice = self.index.choose(list(by_id), keys, loads, pending_request.kwargs.get("routing", "affinity"))
+        pending_request.kwargs["route"] = {"kind": choice.kind, "first": choice.order[0].unique_id,
+                                           "matched": choice.matched}
+        return [[by_id[rid]] for rid in choice.order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self.in_flight[replica_id] += 1
+        keys = self.keys.pop(pending_request.metadata.internal_request_id, None)
+        if keys:
+            self.index.add(replica_id, keys)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self.in_flight.get(replica_id, 0) > 0:
+            self.in_flight[replica_id] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self.index.drop(replica_id)
+        self.in_flight.pop(replica_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]):
+        super().update_replicas(replicas)
+        alive = {r.replica_id for r in replicas}
+        self.index.keep(alive)
+        for rid in [r for r in self.in_flight if r not in alive]:
+            del self.in_flight[rid]
+
+
+def _prompt(pending_request: PendingRequest | None):
+    """The prompt's token ids of a `generate` call, else None."""
+    if pending_request is None or not pending_request.args:
+        return None
+    first = pending_request.args[0]
+    return first.prompt_ids if isinstance(first, Request) else None
