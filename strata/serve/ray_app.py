@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from collections import OrderedDict, defaultdict
 from dataclasses import replace
 from typing import Any
@@ -320,20 +321,16 @@ def serve_ray(settings: Settings) -> int:
     else:
         ray.init(num_cpus=max(1, int(r.replicas * r.cpus_per_replica + 1)), include_dashboard=False,
                  object_store_memory=OBJECT_STORE_BYTES)
+    # from before the deployment: a signal during serve.run stops the server once it is up, not with a traceback
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": settings.serve.host, "port": settings.serve.port})
         serve.run(application(settings), name="strata", route_prefix="/")
         log.info("serving %s on http://%s:%d through Ray Serve: %d engine replicas, routing %s",
                  settings.model_name, settings.serve.host, settings.serve.port, r.replicas, r.routing)
-        stop = asyncio.Event()
-
-        async def wait():
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
-
-        asyncio.run(wait())
+        stop.wait()
         log.info("shutting down")
         serve.shutdown()
         return 0

@@ -11,6 +11,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,8 +45,43 @@ def _deploy(**kw):
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    cache = SETTINGS["compile_cache"] = str(tmp_path_factory.mktemp("jax-cache"))
+def jax_cache(tmp_path_factory):
+    """One JAX compile cache for every Ray instance of the module: replicas after the first load their windows."""
+    return str(tmp_path_factory.mktemp("jax-cache"))
+
+
+# --- `strata serve --replicas N`: its own local Ray instance (this test runs before the module's instance starts) ----
+
+def test_strata_serve_replicas_serves_and_stops_on_sigint(jax_cache, tmp_path):
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "strata.cli", "serve", "--model", "demo", "--replicas", "1", "--cpus-per-replica",
+           "0.5", "--gpus-per-replica", "0", "--port", str(port), "--parallel", "2", "--prefill", "32",
+           "--max-context", "512", "--compile-cache", jax_cache]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    base = f"http://127.0.0.1:{port}"
+
+    def up():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            return httpx.get(base + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+    try:
+        _wait(up, 400, "strata serve --replicas 1 to become healthy")
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": HI, "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200 and r.headers[HEADER] and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(120)
+    assert code == 0, log.read_text()[-3000:]
+    assert "through Ray Serve: 1 engine replicas" in log.read_text()
+
+
+@pytest.fixture(scope="module")
+def url(jax_cache):
+    cache = SETTINGS["compile_cache"] = jax_cache
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20, log_to_driver=False,
              runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
     try:
