@@ -22,6 +22,9 @@ class AffinityRouter(RequestRouter):
         self.index = AffinityIndex(block, min_tokens, margin, capacity)
         self.in_flight: dict = defaultdict(int)
         self.keys: dict[str, list[int]] = {}        # internal request id -> its prompt's block keys
+        # internal request id -> the replica counted for it when chosen: requests that arrive together see the
+        # ones chosen before them as load, before any is routed
+        self.chosen: dict[str, ReplicaID] = {}
 
     def _load(self, rid: ReplicaID) -> int:
         cached = self.replica_queue_len_cache.get(rid)
@@ -41,9 +44,18 @@ class AffinityRouter(RequestRouter):
         choice = self.index.choose(list(by_id), keys, loads, pending_request.kwargs.get("routing", "affinity"))
         pending_request.kwargs["route"] = {"kind": choice.kind, "first": choice.order[0].unique_id,
                                            "matched": choice.matched}
+        self._uncount(rid_key)
+        self.chosen[rid_key] = choice.order[0]
+        self.in_flight[choice.order[0]] += 1
         return [[by_id[rid]] for rid in choice.order]
 
+    def _uncount(self, rid_key: str) -> None:
+        before = self.chosen.pop(rid_key, None)
+        if before is not None and self.in_flight.get(before, 0) > 0:
+            self.in_flight[before] -= 1
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self._uncount(pending_request.metadata.internal_request_id)
         self.in_flight[replica_id] += 1
         keys = self.keys.pop(pending_request.metadata.internal_request_id, None)
         if keys:
@@ -57,6 +69,7 @@ class AffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.index.drop(replica_id)
         self.in_flight.pop(replica_id, None)
+        self.chosen = {k: r for k, r in self.chosen.items() if r != replica_id}
 
     def update_replicas(self, replicas: list[RunningReplica]):
         super().update_replicas(replicas)
