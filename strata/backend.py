@@ -49,6 +49,9 @@ class Backend(Protocol):
     # the same backend on the same device with its reference ops in place of its own kernels (JAX: XLA instead of
     # Pallas), when some kernel of its own runs; else None (the numerics guard's reference_ops path)
     reference: "Backend | None"
+    # the optional Peers capability (below): the backend itself when it can run on the other devices of its kind
+    # (the layer split's stages), else None
+    peers: "Peers | None"
 
     # --- placement and memory
     def to_device(self, tree: Any) -> Any: ...
@@ -125,6 +128,13 @@ class HostFetch(Protocol):
     def pool_fill(self, pool: Array, slots, chunks, bounds, rows) -> Array: ...   # pool rows from chunk rows
     def experts_fetch(self, x: Array, ids: Array, weight: Array, valid: Array, pool: Array, table_row: Array,
                       chunks: list, starts: tuple, layout) -> tuple[Array, Array]: ...  # -> (y [T, H], copied)
+
+
+class Peers(Protocol):
+    """The same backend on each device of its kind (the layer split: strata/engine/stages.py)."""
+
+    def device_count(self) -> int: ...                 # devices of this backend's kind (its own included)
+    def on_device(self, i: int) -> "Backend": ...      # this backend (kernels, settings) on device i of its kind
 
 
 _BACKENDS = {"jax": "strata.jax_backend.backend:JaxBackend", "sycl": "strata.sycl_backend.backend:SyclBackend"}

@@ -100,6 +100,14 @@ def _is_device(v) -> bool:
     return not isinstance(v, (bool, int, float, list, dict, tuple))
 
 
+def _layer_split(v: Any) -> bool:
+    """Unset, "auto", a layer number or comma-separated layer numbers (their order is checked at load, against the
+    model's layers)."""
+    if v is None or v == "auto" or (_is_int(v) and v > 0):
+        return True
+    return isinstance(v, str) and all(x.strip().isdigit() for x in v.split(","))
+
+
 def setting(default: Any, rule: Rule, help: str, *, example: Any = None, env: str | None = None):
     """A settings field: its default, what it allows, its help (a sentence or more: flag help, TOML comment and docs
     row alike), an example value where the default is unset (configs/demo.toml shows it commented out), and the
@@ -360,6 +368,18 @@ class BackendSettings(_Group):
         "The jax backend's kernels: auto (on a GPU, the Pallas kernels that measured faster than XLA; plain XLA on a "
         "CPU), xla (plain XLA everywhere) or pallas (every Pallas kernel; interpreted on a CPU, which is slow: tests "
         "use it).")
+    layer_split: Any = setting(
+        None, Rule(_layer_split, "auto, or the first layer of each stage after the first (e.g. 24, or 16,32)"),
+        "Split the model's layers across devices of the backend's kind (jax): auto balances the layers' bytes by each "
+        "device's free memory over every device; K1,K2,... starts stage 2 at layer K1, stage 3 at K2, and so on. "
+        "Each stage holds its own layers' weights, expert cache and KV; one hand-off of the hidden rows per window "
+        "per boundary. Unset: one device.", example="auto")
+    prefill_help: bool = setting(
+        False, _BOOL,
+        "With layer_split: while a prompt part runs through the first stage, the second stage's device computes a "
+        "share of the first stage's routed experts (the ones missing from its cache first, up to half of those the "
+        "part routes to), their weights sent from host RAM, through the same expert op. The first stage's prompt "
+        "parts then run layer by layer. STRATA_PREFILL_HELP=1 turns it on.", env="STRATA_PREFILL_HELP")
     debug_nan: bool = setting(
         False, _BOOL,
         "Check every layer's output for non-finite values and log the first layer and op that produced one (slow: "

@@ -8,6 +8,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 ON_GPU = os.environ.get("STRATA_TEST_DEVICE", "cpu") == "gpu"
 if not ON_GPU:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # three CPU devices, for the layer split's stages (tests/e2e/test_layer_split.py); one-device code is unchanged
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3").strip()
 # JAX's persistent compilation cache: many tests build engines of the same shapes, and an engine's functions are
 # compiled per engine; with the cache the second engine of a shape loads its executables instead of recompiling.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "strata-test-jax-cache"))

@@ -25,7 +25,8 @@ from strata.config import AUTO_CONTEXT_CAP, KV_DTYPES, Settings, bucket_for
 from strata.errors import ConfigError, StrataError
 from strata.model.config import ModelConfig
 from strata.experts.path import ExpertPath
-from strata.model.forward import LayerByLayer, Taps, forward, init_state
+from strata.engine.stages import LayerSlice, Stage, split_points, stage_config, stage_params
+from strata.model.forward import LayerByLayer, Taps, forward, forward_hidden, head, init_state
 from strata.model.params import build_params, params_from_reader
 from strata.weights.source import load_source
 
@@ -52,6 +53,8 @@ class Engine:
         self.taps = Taps(debug_nan=settings.backend.debug_nan, nonfinite=settings.faults.nonfinite,
                          report=_report_nan)
         self.by_layer = LayerByLayer(ops, cfg, self.compiled, self.taps)
+        # the layer split's stages (strata/engine/stages.py); unsplit, one stage holding everything
+        self.stages = (Stage(0, 0, ops, cfg, params, self.path, by_layer=self.by_layer),)
         self.record_routing = False  # compiled windows report routing counts to the cache (strata profile)
         self.mtp = None              # (MtpHead, its expert pool) once loaded (mtp setting; strata/engine/spec.py)
         self._sample = ops.compile(partial(_sample, ops), static_argnames=("greedy",))
@@ -60,16 +63,42 @@ class Engine:
     def layout(self):
         return self.experts.layout if self.experts is not None else None
 
-    def _compile(self, name: str, fn, ops=None, path=None, **kw):
-        """fn(ops, cfg, path, layout, ..., taps=) compiled once per engine and layout; ops, path: another backend's
-        and its path (a numerics path's, strata/engine/numerics.py), under a name of its own."""
-        ops, path = ops or self.backend, path or self.path
-        return self.compiled((name, self.layout), lambda: ops.compile(
-            partial(fn, ops, self.cfg, path, self.layout, taps=self.taps), **kw))
+    def _compile(self, name: str, fn, ops=None, path=None, stage: Stage | None = None, **kw):
+        """fn(ops, cfg, path, layout, ..., taps=) compiled once per engine, stage and layout: a stage's over its own
+        layers, backend and path (default: the whole model's, unsplit); ops, path: another backend's and its path
+        (a numerics path's, strata/engine/numerics.py), under a name of its own."""
+        st = stage or self.stages[0]
+        ops, path = ops or st.ops, path or st.path
+        return self.compiled((name, st.index, st.layout), lambda: ops.compile(
+            partial(fn, ops, st.cfg, path, st.layout, taps=self.taps), **kw))
+
+    def compile_on(self, stage: Stage, name: str, fn, **kw):
+        """fn(ops, ...) compiled once per engine and stage, on that stage's backend."""
+        return (stage.compiled or self.compiled)(name, lambda: stage.ops.compile(partial(fn, stage.ops), **kw))
+
+    @property
+    def split(self) -> bool:
+        return len(self.stages) > 1
+
+    def zeros_state(self, template: list) -> list:
+        """A whole-model state list (per layer {name: array}, e.g. init_state's, or a bank) as zeros, each stage's
+        layers on its device."""
+        return [a for st in self.stages for a in st.ops.zeros_like(st.of(template))]
+
+    def hidden(self, stages, x, call):
+        """Hidden rows x through `stages` in turn: x = call(stage, x) on each, handed to each stage's device first
+        (x None: the first stage embeds its tokens). -> x on the last stage's device."""
+        for st in stages:
+            if x is not None and st.index > 0:
+                x = st.ops.to_device(x)
+            x = call(st, x)
+        return x
 
     def read_part(self, state, tokens, start: int, n_valid: int, all_logits: bool):
         """One part of one sequence -> (logits, new state): one compiled function when every expert is resident, a
-        window-fetch row for one decoded token on that path, else layer by layer."""
+        window-fetch row for one decoded token on that path, else layer by layer; stage by stage when split."""
+        if self.split:
+            return self._read_staged(state, tokens, start, n_valid, all_logits)
         if self.path.compiled_parts:
             f = self._compile("read", _read, donate_argnums=(2,), static_argnames=("all_logits", "with_counts"))
             record = self.record_routing and self.experts is not None
@@ -82,6 +111,28 @@ class Engine:
             return self._read_one_fetching(state, tokens, start)
         experts = self.path.on_host(np.arange(len(tokens)) < n_valid, part=len(tokens) > 1, owner="sequence")
         return self.by_layer.sequence(self.params, state, tokens, start, n_valid, all_logits, experts)
+
+    def _read_staged(self, state, tokens, start: int, n_valid: int, all_logits: bool):
+        """read_part over the stages: each stage's layers compiled as one function when its experts are all
+        resident, else layer by layer; the last stage's head on its output."""
+        state = list(state)
+        valid = np.arange(len(tokens)) < n_valid
+
+        def through(st, x):
+            a, b = st.layers.start, st.layers.stop
+            if st.path.compiled_parts:
+                f = self._compile("read_hidden", _read_hidden, stage=st, donate_argnums=(2,))
+                x, state[a:b] = f(st.params, st.path.args(), state[a:b], tokens, np.int32(start), np.int32(n_valid),
+                                  x)
+            else:
+                experts = st.path.on_host(valid, part=len(tokens) > 1, owner="sequence")
+                x, state[a:b], _ = st.by_layer.sequence_hidden(st.params, state[a:b], tokens, start, n_valid,
+                                                               experts, x)
+            return x
+        x = self.hidden(self.stages, None, through)
+        last = self.stages[-1]
+        f = self._compile("read_head", _read_head, stage=last, static_argnames=("all_logits",))
+        return f(last.params, x, np.int32(n_valid), all_logits=all_logits), state
 
     def _read_one_fetching(self, state, tokens, start: int):
         """One decoded token of one sequence as a window-fetch decode row over a bank of one: the path a runner's
@@ -136,11 +187,17 @@ class Engine:
         max_context = _max_context(cfg, settings, ops, np_dtype, say)
         settings = settings.with_values({"max_context": max_context})
         cfg = cfg.for_context(max_context)
+        split = opts.layer_split is not None
+        if opts.prefill_help and not split:
+            raise ConfigError("prefill_help needs layer_split: the peer that helps is the second stage's device")
+        if split and settings.sched.mtp:
+            raise ConfigError("layer_split with mtp (and spec) is not built yet: unset one of them")
         if random:
             from strata.jax_backend.random_weights import RandomDeviceReader
             params = params_from_reader(cfg, RandomDeviceReader(np_dtype), ops.joins_projections)
         else:
-            params = ops.to_device(build_params(cfg, tensors, np_dtype, ops.joins_projections))
+            params = build_params(cfg, tensors, np_dtype, ops.joins_projections)
+            params = params if split else ops.to_device(params)      # split: each stage places its own share
         tokenizer = None
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
             from strata.tokenizer import Tokenizer
@@ -160,6 +217,8 @@ class Engine:
             lay = layout("f32" if dtype == "float32" else "bf16", cfg.hidden_size, cfg.moe_intermediate_size)
             sparse = any(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
             store = MemoryStore(lay, read_experts(cfg, tensors, np_dtype)) if sparse else None
+        if split:
+            engine.split_layers(store, say)
         engine.attach_experts(store, say)
         if settings.sched.mtp:
             from strata.engine.spec import load_mtp
@@ -176,22 +235,71 @@ class Engine:
         s = self.experts.cache.corrupt(slot)
         say(f"strata experts: test fault: slot {slot} (layer {s.layer}, expert {s.expert}) overwritten on the device")
 
+    def split_layers(self, store, say=print) -> None:
+        """Cut the model into the stages `layer_split` asks for, each on its own device with its share of the
+        parameters (placed there now); the experts are attached per stage after (attach_experts)."""
+        ops, cfg, setting = self.backend, self.cfg, self.settings.backend.layer_split
+        if ops.peers is None:
+            raise ConfigError(f"layer_split: the {ops.name} backend runs on one device only here (the layer split "
+                              f"runs on the jax backend)")
+        n_dev = ops.peers.device_count()
+        backends = [ops.peers.on_device(i) for i in range(n_dev)]
+        per_state = self.settings.sched.parallel + 1
+        one = self.init_state()
+        layer_bytes = [sum(int(np.asarray(a).nbytes) for a in _leaves(self.params["layers"][i]))
+                       + per_state * sum(a.nbytes for a in one[i].values())
+                       + (store.layout.nbytes * store.n_experts if store is not None and cfg.is_sparse_layer(i) else 0)
+                       for i in range(cfg.num_layers)]
+        free = [b.free_memory_bytes() for b in backends] if setting == "auto" else None
+        points = split_points(str(setting), cfg, n_dev, layer_bytes, free)
+        bounds = [0, *points, cfg.num_layers]
+        stages, moe = [], 0
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            st_ops, st_cfg = backends[i], stage_config(cfg, a, b)
+            compiled = partial(self._stage_compiled, i)
+            params = st_ops.to_device(stage_params(self.params, a, b, i == 0, i == len(bounds) - 2))
+            stages.append(Stage(i, a, st_ops, st_cfg, params, ExpertPath.no_experts(st_ops), moe_first=moe,
+                                by_layer=LayerByLayer(st_ops, st_cfg, compiled, self.taps), compiled=compiled))
+            moe += sum(cfg.is_sparse_layer(j) for j in range(a, b))
+        self.stages = tuple(stages)
+        # the whole tree, each stage's arrays on its device; the sampler and the logits live on the last stage's
+        self.params = {"embed": stages[0].params["embed"], "norm": stages[-1].params["norm"],
+                       "lm_head": stages[-1].params["lm_head"],
+                       "layers": [lp for st in stages for lp in st.params["layers"]]}
+        self.backend, self.by_layer, self.path = stages[-1].ops, None, stages[0].path
+        say(f"strata split: {len(stages)} stages: {', '.join(st.describe() for st in stages)}; one hand-off of the "
+            f"hidden rows per window per boundary")
+
+    def _stage_compiled(self, index: int, name, make):
+        return self.compiled((index, name), make)
+
     def attach_experts(self, store, say=print) -> None:
-        """Plan memory for the experts in `store` (an expert source), open the cache and place them."""
+        """Plan memory for the experts in `store` (an expert source), open the cache and place them; split, each
+        stage its own layers' experts, planned from its own device's numbers."""
         if store is None:
             return
         from strata.experts.setup import build_experts
         # misses computed on the CPU run through a CPU backend's expert op (XLA's, the reference form)
         cpu = self.settings.experts.miss_policy == "cpu" or "cpu_experts" in self.settings.sched.ladder
         cpu_ops = get_backend("jax", device="cpu", kernels="xla") if cpu else None
-        self.path = build_experts(self.backend, self.cfg, store, self.settings, self.state_bytes(), self.work_bytes(),
-                                  self.compiled, cpu_ops=cpu_ops, say=say)
-        self.experts = self.path.experts
+        for st in self.stages:
+            n_moe = sum(st.cfg.is_sparse_layer(i) for i in range(st.cfg.num_layers))
+            if n_moe == 0:
+                continue
+            source = LayerSlice(store, st.moe_first, n_moe) if self.split else store
+            # prefill_help: the second stage's device computes a share of the first stage's prompt parts' experts
+            peer = self.stages[1].ops if self.settings.backend.prefill_help and st.index == 0 else None
+            st.path = build_experts(st.ops, st.cfg, source, self.settings, self.state_bytes(st), self.work_bytes(),
+                                    st.compiled or self.compiled, cpu_ops=cpu_ops, peer_ops=peer, say=say)
+        self.path = self.stages[0].path
+        self.experts = next((st.experts for st in self.stages if st.experts is not None), None)
 
-    def state_bytes(self) -> int:
+    def state_bytes(self, stage: Stage | None = None) -> int:
         """Device bytes of the sequence state of `settings.sched.parallel` sequences (plus one for Engine
-        sequences)."""
+        sequences), of one stage's layers when given."""
         one = self.init_state()
+        if stage is not None:
+            one = stage.of(one)
         return (self.settings.sched.parallel + 1) * sum(a.nbytes for layer in one for a in layer.values())
 
     def init_state(self) -> list[dict]:
@@ -249,7 +357,7 @@ class Sequence:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.pos = 0
-        self.state = engine.backend.zeros_like(engine.init_state())     # init_state is zeros (tested)
+        self.state = engine.zeros_state(engine.init_state())     # init_state is zeros (tested)
         self._args = DeviceArgs(engine.backend)
 
     def read(self, token_ids, part_size: int | None = None, all_logits: bool = False, as_numpy: bool = True):
@@ -286,7 +394,7 @@ class Sequence:
         e = self.engine
         if self.pos + 1 > e.settings.model.max_context:
             raise StrataError(f"{self.pos + 1} tokens exceed max_context {e.settings.model.max_context}")
-        if e.path.compiled_parts and not e.record_routing:
+        if e.path.compiled_parts and not e.record_routing and not e.split:
             # one compiled call per token, with one small transfer in (token, position, step) and one out (strata
             # profile records routing counts through read_part instead)
             f = e._compile("decode_step", _decode_step, donate_argnums=(2,), static_argnames=("greedy",))
@@ -311,6 +419,27 @@ def _read(ops, cfg, path, layout, params, args, state, tokens, start, n_valid, a
     if with_counts:
         counts = ops.xp.stack(counts) if counts else ops.xp.zeros((0, path.n_experts), ops.xp.int32)
     return logits, state, counts
+
+
+def _leaves(tree):
+    """The arrays of a nested dict/list tree."""
+    if isinstance(tree, dict):
+        return [a for v in tree.values() for a in _leaves(v)]
+    if isinstance(tree, (list, tuple)):
+        return [a for v in tree for a in _leaves(v)]
+    return [tree]
+
+
+def _read_hidden(ops, cfg, path, layout, params, args, state, tokens, start, n_valid, x, taps=None):
+    """One part of one sequence through one stage's layers, every expert resident: x [T, H] from the stage before
+    (None: the first stage, which embeds tokens) -> (x after its layers, its layers' state)."""
+    return forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid), x=x,
+                          taps=taps)
+
+
+def _read_head(ops, cfg, path, layout, params, x, n_valid, all_logits: bool, taps=None):
+    """The last stage's head on its output x: logits [T, V] or [1, V] (row n_valid - 1)."""
+    return head(ops, cfg, params, x, n_valid, all_logits)
 
 
 def _read_one_fetching(ops, cfg, path, layout, params, args, state, tokens, start, taps=None):

@@ -31,6 +31,8 @@ def build(engine, ladder) -> tuple[dict, list[str]]:
 
 
 def _not_offered(engine, name: str) -> str | None:
+    if engine.split:
+        return "not built for the layer split yet"
     if name == "reference_ops":
         if engine.backend.reference is None:
             return f"the {engine.backend.name} backend runs no kernel of its own here"

@@ -39,19 +39,21 @@ class WindowRunner:
         ops = engine.backend
         one = engine.init_state()
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
-        self.states = ops.zeros_like(bank)                    # per layer {name: [S, ...]}; init_state is zeros
+        # per layer {name: [S, ...]}, each stage's layers on its device; init_state is zeros
+        self.states = engine.zeros_state(bank)
         self.scratch_pos = engine.capacity - 1
         self.windows = 0
         self._pending_between = False
         self.between_s = 0.0              # host seconds spent on the cache's work between windows, in total
-        self._args = DeviceArgs(ops)
+        self._args = DeviceArgs(ops)                          # the last stage's (the sampler's)
+        self.stage_args = [DeviceArgs(st.ops) for st in engine.stages]
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
-        self._copy = engine.compiled("copy_slot", lambda: ops.compile(partial(_copy_slot, ops), donate_argnums=(0,)))
+        self._copy = [engine.compile_on(st, "copy_slot", _copy_slot, donate_argnums=(0,)) for st in engine.stages]
         self._shaping: Shaping | None = None
         self.copies = SlotCopies(self)
-        path = engine.path
-        self.rows = CompiledRows(self) if path.compiled_rows else HostRows(self)
-        self.part = CompiledPart(self) if path.compiled_parts else HostPart(self)
+        stages = engine.stages
+        self.rows = CompiledRows(self) if all(st.path.compiled_rows for st in stages) else HostRows(self)
+        self.part = CompiledPart(self) if all(st.path.compiled_parts for st in stages) else HostPart(self)
         # a decode window can be dispatched before its predecessor is read: a compiled backend whose decode window
         # is one compiled function taking the pool and the slot table by value, so the cache's work between
         # windows, which may then run while two windows are queued, cannot change what a dispatched window reads
@@ -64,8 +66,7 @@ class WindowRunner:
         from strata.engine.numerics import build
         self.rungs, left = build(engine, engine.settings.sched.ladder)
         self.numerics = tuple(self.rungs)        # the guard's retry ladder (Executor.numerics)
-        self._clear = engine.compiled("clear_slot", lambda: ops.compile(partial(_clear_slot, ops),
-                                                                         donate_argnums=(0,)))
+        self._clear = [engine.compile_on(st, "clear_slot", _clear_slot, donate_argnums=(0,)) for st in engine.stages]
         if engine.settings.sched.ladder:
             log.info(f"strata guard: retries after a non-finite row run on "
                      f"{', '.join(self.numerics) or 'nothing (no numerics path offered)'}"
@@ -83,19 +84,28 @@ class WindowRunner:
         if self._pending_between:
             self._pending_between = False
             t = time.perf_counter()
-            self.engine.experts.end_window(self.windows)
+            for x in self.expert_sets():
+                x.end_window(self.windows)
             self.between_s += time.perf_counter() - t
 
+    def expert_sets(self) -> list:
+        """Each stage's ExpertSet (one unsplit; none for a model without routed experts)."""
+        return [st.experts for st in self.engine.stages if st.experts is not None]
+
     def metrics(self) -> dict:
-        """The expert cache's counters (none for a model without routed experts)."""
-        x = self.engine.experts
-        if x is None:
-            return {}
-        st = x.cache.stats
-        return dict(expert_hits=st.hits, expert_misses=st.misses, expert_fills=st.fills,
-                    expert_bytes_copied=st.bytes_copied, expert_copy_seconds=st.copy_seconds,
-                    expert_cpu_routes=st.cpu_routes, expert_cpu_seconds=st.cpu_seconds, expert_loans=st.loans,
-                    expert_swaps=st.swaps, expert_slots_resident=x.cache.n_resident)
+        """The expert caches' counters, summed over the stages (none for a model without routed experts); split,
+        "stages" lists each stage's (its index, device, layers, counters and the host seconds handing rows to it)."""
+        out: dict = {}
+        stages = []
+        for st in self.engine.stages:
+            m = _cache_metrics(st.experts) if st.experts is not None else {}
+            for k, v in m.items():
+                out[k] = out.get(k, 0) + v
+            stages.append(dict(stage=st.index, device=str(st.ops.device), layers=f"{st.layers[0]}-{st.layers[-1]}",
+                               handoff_seconds=st.handoff_s, **m))
+        if self.engine.split:
+            out["stages"] = stages
+        return out
 
     # --- the prompt cache's copies of a slot's state (Executor; strata/engine/slot_copies.py)
     def snapshot(self, slot: int) -> Saved:
@@ -149,8 +159,8 @@ class WindowRunner:
             w_next = self.dispatch(replace(full.continued(), decode_active=np.arange(s) > 0), after=w)
             self.collect(w)
             self.collect(w_next)
-        if self.engine.experts is not None:       # the warm-up's routes are not traffic: counters start at zero
-            st = self.engine.experts.cache.stats
+        for x in self.expert_sets():              # the warm-up's routes are not traffic: counters start at zero
+            st = x.cache.stats
             st.hits = st.misses = st.cpu_routes = st.window_copies = 0
         return time.perf_counter() - t
 
@@ -215,8 +225,9 @@ class WindowRunner:
                 w.part_out = self.part.dispatch(plan) if self.spec is None else self.spec.part(plan)
             w.part_dispatch_s = time.perf_counter() - t
         self.windows += 1
-        if self.engine.experts is not None:
-            self.engine.path.count_resident_routes(plan.tokens)
+        if self.expert_sets():
+            for st in self.engine.stages:
+                st.path.count_resident_routes(plan.tokens)
             self._pending_between = True
         w.continues = after is not None
         return w
@@ -263,7 +274,7 @@ class WindowRunner:
         include the part's residual at its end (residual, a device scalar), on the device."""
         p = plan.part
         for c in p.copies:
-            self.states = self._copy(self.states, np.int32(p.slot), np.int32(c))
+            self.each_stage(lambda st, states: self._copy[st.index](states, np.int32(p.slot), np.int32(c)))
         if not (plan.shaped or p.copies):
             return PartOut(nxt, fin & residual)
         out = self.shaping().part(plan, logits)
@@ -276,19 +287,29 @@ class WindowRunner:
         it)."""
         t = time.perf_counter()
         for i in slots:
-            self.states = self._clear(self.states, np.int32(i))
+            self.each_stage(lambda st, states: self._clear[st.index](states, np.int32(i)))
         if self.spec is not None:
             self.spec.clear(slots)
         if rebuild:
             self._args = DeviceArgs(self.engine.backend)
+            self.stage_args = [DeviceArgs(st.ops) for st in self.engine.stages]
             self._shaping = None
-        x = self.engine.experts
-        if x is None:
+        sets = self.expert_sets()
+        if not sets:
             return Repair(rebuilt=rebuild, seconds=time.perf_counter() - t)
-        if rebuild:
-            x._table_dev = None
-        verified, bad = x.cache.repair(rewrite_all=rebuild)
+        verified, bad = 0, []
+        for x in sets:
+            if rebuild:
+                x._table_dev = None
+            v, b = x.cache.repair(rewrite_all=rebuild)
+            verified, bad = verified + v, bad + list(b)
         return Repair(verified, tuple(bad), rebuild, time.perf_counter() - t)
+
+    def each_stage(self, call) -> None:
+        """states = call(stage, its layers of the bank) for every stage, written back into the bank."""
+        for st in self.engine.stages:
+            a, b = st.layers.start, st.layers.stop
+            self.states[a:b] = call(st, self.states[a:b])
 
 
 @dataclass(eq=False)
@@ -323,8 +344,9 @@ class DeviceRows:
     out: object                          # device int32 [2, S]: next tokens, finite
     rows_next: object                    # device int32 [ROWS, S]: the rows of a window continuing this one; None
                                          # once a continuing window took them (or on an eager backend)
-    fetched: tuple | None = None         # window fetch: (the slot table it got (host), device routing counts
-                                         # [Lp, E], device experts copied [Lp]) until collect() records them
+    fetched: list | None = None          # window fetch, per fetching stage: (its ExpertSet, the slot table it got
+                                         # (host), device routing counts [Lp, E], device experts copied [Lp]) until
+                                         # collect() records them
     successor: "DeviceRows | None" = None
     logprobs: tuple | None = None        # device (sampled [S], top ids [S, K], top [S, K]) of a plan with logprobs
     given: tuple | None = None           # a continuing window's (rows taken from the host [S] bool, host rows [3, S])
@@ -341,10 +363,15 @@ class CompiledRows:
     def __init__(self, runner: WindowRunner):
         self.runner = r = runner
         e, ops = r.engine, r.engine.backend
-        self.fetching = e.path.kind is PathKind.WINDOW_FETCH
-        self.overlaps_cache_work = self.fetching
-        self._decode = e._compile("decode_rows", _decode_rows, donate_argnums=(2, 3), static_argnames=("greedy",))
-        self._logits = e._compile("decode_logits", _decode_logits, donate_argnums=(2,))
+        *self.before, self.last = e.stages
+        self.fetching = self.last.path.kind is PathKind.WINDOW_FETCH
+        self.overlaps_cache_work = any(st.path.kind is PathKind.WINDOW_FETCH for st in e.stages)
+        self._decode = e._compile("decode_rows", _decode_rows, stage=self.last, donate_argnums=(2, 3),
+                                  static_argnames=("greedy",))
+        self._logits = e._compile("decode_logits", _decode_logits, stage=self.last, donate_argnums=(2,))
+        # a split's stages before the last: their layers of the decode rows, handing on the hidden rows
+        self._hidden = [e._compile("decode_hidden", _decode_hidden, stage=st, donate_argnums=(2,))
+                        for st in self.before]
         # a window's result rows, copied out of the rows it hands its successor (a fresh [2, S] array)
         self._peel = e.compiled("peel_result", lambda: ops.compile(_result_rows))
         # a continuing window's rows: the predecessor's (donated) with the host's rows where given
@@ -368,27 +395,63 @@ class CompiledRows:
             # backend gets them on the host: DeviceArgs)
             rows_in = r._args.take("rows", _with_result_rows(rows))
         greedy = all_greedy(plan.temperature, plan.decode_active)
-        fetched = lp = None
+        fetched, lp = [], None
+        x = self._before_last(plan, rows_in, fetched)
         # a shaped plan's forward pass returns the logits, and Shaping samples from them
         decode, extra = (self._logits, ()) if plan.shaped else (self._decode, stable[1:])
         kw = {} if plan.shaped else {"greedy": greedy}
+        st = self.last
+        a, b = st.layers.start, st.layers.stop
         if self.fetching:
-            args, table = e.experts.fetch_args()
-            r.states, counts, copied, out = decode(e.params, args, r.states, rows_in, stable[0], *extra, **kw)
-            fetched = (table, counts, copied)
+            args, table = st.experts.fetch_args()
+            r.states[a:b], counts, copied, out = decode(st.params, args, r.states[a:b], rows_in, stable[0], *extra,
+                                                        x=x, **kw)
+            fetched.append((st.experts, table, counts, copied))
         else:
-            r.states, out = decode(e.params, e.path.args(), r.states, rows_in, stable[0], *extra, **kw)
+            r.states[a:b], out = decode(st.params, st.path.args(), r.states[a:b], rows_in, stable[0], *extra, x=x,
+                                        **kw)
         rows_out = out
         if plan.shaped:
             rows_out, lp = r.shaping().rows(plan, out, rows_in, greedy)
         out = rows_out if ops.eager else self._peel(rows_out)                               # [2, S]
         lp = lp if plan.logprobs is not None else None
-        d = DeviceRows(active, rows, out, None if ops.eager else rows_out, fetched, logprobs=lp, given=given)
+        d = DeviceRows(active, rows, out, None if ops.eager else rows_out, fetched or None, logprobs=lp,
+                       given=given)
         if after is not None:
             after.successor = d
-        for x in (out, *(fetched or ())[1:], *(lp or ())):     # what collect() reads, its copy queued now
-            ops.start_to_host(x)
+        for y in (out, *(c for f in fetched for c in f[2:]), *(lp or ())):   # what collect() reads, queued now
+            ops.start_to_host(y)
         return d
+
+    def _before_last(self, plan: WindowPlan, rows_in, fetched: list):
+        """A split's stages before the last on the window's rows (their copy on each stage's device) -> the
+        hidden rows [S, H] on the last stage's device (None unsplit); window fetch: each stage's (ExpertSet, table,
+        counts, copied) appended to fetched."""
+        r = self.runner
+        if not self.before:
+            return None
+        e = r.engine
+        active = plan.decode_active.astype(np.int32)
+
+        def through(st, x):
+            a, b = st.layers.start, st.layers.stop
+            t = time.perf_counter()
+            rows = st.ops.to_device(rows_in)
+            act = r.stage_args[st.index].get("active", active)
+            st.handoff_s += time.perf_counter() - t
+            f = self._hidden[st.index]
+            if st.path.kind is PathKind.WINDOW_FETCH:
+                args, table = st.experts.fetch_args()
+                r.states[a:b], x, counts, copied = f(st.params, args, r.states[a:b], rows, act, x)
+                fetched.append((st.experts, table, counts, copied))
+            else:
+                r.states[a:b], x = f(st.params, st.path.args(), r.states[a:b], rows, act, x)
+            return x
+        x = e.hidden(self.before, None, through)
+        t = time.perf_counter()
+        x = self.last.ops.to_device(x)
+        self.last.handoff_s += time.perf_counter() - t
+        return x
 
     def collect(self, d: DeviceRows) -> tuple[np.ndarray, np.ndarray, Logprobs | None]:
         r = self.runner
@@ -406,9 +469,10 @@ class CompiledRows:
                 d.successor.rows = _merged(np, rows_after, host, given)
         if d.fetched is not None:
             # recorded once read (reading them at dispatch made the host wait for the whole window there)
-            table, counts, copied = d.fetched
-            d.fetched = None
-            e.experts.record_window(table, np.asarray(e.backend.to_host(counts)), np.asarray(e.backend.to_host(copied)))
+            fetched, d.fetched = d.fetched, None
+            for experts, table, counts, copied in fetched:
+                experts.record_window(table, np.asarray(e.backend.to_host(counts)),
+                                      np.asarray(e.backend.to_host(copied)))
         lp = None if d.logprobs is None else _logprobs_of(e.backend.to_host, d.logprobs)
         return nxt, finite, lp
 
@@ -425,8 +489,15 @@ class HostRows:
         r = self.runner
         e = r.engine
         pos, active = r.decode_rows(plan)
-        experts = e.path.on_host(active > 0, part=False)
-        logits, r.states = e.by_layer.rows(e.params, r.states, plan.decode_tokens, pos, active, experts)
+
+        def through(st, x):
+            a, b = st.layers.start, st.layers.stop
+            experts = st.path.on_host(active > 0, part=False) if st.experts is not None else None
+            x, r.states[a:b], _ = st.by_layer.rows_hidden(st.params, r.states[a:b], plan.decode_tokens, pos, active,
+                                                           experts, x)
+            return x
+        last = e.stages[-1]
+        logits = last.by_layer.head(last.params, e.hidden(e.stages, None, through), len(active), all_logits=True)
         lp = None
         if plan.shaped:
             nxt, fin, lp = r.shaping().sample(plan, logits, active, reset=np.zeros(r.n_slots, np.int32))
@@ -445,15 +516,30 @@ class CompiledPart:
 
     def __init__(self, runner: WindowRunner):
         self.runner = runner
-        self._part = runner.engine._compile("prompt_part", _prompt_part, donate_argnums=(2,))
+        e = runner.engine
+        *self.before, self.last = e.stages
+        self._part = e._compile("prompt_part", _prompt_part, stage=self.last, donate_argnums=(2,))
+        self._hidden = [e._compile("part_hidden", _part_hidden, stage=st, donate_argnums=(2,)) for st in self.before]
 
     def dispatch(self, plan: WindowPlan) -> PartOut:
         r, p = self.runner, plan.part
         e = r.engine
         i = p.slot
-        nxt, fin, r.states, logits, residual, _ = self._part(
-            e.params, e.path.args(), r.states, np.int32(i), _padded(p.tokens), np.int32(p.start),
-            np.int32(len(p.tokens)), *_sampling_of(plan, i), plan.seeds[i], plan.steps[i])
+        tokens = _padded(p.tokens)
+        start, n = np.int32(p.start), np.int32(len(p.tokens))
+
+        def through(st, x):
+            a, b = st.layers.start, st.layers.stop
+            r.states[a:b], x = self._hidden[st.index](st.params, st.path.args(), r.states[a:b], np.int32(i), tokens,
+                                                      start, n, x)
+            return x
+        x = e.hidden(self.before, None, through)
+        st = self.last
+        a, b = st.layers.start, st.layers.stop
+        x = st.ops.to_device(x) if x is not None else None
+        nxt, fin, r.states[a:b], logits, residual, _ = self._part(
+            st.params, st.path.args(), r.states[a:b], np.int32(i), tokens, start, n, *_sampling_of(plan, i),
+            plan.seeds[i], plan.steps[i], x=x)
         return r.part_out(plan, nxt, fin, logits, residual)
 
 
@@ -468,8 +554,19 @@ class HostPart:
         e = r.engine
         i, n = p.slot, len(p.tokens)
         padded = _padded(p.tokens)
-        experts = e.path.on_host(np.arange(len(padded)) < n, part=len(padded) > 1, owner=f"prompt part of slot {i}")
-        logits, r.states, residual = e.by_layer.slot_part(e.params, r.states, i, padded, p.start, n, experts)
+        valid = np.arange(len(padded)) < n
+        residual = None
+
+        def through(st, x):
+            nonlocal residual
+            a, b = st.layers.start, st.layers.stop
+            experts = (st.path.on_host(valid, part=len(padded) > 1, owner=f"prompt part of slot {i}")
+                       if st.experts is not None else None)
+            x, r.states[a:b], residual = st.by_layer.slot_part_hidden(st.params, r.states[a:b], i, padded, p.start,
+                                                                       n, experts, x)
+            return x
+        last = e.stages[-1]
+        logits = last.by_layer.head(last.params, e.hidden(e.stages, None, through), n)
         if plan.shaped or p.copies:
             return r.part_out(plan, None, None, logits, residual)
         nxt, fin = r._sample(logits, *_sampling_of(plan, i), plan.seeds[i:i + 1], plan.steps[i:i + 1])
@@ -639,16 +736,31 @@ def _result_rows(rows):
     return rows[3:] + 0
 
 
+def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x, taps=None):
+    """A split's stage before the last on a window's decode rows (rows [ROWS, S]: tokens and positions; x [S, H]
+    from the stage before, None on the first) -> (its layers' states, x after them); window fetch: (states, x,
+    routing counts [Lp, E], experts copied [Lp])."""
+    fetching = path.kind is PathKind.WINDOW_FETCH
+    counts, copied = ([], []) if fetching else (None, None)
+    x, states = forward_hidden(ops, cfg, params, states, rows[0], rows[1], active,
+                               path.traced(layout, args, active, counts, copied), taps=taps, x=x)
+    if fetching:
+        return states, x, ops.xp.stack(counts), ops.xp.stack(copied)
+    return states, x
+
+
 def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, temperature, top_k, top_p, min_p, seeds,
-                 greedy: bool = False, taps=None):
+                 greedy: bool = False, taps=None, x=None):
     """rows int32 [ROWS, S]: (tokens, positions, steps) of S rows of one token each (rows 3, 4 ignored) -> (states,
     rows [ROWS, S]: the successor's rows, then this window's next tokens and finite flags; an eager backend's: the
     result [2, S] alone); window fetch: (states, routing counts [Lp, E], experts copied [Lp], rows).
-    greedy (static): every active row is greedy (ops.sample's all_greedy)."""
+    greedy (static): every active row is greedy (ops.sample's all_greedy). x: as _decode_hidden's (a split's last
+    stage)."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
     logits, states = forward(ops, cfg, params, states, rows[0], rows[1], active,
-                             path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps)  # [S, V]
+                             path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps,
+                             x=x)  # [S, V]
     rows = _rows_out(ops, rows, _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy),
                      active)
     if fetching:
@@ -656,13 +768,13 @@ def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, tem
     return states, rows
 
 
-def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, taps=None):
+def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, taps=None, x=None):
     """_decode_rows's forward pass without its sampler -> (states, logits [S, V]); window fetch: (states, routing
     counts, experts copied, logits). The rows are not donated: the shaped sampler that follows takes them."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
     logits, states = forward(ops, cfg, params, states, rows[0], rows[1], active,
-                             path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps)
+                             path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps, x=x)
     if fetching:
         return states, ops.xp.stack(counts), ops.xp.stack(copied), logits
     return states, logits
@@ -723,20 +835,39 @@ def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, gr
     return nxt, ops.xp.all(ops.xp.isfinite(logits), axis=-1)
 
 
+def _part_hidden(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, x, taps=None):
+    """A split's stage before the last on a prompt part of one slot: x [T, H] from the stage before (None on the
+    first) -> (its layers' states, x after them)."""
+    state = [{k: v[slot] for k, v in layer.items()} for layer in states]
+    x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
+                              taps=taps, x=x)
+    return [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)], x
+
+
 def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, temperature, top_k,
-                 top_p, min_p, seed, step, taps=None):
+                 top_p, min_p, seed, step, taps=None, x=None):
     """One prompt part on one slot's state -> (token sampled after its last row, its logits finite, states, its
     last row's logits [1, V] for a shaped sampler, its real rows' residual at the end finite, that residual x [T, H]
     (the MTP head reads it: strata/engine/spec.py))."""
     xp = ops.xp
     state = [{k: v[slot] for k, v in layer.items()} for layer in states]
     x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
-                              taps=taps)
+                              taps=taps, x=x)
     logits = head(ops, cfg, params, x, n_valid, all_logits=False)                          # [1, V]
     states = [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)]
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))
     residual = finite_rows(xp, x, row_positions(xp, x.shape[0], start, n_valid)[1])
     return nxt[0], xp.all(xp.isfinite(logits)), states, logits, residual, x
+
+
+def _cache_metrics(x) -> dict:
+    """One ExpertSet's counters, as /metrics names them."""
+    st = x.cache.stats
+    return dict(expert_hits=st.hits, expert_misses=st.misses, expert_fills=st.fills,
+                expert_bytes_copied=st.bytes_copied, expert_copy_seconds=st.copy_seconds,
+                expert_cpu_routes=st.cpu_routes, expert_cpu_seconds=st.cpu_seconds, expert_loans=st.loans,
+                expert_swaps=st.swaps, expert_slots_resident=x.cache.n_resident, expert_peer_routes=st.peer_routes,
+                expert_peer_seconds=st.peer_seconds)
 
 
 def _clear_slot(ops, states, slot):

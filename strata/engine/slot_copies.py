@@ -61,31 +61,44 @@ def kv_block(capacity: int) -> int:
 
 
 class SlotCopies:
-    """The runner's state copies (WindowRunner delegates the Executor's prompt-cache methods here)."""
+    """The runner's state copies (WindowRunner delegates the Executor's prompt-cache methods here), each stage's
+    layers copied by that stage's own compiled functions on its device (a Saved lists the model's layers in order)."""
 
     def __init__(self, runner):
         self.runner = r = runner
         e = r.engine
-        ops = self.ops = e.backend
-        types = e.cfg.layer_types
-        self.linear = tuple(i for i, t in enumerate(types) if t == LINEAR)
-        self.full = tuple(i for i, t in enumerate(types) if t != LINEAR)
+        self.ops = e.backend
         self.block = kv_block(e.capacity)
-        c = ops.compile
-        self._take = e.compiled("take_recurrent", lambda: c(partial(take_slot, ops, layers=self.linear)))
-        self._put = e.compiled("put_recurrent", lambda: c(partial(put_slot, ops, layers=self.linear),
-                                                          donate_argnums=(0,)))
-        self._take_kv = e.compiled("take_kv_block", lambda: c(partial(_take_block, ops, self.full, self.block)))
-        self._put_kv = e.compiled("put_kv_block", lambda: c(partial(_put_block, ops, self.full, self.block),
-                                                            donate_argnums=(0,)))
+        self._fns = []
+        for st in e.stages:
+            ops, c = st.ops, st.ops.compile
+            types = st.cfg.layer_types
+            linear = tuple(i for i, t in enumerate(types) if t == LINEAR)
+            full = tuple(i for i, t in enumerate(types) if t != LINEAR)
+            memo = st.compiled or e.compiled
+            self._fns.append((st, linear, full,
+                              memo("take_recurrent", lambda: c(partial(take_slot, ops, layers=linear))),
+                              memo("put_recurrent", lambda: c(partial(put_slot, ops, layers=linear),
+                                                              donate_argnums=(0,))),
+                              memo("take_kv_block", lambda: c(partial(_take_block, ops, full, self.block))),
+                              memo("put_kv_block", lambda: c(partial(_put_block, ops, full, self.block),
+                                                             donate_argnums=(0,)))))
 
     def snapshot(self, slot: int) -> Saved:
-        rows = self._take(self.runner.states, np.int32(slot))
+        states = self.runner.states
+        rows = [row for st, linear, _, take, *_ in self._fns if linear
+                for row in take(st.of(states), np.int32(slot))]
         return Saved(rows, _nbytes(rows), on_host=False)
 
     def restore(self, slot: int, saved: Saved) -> None:
-        r = self.runner
-        r.states = self._put(r.states, np.int32(slot), rows=saved.data)
+        r, at = self.runner, 0
+        for st, linear, _, _, put, *_ in self._fns:
+            if linear:
+                a, b = st.layers.start, st.layers.stop
+                rows = [st.ops.to_device(x) for x in saved.data[at:at + len(linear)]] if saved.on_host else \
+                    saved.data[at:at + len(linear)]
+                r.states[a:b] = put(r.states[a:b], np.int32(slot), rows=rows)
+                at += len(linear)
 
     def to_host(self, saved: Saved) -> Saved:
         if saved.on_host:
@@ -98,14 +111,20 @@ class SlotCopies:
         to_host = self.ops.to_host
         blocks = []
         for b in range(-(-n // self.block)):
-            rows = self._take_kv(self.runner.states, np.int32(slot), np.int32(b))
+            rows = [row for st, _, full, _, _, take_kv, _ in self._fns if full
+                    for row in take_kv(st.of(self.runner.states), np.int32(slot), np.int32(b))]
             blocks.append([{k: np.asarray(to_host(v)) for k, v in layer.items()} for layer in rows])
         return Saved(blocks, sum(_nbytes(x) for x in blocks), on_host=True, tokens=n)
 
     def load_kv(self, slot: int, saved: Saved) -> None:
         r = self.runner
         for b, rows in enumerate(saved.data):
-            r.states = self._put_kv(r.states, np.int32(slot), np.int32(b), rows)
+            at = 0
+            for st, _, full, _, _, _, put_kv in self._fns:
+                if full:
+                    a, z = st.layers.start, st.layers.stop
+                    r.states[a:z] = put_kv(r.states[a:z], np.int32(slot), np.int32(b), rows[at:at + len(full)])
+                    at += len(full)
 
 
 def _nbytes(rows) -> int:

@@ -63,6 +63,8 @@ class CacheStats:
     copy_seconds: float = 0.0
     cpu_routes: int = 0           # routes computed on the CPU
     cpu_seconds: float = 0.0
+    peer_routes: int = 0          # prompt parts' routes computed on a peer device (prefill_help)
+    peer_seconds: float = 0.0
     swaps: int = 0                # adaptive swaps between windows
     verified: int = 0             # slots checked against the pack
     by_kind: dict = field(default_factory=dict)

@@ -28,9 +28,10 @@ class SlotMismatch(AssertionError):
 class MoeRunner:
     def __init__(self, ops, cache: ExpertCache, source, layout, n_experts: int, compiled, miss_policy: str = "fetch",
                  cpu_ops=None, borrow: bool = True, staging: int = 0, check_uses: bool = False,
-                 verify_fills: bool = False):
+                 verify_fills: bool = False, peer_ops=None):
         """source: where misses' bytes come from on the host (the mirror, else the store).
         cpu_ops: a backend on the CPU, where miss_policy "cpu" computes the misses.
+        peer_ops: a backend on another device that computes a share of each prompt part's experts (prefill_help).
         staging: with borrow off, how many slots are reserved for prompt parts at start.
         compiled(name, make): the engine's memo of compiled functions."""
         if miss_policy not in MISS_POLICIES:
@@ -46,6 +47,8 @@ class MoeRunner:
         self._op = compiled(("experts_pool", layout), lambda: ops.compile(partial(_op, ops, layout, n_experts)))
         self.cpu_ops = cpu_ops
         self._cpu_op = cpu_ops.compile(partial(_cpu_op, cpu_ops, layout, n_experts)) if cpu_ops is not None else None
+        self.peer_ops = peer_ops
+        self._peer_op = peer_ops.compile(partial(_op, peer_ops, layout, n_experts)) if peer_ops is not None else None
         self.uses_checked = 0
 
     # --- one layer
@@ -62,6 +65,8 @@ class MoeRunner:
         st = self.cache.stats
         st.hits += int(hit.sum())
         st.misses += int((routed & ~hit).sum())
+        if part and self.peer_ops is not None:
+            return self._helped(p, h, w, ids, slots, missing)
         if len(missing) == 0:
             return self._run(h, slots, w, p, ids)
         if part:
@@ -133,6 +138,27 @@ class MoeRunner:
         finally:
             if loaned:
                 cache.give_back(loaned, owner)
+        return y
+
+    def _helped(self, p, h, w, ids, slots, missing):
+        """A prompt part with a peer's help: the peer computes the misses and, up to half of the experts the part
+        routes to, the highest-numbered hits, from host copies sent to it; this device computes the other hits."""
+        t = time.perf_counter()
+        used = np.unique(ids[ids >= 0])
+        hits = np.setdiff1d(used, missing)
+        extra = max(0, len(used) // 2 - len(missing))
+        share = np.concatenate([missing, hits[len(hits) - extra:] if extra else hits[:0]]).astype(np.int32)
+        sel = np.isin(ids, share) & (ids >= 0)
+        y = self._run(h, np.where(sel, -1, slots).astype(np.int32), w, p, ids)
+        if len(share):
+            lut = np.full(self.n_experts, -1, np.int32)
+            lut[share] = np.arange(len(share))
+            s = np.where(sel, lut[np.maximum(ids, 0)], -1).astype(np.int32)
+            peer = self.peer_ops
+            y_peer = self._peer_op(peer.to_device(h), s, peer.to_device(w), peer.to_device(self.source.blobs(p, share)))
+            y = y + self.ops.to_device(y_peer)
+            self.cache.stats.peer_routes += int(sel.sum())
+        self.cache.stats.peer_seconds += time.perf_counter() - t
         return y
 
     def _cpu(self, p, h, w, ids, slots, missing):

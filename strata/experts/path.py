@@ -39,10 +39,13 @@ class ExpertPath:
     k: int                                 # routes per token
     experts: object = None                 # the ExpertSet (strata/experts/setup.py); None: no routed experts
     empty: object = None                   # a one-byte pool for a model without routed experts
+    helped: bool = False                   # a peer device computes a share of prompt parts' experts (so parts run
+                                           # layer by layer: a compiled part cannot reach another device)
 
     @staticmethod
-    def choose(ops, experts, k: int, options) -> "ExpertPath":
-        """The path for `experts` (an ExpertSet) under `options` (the expert settings)."""
+    def choose(ops, experts, k: int, options, helped: bool = False) -> "ExpertPath":
+        """The path for `experts` (an ExpertSet) under `options` (the expert settings); helped: prefill_help's
+        peer computes a share of prompt parts' experts."""
         if experts.cache.all_resident():
             kind = PathKind.RESIDENT
         elif options.miss_policy == "cpu":
@@ -51,7 +54,7 @@ class ExpertPath:
             kind = PathKind.WINDOW_FETCH
         else:
             kind = PathKind.STEPPED
-        return ExpertPath(kind, ops, experts.cache.n_experts, k, experts)
+        return ExpertPath(kind, ops, experts.cache.n_experts, k, experts, helped=helped)
 
     @staticmethod
     def no_experts(ops) -> "ExpertPath":
@@ -65,7 +68,7 @@ class ExpertPath:
     @property
     def compiled_parts(self) -> bool:
         """Prompt parts are one compiled function."""
-        return self.kind is PathKind.RESIDENT
+        return self.kind is PathKind.RESIDENT and not self.helped
 
     # --- compiled windows
     def args(self) -> dict:

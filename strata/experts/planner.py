@@ -28,6 +28,7 @@ class MemoryPlan:
     total_experts: int
     mirrored: int                # experts held in host RAM
     mirror_bytes: int
+    device: str = "the device"   # which device, as its backend names it
 
     @property
     def cache_bytes(self) -> int:
@@ -42,7 +43,7 @@ class MemoryPlan:
         free = "unknown (the device does not report it)" if self.free_bytes is None else \
             f"{self.free_bytes / GIB:.2f} GiB free"
         cached = self.slots - self.staging
-        out = [f"strata plan: device {free}; reserve {self.reserve_bytes / MIB:.0f} MiB, sequence state "
+        out = [f"strata plan: {self.device}: {free}; reserve {self.reserve_bytes / MIB:.0f} MiB, sequence state "
                f"{self.state_bytes / MIB:.1f} MiB, working buffers {self.work_bytes / MIB:.1f} MiB",
                f"strata plan: expert cache {cached} slots of {self.slot_bytes / MIB:.2f} MiB = "
                f"{cached * self.slot_bytes / GIB:.2f} GiB, {cached} of {self.total_experts} experts "
@@ -125,4 +126,5 @@ def plan_memory(free_bytes: int | None, *, slot_bytes: int, total_experts: int, 
         mirrored = min(total_experts, max(0, int(host_budget_bytes // slot_bytes)))
     return MemoryPlan(free_bytes=free_bytes, reserve_bytes=reserve, state_bytes=state_bytes, work_bytes=work_bytes,
                       slot_bytes=slot_bytes, slots=slots, staging=staging if slots > staging else 0,
-                      total_experts=total_experts, mirrored=mirrored, mirror_bytes=mirrored * slot_bytes)
+                      total_experts=total_experts, mirrored=mirrored, mirror_bytes=mirrored * slot_bytes,
+                      device=device)

@@ -88,8 +88,9 @@ class ExpertSet:
 
 
 def build_experts(ops, cfg, store, settings, state_bytes: int, work_bytes: int, compiled, cpu_ops=None,
-                  say=print) -> ExpertPath:
-    """cpu_ops: a CPU backend for miss_policy "cpu" (the misses' expert op runs there)."""
+                  peer_ops=None, say=print) -> ExpertPath:
+    """cpu_ops: a CPU backend for miss_policy "cpu" (the misses' expert op runs there); peer_ops: another device's
+    backend that computes a share of each prompt part's experts (prefill_help)."""
     opts = settings.experts
     total = store.n_layers * store.n_experts
     slot_bytes = store.layout.nbytes
@@ -123,14 +124,14 @@ def build_experts(ops, cfg, store, settings, state_bytes: int, work_bytes: int, 
     cache = ExpertCache(ops, source, plan.slots, store.n_layers, store.n_experts, decay=opts.adapt_decay)
     moe = MoeRunner(ops, cache, source, store.layout, store.n_experts, compiled, miss_policy=opts.miss_policy,
                     cpu_ops=cpu_ops, borrow=opts.prefill_borrow, staging=plan.staging, check_uses=opts.debug_slots,
-                    verify_fills=opts.debug_slots)
+                    verify_fills=opts.debug_slots, peer_ops=peer_ops)
     placed = cache.place(priority)
     bad = cache.verify([0])
     if bad:
         raise RuntimeError(f"slot {bad[0]} does not match the pack after it was filled: the copy to the device is "
                            f"broken (checksum mismatch)")
     experts = ExpertSet(store.layout, cache, moe, plan, store, mirror, opts.adapt_every, opts.adapt_swaps)
-    path = ExpertPath.choose(ops, experts, cfg.num_experts_per_tok, opts)
+    path = ExpertPath.choose(ops, experts, cfg.num_experts_per_tok, opts, helped=peer_ops is not None)
     say(f"strata experts: {placed} of {total} experts placed in the cache "
         f"({'by profile' if priority is not None else 'in order'}), slot 0 verified; misses: {path.describe()}; "
         f"prompt parts {'borrow cache slots' if opts.prefill_borrow else f'use {plan.staging} staging slots'}")

@@ -65,6 +65,22 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         self._zeros: dict = {}                # zeros_like's compiled calls, by tree shape
 
     @property
+    def peers(self) -> "JaxBackend":
+        return self
+
+    def device_count(self) -> int:
+        return len(jax.devices(self.device.platform))
+
+    def on_device(self, i: int) -> "JaxBackend":
+        """This backend on device i of its platform (the same kernels and kernel settings)."""
+        devices = jax.devices(self.device.platform)
+        if not 0 <= i < len(devices):
+            raise ConfigError(f"device {i} of {self.device.platform}: the backend sees {len(devices)}")
+        other = copy.copy(self)
+        other.device, other._zeros = devices[i], {}
+        return other
+
+    @property
     def reference(self) -> "JaxBackend | None":
         """This backend with plain XLA in place of its Pallas kernels (same device), when it runs any."""
         if not self.pallas_ops:

@@ -126,7 +126,7 @@ def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, 
 
 
 def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, all_logits: bool,
-            taps: Taps | None = None):
+            taps: Taps | None = None, x=None):
     """Traced: one part of one sequence, or a decode window, through run_layers -> (logits, new state).
 
     One sequence: tokens [T] int32 at positions start..start+T-1 (start, n_valid int32 scalars: one compilation per
@@ -134,16 +134,19 @@ def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_v
     A decode window: tokens, start (positions), n_valid (active, 0 = padding) [S] int32, state the bank of S
     sequences ({name: [S, ...]} per layer); all_logits True: logits [S, V]. (A padding row's key goes to the
     position given, beyond every real one, and its recurrent state is unchanged.)
-    experts(p, h, w, idx) -> y: the routed experts of MoE layer p (strata/experts/path.py)."""
-    x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, experts, taps=taps)
+    experts(p, h, w, idx) -> y: the routed experts of MoE layer p (strata/experts/path.py). x: the rows' hidden
+    state from the stage before (a layer split's last stage), in place of the tokens' embedding."""
+    x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, experts, taps=taps, x=x)
     return head(ops, cfg, params, x, n_valid, all_logits), state
 
 
 def forward_hidden(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, mix=None,
-                   taps: Taps | None = None):
+                   taps: Taps | None = None, x=None):
     """forward() up to the final norm -> (x [T, H], new state). mix: the mixers' form (mix_rows's signature; None:
-    mix_rows), e.g. the verify form that runs several positions of each row and keeps each position's state."""
-    x = embed(params, tokens)                                                     # [T, H]
+    mix_rows), e.g. the verify form that runs several positions of each row and keeps each position's state.
+    x: the rows' hidden state from the stage before (a layer split's later stage), in place of tokens' embedding."""
+    if x is None:
+        x = embed(params, tokens)                                                 # [T, H]
 
     def front(lp, st, x, kind):
         return layer_front(ops, cfg, kind, lp, st, x, start, n_valid, mix)
@@ -176,10 +179,16 @@ class LayerByLayer:
 
     def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool, experts):
         """One sequence's part (T tokens, the first n_valid real) -> (logits, new state)."""
+        x, state, _ = self.sequence_hidden(params, state, tokens, start, n_valid, experts)
+        return self.head(params, x, n_valid, all_logits), state
+
+    def sequence_hidden(self, params, state: list, tokens, start: int, n_valid: int, experts, x=None):
+        """sequence()'s last layer output instead of its logits -> (x, new state, finite); x: the hidden rows
+        from the stage before (a layer split's later stage) in place of the tokens' embedding."""
         def front(lp, st, x, kind):
             return self._front(lp, st, x, np.int32(start), np.int32(n_valid), kind=kind)
         rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
-        return self._run(params, state, tokens, front, experts, np.int32(n_valid), all_logits, rows)[:2]
+        return self._hidden(params, state, tokens, front, experts, np.int32(n_valid), rows, x)
 
     def slot_part(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts):
         """A prompt part on one slot of a bank -> (logits [1, V] of its last real row, new bank, whether its real
@@ -187,34 +196,37 @@ class LayerByLayer:
         x, bank, finite = self.slot_part_hidden(params, bank, slot, tokens, start, n_valid, experts)
         return self.head(params, x, n_valid), bank, finite
 
-    def slot_part_hidden(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts):
+    def slot_part_hidden(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts, x=None):
         """slot_part's last layer output x [T, H] (before the final norm) instead of its logits -> (x, new bank,
-        finite)."""
+        finite); x: as sequence_hidden's."""
         def front(lp, st, x, kind):
             return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), kind=kind)
         rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
-        return self._hidden(params, bank, tokens, front, experts, np.int32(n_valid), rows)
+        return self._hidden(params, bank, tokens, front, experts, np.int32(n_valid), rows, x)
 
-    def head(self, params, x, n_valid: int):
-        """The logits [1, V] of row n_valid - 1 of a last layer output x."""
-        return self._head(params, x, np.int32(n_valid), all_logits=False)
+    def head(self, params, x, n_valid: int, all_logits: bool = False):
+        """The logits of a last layer output x: of row n_valid - 1 [1, V], or of every row."""
+        return self._head(params, x, np.int32(n_valid), all_logits=all_logits)
 
     def rows(self, params, bank: list, tokens, pos, active, experts):
         """One token for each slot of the bank (tokens, pos, active [S]) -> (logits [S, V], new bank)."""
+        x, bank, _ = self.rows_hidden(params, bank, tokens, pos, active, experts)
+        return self.head(params, x, len(tokens), all_logits=True), bank
+
+    def rows_hidden(self, params, bank: list, tokens, pos, active, experts, x=None):
+        """rows()'s last layer output instead of its logits -> (x [S, H], new bank, finite); x: as
+        sequence_hidden's."""
         def front(lp, st, x, kind):
             return self._front(lp, st, x, pos, active, kind=kind)
         rows = (np.asarray(pos), np.asarray(active) > 0)
-        return self._run(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), True, rows)[:2]
+        return self._hidden(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), rows, x)
 
-    def _run(self, params, states, tokens, front, experts, n_valid, all_logits, rows):
-        x, states, finite = self._hidden(params, states, tokens, front, experts, n_valid, rows)
-        return self._head(params, x, n_valid, all_logits=all_logits), states, finite
-
-    def _hidden(self, params, states, tokens, front, experts, n_valid, rows):
+    def _hidden(self, params, states, tokens, front, experts, n_valid, rows, x=None):
         """run_layers under the taps -> (x, states, whether x's first n_valid rows are finite)."""
         tap = self.taps.on(self.ops, *(self.ops.to_device(r) for r in rows)) if self.taps.debug_nan or \
             self.taps.nonfinite is not None else None
-        x, states = run_layers(self.cfg, params, states, self._embed(params, tokens), front, experts, self._back, tap)
+        x = self._embed(params, tokens) if x is None else x
+        x, states = run_layers(self.cfg, params, states, x, front, experts, self._back, tap)
         return x, states, self._finite(x, n_valid)
 
 

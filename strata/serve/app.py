@@ -58,6 +58,28 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/chat/comple
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
+_STAGE_COUNTERS = (
+    ("handoff_seconds", "strata_stage_handoff_seconds", "Host time handing a layer split's hidden rows to the stage"),
+    ("expert_hits", "strata_stage_expert_hits", "Routes whose expert was in the stage's device slots"),
+    ("expert_misses", "strata_stage_expert_misses", "Routes whose expert was not"),
+    ("expert_fills", "strata_stage_expert_fills", "Experts written into the stage's device slots"),
+    ("expert_bytes_copied", "strata_stage_expert_bytes_copied", "Expert bytes copied host to the stage's device"),
+    ("expert_peer_routes", "strata_stage_expert_peer_routes",
+     "The stage's prompt-part routes computed on a peer device (prefill_help)"),
+)
+
+
+def _stage_families(stages: list):
+    """A layer split's per-stage counters, labelled by stage, device and layers."""
+    for key, name, doc in _STAGE_COUNTERS:
+        c = CounterMetricFamily(name, doc, labels=["stage", "device", "layers"])
+        for st in stages:
+            if isinstance(st.get(key), (int, float)):
+                c.add_metric([str(st["stage"]), st["device"], st["layers"]], float(st[key]))
+        if stages:
+            yield c
+
+
 class _SchedulerCollector:
     """The scheduler's counters, read at scrape time (none while the model loads)."""
 
@@ -104,6 +126,8 @@ class _SchedulerCollector:
             ("expert_cpu_routes", "strata_expert_cpu_routes", "Routes computed on the CPU"),
             ("expert_cpu_seconds", "strata_expert_cpu_seconds", "Time spent computing experts on the CPU"),
             ("expert_loans", "strata_expert_loans", "Device slots lent to prompt parts"),
+            ("expert_peer_routes", "strata_expert_peer_routes",
+             "Prompt parts' routes computed on a peer device (prefill_help)"),
             ("expert_swaps", "strata_expert_swaps", "Adaptive expert swaps between windows"),
             ("prompt_cache_hits", "strata_prompt_cache_hits", "Prompts that continued a stored conversation"),
             ("prompt_cache_tokens_reused", "strata_prompt_cache_tokens_reused",
@@ -130,6 +154,7 @@ class _SchedulerCollector:
                 c = CounterMetricFamily(name, doc)
                 c.add_metric([], v)
                 yield c
+        yield from _stage_families(m.get("stages") or [])
         if (v := num("expert_slots_resident")) is not None:
             yield GaugeMetricFamily("strata_expert_slots_resident", "Device slots holding an expert", value=v)
         if (v := num("checkpoint_ram_bytes")) is not None:

@@ -146,6 +146,7 @@ class SyclBackend(ComposedOps):
     eager = True
     host_fetch = None                    # no compiled windows: misses are copied into slots between layers
     reference = None                     # its kernels are its only ops (the numpy references are not a backend)
+    peers = None                         # the layer split's stages run on the jax backend only, so far
     joins_projections = False            # norm_linears / linears take several weights in one launch; a column slice
                                          # of a joined product is strided, which these kernels would copy first
 
