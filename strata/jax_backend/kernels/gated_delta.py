@@ -150,10 +150,12 @@ def _products_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_re
     cols = lax.broadcasted_iota(jnp.int32, (c, c), 1)
     d = (g_hi[:, None] - g_hi[None, :]) + (g_lo[:, None] - g_lo[None, :])       # G_i - G_j
     decay = jnp.exp(jnp.where(rows >= cols, d, -jnp.inf))
-    k = k_ref[...].astype(_F32)
     beta = beta_ref[...].astype(_F32)
-    kb = k * beta[:, None]
-    a = jnp.where(rows > cols, _dot(kb, k, prec, (1, 1)) * decay, 0.0)
+    # the [C, d] operands go from their refs straight into the dots, and the per-token factors (beta, e^G) scale the
+    # [C, C] side: fewer live registers (the FMA dots' operands and the substitution's carry are what spill)
+    k = k_ref[...].astype(_F32)
+    a = jnp.where(rows > cols, _dot(k, k, prec, (1, 1)) * (beta[:, None] * decay), 0.0)
+    attn_ref[...] = jnp.where(rows >= cols, _dot(q_ref[...].astype(_F32), k, prec, (1, 1)) * decay, 0.0)
 
     # B = (I + A)^-1 - I (strictly lower) row by row: B_i = L_i + L_i B with L = -A; the rows of b at and below i
     # still hold L, whose entries L_ij (j >= i) are 0, so they add nothing
@@ -164,9 +166,8 @@ def _products_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_re
 
     inv = lax.fori_loop(1, c, substitute, -a) + jnp.where(rows == cols, 1.0, 0.0)
     eq = jnp.exp(g_hi + g_lo)
-    w_ref[...] = _dot(inv, kb * eq[:, None], prec)
-    u_ref[...] = _dot(inv, v_ref[...].astype(_F32) * beta[:, None], prec)
-    attn_ref[...] = jnp.where(rows >= cols, _dot(q_ref[...].astype(_F32), k, prec, (1, 1)) * decay, 0.0)
+    w_ref[...] = _dot(inv * (beta * eq)[None, :], k_ref[...].astype(_F32), prec)        # T (beta e^G k)
+    u_ref[...] = _dot(inv * beta[None, :], v_ref[...].astype(_F32), prec)               # T (beta v)
     eq_ref[...] = eq
     ek_ref[...] = jnp.exp((hi - g_hi) + (lo - g_lo))                              # e^(G_last - G)
 
@@ -182,15 +183,15 @@ def _scan_kernel(q_ref, k_ref, w_ref, u_ref, attn_ref, eq_ref, ek_ref, s_ref, o_
         start = pl.multiple_of(i * c, c)
         r = pl.ds(start, c)
         v_new = u_ref[r, :] - _dot(w_ref[r, :], s, prec)
-        o_ref[r, :] = (_dot(q_ref[r, :].astype(_F32) * eq_ref[r][:, None], s, prec)
-                       + _dot(attn_ref[i], v_new, prec))
-        k_dec = k_ref[r, :].astype(_F32) * ek_ref[r][:, None]
-        return eq_ref[start + c - 1] * s + _dot(k_dec, v_new, prec, (0, 0))
+        # the decays scale the [C, bv] side (rows of q S, of v'), not q and k: their [C, dk] go straight to the dots
+        o_ref[r, :] = eq_ref[r][:, None] * _dot(q_ref[r, :].astype(_F32), s, prec) + _dot(attn_ref[i], v_new, prec)
+        return eq_ref[start + c - 1] * s + _dot(k_ref[r, :].astype(_F32), ek_ref[r][:, None] * v_new, prec, (0, 0))
 
     s_out_ref[...] = lax.fori_loop(0, q_ref.shape[0] // c, step, s_ref[...].astype(_F32))
 
 
-def chunk_products_pallas(q, k, v, g, beta, chunk: int = CHUNK, dots: str = "ieee", interpret: bool = False):
+def chunk_products_pallas(q, k, v, g, beta, chunk: int = CHUNK, dots: str = "ieee", warps: int = PRODUCTS_WARPS,
+                          interpret: bool = False):
     """chunk_products_xla's contract (Tp a multiple of `chunk`) by kernel 1, one program per (chunk, head); q, k, v
     in any float dtype (read as fp32). dk, dv, chunk powers of two >= 16 (gated_delta_chunked_pallas checks)."""
     prec = DOT_PRECISION[_check_dots(dots)]
@@ -208,17 +209,19 @@ def chunk_products_pallas(q, k, v, g, beta, chunk: int = CHUNK, dots: str = "iee
         in_specs=[rows(dk), rows(dk), rows(dv), tokens, tokens],
         out_specs=(head_rows(dk), head_rows(dv), pl.BlockSpec((None, None, c, c), lambda i, h: (h, i, 0, 0)),
                    head_tokens, head_tokens),
-        interpret=interpret, **triton_params(interpret, num_warps=PRODUCTS_WARPS, num_stages=1),
+        interpret=interpret, **triton_params(interpret, num_warps=warps, num_stages=1),
     )(q, k, v, g, beta)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "dots", "block_v", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "dots", "block_v", "warps", "interpret"))
 def gated_delta_chunked_pallas(q, k, v, g, beta, state, chunk: int = CHUNK, dots: str = "ieee",
-                               block_v: int | None = None, interpret: bool = False):
+                               block_v: int | None = None, warps: tuple[int, int] | None = None,
+                               interpret: bool = False):
     """JaxBackend.gated_delta_chunked_xla's contract by two Pallas kernels: q, k [T, Hv, dk] (l2-normed, q scaled),
     v [T, Hv, dv], g, beta [T, Hv]; state [Hv, dk, dv] fp32 -> (o [T, Hv, dv] fp32, final state [Hv, dk, dv] fp32).
     T is padded to whole chunks with g = beta = 0 rows. dk, dv, chunk and block_v (dv columns a kernel-2 program,
-    default BLOCK_V) powers of two >= 16, else a ValueError. dots: the data matmuls' precision (DOTS)."""
+    default BLOCK_V) powers of two >= 16, else a ValueError. dots: the data matmuls' precision (DOTS); warps: Triton
+    warps of kernels 1 and 2 (default PRODUCTS_WARPS, SCAN_WARPS)."""
     bv = _check_pallas(q, k, v, g, beta, state, chunk, block_v)
     prec = DOT_PRECISION[_check_dots(dots)]
     t, hv, dk = k.shape
@@ -228,7 +231,9 @@ def gated_delta_chunked_pallas(q, k, v, g, beta, state, chunk: int = CHUNK, dots
         q, k, v, g, beta = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta))
     tp = t + pad
     n = tp // c
-    w, u, attn, eq, ek = chunk_products_pallas(q, k, v, g, beta, chunk=c, dots=dots, interpret=interpret)
+    warps = warps or (PRODUCTS_WARPS, SCAN_WARPS)
+    w, u, attn, eq, ek = chunk_products_pallas(q, k, v, g, beta, chunk=c, dots=dots, warps=warps[0],
+                                               interpret=interpret)
     seq = lambda d: pl.BlockSpec((tp, None, d), lambda h, j: (0, h, 0))       # noqa: E731
     per_head = lambda *shape: pl.BlockSpec((None,) + shape, lambda h, j: (h,) + (0,) * len(shape))  # noqa: E731
     block = lambda rows: pl.BlockSpec((None, rows, bv), lambda h, j: (h, 0, j))  # noqa: E731
@@ -239,7 +244,7 @@ def gated_delta_chunked_pallas(q, k, v, g, beta, state, chunk: int = CHUNK, dots
         in_specs=[seq(dk), seq(dk), per_head(tp, dk), block(tp), per_head(n, c, c), per_head(tp), per_head(tp),
                   block(dk)],
         out_specs=(pl.BlockSpec((tp, None, bv), lambda h, j: (0, h, j)), block(dk)),
-        interpret=interpret, **triton_params(interpret, num_warps=SCAN_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret, **triton_params(interpret, num_warps=warps[1], num_stages=NUM_STAGES),
     )(q, k, w, u, attn, eq, ek, state)
     return o[:t], state
 
