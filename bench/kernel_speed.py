@@ -18,7 +18,8 @@ Kernels (strata/jax_backend/kernels/):
 - expert_grouped_blocks: the grouped int4 v2 op at 4096 tokens with 64 and 128 rows per block;
 - route: the router's softmax, top-k and renormalisation in one kernel at 1, 16 and 4096 rows, against the composition.
 And the backend's XLA form of the gated delta rule for a prompt part (gated_delta_chunked: 4096 tokens) at other
-chunks and matmul precisions than its defaults, against those.
+chunks and matmul precisions than its defaults, against those; and its Pallas form (gated_delta_pallas: 4096 and
+512 tokens, several precisions, dv blocks and warps) against the XLA form's defaults.
 
 Times are device time per call: the call runs `LOOP` times inside one jitted loop (each iteration's input depends on
 the last output, so nothing is hoisted), so dispatch does not hide a kernel of a few microseconds.
@@ -302,6 +303,21 @@ def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret):
     return rows
 
 
+def rule_inputs(hv, dk, dv, prompt):
+    """Model-like inputs of the gated delta rule for a prompt part (l2-normed q, k; g <= 0; beta in (0, 1)) and a
+    state, on the device."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(3)
+    n = lambda *s: rng.standard_normal((prompt,) + s).astype(np.float32)  # noqa: E731
+    q, k = n(hv, dk), n(hv, dk)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = -np.exp(np.log(rng.uniform(1, 16, hv))) * np.log1p(np.exp(n(hv)))
+    beta = 1 / (1 + np.exp(-n(hv)))
+    st = (rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32)
+    return tuple(jnp.asarray(a) for a in (q, k, n(hv, dv), g.astype(np.float32), beta.astype(np.float32), st))
+
+
 # the XLA chunked form's (chunk, dots) cases, each timed against the defaults (64, "ieee"); tf32x3 needs a GPU
 CHUNKED_CASES = ((64, "tf32x3"), (128, "tf32x3"), (64, "bf16x6"), (128, "ieee"))
 
@@ -310,19 +326,9 @@ def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CAS
     """The backend's chunked gated delta rule (XLA's form) over a prompt part of one sequence, with each (chunk,
     dots) case as its KernelConfig's gdn_chunk and gdn_dots, against the defaults. FLOPs: the intra-chunk products
     and the recurrence; bytes: q, k, v, o in fp32 and the state read and written."""
-    import jax.numpy as jnp
-
     from strata.jax_backend.backend import JaxBackend
     from strata.jax_backend.kernel_config import KernelConfig
-    rng = np.random.default_rng(3)
-    n = lambda *s: rng.standard_normal((prompt,) + s).astype(np.float32)  # noqa: E731
-    q, k = n(hv, dk), n(hv, dk)
-    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    g = -np.exp(np.log(rng.uniform(1, 16, hv))) * np.log1p(np.exp(n(hv)))
-    beta = 1 / (1 + np.exp(-n(hv)))
-    q, k, v, g, beta = (jnp.asarray(a) for a in (q, k, n(hv, dv), g.astype(np.float32), beta.astype(np.float32)))
-    st = jnp.asarray((rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32))
+    q, k, v, g, beta, st = rule_inputs(hv, dk, dv, prompt)
     xla_chunked = JaxBackend(kernels="xla").gated_delta_chunked
     # a chunked call takes milliseconds: CHUNKED_LOOP calls in a row hide dispatch, and LOOP written-out scans of
     # 64 chunks each kept XLA compiling past a 200 s run
@@ -341,6 +347,43 @@ def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CAS
                                loop=CHUNKED_LOOP)
         rows.append(row(f"gated delta chunked XLA, chunk {chunk}, {dots}, {prompt} tokens", t_ker, t_xla, nbytes,
                         flops, err, form="chunked", tokens=prompt, chunk=chunk, dots=dots))
+    return rows
+
+
+# the Pallas form's cases (dots, dv columns a recurrence program, warps of kernels 1 and 2) at chunk 64; the first
+# through the backend (KernelConfig gdn_kernel "pallas", its defaults); tf32x3 needs a GPU
+PALLAS_CASES = (("ieee", 32, (4, 4)), ("ieee", 32, (8, 8)), ("tf32x3", 32, (4, 4)), ("tf32x3", 32, (8, 8)),
+                ("bf16x6", 32, (8, 8)), ("tf32x3", 16, (4, 4)))
+
+
+def gated_delta_pallas(hv, dk, dv, prompts, repeat, interpret, cases=PALLAS_CASES):
+    """The chunked gated delta rule's Pallas kernels (kernels/gated_delta.py: products per (chunk, head), then the
+    recurrence per (head, dv block)) against the backend's XLA form at its defaults, for prompt parts of each length
+    in `prompts`. FLOPs and bytes as gated_delta_chunked's."""
+    from strata.jax_backend.backend import JaxBackend
+    from strata.jax_backend.kernel_config import KernelConfig
+    from strata.jax_backend.kernels import gated_delta as K
+    xla_chunked = JaxBackend(kernels="xla").gated_delta_chunked
+    backend = JaxBackend(kernels="pallas", kernel_config=KernelConfig(gdn_kernel="pallas")).gated_delta_chunked
+    rows = []
+    for prompt in prompts:
+        q, k, v, g, beta, st = rule_inputs(hv, dk, dv, prompt)
+        t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat,
+                               carry=lambda out: out[1], loop=CHUNKED_LOOP)
+        c = 64
+        flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2
+        nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * hv * dk * dv * 4
+        for i, (dots, block_v, warps) in enumerate(cases):
+            if interpret and dots == "tf32x3":        # XLA's CPU has no TF32
+                continue
+            ker = backend if i == 0 else partial(K.gated_delta_chunked_pallas, chunk=c, dots=dots, block_v=block_v,
+                                                 warps=warps, interpret=interpret)
+            err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
+            t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat,
+                                   carry=lambda out: out[1], loop=CHUNKED_LOOP)
+            rows.append(row(f"gated delta chunked Pallas, {dots}, dv block {block_v}, warps {warps}, {prompt} tokens"
+                            + (" (the backend's)" if i == 0 else ""), t_ker, t_xla, nbytes, flops, err,
+                            form="pallas", tokens=prompt, chunk=c, dots=dots, block_v=block_v, warps=list(warps)))
     return rows
 
 
@@ -385,6 +428,8 @@ def main() -> int:
             "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
             "gated_delta_chunked": dict(hv=2, dk=16, dv=16, prompt=70),
+            "gated_delta_pallas": dict(hv=2, dk=16, dv=16, prompts=[70, 16], cases=(("ieee", 16, (4, 4)),
+                                                                                    ("bf16x6", 16, (4, 4)))),
             "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
             "route": dict(experts=16, k=4, tokens=[1, 8]),
             "expert_grouped_blocks": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4,
@@ -399,6 +444,7 @@ def main() -> int:
             "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 16],
                                      queries=[1, 4]),
             "gated_delta_chunked": dict(hv=32, dk=128, dv=128, prompt=4096),
+            "gated_delta_pallas": dict(hv=32, dk=128, dv=128, prompts=[4096, 512]),
             "expert_grouped_blocks": dict(hidden=2048, inter=512, n_experts=512, tokens=[4096], k=10,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
             "route": dict(experts=512, k=10, tokens=[1, 16, 4096]),
@@ -414,7 +460,8 @@ def main() -> int:
     if args.trace_decode:
         shapes["expert_decode"] = dict(shapes["expert_decode"], trace=decode_cases(args.trace_decode))
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
-           "gated_delta_chunked": gated_delta_chunked, "pool_over_4gib": pool_over_4gib,
+           "gated_delta_chunked": gated_delta_chunked, "gated_delta_pallas": gated_delta_pallas,
+           "pool_over_4gib": pool_over_4gib,
            "prompt_attention": prompt_attention, "route": route,
            "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
