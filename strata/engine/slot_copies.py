@@ -17,6 +17,9 @@ from strata.model.config import LINEAR
 from strata.plan import Saved
 
 KV_BLOCK_MAX = 4096           # rows per block of a parked KV, at most (a power of two dividing the cache's rows)
+# blocks of a parked KV whose copies to the host are queued before the oldest is read: the copies overlap the next
+# blocks' device work instead of the host waiting on each in turn, and the device holds at most this many extra blocks
+KV_BLOCKS_IN_FLIGHT = 4
 
 
 def take_slot(ops, states, slot, layers):
@@ -108,12 +111,22 @@ class SlotCopies:
                      on_host=True)
 
     def save_kv(self, slot: int, n: int) -> Saved:
-        to_host = self.ops.to_host
-        blocks = []
+        ops = self.ops
+        blocks, pending = [], []
+
+        def read_oldest():
+            blocks.append([{k: np.asarray(ops.to_host(v)) for k, v in layer.items()} for layer in pending.pop(0)])
         for b in range(-(-n // self.block)):
             rows = [row for st, _, full, _, _, take_kv, _ in self._fns if full
                     for row in take_kv(st.of(self.runner.states), np.int32(slot), np.int32(b))]
-            blocks.append([{k: np.asarray(to_host(v)) for k, v in layer.items()} for layer in rows])
+            for layer in rows:                # the copy to the host queued now, behind the block's copy
+                for v in layer.values():
+                    ops.start_to_host(v)
+            pending.append(rows)
+            if len(pending) == KV_BLOCKS_IN_FLIGHT:
+                read_oldest()
+        while pending:
+            read_oldest()
         return Saved(blocks, sum(_nbytes(x) for x in blocks), on_host=True, tokens=n)
 
     def load_kv(self, slot: int, saved: Saved) -> None:

@@ -247,3 +247,25 @@ def test_the_copies_compile_nothing_after_warm_up(engine):
     assert r.copies.block > 1 and engine.capacity % r.copies.block == 0
     assert isinstance(snap.nbytes, int) and snap.nbytes == sum(np.asarray(v).nbytes for layer in snap.data
                                                               for v in layer.values())
+
+
+def test_a_parked_kv_of_many_blocks_loads_back_exactly():
+    """save_kv over more blocks than it keeps in flight (slot_copies.KV_BLOCKS_IN_FLIGHT): loaded into another slot,
+    every attention layer's first n rows equal the original's, in order."""
+    import numpy as np
+    from strata.engine.slot_copies import KV_BLOCKS_IN_FLIGHT
+    from strata.plan import PromptPart, idle_plan
+    e = Engine.load("demo", max_context=512, prefill=64)
+    r = WindowRunner(e, 2, 64)
+    toks = (np.arange(448) * 37 % 600).astype(np.int32)
+    for start in range(0, len(toks), 64):
+        r.run(replace(idle_plan(2), part=PromptPart(slot=0, tokens=toks[start:start + 64], start=start, last=True)))
+    n = 420
+    saved = r.save_kv(0, n)
+    assert len(saved.data) > KV_BLOCKS_IN_FLIGHT
+    r.load_kv(1, saved)
+    full = [i for i, layer in enumerate(r.states) if "k" in layer]
+    for i in full:
+        for k in r.states[i]:
+            a = np.asarray(r.states[i][k])
+            assert np.array_equal(a[1, :n], a[0, :n]), (i, k)
