@@ -9,11 +9,11 @@ Rows on a rung run after the window's other rows, on the same slot bank, and are
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 
-from strata.engine.runner import _decode_logits, _logprobs_of, _padded, _prompt_part, _sampling_of, _with_result_rows
+from strata.engine.runner import (CompiledPart, HostPart, HostRows, _decode_hidden, _decode_logits, _logprobs_of,
+                                  _reference_ops, _with_result_rows, rows_before_last)
 from strata.experts.path import PathKind
 from strata.plan import WindowPlan
 
@@ -31,12 +31,10 @@ def build(engine, ladder) -> tuple[dict, list[str]]:
 
 
 def _not_offered(engine, name: str) -> str | None:
-    if engine.split:
-        return "not built for the layer split yet"
     if name == "reference_ops":
         if engine.backend.reference is None:
             return f"the {engine.backend.name} backend runs no kernel of its own here"
-        if engine.path.kind is not PathKind.RESIDENT:
+        if any(st.path.kind is not PathKind.RESIDENT for st in engine.stages):
             return "experts are not all resident: windows run layer by layer"
         return None
     if name == "cpu_experts":
@@ -48,63 +46,51 @@ def _not_offered(engine, name: str) -> str | None:
     return "unknown"
 
 
+def _on_cpu(st, valid, part: bool, owner: str):
+    return st.path.on_cpu(valid)
+
+
 class CpuExperts:
-    """Every routed expert on the CPU from the host tier, the rest on the device, layer by layer."""
+    """Every routed expert on the CPU from the host tier, the rest on the device, layer by layer (the runner's
+    layer-by-layer strategies with the CPU's experts, on every stage of a split)."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def part(self, r, plan: WindowPlan):
-        e, p = self.engine, plan.part
-        padded = _padded(p.tokens)
-        experts = e.path.on_cpu(np.arange(len(padded)) < len(p.tokens))
-        logits, r.states, residual = e.by_layer.slot_part(e.params, r.states, p.slot, padded, p.start,
-                                                          len(p.tokens), experts)
-        return _part_out(r, plan, logits, residual)
+        return HostPart(r, experts_of=_on_cpu).dispatch(plan)
 
     def rows(self, r, plan: WindowPlan):
-        e = self.engine
-        pos, active = r.decode_rows(plan)
-        logits, r.states = e.by_layer.rows(e.params, r.states, plan.decode_tokens, pos, active,
-                                           e.path.on_cpu(active > 0))
-        return _sampled_rows(r, plan, logits, active)
+        nxt, fin, lp = HostRows(r, experts_of=_on_cpu).dispatch(plan)
+        return nxt, np.asarray(fin).astype(bool), lp
 
 
 class ReferenceOps:
-    """The engine's compiled part and decode window, traced with the backend's reference ops."""
+    """The engine's compiled part and decode window, traced with the backend's reference ops (each stage's)."""
 
     def __init__(self, engine):
         self.engine = e = engine
-        self.ops = ops = engine.backend.reference
-        path = replace(engine.path, ops=ops)
-        self._part = e._compile("reference_part", _prompt_part, ops=ops, path=path, donate_argnums=(2,))
-        self._logits = e._compile("reference_logits", _decode_logits, ops=ops, path=path, donate_argnums=(2,))
+        *self.before, self.last = e.stages
+        self._logits = e._compile("reference_logits", _decode_logits, stage=self.last, donate_argnums=(2,),
+                                  **_reference_ops(self.last))
+        self._hidden = [e._compile("reference_decode_hidden", _decode_hidden, stage=st, donate_argnums=(2,),
+                                   **_reference_ops(st)) for st in self.before]
+        self._part = None                        # CompiledPart(reference=True), made with the first runner
 
     def part(self, r, plan: WindowPlan):
-        e, p = self.engine, plan.part
-        i = p.slot
-        nxt, fin, r.states, logits, residual, _ = self._part(
-            e.params, e.path.args(), r.states, np.int32(i), _padded(p.tokens), np.int32(p.start),
-            np.int32(len(p.tokens)), *_sampling_of(plan, i), plan.seeds[i], plan.steps[i])
-        return r.part_out(plan, nxt, fin, logits, residual)
+        if self._part is None or self._part.runner is not r:
+            self._part = CompiledPart(r, reference=True)
+        return self._part.dispatch(plan)
 
     def rows(self, r, plan: WindowPlan):
-        e = self.engine
         pos, active = r.decode_rows(plan)
         rows = _with_result_rows(np.stack([np.asarray(plan.decode_tokens, np.int32), pos,
                                            np.asarray(plan.steps, np.int32)]))
-        r.states, logits = self._logits(e.params, e.path.args(), r.states, rows, active)
+        x = rows_before_last(r, self.before, self._hidden, plan, rows, [])
+        st = self.last
+        a, b = st.layers.start, st.layers.stop
+        r.states[a:b], logits = self._logits(st.params, st.path.args(), r.states[a:b], rows, active, x=x)
         return _sampled_rows(r, plan, logits, active)
-
-
-def _part_out(r, plan: WindowPlan, logits, residual):
-    """A part's result from its last logits, sampled as a layer-by-layer part samples them (HostPart)."""
-    p = plan.part
-    if plan.shaped or p.copies:
-        return r.part_out(plan, None, None, logits, residual)
-    nxt, fin = r._sample(logits, *_sampling_of(plan, p.slot), plan.seeds[p.slot:p.slot + 1],
-                         plan.steps[p.slot:p.slot + 1])
-    return r.part_out(plan, nxt, fin, logits, residual)
 
 
 def _sampled_rows(r, plan: WindowPlan, logits, active) -> tuple:

@@ -312,6 +312,37 @@ class WindowRunner:
             self.states[a:b] = call(st, self.states[a:b])
 
 
+def rows_before_last(r: WindowRunner, before: list, hidden: list, plan: WindowPlan, rows_in, fetched: list):
+    """A split's stages before the last (`before`, each run by hidden[i], _decode_hidden compiled on it) on a
+    window's rows (their copy on each stage's device) -> the hidden rows [S, H] on the last stage's device (None
+    unsplit); window fetch: each stage's (ExpertSet, table, counts, copied) appended to fetched."""
+    if not before:
+        return None
+    e = r.engine
+    active = plan.decode_active.astype(np.int32)
+
+    def through(st, x):
+        a, b = st.layers.start, st.layers.stop
+        t = time.perf_counter()
+        rows = st.ops.to_device(rows_in)
+        act = r.stage_args[st.index].get("active", active)
+        st.handoff_s += time.perf_counter() - t
+        f = hidden[st.index]
+        if st.path.kind is PathKind.WINDOW_FETCH:
+            args, table = st.experts.fetch_args()
+            r.states[a:b], x, counts, copied = f(st.params, args, r.states[a:b], rows, act, x)
+            fetched.append((st.experts, table, counts, copied))
+        else:
+            r.states[a:b], x = f(st.params, st.path.args(), r.states[a:b], rows, act, x)
+        return x
+    x = e.hidden(before, None, through)
+    last = e.stages[-1]
+    t = time.perf_counter()
+    x = last.ops.to_device(x)
+    last.handoff_s += time.perf_counter() - t
+    return x
+
+
 @dataclass(eq=False)
 class Window:
     """A dispatched window, not yet read back (WindowRunner.dispatch -> collect)."""
@@ -424,34 +455,7 @@ class CompiledRows:
         return d
 
     def _before_last(self, plan: WindowPlan, rows_in, fetched: list):
-        """A split's stages before the last on the window's rows (their copy on each stage's device) -> the
-        hidden rows [S, H] on the last stage's device (None unsplit); window fetch: each stage's (ExpertSet, table,
-        counts, copied) appended to fetched."""
-        r = self.runner
-        if not self.before:
-            return None
-        e = r.engine
-        active = plan.decode_active.astype(np.int32)
-
-        def through(st, x):
-            a, b = st.layers.start, st.layers.stop
-            t = time.perf_counter()
-            rows = st.ops.to_device(rows_in)
-            act = r.stage_args[st.index].get("active", active)
-            st.handoff_s += time.perf_counter() - t
-            f = self._hidden[st.index]
-            if st.path.kind is PathKind.WINDOW_FETCH:
-                args, table = st.experts.fetch_args()
-                r.states[a:b], x, counts, copied = f(st.params, args, r.states[a:b], rows, act, x)
-                fetched.append((st.experts, table, counts, copied))
-            else:
-                r.states[a:b], x = f(st.params, st.path.args(), r.states[a:b], rows, act, x)
-            return x
-        x = e.hidden(self.before, None, through)
-        t = time.perf_counter()
-        x = self.last.ops.to_device(x)
-        self.last.handoff_s += time.perf_counter() - t
-        return x
+        return rows_before_last(self.runner, self.before, self._hidden, plan, rows_in, fetched)
 
     def collect(self, d: DeviceRows) -> tuple[np.ndarray, np.ndarray, Logprobs | None]:
         r = self.runner
@@ -477,13 +481,20 @@ class CompiledRows:
         return nxt, finite, lp
 
 
+def _on_host(st, valid, part: bool, owner: str):
+    """A stage's routed experts between host-driven layers (strata/experts/moe.py)."""
+    return st.path.on_host(valid, part=part, owner=owner)
+
+
 class HostRows:
-    """Decode rows layer by layer, each layer's routes resolved on the host (strata/experts/moe.py); read at once."""
+    """Decode rows layer by layer, each layer's routes resolved on the host (strata/experts/moe.py); read at once.
+    experts_of(stage, valid, part, owner) -> the stage's experts function (default: on_host; the guard's
+    cpu_experts path: on the CPU)."""
 
     overlaps_cache_work = False
 
-    def __init__(self, runner: WindowRunner):
-        self.runner = runner
+    def __init__(self, runner: WindowRunner, experts_of=_on_host):
+        self.runner, self.experts_of = runner, experts_of
 
     def dispatch(self, plan: WindowPlan, after=None) -> tuple:
         r = self.runner
@@ -492,7 +503,7 @@ class HostRows:
 
         def through(st, x):
             a, b = st.layers.start, st.layers.stop
-            experts = st.path.on_host(active > 0, part=False) if st.experts is not None else None
+            experts = self.experts_of(st, active > 0, False, "decode") if st.experts is not None else None
             x, r.states[a:b], _ = st.by_layer.rows_hidden(st.params, r.states[a:b], plan.decode_tokens, pos, active,
                                                            experts, x)
             return x
@@ -514,12 +525,16 @@ class HostRows:
 class CompiledPart:
     """A prompt part as one compiled function on one slot's state (every expert resident)."""
 
-    def __init__(self, runner: WindowRunner):
+    def __init__(self, runner: WindowRunner, reference: bool = False):
+        """reference: every stage's compiled with its backend's reference ops (the guard's reference_ops path)."""
         self.runner = runner
         e = runner.engine
         *self.before, self.last = e.stages
-        self._part = e._compile("prompt_part", _prompt_part, stage=self.last, donate_argnums=(2,))
-        self._hidden = [e._compile("part_hidden", _part_hidden, stage=st, donate_argnums=(2,)) for st in self.before]
+        on, name = (_reference_ops, "reference_") if reference else ((lambda st: {}), "")
+        self._part = e._compile(name + "prompt_part", _prompt_part, stage=self.last, donate_argnums=(2,),
+                                **on(self.last))
+        self._hidden = [e._compile(name + "part_hidden", _part_hidden, stage=st, donate_argnums=(2,), **on(st))
+                        for st in self.before]
 
     def dispatch(self, plan: WindowPlan) -> PartOut:
         r, p = self.runner, plan.part
@@ -544,10 +559,11 @@ class CompiledPart:
 
 
 class HostPart:
-    """A prompt part layer by layer, its misses streamed through staging slots (strata/experts/moe.py)."""
+    """A prompt part layer by layer, its misses streamed through staging slots (strata/experts/moe.py);
+    experts_of as HostRows'."""
 
-    def __init__(self, runner: WindowRunner):
-        self.runner = runner
+    def __init__(self, runner: WindowRunner, experts_of=_on_host):
+        self.runner, self.experts_of = runner, experts_of
 
     def dispatch(self, plan: WindowPlan) -> PartOut:
         r, p = self.runner, plan.part
@@ -560,7 +576,7 @@ class HostPart:
         def through(st, x):
             nonlocal residual
             a, b = st.layers.start, st.layers.stop
-            experts = (st.path.on_host(valid, part=len(padded) > 1, owner=f"prompt part of slot {i}")
+            experts = (self.experts_of(st, valid, len(padded) > 1, f"prompt part of slot {i}")
                        if st.experts is not None else None)
             x, r.states[a:b], residual = st.by_layer.slot_part_hidden(st.params, r.states[a:b], i, padded, p.start,
                                                                        n, experts, x)
@@ -663,6 +679,11 @@ class Shaping:
         on[list(rows)] = 1
         nxt, fin, lp = self.sample(plan, logits, on, reset=on)
         return PartOut(nxt, fin, rows, lp)
+
+
+def _reference_ops(st) -> dict:
+    """_compile's ops and path for a stage's reference ops (the backend's plain forms, same device)."""
+    return {"ops": st.ops.reference, "path": replace(st.path, ops=st.ops.reference)}
 
 
 def _padded(tokens) -> np.ndarray:

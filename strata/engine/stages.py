@@ -97,7 +97,7 @@ def stage_config(cfg: ModelConfig, first: int, end: int) -> ModelConfig:
     n = end - first
     dense = tuple(i for i in range(n) if not cfg.is_sparse_layer(first + i))
     return replace(cfg, num_layers=n, layer_types=cfg.layer_types[first:end], mlp_only_layers=dense,
-                   decoder_sparse_step=1)
+                   decoder_sparse_step=1, first_layer=cfg.first_layer + first)
 
 
 def stage_params(params: dict, first: int, end: int, is_first: bool, is_last: bool) -> dict:

@@ -49,6 +49,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default=())
     max_position_embeddings: int = 32768  # transformers' default for both model types
     rope_scaling: RopeScaling | None = None
+    first_layer: int = 0                  # the whole model's index of layer 0 (a layer split's stage: its first)
 
     @cached_property
     def rope(self) -> Rope:

@@ -109,17 +109,18 @@ def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, 
     states = list(states)
     p = 0
     for i, (kind, lp) in enumerate(zip(cfg.layer_types, params["layers"])):
+        layer = cfg.first_layer + i     # the whole model's index, which the taps name (a split's stage: past 0)
         x, h, w, idx, shared, states[i] = front(lp, states[i], x, kind)
         if h is not None:
             if tap is not None:
-                x = tap.after(i, "gated delta rule" if kind == LINEAR else "attention", x)
+                x = tap.after(layer, "gated delta rule" if kind == LINEAR else "attention", x)
             y = experts(p, h, w, idx)
             if tap is not None:
-                y = tap.after(i, "routed experts", y)
+                y = tap.after(layer, "routed experts", y)
             x = back(lp, x, shared, y)
             p += 1
         if tap is not None:
-            x = tap.after(i, "output", x)
+            x = tap.after(layer, "output", x)
     if tap is not None:
         tap.done()
     return x, states

@@ -184,3 +184,38 @@ def test_bad_splits_are_refused_by_name(value, words):
 def test_split_with_mtp_is_refused():
     with pytest.raises(ConfigError, match="layer_split with mtp"):
         Engine.load("demo", max_context=256, prefill=PART, layer_split="2", mtp=True, **QUIET)
+
+
+def test_the_guard_on_a_split(tmp_path):
+    """The numerics guard across stages: a corrupt slot of the first stage is found and rewritten and the request
+    returns the clean engine's tokens; a deterministic non-finite value in the second stage's layer 3 (the fault names
+    the whole model's layers) ends its request with the explicit error after its retry on cpu_experts, sparing the
+    other slot."""
+    from strata.config import Settings
+    from strata.sched.request import Failed, Finished, Request
+    from tests.sched.test_guard_engine import SHAPE, greedy_text, prompt_of, serve_all
+    pack = write_pack("demo", tmp_path / "pack", "f32")
+    clean = Engine.load(pack, **SHAPE, **QUIET)
+
+    def faulty(**faults):
+        return Engine.load(pack, settings=Settings.build(allow_faults=True, model=str(pack), layer_split="2",
+                                                         **SHAPE, **faults), **QUIET)
+    a, short = prompt_of(clean, "the heron waits by the mill pond"), prompt_of(clean, "hi")
+    clean.record_routing = True
+    clean.logits(a)                                  # which experts the prompt reads: corrupt one of them
+    clean.record_routing = False
+    p, x = 1, int(np.argmax(clean.experts.cache.routed[1]))          # MoE layer 1: the first stage's
+    e = faulty(fault_corrupt_slot=clean.experts.cache.slot_of(p, x))
+    cache = e.stages[0].experts.cache
+    assert cache.content_matches(cache.pool, [cache.slot_of(p, x)], [(p, x)]) is False
+    out, sched = serve_all(e, [Request("A", a, 8, stop_token_ids=())])
+    assert out["A"][0] == greedy_text(clean, a, 8) and isinstance(out["A"][1], Finished)
+    assert all(st.experts.cache.verify() == [] for st in e.stages)
+    assert sched.stats["guard_retries"] >= 1 and sched.stats["expert_slots_repaired"] == 1
+
+    e = faulty(fault_nonfinite=(3, 20))
+    out, sched = serve_all(e, [Request("L", a, 4), Request("S", short, 4, stop_token_ids=())])
+    text, final = out["L"]
+    assert text == "" and isinstance(final, Failed) and final.code == "non_finite"
+    assert [t["numerics"] for t in dict(final.detail)["attempts"]][1] == "cpu_experts"
+    assert out["S"][0] == greedy_text(clean, short, 4) and isinstance(out["S"][1], Finished)
