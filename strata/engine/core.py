@@ -244,13 +244,16 @@ class Engine:
                               f"runs on the jax backend)")
         n_dev = ops.peers.device_count()
         backends = [ops.peers.on_device(i) for i in range(n_dev)]
-        per_state = self.settings.sched.parallel + 1
-        one = self.init_state()
-        layer_bytes = [sum(int(np.asarray(a).nbytes) for a in _leaves(self.params["layers"][i]))
-                       + per_state * sum(a.nbytes for a in one[i].values())
-                       + (store.layout.nbytes * store.n_experts if store is not None and cfg.is_sparse_layer(i) else 0)
-                       for i in range(cfg.num_layers)]
-        free = [b.free_memory_bytes() for b in backends] if setting == "auto" else None
+        layer_bytes = free = None
+        if setting == "auto":            # balanced by the layers' bytes and each device's free memory
+            per_state = self.settings.sched.parallel + 1
+            one = self.init_state()
+            layer_bytes = [sum(int(a.nbytes) for a in _leaves(self.params["layers"][i]))
+                           + per_state * sum(a.nbytes for a in one[i].values())
+                           + (store.layout.nbytes * store.n_experts if store is not None and cfg.is_sparse_layer(i)
+                              else 0)
+                           for i in range(cfg.num_layers)]
+            free = [b.free_memory_bytes() for b in backends]
         points = split_points(str(setting), cfg, n_dev, layer_bytes, free)
         bounds = [0, *points, cfg.num_layers]
         stages, moe = [], 0

@@ -25,9 +25,9 @@ from strata.errors import ConfigError
 from strata.experts.pack import write_pack
 from strata.experts.path import PathKind
 from strata.jax_backend.backend import JaxBackend
+from tests.experts.test_cache_equivalence import _compare
 
 PROMPT_LEN, PART, GEN = 40, 16, 12
-LOGIT_TOL = 2e-5     # of the logit range: only the order of float32 sums may change (tests/experts/...equivalence)
 TWO_CLIENTS = Path(__file__).resolve().parents[2].parent / "shared" / "clients" / "two_clients.py"
 QUIET = {"say": lambda line: None}
 
@@ -41,14 +41,6 @@ def _run(**options):
 @pytest.fixture(scope="module")
 def unsplit():
     return _run()
-
-
-def _same(ref, got, what):
-    _, ref_logits, ref_tokens = ref
-    _, logits, tokens = got
-    assert tokens == ref_tokens, f"{what}: greedy tokens differ"
-    err = np.abs(logits - ref_logits).max() / (ref_logits.max() - ref_logits.min())
-    assert err <= LOGIT_TOL, f"{what}: logits differ by {err:.2e} of the range"
 
 
 def test_three_devices_are_visible():
@@ -65,7 +57,7 @@ def test_split_matches_unsplit(unsplit, split):
     # each stage's parameters live on its own device
     for st in e.stages:
         assert all(a.devices() == {st.ops.device} for a in jax.tree.leaves(st.params))
-    _same(unsplit, got, f"layer_split {split}")
+    _compare(unsplit, got, f"layer_split {split}")
 
 
 def test_auto_balances_by_bytes_and_free_memory():
@@ -83,7 +75,7 @@ def test_split_with_a_small_expert_cache_per_stage(unsplit, split, cache):
     got = _run(layer_split=split, **cache)
     kinds = {st.path.kind for st in got[0].stages if st.experts is not None}
     assert kinds and PathKind.RESIDENT not in kinds
-    _same(unsplit, got, f"layer_split {split}, {cache}")
+    _compare(unsplit, got, f"layer_split {split}, {cache}")
 
 
 def test_each_stage_plans_from_its_own_device(monkeypatch):
@@ -163,7 +155,7 @@ def test_prefill_help_matches_no_help(packs, fmt, cache):
         tokens = n == 1024                # greedy tokens too (generate reads the prompt again)
         ref = (off, off.logits(prompt)[-8:], off.generate(prompt, 3) if tokens else None)
         got = (on, on.logits(prompt)[-8:], on.generate(prompt, 3) if tokens else None)
-        _same(ref, got, f"{fmt} {cache} prompt of {n} tokens, help on vs off")
+        _compare(ref, got, f"{fmt} {cache} prompt of {n} tokens, help on vs off")
     st = on.stages[0].experts.cache.stats
     assert st.peer_routes > 0 and off.stages[0].experts.cache.stats.peer_routes == 0
 
