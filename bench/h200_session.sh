@@ -27,6 +27,8 @@
 #                                        # against 1-token windows at batch 1, 4, 16; the JSON rewritten as it goes
 #   bash bench/h200_session.sh spec-probe  # prompt_probe --verify 4: a verify window's kernels by part of the layer
 #                                        # against a 1-token window's (8 layers, batch 1 and 4)
+#   bash bench/h200_session.sh split     # bench/split_speed.py at 48 layers, int4, both stages on the one H200
+#                                        # (--split 24 --one-device): decode b1/b4 and a 4K part, split vs not
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -85,6 +87,12 @@ case "${1:-}" in
   engine)
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 8,12 --prompt 4096 --repeat 3 \
       --kernels auto --out "$OUT/engine_speed_real_shapes_int4_auto.json" 2>&1 | grep -E "layers:|\| |wrote|Error"
+    ;;
+  split)      # the layer split's hand-off and per-stage dispatch cost (every stage on the one GPU); the JSON is
+              # rewritten after the unsplit engine's figures, so a run cut off keeps them
+    timeout 560 python3 bench/split_speed.py --model random:qwen3-next-80b-a3b --split 24 --one-device \
+      --windows 24 --repeat 3 --out "$OUT/split_speed_one_device_h200_48_layers.json" 2>&1 \
+      | grep -E "split|layers|wrote|Error|\] " | tail -40
     ;;
   engine48)   # engine_speed at all 48 layers (int4 experts, 39 GB, fit one H200): measured, not fitted. Progress lines
               # carry the clock (compile times); the .partial file is rewritten after each figure
