@@ -207,6 +207,7 @@ def main() -> int:
                     help="after each decode run, profile one more window and print where its time went")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    print(results_file.server_xla_flags(), flush=True)          # before the first JAX call (stamp's)
     stamp = results_file.stamp()
     over, slots, prompts, prefill = {}, None, [int(x) for x in args.prompts.split(",") if x], 4096
     if args.smoke:

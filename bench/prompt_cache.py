@@ -185,6 +185,7 @@ def main() -> int:
     ap.add_argument("--checkpoint-ram-gib", type=float, default=16.0)
     ap.add_argument("--out", default=None, help="JSON file to write (default bench/results/followup_ttft.json)")
     args = ap.parse_args()
+    print(results_file.server_xla_flags(), flush=True)          # before the first JAX call (stamp's)
     if args.quick:
         args.histories, args.new, args.reply, args.prefill = "256,512,1024", 64, 8, 256
     histories = [int(x) for x in args.histories.split(",")]

@@ -27,6 +27,14 @@ def commit() -> str:
         return "unknown"
 
 
+def server_xla_flags() -> str:
+    """The XLA flags the server sets by default (its command_buffer_update), applied before JAX starts: an engine
+    bench measures the server's path, not XLA's defaults. Returns the line to log."""
+    from strata.config import Settings
+    from strata.jax_backend.xla_flags import command_buffer_update
+    return command_buffer_update(Settings().backend.command_buffer_update)
+
+
 def stamp() -> dict:
     import jax
 

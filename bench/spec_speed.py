@@ -149,6 +149,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="real shapes but 16 experts and a 4K vocabulary (a CPU)")
     ap.add_argument("--out", default=None, help="JSON file to write (default bench/results/<name>.json)")
     args = ap.parse_args()
+    print(results_file.server_xla_flags(), flush=True)          # before the first JAX call (stamp's)
     result = {"bench": "spec_speed", **results_file.stamp(), "k": args.k, "acceptance": args.acceptance,
               "tokens_per_window": args.tokens_per_window, "complete": False}
     also = [int(x) for x in args.also_k.split(",") if x]

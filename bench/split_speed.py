@@ -75,6 +75,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    print(results_file.server_xla_flags(), flush=True)          # before the first JAX call (stamp's)
     if args.one_device:
         from strata.jax_backend.backend import JaxBackend
         one_device(JaxBackend)

@@ -270,6 +270,7 @@ class Engine:
                        "lm_head": stages[-1].params["lm_head"],
                        "layers": [lp for st in stages for lp in st.params["layers"]]}
         self.backend, self.by_layer, self.path = stages[-1].ops, None, stages[0].path
+        self._sample = self.backend.compile(partial(_sample, self.backend), static_argnames=("greedy",))
         say(f"strata split: {len(stages)} stages: {', '.join(st.describe() for st in stages)}; one hand-off of the "
             f"hidden rows per window per boundary")
 

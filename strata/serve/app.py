@@ -1096,7 +1096,8 @@ async def detokenize(request: HttpRequest):
 
 
 async def props(request: HttpRequest):
-    """llama.cpp's GET /props: the server's generation defaults, slots, model and chat template."""
+    """llama.cpp's GET /props: the server's generation defaults, slots, model and chat template (and a layer split's
+    stages)."""
     s: ServeState = request.app.state.strata
     c = s.config
     out = {"default_generation_settings": {"n_ctx": s.max_context, "params": {
@@ -1105,6 +1106,8 @@ async def props(request: HttpRequest):
            "total_slots": c.sched.parallel, "model_path": str(c.model.model), "model_alias": s.model_name,
            "served_model_names": list(s.names), "max_context": s.max_context, "status": s.phase,
            "modalities": {"vision": False, "audio": False}, "build_info": f"strata {_version()}"}
+    if s.scheduler is not None and (stages := s.scheduler.metrics().get("stages")):
+        out["stages"] = stages           # a layer split: each stage's device, layers, cache counters, hand-off time
     tok = s.tokenizer
     if tok is not None:
         out.update(vocab_size=s.vocab_size, chat_template=tok.chat_template, bos_token=tok.bos_token,

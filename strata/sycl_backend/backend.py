@@ -146,7 +146,6 @@ class SyclBackend(ComposedOps):
     eager = True
     host_fetch = None                    # no compiled windows: misses are copied into slots between layers
     reference = None                     # its kernels are its only ops (the numpy references are not a backend)
-    peers = None                         # the layer split's stages run on the jax backend only, so far
     joins_projections = False            # norm_linears / linears take several weights in one launch; a column slice
                                          # of a joined product is strided, which these kernels would copy first
 
@@ -166,6 +165,21 @@ class SyclBackend(ComposedOps):
 
     def __repr__(self):
         return f"SyclBackend({runtime.describe(self.sycl_device)})"
+
+    # --- Peers: a layer split's stages on the sibling devices (runtime.siblings), one queue each
+    @property
+    def peers(self) -> "SyclBackend":
+        return self
+
+    def device_count(self) -> int:
+        return len(runtime.siblings(self.sycl_device))
+
+    def on_device(self, i: int) -> "SyclBackend":
+        devices = runtime.siblings(self.sycl_device)
+        if not 0 <= i < len(devices):
+            raise ConfigError(f"device {i} of {runtime.describe(self.sycl_device)}'s kind: the backend sees "
+                              f"{len(devices)}")
+        return self if devices[i] is self.sycl_device else SyclBackend(devices[i])
 
     # --- placement and memory
     def _dev(self, a, dtype=None):

@@ -215,6 +215,36 @@ def select_device(spec=None):
 
 
 _queues: dict = {}
+_partitions: list = []          # the sub-device lists made by sub_devices(), each kept so its members keep one identity
+
+
+def sub_devices(device, n: int) -> list:
+    """`device` cut into n sub-devices of equal compute units, the same objects on every call (dpctl makes new,
+    unequal objects for each partition): how tests stand in for n cards, and a layer split's stages find theirs."""
+    with _lock:
+        for parent, subs in _partitions:
+            if parent == device and len(subs) == n:
+                return subs
+    cu = device.max_compute_units
+    if not 2 <= n <= cu:
+        raise ConfigError(f"{describe(device)} can be cut into 2..{cu} sub-devices, not {n}")
+    subs = list(device.create_sub_devices(partition=[cu // n + (i < cu % n) for i in range(n)]))
+    with _lock:
+        _partitions.append((device, subs))
+    return subs
+
+
+def siblings(device) -> list:
+    """The devices a layer split runs on beside `device`: its partition when it is a sub-device made by
+    sub_devices(), else every root device of its backend and type (`device` among them)."""
+    if device.parent_device is not None:
+        with _lock:
+            for _, subs in _partitions:
+                if any(d is device for d in subs):
+                    return subs
+        raise ConfigError(f"{describe(device)} is a sub-device not made by strata's runtime.sub_devices: its "
+                          f"siblings are unknown (make them with strata.sycl_backend.runtime.sub_devices)")
+    return [d for d in list_devices() if d.backend == device.backend and d.device_type == device.device_type]
 
 
 def queue_for(device):

@@ -103,7 +103,7 @@ def test_each_stage_plans_from_its_own_device(monkeypatch):
 def test_server_on_a_split(unsplit):
     """The runner's windows across stages through a real server: prompts read in parts while another slot decodes,
     the same answers as the unsplit engine; a repeated prompt through the prompt cache (snapshots and restores on
-    every stage); /metrics per stage; then ../shared/clients/two_clients.py 20 times against --layer-split 2
+    every stage); /metrics and /props per stage; then ../shared/clients/two_clients.py 20 times against --layer-split 2
     --parallel 2 (two CPU devices)."""
     assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
     base = unsplit[0]
@@ -127,6 +127,9 @@ def test_server_on_a_split(unsplit):
                              rf'stage="{stage}"}} [1-9]', metrics, re.M), metrics
         assert re.search(r'^strata_stage_handoff_seconds_total{device="cpu:1",layers="2-3",stage="1"} ', metrics,
                          re.M)
+        stages = httpx.get(srv.url + "/props").json()["stages"]
+        assert [(st["stage"], st["device"], st["layers"]) for st in stages] == [(0, "cpu:0", "0-1"), (1, "cpu:1", "2-3")]
+        assert all(st["expert_hits"] > 0 for st in stages) and stages[1]["handoff_seconds"] > 0
         srv.scheduler.cache.clear()
         for run in range(20):
             r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "60",
