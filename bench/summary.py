@@ -83,6 +83,12 @@ KEYS = (
     Key("spec_tok_s_b1", "speculative decoding, batch 1, at the tiny model's measured acceptance", "tok/s",
         (Source("spec_speed", ("spec_tok_s_b1",), require=(("model", "qwen3-next-80b shapes, random weights"),
                                                             ("k", 4))),)),
+    # the layer split at real shapes with both stages on the one GPU (bench/split_speed.py --one-device): the
+    # hand-off's and the second stage's dispatch cost; a run without the server's XLA flags is a comparison
+    Key("split_decode_cost_ratio_b1", "layer split in two, both stages on one GPU: a batch-1 decode window over the "
+        "unsplit one", "x", (Source("split_speed", ("split_over_unsplit_decode_b1",),
+                                    require=(("model", "random:qwen3-next-80b-a3b"), ("one_device", True)),
+                                    skip=(("default_xla_flags", ""),)),)),
     # peers, measured on the same machine and shapes by bench/transformers_speed.py
     Key("peer_transformers_prompt_tok_s_4k", "peer: Hugging Face transformers, prompt of 4K tokens (bf16 experts)",
         "tok/s", (Source("transformers_speed", ("prompt_tok_s_48_layers",), fitted=True),)),
@@ -161,7 +167,7 @@ def table(summary: dict) -> str:
             rows.append(f"| {key.label} | `{key.name}` | not measured yet | | | | |")
             continue
         v = s["value"]
-        shown = f"{v:,.0f}" if v >= 1000 else f"{v:,.1f}"
+        shown = f"{v:.2f}" if key.unit == "x" else f"{v:,.0f}" if v >= 1000 else f"{v:,.1f}"     # ratios near 1
         rows.append(f"| {key.label} | `{key.name}` | {shown} {s['unit']} | {s['machine']} | {s['date'][:10]} | "
                     f"{s['commit']} | `{s['source']}` |")
     return "\n".join(rows)
