@@ -103,9 +103,10 @@ case "${1:-}" in
   serve)      # the lent machine's image lacks the server's packages: carry .wheels/ (py3.12 wheels, installed
               # without their dependencies into .pylib)
     python3 -m pip install -q --no-deps --no-index --target .pylib .wheels/*.whl && export PYTHONPATH="$PWD/.pylib"
-    timeout 540 python3 bench/serve_load.py --model random:qwen3-next-80b-a3b --clients 1,4,16 --tokens 64 \
-      --serve-args "--max-context 8192 --prefill 512" --out "$OUT/serve_load_h200_random_80b.json" 2>&1 \
-      | grep -vE "^INFO|^\s*$" | tail -40
+    # prefill 64 and short prompts: each prompt-part bucket compiles for ~20 s at 48 layers, and warm-up compiles all
+    timeout 560 python3 bench/serve_load.py --model random:qwen3-next-80b-a3b --clients 1,4,16 --tokens 64 \
+      --prompt-words 8 --serve-args "--max-context 4096 --prefill 64" --server-log "$OUT/serve_server.log" \
+      --out "$OUT/serve_load_h200_random_80b.json" 2>&1 | grep -vE "^INFO|^\s*$" | tail -40
     ;;
   routes48)
     timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 48 --prompt 4096 --repeat 3 \

@@ -105,6 +105,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--serve-args", default="", help="extra flags for the server this script starts")
+    ap.add_argument("--server-log", default=None, help="the started server's stderr to this file (default: kept "
+                    "in memory, printed if it fails to start)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     counts = [int(x) for x in args.clients.split(",")]
@@ -114,7 +116,8 @@ def main() -> int:
         port = free_port()
         cmd = [sys.executable, "-m", "strata.cli", "serve", "--model", args.model, "--port", str(port),
                "--parallel", str(max(counts)), "--queue-limit", str(4 * max(counts))] + args.serve_args.split()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        log = open(args.server_log, "w") if args.server_log else subprocess.PIPE      # a pipe nobody reads fills up
+        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=log, text=True)
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 600
         while time.time() < deadline:
@@ -124,23 +127,25 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None:
-                print(proc.stderr.read(), file=sys.stderr)
+                print(proc.stderr.read() if proc.stderr else open(args.server_log).read(), file=sys.stderr)
                 return 1
             time.sleep(0.5)
+    results: list = []
     try:
         asyncio.run(load(base, 1, 8, 4))                          # warm every path once
-        results = [asyncio.run(load(base, n, args.tokens, args.prompt_words)) for n in counts]
+        stamp = results_file.stamp()                              # (a small JAX context beside the server's)
+        for n in counts:                                          # written after each count: a run cut off keeps them
+            results.append(asyncio.run(load(base, n, args.tokens, args.prompt_words)))
+            out = {"bench": "serve_load", **stamp, "model": args.model, "max_tokens": args.tokens,
+                   "serve_args": args.serve_args, "results": results,
+                   **{f"aggregate_tok_s_{r['clients']}_clients": r["aggregate_tok_s"] for r in results},
+                   **{f"inter_event_ms_p99_{r['clients']}": r["inter_event_ms_p99"] for r in results}}
+            platform = stamp["machine"].split(":")[0]
+            results_file.write(out, args.out, f"serve_load_{args.model.replace(':', '_')}_{platform}")
     finally:
         if proc:
             proc.terminate()
             proc.wait(30)
-    import jax
-    dev = jax.devices()[0]
-    out = {"bench": "serve_load", **results_file.stamp(), "model": args.model, "max_tokens": args.tokens,
-           "results": results,
-           **{f"aggregate_tok_s_{r['clients']}_clients": r["aggregate_tok_s"] for r in results},
-           **{f"inter_event_ms_p99_{r['clients']}": r["inter_event_ms_p99"] for r in results}}
-    results_file.write(out, args.out, f"serve_load_{args.model.replace(':', '_')}_{dev.platform}")
     print("| clients | TTFT ms | per-client tok/s | aggregate tok/s | inter-event p50 ms | p99 ms | sched overhead "
           "| plan / apply / handoff |")
     print("|---|---|---|---|---|---|---|---|")
