@@ -52,10 +52,11 @@ def faulty(pack, **faults) -> Engine:
     return Engine.load(pack, settings=Settings.build(allow_faults=True, model=str(pack), **SHAPE, **faults))
 
 
-def serve_all(engine, requests):
-    """The requests on one scheduler over the engine -> ({id: (text, final event)}, scheduler)."""
-    sched = Scheduler(WindowRunner(engine, 2, 8), tokenizer=engine.tokenizer, eos_token_ids=engine.eos_token_ids,
-                      queue_limit=4)
+def serve_all(engine, requests, part: int = 8, **kw):
+    """The requests on one scheduler over the engine (kw: the Scheduler's) -> ({id: (text, final event)},
+    scheduler)."""
+    sched = Scheduler(WindowRunner(engine, 2, part), tokenizer=engine.tokenizer, eos_token_ids=engine.eos_token_ids,
+                      queue_limit=4, **kw)
     out = {}
 
     async def main():
