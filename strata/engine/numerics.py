@@ -3,9 +3,8 @@ that slot's prompt parts and decode rows differently, so a retry never repeats t
 
   reference_ops  the backend's reference ops (XLA) in place of its own kernels (Pallas), one compiled function per
                  part or window as usual: offered where some kernel of its own runs and every expert is resident
-  float32        float32 activations through the engine's own strategies and ops: the first stage's embedding widened,
-                 so every op after it computes in float32, reading the stored weights widened as it uses them (no
-                 second copy); the sequence state keeps its dtypes. Offered where the engine's dtype is not float32
+  float32        the engine's own strategies on float32 activations (its embedding widened; the weights widened as
+                 read, the state in its own dtypes): offered where the engine's dtype is not float32
   cpu_experts    every routed expert computed on the CPU from the host tier, layer by layer (no device slot is read)
 `build(engine, ladder)` -> the rungs of the ladder this engine runs, in order, and why each other one is left out.
 Rows on a rung run after the window's other rows, on the same slot bank, and are read at once (never chained).
