@@ -38,7 +38,7 @@ def bucket_for(n: int) -> int:
 MAX_PREFILL = PART_BUCKETS[-1]
 
 # The numerics paths a guard's retry can run on (SchedSettings.guard_ladder; strata/engine/numerics.py builds them).
-NUMERICS_RUNGS = ("reference_ops", "cpu_experts")
+NUMERICS_RUNGS = ("reference_ops", "float32", "cpu_experts")
 MAX_CONTEXT_LIMIT = 1 << 22
 # max_context auto's cap where the device does not report its free memory (a CPU)
 AUTO_CONTEXT_CAP = 32768
@@ -275,12 +275,14 @@ class SchedSettings(_Group):
     guard_ladder: str | list[str] = setting(
         ",".join(NUMERICS_RUNGS), Rule(_ladder, "distinct names among " + ", ".join(NUMERICS_RUNGS) + " (an array; "
                                    "comma-separated on the command line), or an empty array"),
-        "The numerics guard's retry ladder: a request whose row goes non-finite is retried from the start of its "
-        "prompt on the next of these paths (reference_ops: XLA's ops instead of the Pallas kernels; cpu_experts: "
-        "every routed expert computed on the CPU from the host tier), after its expert slots were verified and "
-        "repaired. A path that would compute exactly what the engine already does (reference_ops where no Pallas "
-        "kernel runs) or that this engine cannot build is left out at load, and the log says so. A second failure "
-        "at the same position ends the request with the error code non_finite.")
+        "The numerics guard's retry ladder: a request whose row goes non-finite is retried on the next of these "
+        "paths (reference_ops: XLA's ops instead of the Pallas kernels; float32: the activations in float32, the "
+        "weights widened as they are read; cpu_experts: every routed expert computed on the CPU from the host tier), "
+        "after its expert slots were verified and repaired, from the prompt cache's last checkpoint of its own "
+        "prompt at or before the failure (else from the start). A path that would compute exactly what the engine "
+        "already does (reference_ops where no Pallas kernel runs, float32 where the dtype is float32) or that this "
+        "engine cannot build is left out at load, and the log says so. A second failure at the same position ends "
+        "the request with the error code non_finite.")
     guard_storm: int = setting(
         3, _int_range(0, 1 << 16),
         "Non-finite failures of this many different requests within guard_storm_seconds make the engine verify "

@@ -185,6 +185,7 @@ class Executor(Protocol):
     def save_kv(self, slot: int, n: int) -> Saved: ...                  # on the host
     def load_kv(self, slot: int, saved: Saved) -> None: ...
     # between windows (none in flight): verify the expert slots and rewrite bad ones from the host tier, clear the
-    # sequence states of `slots` (non-finite rows': NaN must not linger in their KV); rebuild: also rewrite every
-    # expert slot and drop cached device arguments
-    def repair(self, slots: tuple[int, ...], rebuild: bool = False) -> Repair: ...
+    # sequence states of `slots` (non-finite rows': NaN must not linger in their KV) but, per slot, the KV of the
+    # first keep[i] positions (finite windows wrote them: a retry resumes there from a checkpoint; None: keep none);
+    # rebuild: also rewrite every expert slot and drop cached device arguments
+    def repair(self, slots: tuple[int, ...], rebuild: bool = False, keep: tuple[int, ...] | None = None) -> Repair: ...

@@ -23,6 +23,7 @@ from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
 from strata.experts.path import PathKind
+from strata.model.config import LINEAR
 from strata.model.forward import finite_rows, forward, forward_hidden, head, row_positions
 from strata.plan import DEFAULT, Capacity, Logprobs, PromptPart, Repair, Saved, WindowPlan, WindowResult, idle_plan
 
@@ -67,6 +68,9 @@ class WindowRunner:
         self.rungs, left = build(engine, engine.settings.sched.ladder)
         self.numerics = tuple(self.rungs)        # the guard's retry ladder (Executor.numerics)
         self._clear = [engine.compile_on(st, "clear_slot", _clear_slot, donate_argnums=(0,)) for st in engine.stages]
+        self._clear_after = [engine.compile_on(st, "clear_slot_after", partial(_clear_slot_after,
+                                                                               kinds=tuple(st.cfg.layer_types)),
+                                               donate_argnums=(0,)) for st in engine.stages]
         if engine.settings.sched.ladder:
             log.info(f"strata guard: retries after a non-finite row run on "
                      f"{', '.join(self.numerics) or 'nothing (no numerics path offered)'}"
@@ -280,14 +284,17 @@ class WindowRunner:
         out = self.shaping().part(plan, logits)
         return replace(out, finite=out.finite & residual)
 
-    def repair(self, slots: tuple[int, ...], rebuild: bool = False) -> Repair:
-        """Executor.repair: the slots' sequence states (and the MTP head's) zeroed; every resident expert slot
-        checked against the pack's checksums and the bad ones rewritten from the host tier (rebuild: every one
-        rewritten first, and the device copies of window arguments dropped, so nothing cached on the device outlives
-        it)."""
+    def repair(self, slots: tuple[int, ...], rebuild: bool = False, keep: tuple[int, ...] | None = None) -> Repair:
+        """Executor.repair: the slots' sequence states (and the MTP head's) zeroed, but the KV of each one's first
+        keep[i] positions; every resident expert slot checked against the pack's checksums and the bad ones rewritten
+        from the host tier (rebuild: every one rewritten first, and the device copies of window arguments dropped, so
+        nothing cached on the device outlives it)."""
         t = time.perf_counter()
-        for i in slots:
-            self.each_stage(lambda st, states: self._clear[st.index](states, np.int32(i)))
+        for i, n in zip(slots, keep or (0,) * len(slots)):
+            if n:
+                self.each_stage(lambda st, states: self._clear_after[st.index](states, np.int32(i), np.int32(n)))
+            else:
+                self.each_stage(lambda st, states: self._clear[st.index](states, np.int32(i)))
         if self.spec is not None:
             self.spec.clear(slots)
         if rebuild:
@@ -312,12 +319,14 @@ class WindowRunner:
             self.states[a:b] = call(st, self.states[a:b])
 
 
-def rows_before_last(r: WindowRunner, before: list, hidden: list, plan: WindowPlan, rows_in, fetched: list):
+def rows_before_last(r: WindowRunner, before: list, hidden: list, plan: WindowPlan, rows_in, fetched: list,
+                     x=None):
     """A split's stages before the last (`before`, each run by hidden[i], _decode_hidden compiled on it) on a
     window's rows (their copy on each stage's device) -> the hidden rows [S, H] on the last stage's device (None
-    unsplit); window fetch: each stage's (ExpertSet, table, counts, copied) appended to fetched."""
+    unsplit); window fetch: each stage's (ExpertSet, table, counts, copied) appended to fetched. x: the first
+    stage's input rows in place of the tokens' embedding (returned as they are, unsplit)."""
     if not before:
-        return None
+        return x
     e = r.engine
     active = plan.decode_active.astype(np.int32)
 
@@ -335,7 +344,7 @@ def rows_before_last(r: WindowRunner, before: list, hidden: list, plan: WindowPl
         else:
             r.states[a:b], x = f(st.params, st.path.args(), r.states[a:b], rows, act, x)
         return x
-    x = e.hidden(before, None, through)
+    x = e.hidden(before, x, through)
     last = e.stages[-1]
     t = time.perf_counter()
     x = last.ops.to_device(x)
@@ -489,12 +498,13 @@ def _on_host(st, valid, part: bool, owner: str):
 class HostRows:
     """Decode rows layer by layer, each layer's routes resolved on the host (strata/experts/moe.py); read at once.
     experts_of(stage, valid, part, owner) -> the stage's experts function (default: on_host; the guard's
-    cpu_experts path: on the CPU)."""
+    cpu_experts path: on the CPU). widen(tokens) -> the first stage's input rows in place of the tokens' embedding
+    (the guard's float32 path; None: the embedding)."""
 
     overlaps_cache_work = False
 
-    def __init__(self, runner: WindowRunner, experts_of=_on_host):
-        self.runner, self.experts_of = runner, experts_of
+    def __init__(self, runner: WindowRunner, experts_of=_on_host, widen=None):
+        self.runner, self.experts_of, self.widen = runner, experts_of, widen
 
     def dispatch(self, plan: WindowPlan, after=None) -> tuple:
         r = self.runner
@@ -508,7 +518,8 @@ class HostRows:
                                                            experts, x)
             return x
         last = e.stages[-1]
-        logits = last.by_layer.head(last.params, e.hidden(e.stages, None, through), len(active), all_logits=True)
+        x = self.widen(np.asarray(plan.decode_tokens, np.int32)) if self.widen is not None else None
+        logits = last.by_layer.head(last.params, e.hidden(e.stages, x, through), len(active), all_logits=True)
         lp = None
         if plan.shaped:
             nxt, fin, lp = r.shaping().sample(plan, logits, active, reset=np.zeros(r.n_slots, np.int32))
@@ -525,9 +536,10 @@ class HostRows:
 class CompiledPart:
     """A prompt part as one compiled function on one slot's state (every expert resident)."""
 
-    def __init__(self, runner: WindowRunner, reference: bool = False):
-        """reference: every stage's compiled with its backend's reference ops (the guard's reference_ops path)."""
-        self.runner = runner
+    def __init__(self, runner: WindowRunner, reference: bool = False, widen=None):
+        """reference: every stage's compiled with its backend's reference ops (the guard's reference_ops path);
+        widen: as HostRows'."""
+        self.runner, self.widen = runner, widen
         e = runner.engine
         *self.before, self.last = e.stages
         on, name = (_reference_ops, "reference_") if reference else ((lambda st: {}), "")
@@ -548,7 +560,7 @@ class CompiledPart:
             r.states[a:b], x = self._hidden[st.index](st.params, st.path.args(), r.states[a:b], np.int32(i), tokens,
                                                       start, n, x)
             return x
-        x = e.hidden(self.before, None, through)
+        x = e.hidden(self.before, self.widen(tokens) if self.widen is not None else None, through)
         st = self.last
         a, b = st.layers.start, st.layers.stop
         x = st.ops.to_device(x) if x is not None else None
@@ -560,10 +572,10 @@ class CompiledPart:
 
 class HostPart:
     """A prompt part layer by layer, its misses streamed through staging slots (strata/experts/moe.py);
-    experts_of as HostRows'."""
+    experts_of and widen as HostRows'."""
 
-    def __init__(self, runner: WindowRunner, experts_of=_on_host):
-        self.runner, self.experts_of = runner, experts_of
+    def __init__(self, runner: WindowRunner, experts_of=_on_host, widen=None):
+        self.runner, self.experts_of, self.widen = runner, experts_of, widen
 
     def dispatch(self, plan: WindowPlan) -> PartOut:
         r, p = self.runner, plan.part
@@ -582,7 +594,8 @@ class HostPart:
                                                                        n, experts, x)
             return x
         last = e.stages[-1]
-        logits = last.by_layer.head(last.params, e.hidden(e.stages, None, through), n)
+        x = self.widen(padded) if self.widen is not None else None
+        logits = last.by_layer.head(last.params, e.hidden(e.stages, x, through), n)
         if plan.shaped or p.copies:
             return r.part_out(plan, None, None, logits, residual)
         nxt, fin = r._sample(logits, *_sampling_of(plan, i), plan.seeds[i:i + 1], plan.steps[i:i + 1])
@@ -895,6 +908,18 @@ def _clear_slot(ops, states, slot):
     """The slot bank with slot's sequence state zeroed (nothing non-finite left in its KV or recurrent state)."""
     return [{k: ops.set_row(v, slot, ops.xp.zeros(v.shape[1:], v.dtype)) for k, v in layer.items()}
             for layer in states]
+
+
+def _clear_slot_after(ops, states, slot, n, kinds=()):
+    """_clear_slot but the attention layers' KV of positions 0..n-1 (kinds: the layers' types, static)."""
+    xp = ops.xp
+
+    def kept(v):
+        row = ops.take_row(v, slot)
+        on = (xp.arange(row.shape[0]) < n).reshape((-1,) + (1,) * (row.ndim - 1))
+        return ops.set_row(v, slot, xp.where(on, row, xp.zeros((), row.dtype)))
+    return [{k: ops.set_row(v, slot, xp.zeros(v.shape[1:], v.dtype)) if kind == LINEAR else kept(v)
+             for k, v in layer.items()} for kind, layer in zip(kinds, states)]
 
 
 def _rung_rows(plan: WindowPlan) -> dict:

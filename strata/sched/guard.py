@@ -1,9 +1,10 @@
 """The numerics guard's policy: what follows a row whose logits (or a prompt part's residual) came back non-finite.
 
 Plain data in, decisions out: no clock, executor or slot of its own (the caller passes `now`). A request's failed
-attempt is retried from the start of its prompt on the next rung of the ladder (the numerics paths the executor
-offers besides its default), so no retry repeats a computation; a failure that overlaps the positions of an earlier
-attempt's, or one with no rung left, ends the request with an explicit error. Failures of `storm` different requests
+attempt is retried on the next rung of the ladder (the numerics paths the executor offers besides its default), so
+no retry repeats a computation (the caller resumes it from a clean checkpoint of its prompt, else from the start); a
+failure that overlaps the positions of an earlier attempt's, or one with no rung left, ends the request with an
+explicit error. Failures of `storm` different requests
 within `window_s` seconds ask for every expert slot to be verified and the device state rebuilt (once per storm).
 The caller verifies and repairs the expert slots and clears the slot's state after every failure.
 """

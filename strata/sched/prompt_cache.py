@@ -139,6 +139,34 @@ class PromptCache:
         conv.checkpoints = [c for c in conv.checkpoints if c.pos <= pos]
         conv.used = self._tick()
 
+    def rewind(self, slot: int, pos: int, tokens) -> int:
+        """A non-finite row at pos (of `tokens`) poisoned the slot: its conversation keeps its checkpoints at or
+        before pos on those tokens (taken of finite windows, so clean) and the tokens up to the last of them, whose
+        KV the slot's repair keeps (kept()); the rest goes, or all of it when none is left. -> the position a retry
+        resumes from (resume(), after the repair); 0: from the start."""
+        conv = self.live[slot]
+        limit = min(pos, common_prefix(conv.tokens, tokens)) if conv is not None else 0
+        usable = [c for c in conv.checkpoints if 0 < c.pos <= limit] if conv is not None else []
+        if not usable:
+            self.drop(slot)
+            return 0
+        conv.checkpoints = usable
+        conv.tokens = list(tokens[:usable[-1].pos])
+        conv.used = self._tick()
+        return usable[-1].pos
+
+    def kept(self, slot: int) -> int:
+        """The positions of the slot's KV that its conversation holds (what a repair of the slot keeps)."""
+        conv = self.live[slot]
+        return len(conv.tokens) if conv is not None else 0
+
+    def resume(self, slot: int) -> int:
+        """The slot's newest checkpoint restored into it (after rewind() and the repair) -> its position."""
+        ck = self.live[slot].checkpoints[-1]
+        self.ex.restore(slot, ck.saved)
+        ck.used = self._tick()
+        return ck.pos
+
     def drop(self, slot: int) -> None:
         """The slot's state is not to be trusted (a failed window, a non-finite row): its conversation goes."""
         if self.live[slot] is not None:

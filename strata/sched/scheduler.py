@@ -24,7 +24,7 @@ import numpy as np
 
 from strata.plan import DEFAULT, Capacity, Executor, Logprobs, PromptPart, Repair, WindowPlan, WindowResult
 from strata.sched.drafts import DraftPolicy
-from strata.sched.guard import Attempt, GiveUp, Guard
+from strata.sched.guard import Attempt, GiveUp, Guard, Retry
 from strata.sched.output import TextOutput
 from strata.sched.prompt_cache import PromptCache
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, TokenLogprob
@@ -149,9 +149,10 @@ class Scheduler:
                       # gaps between a stream's tokens, in windows without and with a prompt part
                       "inter_token_seconds_sum": 0.0, "inter_tokens": 0,
                       "inter_token_seconds_beside_parts_sum": 0.0, "inter_tokens_beside_parts": 0,
-                      # the numerics guard: rows that went non-finite, retries, requests it ended, expert slots
-                      # found corrupt (and rewritten), full rebuilds
-                      "nonfinite_rows": 0, "guard_retries": 0, "guard_failed": 0, "expert_slots_repaired": 0,
+                      # the numerics guard: rows that went non-finite, retries, the tokens they resumed from
+                      # checkpoints, requests it ended, expert slots found corrupt (and rewritten), full rebuilds
+                      "nonfinite_rows": 0, "guard_retries": 0, "guard_tokens_resumed": 0, "guard_failed": 0,
+                      "expert_slots_repaired": 0,
                       "guard_rebuilds": 0, "drafts_verified": 0, "drafts_accepted": 0, "windows_verifying": 0}
         self._recent: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens generated, seconds) per window
         self._pending: list[tuple[object, list]] = []                 # ended requests' streams and last events
@@ -647,10 +648,14 @@ class Scheduler:
         included) went non-finite: nothing of it is emitted, the slot is poisoned until repaired, and the guard
         decides between a retry on another numerics path and an explicit error."""
         self.stats["nonfinite_rows"] += 1
-        self.cache.drop(s.id)                     # its conversation and the checkpoints of this attempt
         attempts = s.attempts + (Attempt(s.numerics, first, last),)
         d = self.guard.failed(s.req.id, attempts, time.monotonic())
         self.poisoned[s.id] = self.poisoned.get(s.id, False) or d.rebuild
+        # a retry resumes from the last checkpoint at or before the failure (taken of finite windows, so clean;
+        # the repair keeps the KV below it), but after a storm nothing of the device state is trusted
+        at = self.cache.rewind(s.id, first, s.prompt) if isinstance(d, Retry) and not self.poisoned[s.id] else 0
+        if not at:
+            self.cache.drop(s.id)                 # its conversation and the checkpoints of this attempt
         where = (f"position {last}" if first == last else f"the verify row {first}..{last}" if verify
                  else f"the prompt part {first}..{last} (logits at {last})")
         head = (f"strata guard: non-finite at {where}, request {s.req.id} on slot {s.id}, attempt {len(attempts)} "
@@ -666,9 +671,11 @@ class Scheduler:
             self._end(s, Failed(d.message(), 500, "non_finite", d.detail()))
             return
         self.stats["guard_retries"] += 1
-        log.warning(f"{head}; the expert slots are verified, then it reads its prompt again from the start "
-                    f"({len(s.prompt)} tokens, the {len(s.sent)} already sent among them) on {d.numerics} numerics")
-        s.state, s.read, s.pos, s.parts, s.reused = SlotState.READING, 0, 0, 0, 0
+        whence = f"its checkpoint at token {at}" if at else "the start"
+        log.warning(f"{head}; the expert slots are verified, then it reads its prompt again from {whence} "
+                    f"({len(s.prompt) - at} of its {len(s.prompt)} tokens, the {len(s.sent)} already sent among "
+                    f"them) on {d.numerics} numerics")
+        s.state, s.read, s.pos, s.parts, s.reused = SlotState.READING, at, at, 0, at
         s.numerics, s.attempts = d.numerics, attempts
 
     async def _repair(self) -> None:
@@ -676,8 +683,22 @@ class Scheduler:
         the poisoned slots' state and, after a storm of failures, rebuilds the expert device state."""
         slots, rebuild = tuple(sorted(self.poisoned)), any(self.poisoned.values())
         self.poisoned = {}
+        if rebuild:                               # after a storm no device state is trusted: retries read from 0
+            for i in slots:
+                self.cache.drop(i)
+                s = self.slots_[i]
+                s.read = s.pos = s.reused = 0
+        keep = tuple(self.cache.kept(i) for i in slots)         # the KV below a retry's checkpoint
+        # a retry that resumes from a checkpoint (rewind) gets it back once its slot is cleared
+        resume = [i for i in slots if self.slots_[i].req is not None and self.slots_[i].read > 0]
+
+        def repair():
+            rep = self.executor.repair(slots, rebuild, keep)
+            for i in resume:
+                self.stats["guard_tokens_resumed"] += self.cache.resume(i)
+            return rep
         try:
-            rep: Repair = await anyio.to_thread.run_sync(self.executor.repair, slots, rebuild)
+            rep: Repair = await anyio.to_thread.run_sync(repair)
         except Exception as exc:                  # noqa: BLE001 - the slots' requests fail, not the server
             log.error(f"strata guard: repairing after a non-finite row failed ({type(exc).__name__}: {exc}); "
                       f"ending the requests of slots {list(slots)}")
@@ -741,9 +762,10 @@ class Scheduler:
         if (s.req.checkpoints and s.numerics == DEFAULT and self._exact(s) and s.pos > 0
                 and s.pos == n + s.generated - 1):
             self.cache.take(s.id, s.pos, self._fed(s))
-        read = n - s.reused
+        reused = min(s.reused, n)                 # (a retry may resume past the prompt, among the tokens sent)
+        read = n - reused
         drafts = f", drafts accepted {s.accepted} of {s.drafts}" if self.drafts is not None else ""
-        log.info(f"strata serve: prompt {n} tokens = {s.reused} reused + {read} read in {read_ms:.0f} ms "
+        log.info(f"strata serve: prompt {n} tokens = {reused} reused + {read} read in {read_ms:.0f} ms "
                  f"({read / max(read_ms / 1000, 1e-9):.1f} tok/s), {s.generated} generated in {gen_ms:.0f} ms "
                  f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s){drafts}, "
                  f"{self.cache.checkpoints(s.id)} checkpoints, finish {reason} ({s.req.id})"

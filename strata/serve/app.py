@@ -145,6 +145,8 @@ class _SchedulerCollector:
             ("drafts_accepted", "strata_drafts_accepted", "Drafts accepted"),
             ("nonfinite_rows", "strata_nonfinite_rows", "Rows whose logits or residual went non-finite"),
             ("guard_retries", "strata_guard_retries", "Requests the numerics guard retried on another numerics path"),
+            ("guard_tokens_resumed", "strata_guard_tokens_resumed",
+             "Tokens the guard's retries resumed from a prompt-cache checkpoint instead of reading them again"),
             ("guard_failed", "strata_guard_failed", "Requests the numerics guard ended with the error non_finite"),
             ("expert_slots_repaired", "strata_expert_slots_repaired",
              "Device expert slots that failed their checksum and were rewritten from the host tier"),

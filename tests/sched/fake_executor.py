@@ -103,6 +103,7 @@ class FakeExecutor:
         self.calls: list[tuple] = []                  # (name, slot, tokens) of each prompt-cache call
         self.poisoned: set[int] = set()               # slots a non-finite row left unusable until repair()
         self.repairs: list[tuple[tuple, bool]] = []   # repair() calls: (slots, rebuild)
+        self.kept: list[tuple] = []                   # and the KV positions each kept per slot
         self.paths: list[tuple[int, int, str]] = []   # (slot, position, numerics) of every row and part row computed
 
     @property
@@ -247,17 +248,22 @@ class FakeExecutor:
         self.kv[slot] = list(tokens) + self.kv[slot][len(tokens):]
         self.rec[slot] = None
 
-    def repair(self, slots: tuple, rebuild: bool = False) -> Repair:
+    def repair(self, slots: tuple, rebuild: bool = False, keep: tuple | None = None) -> Repair:
         """The corrupt expert slots are found and rewritten (their rows are finite from now on); `slots`' states are
-        cleared (a part on them must start at 0)."""
+        cleared but the KV of each one's first keep[i] positions (a part on them must start at 0, or at a restored
+        checkpoint)."""
         if any(not 0 <= i < self.slots for i in slots):
             raise ValueError(f"repair of slots {slots}: this executor has {self.slots}")
+        keep = tuple(keep) if keep is not None else (0,) * len(slots)
+        if len(keep) != len(slots) or any(not 0 <= n <= len(self.kv[i]) for i, n in zip(slots, keep)):
+            raise ValueError(f"repair of slots {slots} keeping {keep} positions of KVs of {self.length}")
         self.repairs.append((tuple(slots), rebuild))
+        self.kept.append(keep)
         bad = tuple(sorted(set(self.corrupt.values())))
         self.corrupt.clear()
-        for i in slots:
+        for i, n in zip(slots, keep):
             self.poisoned.discard(i)
-            self.kv[i], self.rec[i] = [], []
+            self.kv[i], self.rec[i] = self.kv[i][:n], []
         return Repair(verified=64, bad=bad, rebuilt=rebuild)
 
     def _finite(self, slot: int, pos: int, numerics: str) -> bool:

@@ -1,8 +1,9 @@
 """The numerics guard on the demo model served from a pack (every expert in a device slot, the pack and its host tier
 behind them), with the test-only faults: a corrupt device slot is found, repaired from the host tier and named in
-the log, and the request returns a clean engine's greedy output; a deterministic non-finite value ends its request
-with the explicit error after two attempts while a request on the other slot completes exactly; through a live
-server the error reaches clients streamed (finish_reason "error" + the error object) and as an HTTP 500 body."""
+the log, and the request returns a clean engine's greedy output (resumed from a prompt-cache checkpoint before the
+failing part when there is one); a deterministic non-finite value ends its request with the explicit error after two
+attempts while a request on the other slot completes exactly; through a live server the error reaches clients
+streamed (finish_reason "error" + the error object) and as an HTTP 500 body."""
 from __future__ import annotations
 
 import json
@@ -52,10 +53,11 @@ def faulty(pack, **faults) -> Engine:
     return Engine.load(pack, settings=Settings.build(allow_faults=True, model=str(pack), **SHAPE, **faults))
 
 
-def serve_all(engine, requests):
-    """The requests on one scheduler over the engine -> ({id: (text, final event)}, scheduler)."""
-    sched = Scheduler(WindowRunner(engine, 2, 8), tokenizer=engine.tokenizer, eos_token_ids=engine.eos_token_ids,
-                      queue_limit=4)
+def serve_all(engine, requests, part: int = 8, later=(), **kw):
+    """The requests on one scheduler over the engine (kw: the Scheduler's), then the `later` ones once those ended
+    -> ({id: (text, final event)}, scheduler)."""
+    sched = Scheduler(WindowRunner(engine, 2, part), tokenizer=engine.tokenizer, eos_token_ids=engine.eos_token_ids,
+                      queue_limit=4, **kw)
     out = {}
 
     async def main():
@@ -71,9 +73,10 @@ def serve_all(engine, requests):
                         else:
                             final = ev
                 out[r.id] = (text, final)
-            async with anyio.create_task_group() as clients:
-                for r in requests:
-                    clients.start_soon(one, r)
+            for batch in (requests, later):
+                async with anyio.create_task_group() as clients:
+                    for r in batch:
+                        clients.start_soon(one, r)
             tg.cancel_scope.cancel()
     anyio.run(main)
     return out, sched
@@ -90,15 +93,16 @@ def test_fault_keys_are_refused_without_the_test_flag(pack, tmp_path):
 
 
 def test_the_ladder_is_checked_at_config_time_and_stripped_at_load(tmp_path, caplog):
-    (tmp_path / "c.toml").write_text('guard_ladder = ["cpu_experts", "float32"]\n')
-    with pytest.raises(ConfigError, match="guard_ladder must be distinct names among reference_ops, cpu_experts"):
+    (tmp_path / "c.toml").write_text('guard_ladder = ["cpu_experts", "float16"]\n')
+    with pytest.raises(ConfigError, match="guard_ladder must be distinct names among reference_ops, float32, "
+                                          "cpu_experts"):
         load_settings(tmp_path / "c.toml")
     assert load_settings(None, env={"STRATA_DBG_NAN": "1"}).backend.debug_nan is True
     with caplog.at_level(logging.INFO, "strata"):
         r = WindowRunner(Engine.load("demo", **SHAPE), 2, 8)         # XLA on a CPU: reference_ops is the default
     assert r.numerics == ("cpu_experts",)
-    assert any("left out: reference_ops (the jax backend runs no kernel of its own here)" in m
-               for m in caplog.messages)
+    assert any("left out: reference_ops (the jax backend runs no kernel of its own here), float32 (the engine "
+               "computes in float32 already)" in m for m in caplog.messages)
 
 
 def test_the_reference_ops_path_computes_a_clean_engines_tokens(pack):
@@ -198,3 +202,41 @@ def test_a_live_server_reports_it_streamed_and_as_http_500(deterministic):
         assert [a["numerics"] for a in body["attempts"]] == ["default", "cpu_experts"]
     assert re.search(r"^strata_guard_failed_total 3", metrics, re.M)
     assert re.search(r"^strata_guard_retries_total 3", metrics, re.M)
+
+
+def test_a_retry_resumes_from_the_last_checkpoint_before_the_fault_and_returns_a_clean_engines_output(pack, clean,
+                                                                                                       caplog):
+    """A long prompt read in parts of 8 with a checkpoint every 8 tokens; a device expert slot that the prompt first
+    routes to after its first checkpoint is corrupt, so the part that first reads it goes non-finite. The retry
+    (cpu_experts) restores the checkpoint at that part's start and reads only the rest; its tokens are a clean
+    engine's. The conversation it leaves in the cache is clean: the same prompt again continues from a checkpoint
+    and gives the same tokens."""
+    every = 8
+    a = prompt_of(clean, "the heron waits by the mill pond while the miller counts his sacks of grain, slowly")
+    assert len(a) > 4 * every
+    clean.record_routing = True
+    before = clean.experts.cache.routed.copy()
+    clean.logits(a[:every])
+    early = clean.experts.cache.routed - before
+    clean.logits(a)
+    whole = clean.experts.cache.routed - before - early
+    clean.record_routing = False
+    late = np.argwhere((early == 0) & (whole > 0))            # (MoE layer, expert) first routed after token 8
+    assert len(late), "the prompt routes to no expert only after its first checkpoint: pick another prompt"
+    p, e = (int(x) for x in late[0])
+    engine = faulty(pack, fault_corrupt_slot=clean.experts.cache.slot_of(p, e))
+    want = greedy_text(clean, a, 6)
+    with caplog.at_level(logging.INFO):
+        out, sched = serve_all(engine, [Request("A", a, 6, stop_token_ids=())], checkpoint_every=every,
+                               checkpoint_ram_gib=0.01, later=[Request("B", a, 6, stop_token_ids=())])
+    assert out["A"][0] == want and isinstance(out["A"][1], Finished)
+    failed = [m for m in caplog.messages if "strata guard: non-finite at the prompt part" in m]
+    assert len(failed) == 1
+    start = int(re.search(r"prompt part (\d+)\.\.", failed[0]).group(1))
+    assert start >= every and start % every == 0
+    assert f"reads its prompt again from its checkpoint at token {start} ({len(a) - start} of its {len(a)}" in failed[0]
+    assert out["A"][1].timings["reused"] == start and sched.stats["guard_tokens_resumed"] == start
+    assert any(f"prompt {len(a)} tokens = {start} reused + {len(a) - start} read" in m and "attempt 2 on cpu_experts"
+               in m for m in caplog.messages), caplog.messages
+    assert sched.stats["guard_retries"] == 1 and sched.stats["expert_slots_repaired"] == 1
+    assert out["B"][0] == want and out["B"][1].timings["reused"] == start        # continued from A's clean cache

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from test_scheduler_fake import P, drain, ended, sched_over, tokenizer  # noqa: F401 - the fixture
 
 import pytest
+from strata.sched.guard import Guard
 from strata.sched.prompt_cache import common_prefix
 from strata.sched.request import Failed, Finished, Request
 
@@ -281,23 +282,26 @@ def snapshots(fake) -> list[tuple[str, int, bool]]:
 def noting(fake) -> None:
     repair = fake.repair
 
-    def noted(slots, rebuild=False):
+    def noted(slots, rebuild=False, keep=None):
         fake.calls.append(("repair", None, None))
-        return repair(slots, rebuild)
+        return repair(slots, rebuild, keep)
     fake.repair = noted
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
-def test_a_guard_retry_drops_the_conversation_and_caches_nothing_of_its_path(tokenizer, lookahead):
-    """b continues a's conversation and goes non-finite (a corrupt expert slot) at a checkpoint position: its slot is
-    never snapshotted while poisoned (the fake refuses), its conversation goes, the retry reads from token 0 on
-    reference_ops and takes no checkpoint, and c, continuing b, reads from 0 and gets a cold read's tokens."""
+def test_a_guard_retry_resumes_from_a_clean_checkpoint_and_caches_nothing_of_its_path(tokenizer, lookahead):
+    """b continues a's conversation and goes non-finite (a corrupt expert slot) just before a checkpoint position:
+    its slot is never snapshotted while poisoned (the fake refuses), the repair keeps the KV below b's last
+    checkpoint (48) and the retry resumes there on reference_ops (the fake checks the KV and the restored state
+    agree) and takes no checkpoint; c, continuing b, resumes from that clean checkpoint and gets a cold read's
+    tokens."""
     every = 8
     fake = FakeExecutor(slots=1, part_size=8, max_context=4096, chains=lookahead)
     sched = sched_over(fake, tokenizer, checkpoint_every=every, checkpoint_ram_gib=1.0, lookahead=lookahead)
     a = turn("a", P("a first turn of the conversation") + HEADER, 5)
     second = tuple(a.prompt_ids) + tuple(reply_of(a)) + P("next one") + HEADER
     bad = (len(second) // every + 1) * every - 1               # its state after this row is a checkpoint's
+    last = bad + 1 - every                                     # b's last checkpoint before it
     fake.corrupt[(0, bad)] = (7, 1, 3)                        # non-finite until the repair
     b = turn("b", second, bad - len(second) + 6)
     c = turn("c", second + tuple(reply_of(b)) + P("and on") + HEADER, 4)
@@ -305,22 +309,35 @@ def test_a_guard_retry_drops_the_conversation_and_caches_nothing_of_its_path(tok
     watch(fake, sched)
     results = serve_rounds(sched, [[a], [b], [c]])
     b_final = results[1]["b"][1]
-    assert isinstance(b_final, Finished) and b_final.timings["reused"] == 0
+    assert isinstance(b_final, Finished) and b_final.timings["reused"] == last
     assert results[1]["b"][0] == text_of(reply_of(b)[:-1])
-    assert sched.stats["guard_retries"] == 1 and fake.repairs == [((0,), False)]
+    assert sched.stats["guard_retries"] == 1 and fake.repairs == [((0,), False)] and fake.kept == [(last,)]
+    assert sched.stats["guard_tokens_resumed"] == last
     snaps = {(r, after) for r, _, after in snapshots(fake)}
     assert ("b", False) in snaps and ("b", True) not in snaps and ("c", True) in snaps
-    assert results[2]["c"][1].timings["reused"] == 0
-    assert sched.metrics()["conversations_dropped"] == 1
-    assert [p for _, p, path in fake.paths if path != "default"][0] == 0
-    assert results[2]["c"][0] == text_of(reply_of(c)[:-1])
+    assert [p for _, p, path in fake.paths if path != "default"][0] == last
+    assert results[2]["c"][1].timings["reused"] == last and results[2]["c"][0] == text_of(reply_of(c)[:-1])
+    assert sched.metrics()["conversations_dropped"] == 0
     sent = bad - len(second) + 1                               # b's tokens sent before the failure
     assert [rec for _, rec in fake.prompts] == [a.prompt_ids, second, second + tuple(reply_of(b)[:sent]), c.prompt_ids]
 
 
+def test_a_retry_after_a_storm_reads_from_the_start(tokenizer):
+    """A storm's repair rebuilds everything: no device state is trusted, so the retry reads from token 0 and the
+    repair keeps no KV."""
+    fake = FakeExecutor(slots=1, part_size=8, max_context=4096, corrupt={(0, 20): (7, 1, 3)})
+    sched = sched_over(fake, tokenizer, checkpoint_every=8, checkpoint_ram_gib=1.0)
+    sched.guard = Guard(fake.numerics, storm=1)
+    a = turn("a", P("a prompt longer than two parts") + HEADER, 5)
+    results = serve_rounds(sched, [[a]])
+    assert results[0]["a"][0] == text_of(reply_of(a)[:-1]) and results[0]["a"][1].timings["reused"] == 0
+    assert fake.repairs == [((0,), True)] and fake.kept == [(0,)] and sched.stats["guard_tokens_resumed"] == 0
+
+
 def test_a_part_that_goes_non_finite_at_a_checkpoint_position_is_not_snapshotted(tokenizer):
     """The part that ends at a checkpoint position is non-finite: no snapshot of the poisoned slot (the fake
-    refuses one), the retry reads on reference_ops without checkpoints, and the next turn reads from 0."""
+    refuses one), the retry resumes from the checkpoint before the part on reference_ops without taking any, and
+    the next turn continues from that checkpoint."""
     fake = FakeExecutor(slots=1, part_size=8, max_context=4096, corrupt={(0, 15): (7, 1, 3)})
     sched = sched_over(fake, tokenizer, checkpoint_every=8, checkpoint_ram_gib=1.0)
     a = turn("a", P("a prompt longer than two parts") + HEADER, 5)
@@ -331,5 +348,6 @@ def test_a_part_that_goes_non_finite_at_a_checkpoint_position_is_not_snapshotted
     assert results[0]["a"][0] == text_of(reply_of(a)[:-1])
     assert sched.metrics()["checkpoints_taken"] == len([1 for n, _, _ in fake.calls if n == "snapshot"])
     assert [(p, after) for r, p, after in snapshots(fake) if r == "a"] == [(8, False)]   # none at 16, none after
-    assert results[1]["b"][1].timings["reused"] == 0 and results[1]["b"][0] == text_of(reply_of(b)[:-1])
+    assert results[1]["b"][1].timings["reused"] == 8 and results[1]["b"][0] == text_of(reply_of(b)[:-1])
+    assert results[0]["a"][1].timings["reused"] == 8 and fake.kept == [(8,)]
     assert [rec for _, rec in fake.prompts] == [a.prompt_ids, b.prompt_ids] and sched.stats["guard_retries"] == 1
