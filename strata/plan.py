@@ -140,6 +140,9 @@ class Capacity:
                                          # that holds it (empty: every size up to part_size, nothing padded)
     draft: int = 0                       # K: the most drafts a row verifies in one window (0: no speculative
                                          # decoding; WindowPlan.draft_len)
+    stages: int = 1                      # a layer split's stages (devices): with more than one, decode windows
+                                         # alternate between two groups of slots, so that the next window does not
+                                         # wait for this one and the first stage runs it while the last runs this
 
     def padded(self, n: int) -> int:
         """The tokens a part of n tokens costs: the smallest compiled part size that holds it."""

@@ -36,7 +36,7 @@ class WindowRunner:
             raise ValueError(f"part size {part_size} exceeds the engine's prefill {engine.settings.sched.prefill}")
         self.engine, self.n_slots, self.part_size = engine, n_slots, part_size
         self.capacity = Capacity(slots=n_slots, part_size=part_size, max_context=engine.settings.model.max_context,
-                                 part_sizes=tuple(self.buckets()))
+                                 part_sizes=tuple(self.buckets()), stages=len(engine.stages))
         ops = engine.backend
         one = engine.init_state()
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
@@ -320,11 +320,13 @@ class WindowRunner:
 
 
 def rows_before_last(r: WindowRunner, before: list, hidden: list, plan: WindowPlan, rows_in, fetched: list,
-                     x=None):
+                     x=None, handoff: list | None = None):
     """A split's stages before the last (`before`, each run by hidden[i], _decode_hidden compiled on it) on a
     window's rows (their copy on each stage's device) -> the hidden rows [S, H] on the last stage's device (None
     unsplit); window fetch: each stage's (ExpertSet, table, counts, copied) appended to fetched. x: the first
-    stage's input rows in place of the tokens' embedding (returned as they are, unsplit)."""
+    stage's input rows in place of the tokens' embedding (returned as they are, unsplit). handoff: each stage's
+    hand-off buffer [S, H], donated to its call (hidden[i] donates its argument 6) and replaced by the output that
+    reuses it."""
     if not before:
         return x
     e = r.engine
@@ -337,12 +339,15 @@ def rows_before_last(r: WindowRunner, before: list, hidden: list, plan: WindowPl
         act = r.stage_args[st.index].get("active", active)
         st.handoff_s += time.perf_counter() - t
         f = hidden[st.index]
+        buf = () if handoff is None else (handoff[st.index],)
         if st.path.kind is PathKind.WINDOW_FETCH:
             args, table = st.experts.fetch_args()
-            r.states[a:b], x, counts, copied = f(st.params, args, r.states[a:b], rows, act, x)
+            r.states[a:b], x, counts, copied = f(st.params, args, r.states[a:b], rows, act, x, *buf)
             fetched.append((st.experts, table, counts, copied))
         else:
-            r.states[a:b], x = f(st.params, st.path.args(), r.states[a:b], rows, act, x)
+            r.states[a:b], x = f(st.params, st.path.args(), r.states[a:b], rows, act, x, *buf)
+        if handoff is not None:
+            handoff[st.index] = x
         return x
     x = e.hidden(before, x, through)
     last = e.stages[-1]
@@ -409,9 +414,11 @@ class CompiledRows:
         self._decode = e._compile("decode_rows", _decode_rows, stage=self.last, donate_argnums=(2, 3),
                                   static_argnames=("greedy",))
         self._logits = e._compile("decode_logits", _decode_logits, stage=self.last, donate_argnums=(2,))
-        # a split's stages before the last: their layers of the decode rows, handing on the hidden rows
-        self._hidden = [e._compile("decode_hidden", _decode_hidden, stage=st, donate_argnums=(2,))
+        # a split's stages before the last: their layers of the decode rows, handing on the hidden rows in a buffer
+        # of their own that each window donates back (_decode_hidden's buf)
+        self._hidden = [e._compile("decode_hidden_into", _decode_hidden, stage=st, donate_argnums=(2, 6))
                         for st in self.before]
+        self._handoff = [st.ops.zeros_like(np.zeros((r.n_slots, e.cfg.hidden_size), e.dtype)) for st in self.before]
         # a window's result rows, copied out of the rows it hands its successor (a fresh [2, S] array)
         self._peel = e.compiled("peel_result", lambda: ops.compile(_result_rows))
         # a continuing window's rows: the predecessor's (donated) with the host's rows where given
@@ -464,7 +471,8 @@ class CompiledRows:
         return d
 
     def _before_last(self, plan: WindowPlan, rows_in, fetched: list):
-        return rows_before_last(self.runner, self.before, self._hidden, plan, rows_in, fetched)
+        return rows_before_last(self.runner, self.before, self._hidden, plan, rows_in, fetched,
+                                handoff=self._handoff)
 
     def collect(self, d: DeviceRows) -> tuple[np.ndarray, np.ndarray, Logprobs | None]:
         r = self.runner
@@ -770,14 +778,17 @@ def _result_rows(rows):
     return rows[3:] + 0
 
 
-def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x, taps=None):
+def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x, buf=None, taps=None):
     """A split's stage before the last on a window's decode rows (rows [ROWS, S]: tokens and positions; x [S, H]
     from the stage before, None on the first) -> (its layers' states, x after them); window fetch: (states, x,
-    routing counts [Lp, E], experts copied [Lp])."""
+    routing counts [Lp, E], experts copied [Lp]). buf [S, H]: x is written into it (donated, the hand-off keeps one
+    address window to window, as a command buffer must not see its addresses change)."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
     x, states = forward_hidden(ops, cfg, params, states, rows[0], rows[1], active,
                                path.traced(layout, args, active, counts, copied), taps=taps, x=x)
+    if buf is not None:
+        x = ops.kv_write(buf, x, 0)
     if fetching:
         return states, x, ops.xp.stack(counts), ops.xp.stack(copied)
     return states, x

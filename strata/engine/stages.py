@@ -4,7 +4,8 @@ sequence state of its layers. An unsplit engine is one stage holding everything.
 
 A window runs each stage's compiled function in turn; between stages the hidden rows [T, H] (and the rows' tokens
 and positions, which every stage reads) move to the next device: one hand-off per window per boundary. Every device
-is driven from the same host thread, so stage 0 can start window n+1 while the last stage still runs window n.
+is driven from the same host thread, so stage 0 can start window n+1 while the last stage still runs window n when
+n+1 needs nothing of n (the scheduler's two groups of slots: Capacity.stages).
 `layer_split`: "auto" (balanced by each device's free memory and the layers' bytes) or "K1,K2,...": the first layer
 of each later stage.
 """

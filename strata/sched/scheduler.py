@@ -122,6 +122,10 @@ class Scheduler:
         self._part_times: deque[float] = deque(maxlen=5)
         # steady decoding dispatches the next window before reading this one (_continuation)
         self.lookahead = lookahead and executor.chains
+        # a layer split pipelines: decode windows alternate between two groups of slots (_pipeline), each window's
+        # successor independent of it, so the first stage runs window n+1 while the last stage runs window n
+        self.pipelined = self.lookahead and cap.stages > 1
+        self._turn = 0                            # which group of generating slots the last planned window took
         self.drafts = (drafts or DraftPolicy(cap.draft)) if cap.draft else None
         self.slots_ = [Slot(i) for i in range(cap.slots)]
         self.cache = PromptCache(executor, cap.slots, checkpoint_every, int(checkpoint_ram_gib * (1 << 30)))
@@ -144,7 +148,7 @@ class Scheduler:
         # text) and handoff (to the worker thread and back) are measured apart; the rest is the event loop's other
         # work (HTTP) running before the scheduler resumes.
         self.stats = {"requests_finished": 0, "requests_failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "windows": 0, "windows_ahead": 0, "window_seconds_sum": 0.0, "device_seconds_sum": 0.0,
+                      "windows": 0, "windows_ahead": 0, "windows_pipelined": 0, "window_seconds_sum": 0.0, "device_seconds_sum": 0.0,
                       "plan_seconds_sum": 0.0, "apply_seconds_sum": 0.0, "handoff_seconds_sum": 0.0,
                       # gaps between a stream's tokens, in windows without and with a prompt part
                       "inter_token_seconds_sum": 0.0, "inter_tokens": 0,
@@ -286,9 +290,12 @@ class Scheduler:
         def work():
             w = window if window is not None else self.executor.dispatch(plan)
             if following is not None:
+                # pipelined, a successor with every token known waits for nothing of w's (not even its rows)
+                chained = not self.pipelined or (following.decode_tokens[following.decode_active] < 0).any()
                 try:
-                    box["following"] = self.executor.dispatch(following, after=w)
+                    box["following"] = self.executor.dispatch(following, after=w if chained else None)
                     self.stats["windows_ahead"] += 1
+                    self.stats["windows_pipelined"] += not chained
                 except Exception as exc:           # noqa: BLE001 - planned afresh next turn instead
                     log.warning(f"strata batch: a window could not be dispatched ahead ({type(exc).__name__}: "
                                 f"{exc}); the next one is planned after this one's tokens")
@@ -305,23 +312,27 @@ class Scheduler:
         no prompt part or prompt to read, no request waiting or cancelled, and every generating slot without a
         grammar in plan and not ending by length after plan's token. Those rows continue on the device. A grammar's
         next mask needs the token before it, so a slot with one drops out when in plan and joins (its token, mask
-        and position given) when not: it decodes every other window. None when no row would be left. A row that
-        ends on plan's token (a stop token or string) is computed once more and its result dropped (its slot is
-        free by then; a new sequence clears the state), so a slot's state may run one token past its request's
-        end: whatever snapshots a slot's state (prompt-cache checkpoints) must take it from a window applied to a
-        live request (_exact). None also before a window after which a continuing row takes a checkpoint."""
+        and position given) when not: it decodes every other window; pipelined (a layer split) with several slots
+        generating, every slot does, so the window after plan is the other group's. None when no row would be left.
+        A row that ends on plan's token (a stop token or string) is computed once more and its result dropped (its
+        slot is free by then; a new sequence clears the state), so a slot's state may run one token past its
+        request's end: whatever snapshots a slot's state (prompt-cache checkpoints) must take it from a window
+        applied to a live request (_exact). None also before a window after which a continuing row takes a
+        checkpoint."""
         if (not self.lookahead or plan.part is not None or not plan.n_decode or self.queue or self.cancelled
                 or plan.draft_len is not None           # a verify window's positions are known once it is read
                 or plan.numerics is not None or self.poisoned):     # rows on a numerics path are read at once
             return None
         on = plan.decode_active
         keep, joined = np.zeros_like(on), []
+        # pipelined with several slots generating, every slot alternates as a grammar's does (_pipeline)
+        groups = self.pipelined and sum(s.state is SlotState.GENERATING for s in self.slots_) > 1
         for s in self.slots_:
             if s.state is SlotState.READING or (on[s.id] and s.state is not SlotState.GENERATING):
                 return None                       # a prompt to read, or a row whose request ended
             if s.state is not SlotState.GENERATING:
                 continue
-            if s.matcher is not None:             # in plan: its token is not known yet; else it was applied
+            if s.matcher is not None or groups:   # in plan: its token is not known yet; else it was applied
                 if not on[s.id]:
                     joined.append(s)
             elif (not on[s.id] or s.generated + 1 >= s.req.max_tokens or s.pos + 2 >= self.max_context
@@ -333,6 +344,8 @@ class Scheduler:
             return None
         if self.drafts is not None and self.drafts.on(int(keep.sum()) + len(joined)):
             return None                           # the next window verifies drafts: planned once this one is read
+        if groups:
+            self._turn ^= 1
         nxt = plan.continued()
         active, tokens = keep.copy(), np.where(keep, -1, 0).astype(np.int32)
         pos, steps = nxt.decode_pos.copy(), nxt.steps.copy()
@@ -417,6 +430,8 @@ class Scheduler:
             sp = s.req.sampling
             temp[s.id], top_k[s.id], top_p[s.id], min_p[s.id] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
             seeds[s.id], steps[s.id] = s.seed, s.generated
+        if not reading:                           # (a part's window is read at once: its rows are not halved)
+            gen = self._pipeline(gen)
         for s in gen:
             active[s.id], tokens[s.id], pos[s.id] = True, s.last_token, s.pos
         part = None
@@ -435,6 +450,14 @@ class Scheduler:
                           numerics=numerics if any(n != DEFAULT for n in numerics) else None,
                           **self._shaping([s for s in self.slots_ if s.req is not None], sampled))
         return self._drafting(plan, gen)
+
+    def _pipeline(self, gen: list[Slot]) -> list[Slot]:
+        """Pipelined (a layer split): the generating slots a window takes, every other one in turn, so that the
+        next window (the other group, its tokens known) is dispatched without waiting for this one's."""
+        if not self.pipelined or len(gen) < 2:
+            return gen
+        self._turn ^= 1
+        return gen[self._turn::2]
 
     def _drafting(self, plan: WindowPlan, gen: list[Slot]) -> WindowPlan:
         """A verify window when the executor verifies drafts, the policy wants them at this batch and no row is

@@ -60,6 +60,27 @@ def test_split_matches_unsplit(unsplit, split):
     _compare(unsplit, got, f"layer_split {split}")
 
 
+def test_the_hand_off_keeps_its_address_window_to_window():
+    """A split's decode windows write the hidden rows into a hand-off buffer that each window donates back, so
+    every stage's compiled window sees the same addresses window to window (a command buffer whose addresses move
+    is recorded again); the tokens stay those of the unsplit engine (test_split_matches_unsplit, the server test)."""
+    from dataclasses import replace
+
+    from strata.engine.runner import WindowRunner
+    from strata.plan import idle_plan
+    e = Engine.load("demo", max_context=256, prefill=PART, layer_split="2", **QUIET)
+    runner = WindowRunner(e, 2, 16)
+    plan = replace(idle_plan(2), decode_active=np.ones(2, bool), decode_tokens=np.array([3, 4], np.int32))
+    runner.run(plan)                                                    # compiles
+    first = runner.rows._handoff[0]
+    where = first.unsafe_buffer_pointer()
+    for i in range(1, 4):
+        runner.run(replace(plan, decode_pos=plan.decode_pos + i, steps=plan.steps + i))
+        buf = runner.rows._handoff[0]
+        assert buf.unsafe_buffer_pointer() == where and buf.dtype == e.dtype and buf.devices() == {jax.devices()[0]}
+    assert first.is_deleted()                                           # donated, not copied
+
+
 def test_auto_balances_by_bytes_and_free_memory():
     cfg = Engine.load("demo", max_context=256, prefill=PART, **QUIET).cfg          # 4 layers
     assert split_points("auto", cfg, 2) == [2] and split_points("auto", cfg, 3) == [1, 3]
@@ -102,7 +123,8 @@ def test_each_stage_plans_from_its_own_device(monkeypatch):
 
 def test_server_on_a_split(unsplit):
     """The runner's windows across stages through a real server: prompts read in parts while another slot decodes,
-    the same answers as the unsplit engine; a repeated prompt through the prompt cache (snapshots and restores on
+    the same answers as the unsplit engine, also with two slots decoding in windows that alternate between them
+    (pipelined); a repeated prompt through the prompt cache (snapshots and restores on
     every stage); /metrics and /props per stage; then ../shared/clients/two_clients.py 20 times against --layer-split 2
     --parallel 2 (two CPU devices)."""
     assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
@@ -114,12 +136,18 @@ def test_server_on_a_split(unsplit):
     with running_server(e, parallel=2, prefill=256, max_context=8192) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
-        def ask(p):
-            return client.completions.create(model="demo", prompt=p, max_tokens=16, temperature=0,
+        def ask(p, n=16):
+            return client.completions.create(model="demo", prompt=p, max_tokens=n, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].text
         with ThreadPoolExecutor(3) as pool:
             together = list(pool.map(ask, prompts))
         assert together == want
+        # two slots decoding with no prompt to read: windows alternate between them, each dispatched unchained
+        long = [base.tokenizer.decode(base.generate(p, 48, stop_token_ids=[]), skip_special_tokens=True)
+                for p in prompts[:2]]
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda p: ask(p, 48), prompts[:2])) == long
+        assert srv.scheduler.pipelined and srv.scheduler.stats["windows_pipelined"] > 0
         assert [ask(p) for p in prompts] == want                       # again: prompt-cache hits
         metrics = httpx.get(srv.url + "/metrics").text
         for stage, layers in (("0", "0-1"), ("1", "2-3")):

@@ -91,9 +91,11 @@ class FakeExecutor:
     decode_s: float = 0.0                             # the device seconds it reports for a window's decode rows
     part_s_per_token: float = 0.0                     # and for each token of a part, padded (Capacity.padded)
     part_s_at: dict = field(default_factory=dict)     # window index -> the part's seconds instead
+    stages: int = 1                                   # the layer split's stages it declares (Capacity.stages)
 
     def __post_init__(self):
-        self.capacity = Capacity(self.slots, self.part_size, self.max_context, tuple(self.part_sizes))
+        self.capacity = Capacity(self.slots, self.part_size, self.max_context, tuple(self.part_sizes),
+                                 stages=self.stages)
         self.windows: list[Dispatched] = []
         self.warmed = 0
         self.collected: list[int] = []

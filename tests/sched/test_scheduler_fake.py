@@ -251,6 +251,32 @@ def test_lookahead_needs_an_executor_that_chains_and_survives_a_refused_dispatch
         assert {r: summary(x) for r, x in out.items()} == {r: summary(x) for r, x in off.items()}
 
 
+def test_a_layer_split_pipelines_decode_windows_between_two_groups_of_slots(tokenizer):
+    """An executor of two stages (a layer split): once no prompt is being read, decode windows alternate between two
+    groups of the generating slots, and each is dispatched before the last one is read without waiting on it (no
+    after=: every token it feeds is known), so the first stage can run it while the last stage runs the one before.
+    A single generating slot chains as usual. What clients see is what an unsplit executor gives."""
+    def requests():
+        return [req(x, P(p), 12, stop_token_ids=()) for x, p in (("A", "go on"), ("B", "and on"), ("C", "on on"))]
+    piped = FakeExecutor(slots=3, stages=2)
+    sched = sched_over(piped, tokenizer)
+    out = serve(sched, requests())
+    plain = serve(sched_over(FakeExecutor(slots=3), tokenizer), requests())
+    assert {r: summary(x) for r, x in out.items()} == {r: summary(x) for r, x in plain.items()}
+    decode = [w for w in piped.windows if w.plan.part is None]
+    steady = [w for w in decode if w.plan.n_decode < 3]
+    assert len(steady) >= 12 and not any(w.plan.decode_active.all() for w in decode)
+    pairs = list(zip(decode, decode[1:]))
+    disjoint = [a for a, b in pairs if not (a.plan.decode_active & b.plan.decode_active).any()]
+    assert len(disjoint) >= 10 and sched.stats["windows_pipelined"] >= 10
+    # pipelined windows are not chained to the window before (the fake records after= as ahead); only the last
+    # slot left generating chains
+    chained = [w for w in piped.windows if w.ahead]
+    assert all(w.plan.n_decode == 1 for w in chained)
+    assert sched.pipelined and not sched_over(FakeExecutor(slots=3), tokenizer).pipelined
+    assert not sched_over(FakeExecutor(slots=3, stages=2), tokenizer, lookahead=False).pipelined
+
+
 def test_cancelling_queued_and_running_requests(tokenizer, caplog):
     caplog.set_level(logging.INFO, logger="strata.sched")
     a, b, c = P("first"), P("second"), P("third")
