@@ -27,6 +27,7 @@
 #                                        # against 1-token windows at batch 1, 4, 16; the JSON rewritten as it goes
 #   bash bench/h200_session.sh spec-probe  # prompt_probe --verify 4: a verify window's kernels by part of the layer
 #                                        # against a 1-token window's (8 layers, batch 1 and 4)
+#   bash bench/h200_session.sh overlap   # bench/overlap_probe.py: copies issued outside a compiled window beside compute
 #   bash bench/h200_session.sh split     # bench/split_speed.py at 48 layers, int4, both stages on the one H200
 #                                        # (--split 24 --one-device): decode b1/b4 and a 4K part, split vs not
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
@@ -138,6 +139,10 @@ case "${1:-}" in
               # device_put, by the host-rows kernel, and by that kernel on a second stream (stream annotation)
     timeout 200 python3 bench/launch_probe.py --variants "" --out "$OUT/launch_probe_copies_h200.json" 2>&1 \
       | grep -E "^copy|FAILED|Error|wrote"
+    ;;
+  overlap)    # bench/overlap_probe.py: host-to-device copies issued outside a compiled window (device_put from pinned or
+              # pageable memory, a compiled copy, 8 chunks) beside ~20 ms of matmuls: does either hide the other?
+    timeout 200 python3 bench/overlap_probe.py --out "$OUT/overlap_probe_h200.json" 2>&1 | grep -vE "^\s*$|^W1|^I1"
     ;;
   offload)
     timeout 540 python3 bench/offload_speed.py --runs uniform --batches 1,4 --prompts "" \
