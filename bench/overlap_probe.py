@@ -41,9 +41,15 @@ def main() -> int:
     ap.add_argument("--matmuls", type=int, default=12, help="chained [n, n] bf16 matmuls of the compute")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--command-buffer-update", default=None, choices=("skip_temp", "xla_default"),
+                    help="applied before JAX starts (default: the server's setting)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    print(results_file.server_xla_flags(), flush=True)           # before the first JAX call (stamp's)
+    if args.command_buffer_update is None:
+        print(results_file.server_xla_flags(), flush=True)       # before the first JAX call (stamp's)
+    else:
+        from strata.jax_backend.xla_flags import command_buffer_update
+        print(command_buffer_update(args.command_buffer_update), flush=True)
     import jax
     import jax.numpy as jnp
     if args.smoke:
