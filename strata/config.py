@@ -364,7 +364,8 @@ class BackendSettings(_Group):
         "skip_temp", _choice("skip_temp", "xla_default"),
         "jax on an NVIDIA GPU: how XLA updates a window's command buffer (CUDA graph). skip_temp keeps its temporaries "
         "at fixed addresses (XLA's VMM allocator), so windows dispatched ahead run at the device's pace; set where the "
-        "installed jaxlib knows the mode, unless XLA_FLAGS names one. xla_default: XLA's own mode.")
+        "installed jaxlib knows the mode, unless XLA_FLAGS names one. That allocator leaves no pinned host memory, so "
+        "window fetch is off under it: a GPU that offloads experts should set xla_default (XLA's own mode).")
     kernels: str = setting(
         "auto", _choice("auto", "xla", "pallas"),
         "The jax backend's kernels: auto (on a GPU, the Pallas kernels that measured faster than XLA; plain XLA on a "

@@ -9,7 +9,7 @@ import pytest
 
 from strata.backend import get_backend
 from strata.jax_backend import cuda_memory
-from strata.jax_backend.xla_flags import FLAG, SET_BY_STRATA, accepts, command_buffer_update
+from strata.jax_backend.xla_flags import FLAG, SET_BY_STRATA, accepts, command_buffer_update, pinned_host_usable
 
 
 def test_the_flag_is_the_first_mode_name_the_jaxlib_accepts():
@@ -34,6 +34,18 @@ def test_the_flag_is_left_alone(case):
     assert env == before
     assert {"off": "xla_default", "given": "left as given", "no gpu": "no NVIDIA driver",
             "unknown names": "knows none of SKIP_TEMP, TEMP_NEVER_UPDATE"}[case] in line
+
+
+def test_no_pinned_host_memory_under_a_command_buffer_mode_on_a_gpu(monkeypatch):
+    """Any update mode in XLA_FLAGS makes XLA's GPU client use its VMM allocator, under which an array put in pinned
+    host memory kills the process (seen on the H200, bench/results/overlap_probe_h200_skip_temp_segfault.log): the
+    backend then offers no HostFetch, so host mirrors stay in pageable memory and window fetch is off."""
+    assert not pinned_host_usable("gpu", f"--xla_dump_to=/tmp/x {FLAG}=SKIP_TEMP")
+    assert pinned_host_usable("gpu", "--xla_dump_to=/tmp/x") and pinned_host_usable("cpu", f"{FLAG}=SKIP_TEMP")
+    cpu = get_backend("jax", device="cpu")
+    assert cpu.host_fetch is cpu                      # the CPU's pinned host memory is usable under any flags
+    assert "XLA's VMM allocator then leaves no pinned host memory" in command_buffer_update(
+        "skip_temp", {}, lambda flag: True, gpu=True)
 
 
 def test_the_jaxlib_check_runs_a_child_that_an_unknown_value_aborts():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from functools import partial
 
 import jax
@@ -28,6 +29,7 @@ from strata.jax_backend.kernels import gated_delta as k_gated_delta
 from strata.jax_backend.kernels import route as k_route
 from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop, experts_fetching, experts_from_pool
 from strata.jax_backend.kernels.host_rows import copy_host_rows
+from strata.jax_backend.xla_flags import pinned_host_usable
 from strata.backend import ComposedOps, is_rows
 
 GDN_SCAN_BLOCK = 16      # chunks per iteration of the chunked rule's scan, at most (gated_delta_chunked_xla)
@@ -445,8 +447,10 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     @property
     def host_fetch(self) -> "JaxBackend | None":
         """The HostFetch capability (strata/backend.py): this backend when its device has pinned host memory, which
-        a compiled window reads by itself (experts_fetch); else None."""
-        return self if "pinned_host" in {m.kind for m in self.device.addressable_memories()} else None
+        a compiled window reads by itself (experts_fetch), and XLA's allocator allows it (xla_flags); else None."""
+        kinds = {m.kind for m in self.device.addressable_memories()}
+        usable = pinned_host_usable(self.device.platform, os.environ.get("XLA_FLAGS", ""))
+        return self if "pinned_host" in kinds and usable else None
 
     def host_chunk(self, rows):
         """A host chunk: uint8 [n, nbytes] rows copied into pinned host memory (one allocation)."""
