@@ -376,14 +376,15 @@ def gated_delta_pallas(hv, dk, dv, prompts, repeat, interpret, cases=PALLAS_CASE
         for i, (dots, block_v, warps) in enumerate(cases):
             if interpret and dots == "tf32x3":        # XLA's CPU has no TF32
                 continue
-            ker = backend if i == 0 else partial(K.gated_delta_chunked_pallas, chunk=c, dots=dots, block_v=block_v,
+            ker = backend if cases[i] == PALLAS_CASES[0] else partial(K.gated_delta_chunked_pallas, chunk=c, dots=dots, block_v=block_v,
                                                  warps=warps, interpret=interpret)
             err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
             t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat,
                                    carry=lambda out: out[1], loop=CHUNKED_LOOP)
             rows.append(row(f"gated delta chunked Pallas, {dots}, dv block {block_v}, warps {warps}, {prompt} tokens"
-                            + (" (the backend's)" if i == 0 else ""), t_ker, t_xla, nbytes, flops, err,
-                            form="pallas", tokens=prompt, chunk=c, dots=dots, block_v=block_v, warps=list(warps)))
+                            + (" (the backend's)" if cases[i] == PALLAS_CASES[0] else ""), t_ker, t_xla, nbytes,
+                            flops, err, form="pallas", tokens=prompt, chunk=c, dots=dots, block_v=block_v,
+                            warps=list(warps)))
     return rows
 
 
@@ -416,6 +417,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode-cases", default=None,
                     help="expert_decode's cases instead of its default: block:warps, comma-separated")
+    ap.add_argument("--gdn-cases", default=None,
+                    help="gated_delta_pallas: these of PALLAS_CASES (indices, comma-separated), prompts of 4096 only")
     ap.add_argument("--trace-decode", default=None,
                     help="expert_decode: also trace these cases (block:warps, comma-separated) and XLA's form")
     args = ap.parse_args()
@@ -466,6 +469,9 @@ def main() -> int:
            "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}
+    if args.gdn_cases and not args.smoke:
+        shapes["gated_delta_pallas"].update(prompts=[4096], cases=tuple(PALLAS_CASES[int(i)]
+                                                                        for i in args.gdn_cases.split(",")))
     unknown = [n for n in args.only.split(",") if n not in fns]
     if unknown:
         ap.error(f"--only: unknown kernel families {unknown}; allowed: {', '.join(fns)}")
