@@ -18,8 +18,7 @@ Kernels (strata/jax_backend/kernels/):
 - expert_grouped_blocks: the grouped int4 v2 op at 4096 tokens with 64 and 128 rows per block;
 - route: the router's softmax, top-k and renormalisation in one kernel at 1, 16 and 4096 rows, against the composition.
 And the backend's XLA form of the gated delta rule for a prompt part (gated_delta_chunked: 4096 tokens) at other
-chunks and matmul precisions than its defaults, against those; and its Pallas form (gated_delta_pallas: 4096 and
-512 tokens, several precisions, dv blocks and warps) against the XLA form's defaults.
+chunks and matmul precisions than its defaults, against those.
 
 Times are device time per call: the call runs `LOOP` times inside one jitted loop (each iteration's input depends on
 the last output, so nothing is hoisted), so dispatch does not hide a kernel of a few microseconds.
@@ -350,44 +349,6 @@ def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CAS
     return rows
 
 
-# the Pallas form's cases (dots, dv columns a recurrence program, warps of kernels 1 and 2) at chunk 64; the first
-# through the backend (KernelConfig gdn_kernel "pallas", its defaults); tf32x3 needs a GPU
-PALLAS_CASES = (("ieee", 32, (4, 4)), ("ieee", 32, (8, 8)), ("tf32x3", 32, (4, 4)), ("tf32x3", 32, (8, 8)),
-                ("bf16x6", 32, (8, 8)), ("tf32x3", 16, (4, 4)))
-
-
-def gated_delta_pallas(hv, dk, dv, prompts, repeat, interpret, cases=PALLAS_CASES):
-    """The chunked gated delta rule's Pallas kernels (kernels/gated_delta.py: products per (chunk, head), then the
-    recurrence per (head, dv block)) against the backend's XLA form at its defaults, for prompt parts of each length
-    in `prompts`. FLOPs and bytes as gated_delta_chunked's."""
-    from strata.jax_backend.backend import JaxBackend
-    from strata.jax_backend.kernel_config import KernelConfig
-    from strata.jax_backend.kernels import gated_delta as K
-    xla_chunked = JaxBackend(kernels="xla").gated_delta_chunked
-    backend = JaxBackend(kernels="pallas", kernel_config=KernelConfig(gdn_kernel="pallas")).gated_delta_chunked
-    rows = []
-    for prompt in prompts:
-        q, k, v, g, beta, st = rule_inputs(hv, dk, dv, prompt)
-        t_xla = device_seconds(lambda st: xla_chunked(q, k, v, g, beta, st), (st,), 0, repeat,
-                               carry=lambda out: out[1], loop=CHUNKED_LOOP)
-        c = 64
-        flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2
-        nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * hv * dk * dv * 4
-        for i, (dots, block_v, warps) in enumerate(cases):
-            if interpret and dots == "tf32x3":        # XLA's CPU has no TF32
-                continue
-            ker = backend if cases[i] == PALLAS_CASES[0] else partial(K.gated_delta_chunked_pallas, chunk=c, dots=dots, block_v=block_v,
-                                                 warps=warps, interpret=interpret)
-            err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
-            t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat,
-                                   carry=lambda out: out[1], loop=CHUNKED_LOOP)
-            rows.append(row(f"gated delta chunked Pallas, {dots}, dv block {block_v}, warps {warps}, {prompt} tokens"
-                            + (" (the backend's)" if cases[i] == PALLAS_CASES[0] else ""), t_ker, t_xla, nbytes,
-                            flops, err, form="pallas", tokens=prompt, chunk=c, dots=dots, block_v=block_v,
-                            warps=list(warps)))
-    return rows
-
-
 def route(experts, k, tokens, repeat, interpret):
     """The router's softmax + top-k + renormalisation as one kernel (kernels/route.py) against the composition
     (ComposedOps.route on XLA). Bytes: the logits read, the weights and ids written."""
@@ -417,8 +378,6 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode-cases", default=None,
                     help="expert_decode's cases instead of its default: block:warps, comma-separated")
-    ap.add_argument("--gdn-cases", default=None,
-                    help="gated_delta_pallas: these of PALLAS_CASES (indices, comma-separated), prompts of 4096 only")
     ap.add_argument("--trace-decode", default=None,
                     help="expert_decode: also trace these cases (block:warps, comma-separated) and XLA's form")
     args = ap.parse_args()
@@ -431,8 +390,6 @@ def main() -> int:
             "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
             "gated_delta_chunked": dict(hv=2, dk=16, dv=16, prompt=70),
-            "gated_delta_pallas": dict(hv=2, dk=16, dv=16, prompts=[70, 16], cases=(("ieee", 16, (4, 4)),
-                                                                                    ("bf16x6", 16, (4, 4)))),
             "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
             "route": dict(experts=16, k=4, tokens=[1, 8]),
             "expert_grouped_blocks": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4,
@@ -447,7 +404,6 @@ def main() -> int:
             "decode_attention": dict(hq=16, hkv=2, hd=256, contexts=[4096, 32768], batches=[1, 16],
                                      queries=[1, 4]),
             "gated_delta_chunked": dict(hv=32, dk=128, dv=128, prompt=4096),
-            "gated_delta_pallas": dict(hv=32, dk=128, dv=128, prompts=[4096, 512]),
             "expert_grouped_blocks": dict(hidden=2048, inter=512, n_experts=512, tokens=[4096], k=10,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
             "route": dict(experts=512, k=10, tokens=[1, 16, 4096]),
@@ -463,15 +419,12 @@ def main() -> int:
     if args.trace_decode:
         shapes["expert_decode"] = dict(shapes["expert_decode"], trace=decode_cases(args.trace_decode))
     fns = {"expert_decode": expert_decode, "expert_grouped": expert_grouped, "decode_attention": decode_attention,
-           "gated_delta_chunked": gated_delta_chunked, "gated_delta_pallas": gated_delta_pallas,
+           "gated_delta_chunked": gated_delta_chunked,
            "pool_over_4gib": pool_over_4gib,
            "prompt_attention": prompt_attention, "route": route,
            "expert_grouped_blocks": expert_grouped}
     result = {"bench": "kernel_speed", **results_file.stamp(), "interpret": interpret,
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "loop": LOOP, "shapes": shapes}
-    if args.gdn_cases and not args.smoke:
-        shapes["gated_delta_pallas"].update(prompts=[4096], cases=tuple(PALLAS_CASES[int(i)]
-                                                                        for i in args.gdn_cases.split(",")))
     unknown = [n for n in args.only.split(",") if n not in fns]
     if unknown:
         ap.error(f"--only: unknown kernel families {unknown}; allowed: {', '.join(fns)}")

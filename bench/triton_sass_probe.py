@@ -64,26 +64,7 @@ def _expert_decode(args):
                 spec((t, 10), jnp.float32))
 
 
-def _gated_delta(args):
-    """The chunked gated delta rule's two Pallas kernels (kernels/gated_delta.py) at Qwen3-Next-80B shapes: a prompt
-    part of args.tokens tokens (default 4096), Hv = 32, dk = dv = 128, all fp32 (as the layer passes them); --block: dv
-    columns a recurrence program, --warps: warps of both kernels, --chunk: tokens a chunk, --dots: the matmuls'
-    precision."""
-    import jax
-    import jax.numpy as jnp
-    from strata.jax_backend.kernels import gated_delta as K
-    t, hv, d = args.tokens or 4096, 32, 128
-    warps = (args.warps or K.PRODUCTS_WARPS, args.warps or K.SCAN_WARPS)
-    fn = jax.jit(lambda q, k, v, g, b, s: K.gated_delta_chunked_pallas(q, k, v, g, b, s, chunk=args.chunk,
-                                                                       dots=args.dots, block_v=args.block,
-                                                                       warps=warps))
-    spec = jax.ShapeDtypeStruct
-    return fn, (spec((t, hv, d), jnp.float32),) * 3 + (spec((t, hv), jnp.float32),) * 2 + (spec((hv, d, d),
-                                                                                                 jnp.float32),)
-
-
-CASES = {"expert_decode": _expert_decode,     # name -> builder(args) -> (jitted fn, argument specs)
-         "gated_delta": _gated_delta}
+CASES = {"expert_decode": _expert_decode}    # name -> builder(args) -> (jitted fn, argument specs)
 
 
 def extract_kernels(fn, specs, out: Path) -> list[dict]:
@@ -242,12 +223,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compile", metavar="DIR", help="Triton side only: compile the TTIR files in DIR (triton venv)")
     ap.add_argument("--case", choices=sorted(CASES), default="expert_decode")
-    ap.add_argument("--tokens", type=int, help="expert_decode: tokens (default 1); gated_delta: a part's (4096)")
-    ap.add_argument("--block", type=int, help="expert_decode: rows a program; gated_delta: dv columns a recurrence "
-                                              "program (default: the kernel's)")
+    ap.add_argument("--tokens", type=int, help="expert_decode: tokens (default 1)")
+    ap.add_argument("--block", type=int, help="expert_decode: rows a program (default: the kernel's)")
     ap.add_argument("--warps", type=int, help="Triton warps a program (default: the kernel's)")
-    ap.add_argument("--chunk", type=int, default=64, help="gated_delta: tokens a chunk")
-    ap.add_argument("--dots", default="ieee", help="gated_delta: the matmuls' precision (ieee, tf32x3, bf16x6)")
     ap.add_argument("--out", default="/work/triton_probe/out", help="folder for the TTIR, PTX, SASS and report.json")
     ap.add_argument("--triton-python", default=TRITON_PYTHON, help="python of a venv with triton installed")
     args = ap.parse_args()

@@ -41,9 +41,6 @@ KERNELS = ("auto", "xla", "pallas")
 # and "pallas" everywhere: attention (decode rows and prompt parts), the expert op's grouped (prompt) and int4 decode
 # forms, the routing.
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "route"})
-# Pallas kernels run where Pallas kernels run only when the kernel config chooses them (not yet measured faster):
-# the chunked gated delta rule (KernelConfig.gdn_kernel = "pallas").
-PALLAS_CHOSEN = frozenset({"gated_delta"})
 
 
 class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses them in the jitted window
@@ -62,8 +59,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         on_gpu = self.device.platform == "gpu"
         self.kernels = kernels
         self.kernel_config = kernel_config or KernelConfig()
-        ops = PALLAS_AUTO | (PALLAS_CHOSEN if self.kernel_config.gdn_kernel == "pallas" else frozenset())
-        self.pallas_ops = frozenset() if kernels == "xla" or (kernels == "auto" and not on_gpu) else ops
+        self.pallas_ops = frozenset() if kernels == "xla" or (kernels == "auto" and not on_gpu) else PALLAS_AUTO
         self.interpret = not on_gpu           # Pallas kernels off a GPU run in interpret mode (tests)
         # how a compiled window copies host rows: on a GPU the kernel (kernels/host_rows.py: XLA's loop waits on the
         # host once per row), elsewhere XLA's loop
@@ -285,13 +281,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         return jax.nn.silu(y), new_state.astype(conv_state.dtype)
 
     def gated_delta_chunked(self, q, k, v, g, beta, state):
-        """Prompt parts' gated delta rule at kernel_config's gdn_chunk and gdn_dots: the Pallas kernels
-        (kernels/gated_delta.py) when chosen (gdn_kernel "pallas") and the shapes suit them, else
-        gated_delta_chunked_xla."""
+        """Prompt parts' gated delta rule at kernel_config's gdn_chunk and gdn_dots (gated_delta_chunked_xla)."""
         cfg = self.kernel_config
-        if "gated_delta" in self.pallas_ops and k_gated_delta.pallas_supported(q, k, v, g, beta, state, cfg.gdn_chunk):
-            return k_gated_delta.gated_delta_chunked_pallas(q, k, v, g, beta, state, chunk=cfg.gdn_chunk,
-                                                            dots=cfg.gdn_dots, interpret=self.interpret)
         return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state, chunk=cfg.gdn_chunk, dots=cfg.gdn_dots)
 
     @staticmethod

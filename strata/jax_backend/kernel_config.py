@@ -11,9 +11,6 @@ from strata.errors import ConfigError
 from strata.jax_backend.kernels import expert_decode, gated_delta
 
 
-GDN_KERNELS = ("xla", "pallas")     # gdn_kernel's values
-
-
 def _pow2(n) -> bool:
     return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 
@@ -25,10 +22,6 @@ class KernelConfig:
     # HIGHEST precision; "tf32x3", "bf16x6" split over the tensor cores; tf32x3 compiles on a GPU only)
     gdn_chunk: int = gated_delta.CHUNK
     gdn_dots: str = "ieee"
-    # which form runs the chunked rule where the backend runs Pallas kernels (kernels "pallas", or "auto" on a GPU):
-    # "xla" (gated_delta_chunked_xla) or "pallas" (kernels/gated_delta.py's two kernels, at gdn_chunk and gdn_dots;
-    # XLA's form where its shapes do not suit them). "xla" until a GPU run measures the kernels faster.
-    gdn_kernel: str = "xla"
     # the int4 decode expert kernel (kernels/expert_decode.py): gate/up rows a program and Triton warps a program
     # (powers of two), and the tokens a window from which it replaces XLA's decode form (at least 1)
     decode_expert_rows: int = expert_decode.BLOCK_ROWS
@@ -44,8 +37,6 @@ class KernelConfig:
             raise ConfigError(f"gdn_chunk {self.gdn_chunk!r} must be a power of two from 16 to 256")
         if self.gdn_dots not in gated_delta.DOTS:
             raise ConfigError(f"gdn_dots {self.gdn_dots!r} is not allowed; allowed: {', '.join(gated_delta.DOTS)}")
-        if self.gdn_kernel not in GDN_KERNELS:
-            raise ConfigError(f"gdn_kernel {self.gdn_kernel!r} is not allowed; allowed: {', '.join(GDN_KERNELS)}")
         for name in ("decode_expert_rows", "decode_expert_warps"):
             if not _pow2(getattr(self, name)):
                 raise ConfigError(f"{name} {getattr(self, name)!r} must be a power of two")

@@ -101,7 +101,6 @@ def test_the_kernel_config_is_frozen_checked_and_given_at_load():
     for bad, match in ((dict(gdn_chunk=96), "gdn_chunk 96 must be a power of two from 16 to 256"),
                        (dict(gdn_chunk=512), "gdn_chunk 512 must be"),
                        (dict(gdn_dots="tf32"), "gdn_dots 'tf32' is not allowed; allowed: ieee, tf32x3, bf16x6"),
-                       (dict(gdn_kernel="cuda"), "gdn_kernel 'cuda' is not allowed; allowed: xla, pallas"),
                        (dict(decode_expert_rows=12), "decode_expert_rows 12 must be a power of two"),
                        (dict(decode_expert_warps=0), "decode_expert_warps 0 must be a power of two"),
                        (dict(decode_expert_min_tokens=0), "decode_expert_min_tokens 0 must be an integer >= 1"),
@@ -110,34 +109,6 @@ def test_the_kernel_config_is_frozen_checked_and_given_at_load():
             KernelConfig(**bad)
     with pytest.raises(ConfigError, match="kernel_config must be a KernelConfig, not dict"):
         jb.JaxBackend(kernel_config={"gdn_chunk": 128})
-
-
-def test_gdn_kernel_pallas_chooses_the_pallas_gated_delta_where_pallas_runs():
-    """gdn_kernel = "pallas" adds the chunked rule's kernels to the Pallas ops of kernels "pallas" (and "auto" on a
-    GPU); kernels "xla" stays plain XLA, and the default config keeps the rule on XLA."""
-    cfg = KernelConfig(gdn_kernel="pallas")
-    assert jb.JaxBackend(kernels="pallas", kernel_config=cfg).pallas_ops == jb.PALLAS_AUTO | {"gated_delta"}
-    assert jb.JaxBackend(kernels="xla", kernel_config=cfg).pallas_ops == frozenset()
-    assert "gated_delta" not in jb.JaxBackend(kernels="pallas").pallas_ops
-    assert jb.JaxBackend(kernels="pallas", kernel_config=cfg).reference.pallas_ops == frozenset()
-
-
-def test_prompt_parts_through_the_pallas_gated_delta_match_xla(monkeypatch):
-    """The demo engine (3 Gated DeltaNet layers, Hv = 4, dk = dv = 16) with kernels "pallas" and gdn_kernel
-    "pallas": its prompt parts run the rule's Pallas kernels (chunk 64), and the logits match the plain XLA
-    engine's."""
-    from strata.engine import core
-    real = core.get_backend
-    cfg = KernelConfig(gdn_kernel="pallas")
-    monkeypatch.setattr(core, "get_backend", lambda *a, **kw: real(*a, kernel_config=cfg, **kw))
-    calls = counting(monkeypatch, jb.k_gated_delta, "gated_delta_chunked_pallas")
-    kw = dict(max_context=240, prefill=64, dtype="float32")
-    xla, pallas = Engine.load("demo", kernels="xla", **kw), Engine.load("demo", kernels="pallas", **kw)
-    assert pallas.backend.kernel_config is cfg and "gated_delta" in pallas.backend.pallas_ops
-    ids = list(range(3, 140))                          # parts of 64, the last one partial
-    ref, got = xla.logits(ids), pallas.logits(ids)
-    assert calls, "the engine's prompt parts did not go through the Pallas gated delta kernels"
-    assert np.abs(got - ref).max() <= TOL * (ref.max() - ref.min())
 
 
 def spying(monkeypatch, module, name):

@@ -1,9 +1,8 @@
 """The backend's XLA form of the gated delta rule for prompt parts (JaxBackend.gated_delta_chunked_xla, its intra-chunk
-products in kernels/gated_delta.py) and the Pallas form (gated_delta_chunked_pallas) against the float64 references
-built on strata.reference.gated_delta, and the Pallas form against the XLA form; fresh random model-like inputs each
-run (l2-normed q and k, g = -exp(A_log) softplus(.), beta = sigmoid(.)), aligned keys (A's entries near 1, where a
-power-series inverse would fail) and strongly decaying runs (where exponents as differences of prefix sums would),
-at several chunks and every matmul precision."""
+products in kernels/gated_delta.py) against the float64 references built on strata.reference.gated_delta; fresh
+random model-like inputs each run (l2-normed q and k, g = -exp(A_log) softplus(.), beta = sigmoid(.)), aligned keys
+(A's entries near 1, where a power-series inverse would fail) and strongly decaying runs (where exponents as
+differences of prefix sums would), at several chunks and every matmul precision."""
 from __future__ import annotations
 
 import functools
@@ -154,103 +153,3 @@ def test_xla_chunked_form_in_full_blocks():
     rng = np.random.default_rng()
     check_chunked(JaxBackend.gated_delta_chunked_xla, *rule_inputs(rng, (2048,), 2, 16, 16, "float32"),
                   state_like(rng, (), 2, 16, 16))
-
-
-# --- the Pallas form (gated_delta_chunked_pallas: interpreted on the CPU, compiled with STRATA_TEST_DEVICE=gpu)
-
-def pallas_run(interpret, **kw):
-    return functools.partial(K.gated_delta_chunked_pallas, interpret=interpret, **kw)
-
-
-def check_against_xla(run, q, k, v, g, beta, state, chunk):
-    """The Pallas form within the reference's limit of the XLA form (both within LIMIT of float64, by the same
-    measures)."""
-    from strata.jax_backend.backend import JaxBackend
-    o, final = (np.asarray(x) for x in run(q, k, v, g, beta, jnp.asarray(state)))
-    xo, xs = (np.asarray(x, np.float64) for x in JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta,
-                                                                                   jnp.asarray(state), chunk=chunk))
-    _, states = K._reference_verify(*(x[None] for x in (q, k, v, g, beta, state)))
-    assert o_err(o, xo, q, states[0]) <= LIMIT and rel_err(final, xs) <= LIMIT
-
-
-def decaying_inputs(rng, t, hv, dk, dv):
-    """In each 64 tokens, 40 that forget fast (g in [-30, -10]) then 24 that barely decay: |G| reaches ~800 within a
-    chunk of 64 while G_i - G_j stays near 0 among the last 24. Exponents taken as differences of fp32 prefix sums
-    err by ulp(800) there: measured 2e-5 to 5e-5 relative in the final state (limit 1e-6)."""
-    q, k, v, _, beta = rule_inputs(rng, (t,), hv, dk, dv)
-    fast = (np.arange(t) % 64 < 40)[:, None]
-    g = np.where(fast, -rng.uniform(10, 30, (t, hv)), -rng.uniform(0, 0.05, (t, hv))).astype(np.float32)
-    return q, k, v, g, beta
-
-
-@pytest.mark.parametrize("t,hv,dk,dv,chunk,block_v", [(1, 4, 32, 32, 16, None), (37, 2, 16, 32, 16, 16),
-                                                      (64, 3, 32, 16, 16, None), (130, 2, 16, 16, 16, None),
-                                                      (130, 2, 16, 32, 64, 16)])
-def test_pallas_chunked_form_matches_the_reference(t, hv, dk, dv, chunk, block_v, interpret):
-    """One token, a part shorter than a chunk, whole chunks, a partial last chunk; dk != dv; one and two dv blocks
-    a head (block_v); chunk 64 as the backend runs it."""
-    rng = np.random.default_rng()
-    args = (*rule_inputs(rng, (t,), hv, dk, dv), state_like(rng, (), hv, dk, dv))
-    check_chunked(pallas_run(interpret, chunk=chunk, block_v=block_v), *args)
-    check_against_xla(pallas_run(interpret, chunk=chunk, block_v=block_v), *args, chunk)
-
-
-@pytest.mark.parametrize("inputs", [aligned_inputs, decaying_inputs])
-def test_pallas_chunked_form_with_aligned_keys_and_strong_decay(inputs, interpret):
-    """Aligned keys (the triangular inverse's hard case) and strongly decaying runs (the exponents' hard case), at
-    chunk 64."""
-    rng = np.random.default_rng()
-    args = (*inputs(rng, 130, 2, 16, 16), state_like(rng, (), 2, 16, 16))
-    check_chunked(pallas_run(interpret, chunk=64), *args)
-    check_against_xla(pallas_run(interpret, chunk=64), *args, 64)
-
-
-def test_pallas_chunk_products_match_xlas(interpret):
-    """Kernel 1 alone: w, u, attn and the decays as chunk_products_xla computes them (relative, each array)."""
-    rng = np.random.default_rng()
-    q, k, v, g, beta = rule_inputs(rng, (64,), 2, 16, 32)
-    got = K.chunk_products_pallas(q, k, v, g, beta, chunk=32, interpret=interpret)
-    want = K.chunk_products_xla(q, k, v, g, beta, chunk=32)
-    for name, a, b in zip(("w", "u", "attn", "eq", "ek"), got, want):
-        assert a.shape == b.shape, name
-        assert rel_err(a, np.asarray(b, np.float64)) <= LIMIT, name
-
-
-def test_pallas_padding_rows_leave_the_state_unchanged(interpret):
-    """Rows with g = beta = 0 (any q, k, v) after a part leave its state and outputs exactly as they were; a part
-    of padding rows only returns the initial state."""
-    rng = np.random.default_rng()
-    run = pallas_run(interpret, chunk=16)
-    q, k, v, g, beta = rule_inputs(rng, (64,), 2, 16, 16)
-    g[37:], beta[37:] = 0, 0
-    state = jnp.asarray(state_like(rng, (), 2, 16, 16))
-    o_part, s_part = run(q[:37], k[:37], v[:37], g[:37], beta[:37], state)
-    o_pad, s_pad = run(q, k, v, g, beta, state)
-    np.testing.assert_array_equal(np.asarray(s_pad), np.asarray(s_part))
-    np.testing.assert_array_equal(np.asarray(o_pad)[:37], np.asarray(o_part))
-    _, s_none = run(q[37:], k[37:], v[37:], g[37:], beta[37:], state)
-    np.testing.assert_array_equal(np.asarray(s_none), np.asarray(state))
-
-
-def test_pallas_chunked_form_with_dots_on_the_tensor_cores(interpret):
-    """bf16x6 (the Triton lowering's six bfloat16 dots a product; plain fp32 on the CPU) keeps the limits; tf32x3
-    compiles on a GPU only."""
-    rng = np.random.default_rng()
-    check_chunked(pallas_run(interpret, chunk=16, dots="bf16x6"), *rule_inputs(rng, (70,), 2, 16, 16),
-                  state_like(rng, (), 2, 16, 16))
-    if not interpret:
-        check_chunked(pallas_run(interpret, chunk=64, dots="tf32x3"), *aligned_inputs(rng, 300, 2, 32, 32),
-                      state_like(rng, (), 2, 32, 32))
-
-
-def test_pallas_chunked_form_refuses_shapes_it_cannot_block():
-    z = jnp.zeros
-    ok = (z((5, 2, 16)), z((5, 2, 16)), z((5, 2, 32)), z((5, 2)), z((5, 2)), z((2, 16, 32)))
-    assert K.pallas_supported(*ok, chunk=16)
-    for bad, kw, match in (((z((5, 2, 24)),) * 2 + ok[2:5] + (z((2, 24, 32)),), {}, "dk=24 must be a power of two"),
-                           (ok, dict(chunk=8), "chunk=8 must be a power of two >= 16"),
-                           (ok, dict(block_v=64), "block_v=64 must be a power of two >= 16 dividing dv=32"),
-                           (ok[:5] + (z((2, 32, 16)),), {}, r"state must be \[Hv, dk, dv\]")):
-        with pytest.raises(ValueError, match=match):
-            K.gated_delta_chunked_pallas(*bad, **kw)
-    assert not K.pallas_supported(*ok, chunk=8)
