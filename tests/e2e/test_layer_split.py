@@ -1,7 +1,7 @@
 """The layer split (strata/engine/stages.py) on three CPU devices (tests/conftest.py): greedy tokens identical and
 logits equal to float-summation order between the unsplit engine and a split at every layer boundary of the demo
 model, 2 and 3 stages, with every expert resident and with a small expert cache per stage (window fetch and layer by
-layer); the runner's windows (decode rows, prompt parts, the prompt cache's copies) through a real server; each
+layer), for a pack of every expert format; the runner's windows (decode rows, prompt parts, the prompt cache's copies) through a real server; each
 stage's memory plan from its own device's numbers and its host mirror holding its own experts only; the seed-000
 interleaving against --layer-split 2 --parallel 2. Seeds: ../shared/seeds/002_*.txt, 004_*.txt."""
 from __future__ import annotations
@@ -170,6 +170,21 @@ def test_server_on_a_split(unsplit):
 def packs(tmp_path_factory):
     root = tmp_path_factory.mktemp("split-packs")
     return {fmt: write_pack("demo", root / fmt, fmt) for fmt in ("int4", "nvfp4")}
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "nvfp4"])
+def test_split_matches_unsplit_in_every_expert_format(packs, tmp_path, fmt):
+    """A pack of each expert format (strata.weights.quant.FORMATS): split at 2 with a small cache on the first
+    stage equals the unsplit engine on the same pack."""
+    pack = packs[fmt] if fmt in packs else write_pack("demo", tmp_path / fmt, fmt)
+
+    def run(**options):
+        e = Engine.load(pack, max_context=256, prefill=PART, debug_slots=True, **QUIET, **options)
+        prompt = np.random.default_rng(3).integers(0, e.cfg.vocab_size, PROMPT_LEN).tolist()
+        return e, e.logits(prompt, part_size=PART), e.generate(prompt, GEN)
+    got = run(layer_split="2", expert_cache=6)
+    assert got[0].stages[0].experts.layout.fmt == fmt
+    _compare(run(), got, f"{fmt} pack, layer_split 2")
 
 
 @pytest.mark.parametrize("fmt, cache", [("int4", dict(expert_cache=6)), ("nvfp4", {})])

@@ -1,8 +1,9 @@
 """The layer split on the SYCL backend: the CPU device cut into sub-devices (runtime.sub_devices), one queue each,
 stands in for two cards. Greedy tokens identical and logits equal to summation order between the unsplit engine and a
-split at every layer boundary of the demo model, with every expert resident and with a small expert cache per stage;
-each stage's parameters on its own queue; prefill help (seed 004's prompt part) on vs off for int4 and NVFP4 packs.
-Three stages need three compute units: the 2-core CI machine has two, so that case runs where there are more."""
+split at every layer boundary of the demo model, with every expert resident and with a small expert cache per stage,
+and for a pack of every expert format; each stage's parameters on its own queue; prefill help (seed 004's prompt
+part) on vs off for int4 and NVFP4 packs. Three stages need three compute units: the 2-core CI machine has two, so
+that case runs where there are more."""
 from __future__ import annotations
 
 import numpy as np
@@ -62,6 +63,17 @@ def test_split_with_a_small_expert_cache_per_stage(sycl_device, unsplit, split):
     assert caches and not any(c.all_resident() for c in caches)
     _compare(unsplit, got, f"sycl layer_split {split}, expert_cache 4")
     assert sum(c.stats.misses for c in caches) > 0
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "nvfp4"])
+def test_split_matches_unsplit_in_every_expert_format(sycl_device, tmp_path, fmt):
+    """A pack of each expert format: split across the two sub-devices, a small cache on the first stage, equals the
+    unsplit engine on the same pack."""
+    subs = _parts(sycl_device, 2)
+    pack = write_pack("demo", tmp_path / fmt, fmt)
+    got = _run(subs[0], pack, layer_split="2", expert_cache=6)
+    assert got[0].stages[0].experts.layout.fmt == fmt
+    _compare(_run(sycl_device, pack), got, f"sycl {fmt} pack, layer_split 2")
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
