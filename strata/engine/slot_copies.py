@@ -106,6 +106,9 @@ class SlotCopies:
     def to_host(self, saved: Saved) -> Saved:
         if saved.on_host:
             return saved
+        for layer in saved.data:                  # every array's copy queued before the first is waited for
+            for v in layer.values():
+                self.ops.start_to_host(v)
         to_host = self.ops.to_host
         return Saved([{k: np.asarray(to_host(v)) for k, v in layer.items()} for layer in saved.data], saved.nbytes,
                      on_host=True)
