@@ -45,9 +45,10 @@ def _deploy(**kw):
 
 
 @pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """One JAX compile cache for every Ray instance of the module: replicas after the first load their windows."""
-    return str(tmp_path_factory.mktemp("jax-cache"))
+def jax_cache():
+    """One JAX compile cache for every Ray instance of the module: replicas after the first load their windows. It is
+    the test session's cache (tests/conftest.py), so a later run of the suite loads them too."""
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 # --- `strata serve --replicas N`: its own local Ray instance (this test runs before the module's instance starts) ----
