@@ -25,6 +25,8 @@ from ray import serve
 from strata.config import Settings
 from strata.serve.ray_app import HEADER, application
 
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
 SETTINGS = dict(parallel=2, prefill=32, max_context=512, queue_limit=8, cpus_per_replica=0.5,
                 affinity_block=16, affinity_min_tokens=32, checkpoint_every=64)
 HI = [{"role": "user", "content": "Say hi."}]
