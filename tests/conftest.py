@@ -25,3 +25,9 @@ import pytest  # noqa: E402
 def interpret() -> bool:
     """Whether Pallas kernels run in interpret mode: on the CPU (make test) yes, with STRATA_TEST_DEVICE=gpu no."""
     return not ON_GPU
+
+
+def pytest_collection_modifyitems(items):
+    """Files marked `heavy` (module-level pytestmark) go first: with --dist loadfile a worker takes whole files in
+    collection order (pyproject's --no-loadscope-reorder), and a long file taken last keeps one worker busy alone."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

@@ -13,6 +13,8 @@ from servers import running_server
 
 from strata import Engine
 
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,8 @@ from strata.experts.path import PathKind
 from strata.jax_backend.backend import JaxBackend
 from tests.experts.test_cache_equivalence import _compare
 
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
 PROMPT_LEN, PART, GEN = 40, 16, 12
 TWO_CLIENTS = Path(__file__).resolve().parents[2].parent / "shared" / "clients" / "two_clients.py"
 QUIET = {"say": lambda line: None}

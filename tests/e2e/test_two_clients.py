@@ -19,6 +19,8 @@ from servers import running_server
 from strata import Engine
 from strata.experts.path import PathKind
 
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
 RUNS = 20
 # B's prompt: 150 lines of the client's filler are ~6,800 tokens of the demo's byte-level tokenizer, 7 parts of 1024
 # (the client's default 600 lines are ~27,000: the same interleaving at four times the CPU time)

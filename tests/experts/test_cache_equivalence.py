@@ -16,6 +16,8 @@ import pytest
 from strata import Engine
 from strata.experts.path import PathKind
 
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
 torch = pytest.importorskip("torch")
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from strata.experts.pack import write_pack
 
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
 torch = pytest.importorskip("torch")
 from tests.experts.test_cache_equivalence import _arrangements, _compare, _run  # noqa: E402
 

@@ -23,6 +23,8 @@ from strata.sched.request import Delta, Finished, Request
 from strata.sched.scheduler import Scheduler
 from strata.serve.app import _turn_at
 
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
 WORDS = ("the heron waits by the mill pond while a fox counts the reeds; an owl asks the miller for bread "
          "and seven geese argue about the weather. ").split()
 

@@ -16,6 +16,8 @@ from strata.errors import ConfigError
 from strata.jax_backend.compile_cache import enable
 from strata.serve.server import _compile_cache
 
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
 HI = [{"role": "user", "content": "Hi"}]
 
 

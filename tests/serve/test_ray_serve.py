@@ -25,6 +25,8 @@ from ray import serve
 from strata.config import Settings
 from strata.serve.ray_app import HEADER, application
 
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
 SETTINGS = dict(parallel=2, prefill=32, max_context=512, queue_limit=8, cpus_per_replica=0.5,
                 affinity_block=16, affinity_min_tokens=32, checkpoint_every=64)
 HI = [{"role": "user", "content": "Say hi."}]
@@ -45,9 +47,10 @@ def _deploy(**kw):
 
 
 @pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """One JAX compile cache for every Ray instance of the module: replicas after the first load their windows."""
-    return str(tmp_path_factory.mktemp("jax-cache"))
+def jax_cache():
+    """One JAX compile cache for every Ray instance of the module: replicas after the first load their windows. It is
+    the test session's cache (tests/conftest.py), so a later run of the suite loads them too."""
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 # --- `strata serve --replicas N`: its own local Ray instance (this test runs before the module's instance starts) ----
