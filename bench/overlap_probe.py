@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file  # noqa: E402  (bench/, beside this script)
+from engine_speed import timed  # noqa: E402  (bench/, beside this script)
 
 
 def median_s(fn, repeat: int) -> float:
     fn()                                                  # compiles / warms
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return timed(fn, repeat)
 
 
 def main() -> int:
