@@ -373,8 +373,9 @@ class BackendSettings(_Group):
         "use it).")
     layer_split: Any = setting(
         None, Rule(_layer_split, "auto, or the first layer of each stage after the first (e.g. 24, or 16,32)"),
-        "Split the model's layers across devices of the backend's kind (jax GPUs; sycl devices of one backend and type, or sub-devices made by strata.sycl_backend.runtime.sub_devices): auto balances the layers' bytes by each "
-        "device's free memory over every device; K1,K2,... starts stage 2 at layer K1, stage 3 at K2, and so on. "
+        "Split the model's layers across devices of the backend's kind (jax GPUs; sycl devices of one backend and "
+        "type, or sub-devices made by strata.sycl_backend.runtime.sub_devices): auto balances the layers' bytes by "
+        "each device's free memory over every device; K1,K2,... starts stage 2 at layer K1, stage 3 at K2, and so on. "
         "Each stage holds its own layers' weights, expert cache and KV; one hand-off of the hidden rows per window "
         "per boundary. Unset: one device.", example="auto")
     prefill_help: bool = setting(

@@ -101,15 +101,8 @@ class Float32:
                 self._rows = HostRows(r, widen=self.widen)
             nxt, fin, lp = self._rows.dispatch(plan)
             return nxt, np.asarray(fin).astype(bool), lp
-        pos, active = r.decode_rows(plan)
-        tokens = np.asarray(plan.decode_tokens, np.int32)
-        rows = _with_result_rows(np.stack([tokens, pos, np.asarray(plan.steps, np.int32)]))
-        x = rows_before_last(r, self.before, self._hidden, plan, rows, [], x=self.widen(tokens))
-        st = self.last
-        a, b = st.layers.start, st.layers.stop
-        r.states[a:b], logits = self._logits(st.params, st.path.args(), r.states[a:b], rows, active,
-                                             x=x)
-        return _sampled_rows(r, plan, logits, active)
+        return _compiled_rows(r, plan, self.before, self._hidden, self.last, self._logits,
+                              self.widen(np.asarray(plan.decode_tokens, np.int32)))
 
 
 def _embed_float32(ops, params, tokens):
@@ -135,14 +128,19 @@ class ReferenceOps:
         return self._part.dispatch(plan)
 
     def rows(self, r, plan: WindowPlan):
-        pos, active = r.decode_rows(plan)
-        rows = _with_result_rows(np.stack([np.asarray(plan.decode_tokens, np.int32), pos,
-                                           np.asarray(plan.steps, np.int32)]))
-        x = rows_before_last(r, self.before, self._hidden, plan, rows, [])
-        st = self.last
-        a, b = st.layers.start, st.layers.stop
-        r.states[a:b], logits = self._logits(st.params, st.path.args(), r.states[a:b], rows, active, x=x)
-        return _sampled_rows(r, plan, logits, active)
+        return _compiled_rows(r, plan, self.before, self._hidden, self.last, self._logits)
+
+
+def _compiled_rows(r, plan: WindowPlan, before: list, hidden: list, last, logits_of, x=None) -> tuple:
+    """A rung's decode rows through its compiled functions (hidden: each stage's before the last, logits_of: the
+    last's; x: the first stage's input rows, None: the embedding), read at once -> as _sampled_rows."""
+    pos, active = r.decode_rows(plan)
+    rows = _with_result_rows(np.stack([np.asarray(plan.decode_tokens, np.int32), pos,
+                                       np.asarray(plan.steps, np.int32)]))
+    x = rows_before_last(r, before, hidden, plan, rows, [], x=x)
+    a, b = last.layers.start, last.layers.stop
+    r.states[a:b], logits = logits_of(last.params, last.path.args(), r.states[a:b], rows, active, x=x)
+    return _sampled_rows(r, plan, logits, active)
 
 
 def _sampled_rows(r, plan: WindowPlan, logits, active) -> tuple:

@@ -148,7 +148,8 @@ class Scheduler:
         # text) and handoff (to the worker thread and back) are measured apart; the rest is the event loop's other
         # work (HTTP) running before the scheduler resumes.
         self.stats = {"requests_finished": 0, "requests_failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "windows": 0, "windows_ahead": 0, "windows_pipelined": 0, "window_seconds_sum": 0.0, "device_seconds_sum": 0.0,
+                      "windows": 0, "windows_ahead": 0, "windows_pipelined": 0, "window_seconds_sum": 0.0,
+                      "device_seconds_sum": 0.0,
                       "plan_seconds_sum": 0.0, "apply_seconds_sum": 0.0, "handoff_seconds_sum": 0.0,
                       # gaps between a stream's tokens, in windows without and with a prompt part
                       "inter_token_seconds_sum": 0.0, "inter_tokens": 0,

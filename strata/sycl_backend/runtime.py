@@ -221,17 +221,16 @@ _partitions: list = []          # the sub-device lists made by sub_devices(), ea
 def sub_devices(device, n: int) -> list:
     """`device` cut into n sub-devices of equal compute units, the same objects on every call (dpctl makes new,
     unequal objects for each partition): how tests stand in for n cards, and a layer split's stages find theirs."""
-    with _lock:
-        for parent, subs in _partitions:
-            if parent == device and len(subs) == n:
-                return subs
     cu = device.max_compute_units
     if not 2 <= n <= cu:
         raise ConfigError(f"{describe(device)} can be cut into 2..{cu} sub-devices, not {n}")
-    subs = list(device.create_sub_devices(partition=[cu // n + (i < cu % n) for i in range(n)]))
-    with _lock:
+    with _lock:                                 # one lookup-or-cut: two callers never cut two partitions
+        for parent, subs in _partitions:
+            if parent == device and len(subs) == n:
+                return subs
+        subs = list(device.create_sub_devices(partition=[cu // n + (i < cu % n) for i in range(n)]))
         _partitions.append((device, subs))
-    return subs
+        return subs
 
 
 def siblings(device) -> list:

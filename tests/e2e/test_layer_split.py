@@ -1,9 +1,10 @@
 """The layer split (strata/engine/stages.py) on three CPU devices (tests/conftest.py): greedy tokens identical and
 logits equal to float-summation order between the unsplit engine and a split at every layer boundary of the demo
 model, 2 and 3 stages, with every expert resident and with a small expert cache per stage (window fetch and layer by
-layer), for a pack of every expert format; the runner's windows (decode rows, prompt parts, the prompt cache's copies) through a real server; each
-stage's memory plan from its own device's numbers and its host mirror holding its own experts only; the seed-000
-interleaving against --layer-split 2 --parallel 2. Seeds: ../shared/seeds/002_*.txt, 004_*.txt."""
+layer), for a pack of every expert format; the runner's windows (decode rows, prompt parts, the prompt cache's
+copies) through a real server; each stage's memory plan from its own device's numbers and its host mirror holding
+its own experts only; the seed-000 interleaving against --layer-split 2 --parallel 2. Seeds:
+../shared/seeds/002_*.txt, 004_*.txt."""
 from __future__ import annotations
 
 import re
@@ -140,9 +141,9 @@ def test_each_stage_plans_from_its_own_device(monkeypatch):
 
 def test_server_on_a_split(unsplit):
     """The runner's windows across stages through a real server: prompts read in parts while another slot decodes,
-    the same answers as the unsplit engine, also with two slots decoding at once; a repeated prompt through the prompt cache (snapshots and restores on
-    every stage); /metrics and /props per stage; then ../shared/clients/two_clients.py 20 times against --layer-split 2
-    --parallel 2 (two CPU devices)."""
+    the same answers as the unsplit engine, also with two slots decoding at once; a repeated prompt through the
+    prompt cache (snapshots and restores on every stage); /metrics and /props per stage; then
+    ../shared/clients/two_clients.py 20 times against --layer-split 2 --parallel 2 (two CPU devices)."""
     assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
     base = unsplit[0]
     rng = np.random.default_rng(5)
@@ -173,7 +174,8 @@ def test_server_on_a_split(unsplit):
         assert re.search(r'^strata_stage_handoff_seconds_total{device="cpu:1",layers="2-3",stage="1"} ', metrics,
                          re.M)
         stages = httpx.get(srv.url + "/props").json()["stages"]
-        assert [(st["stage"], st["device"], st["layers"]) for st in stages] == [(0, "cpu:0", "0-1"), (1, "cpu:1", "2-3")]
+        assert [(st["stage"], st["device"], st["layers"]) for st in stages] == [(0, "cpu:0", "0-1"),
+                                                                                (1, "cpu:1", "2-3")]
         assert all(st["expert_hits"] > 0 for st in stages) and stages[1]["handoff_seconds"] > 0
         srv.scheduler.cache.clear()
         for run in range(20):
