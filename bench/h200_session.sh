@@ -30,6 +30,9 @@
 #   bash bench/h200_session.sh overlap   # bench/overlap_probe.py: copies issued outside a compiled window beside compute
 #   bash bench/h200_session.sh split     # bench/split_speed.py at 48 layers, int4, both stages on the one H200
 #                                        # (--split 24 --one-device): decode b1/b4 and a 4K part, split vs not
+#   bash bench/h200_session.sh long      # bench/long_decode.py: the host KV tier's forms at 128K and 256K (XLA's default
+#                                        # allocator), then decode at 32K/128K/256K, batch 1/4/16, all KV on the device,
+#                                        # 48 layers, and a 128K prompt read; each JSON rewritten as it goes
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -147,6 +150,13 @@ case "${1:-}" in
   offload)
     timeout 540 python3 bench/offload_speed.py --runs uniform --batches 1,4 --prompts "" \
       --out "$OUT/offload_speed_h200_int4.json" 2>&1 | grep -vi warning | tail -20
+    ;;
+  long)
+    timeout 150 python3 bench/long_decode.py --part tier --out "$OUT/long_decode_tier_h200.json" 2>&1 \
+      | grep -E "\] |Error|error" | tee "$OUT/long_decode_tier.log"
+    timeout 400 python3 bench/long_decode.py --part decode --prompt 131072 \
+      --out "$OUT/long_decode_h200_48_layers.json" 2>&1 | grep -E "\] |Error|error|Warn|warn" \
+      | tee "$OUT/long_decode.log"
     ;;
   scopes)
     timeout 300 python3 bench/prompt_probe.py --layers 8 --out "$OUT/prompt_probe_h200.json" 2>&1 \

@@ -1,0 +1,225 @@
+"""Decode at long contexts, against each window's floor; and the host KV tier's candidate forms, timed before one is built.
+
+    python bench/long_decode.py --part decode --out OUT.json   # GPU: 48 layers at Qwen3-Next-80B-A3B shapes, int4 experts
+    python bench/long_decode.py --part tier --out OUT.json     # GPU: the host tier's forms, one attention layer (XLA's
+                                                               # default allocator: pinned host memory usable)
+    python bench/long_decode.py --part decode --smoke          # either on a CPU in a minute (tiny shapes)
+
+decode: every expert resident, all KV on the device; windows dispatched ahead through the WindowRunner (the server's
+path) at position `context` for 1, 4 and 16 rows (the KV's content is whatever it holds: the split-K kernel reads
+the visible keys, timing does not depend on their values). Floor of a window: the weights it reads (dense, plus the
+distinct experts b rows route to, expected E (1 - (1 - k/E)^b) a layer) and each row's KV, over the measured HBM rate.
+tier: attention of b rows over H = context - resident host positions of one layer, three ways: the decode kernel
+reading pinned host KV in place (kernel_pinned), the host KV copied to the device first then the kernel (staged), and
+numpy over the host KV on the CPU's cores (cpu); beside the resident part's kernel time. Floor: 12 layers x the host
+part's bytes over the measured pinned host -> device rate.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file  # noqa: E402
+from engine_speed import decode_bytes_per_token, hbm_bandwidth, measure_batched, say, timed  # noqa: E402
+
+N_FULL = 12                     # full-attention layers of the 48
+
+
+def window_floor(cfg, params, expert_bytes: int, kv_dtype, batch: int, context: int) -> float:
+    """Bytes one decode window of `batch` rows at `context` must read or write (48 layers)."""
+    weights = decode_bytes_per_token(cfg, params, 0, expert_bytes, kv_dtype)["bytes_per_token_48_layers"]
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    n_moe = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
+    distinct = e * (1 - (1 - k / e) ** batch)
+    weights += n_moe * (distinct - k) * expert_bytes
+    kv_row = cfg.head_dim * np.dtype(kv_dtype).itemsize + (4 if np.dtype(kv_dtype) == np.int8 else 0)
+    kv = batch * N_FULL * 2 * context * cfg.num_kv_heads * kv_row
+    return {"weights_bytes": int(weights), "kv_bytes": int(kv)}
+
+
+def decode_part(args, out: dict, save) -> None:
+    import ml_dtypes
+
+    from strata.backend import get_backend
+    from strata.config import Settings
+    from strata.demo import QWEN3_NEXT_80B
+    from strata.engine import Engine
+    from strata.experts.synthetic import SyntheticStore
+    from strata.jax_backend.random_weights import RandomDeviceReader
+    from strata.model.config import ModelConfig
+    from strata.model.params import params_from_reader
+    over = {"num_experts": 16, "vocab_size": 4096, "num_hidden_layers": 4} if args.smoke else {"num_hidden_layers": 48}
+    cfg = ModelConfig.from_hf(dict(QWEN3_NEXT_80B, **over), source="long decode")
+    backend = get_backend("jax", kernels="auto")
+    out.update(hbm_bytes_per_s=hbm_bandwidth(), pallas_ops=sorted(backend.pallas_ops), runs={})
+    params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
+    n_moe = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
+    store = SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
+    for spec in args.engines.split(";"):
+        kv, cap, par, contexts, batches = spec.split(":")
+        cap, par = int(cap), int(par)
+        contexts = [int(c) for c in contexts.split(",")]
+        batches = [int(b) for b in batches.split(",")]
+        if args.smoke:
+            cap, contexts = 1024, [256, 1000]
+        t = time.perf_counter()
+        engine = Engine(cfg, params, backend, Settings.build(dtype="bfloat16", max_context=cap + 64, prefill=4096,
+                                                             parallel=par, kernels="auto", kv=kv))
+        engine.attach_experts(store, say=lambda line: None)
+        free = backend.free_memory_bytes()
+        say(f"engine kv {kv}, {par} slots x {cap + 64} positions: built in {time.perf_counter() - t:.1f} s"
+            + (f", {free / 2**30:.1f} GiB free" if free is not None else ""))
+        for ctx in contexts:
+            for b in batches:
+                key = f"{kv}_{ctx}_b{b}"
+                s, host = measure_batched(engine, b, ctx, args.windows, ahead=True)
+                f = window_floor(cfg, params, store.layout.nbytes, engine.kv_dtype, b, ctx)
+                floor_s = (f["weights_bytes"] + f["kv_bytes"]) / out["hbm_bytes_per_s"]
+                out["runs"][key] = {"kv": kv, "context": ctx, "batch": b, "s_per_window": s,
+                                    "tok_s": b / s, "host_s": list(host), **f, "floor_s": floor_s,
+                                    "fraction_of_floor": floor_s / s}
+                say(f"{key}: {1000 * s:.2f} ms a window ({b / s:.1f} tok/s), floor {1000 * floor_s:.2f} ms "
+                    f"({floor_s / s:.0%})")
+                save()
+        if args.prompt and kv == args.prompt_kv:
+            n = min(args.prompt, cap - 64) if not args.smoke else 512
+            ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n).tolist()
+            seq = engine.sequence()
+            t = time.perf_counter()
+            seq.read(ids[:4096], part_size=4096)                # compiles the part (timed apart)
+            compile_s = time.perf_counter() - t
+            seq = engine.sequence()
+            t = time.perf_counter()
+            seq.read(ids, part_size=4096 if not args.smoke else 256)
+            s = time.perf_counter() - t
+            out["prompt"] = {"kv": kv, "tokens": n, "s": s, "tok_s": n / s, "first_part_with_compile_s": compile_s}
+            say(f"prompt of {n} tokens (kv {kv}): {s:.1f} s, {n / s:.0f} tok/s")
+            save()
+            del seq
+        del engine
+        gc.collect()
+
+
+def cpu_attention(q, k, v, scale: float, threads: int) -> np.ndarray:
+    """numpy: softmax(scale q.k) v of q [G, hd] (one row, one kv head's G query heads) over k, v [H, hd] bfloat16
+    (ml_dtypes), in `threads` chunks merged by log-sum-exp (each chunk widened to float32 as it is read)."""
+    def widen(x):                                       # bfloat16 bits -> float32, without ml_dtypes' slow cast
+        return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+    def part(lo_hi):
+        lo, hi = lo_hi
+        logit = (widen(k[lo:hi]) @ q.T) * scale         # [n, G]
+        m = logit.max(axis=0)
+        p = np.exp(logit - m)
+        return p.T @ widen(v[lo:hi]), m, p.sum(axis=0)
+    edges = np.linspace(0, k.shape[0], threads + 1).astype(int)
+    with ThreadPoolExecutor(threads) as pool:
+        parts = list(pool.map(part, zip(edges[:-1], edges[1:])))
+    m_all = np.max([m for _, m, _ in parts], axis=0)
+    w = [np.exp(m - m_all) for _, m, _ in parts]
+    acc = sum(wi[:, None] * a for wi, (a, _, _) in zip(w, parts))
+    return acc / sum(wi * l for wi, (_, _, l) in zip(w, parts))[:, None]
+
+
+def tier_part(args, out: dict, save) -> None:
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from strata.jax_backend.kernels.decode_attention import _reference, decode_attention
+    dev = jax.devices()[0]
+    gpu = dev.platform == "gpu"
+    hq, hkv, hd = (16, 2, 256)
+    scale = hd ** -0.5
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host" if gpu else "device")
+    on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    big = jax.device_put(np.zeros(1 << (30 if gpu else 24), np.uint8), pinned)
+    rate = big.size / timed(lambda: jax.block_until_ready(jax.device_put(big, on_device)), 3)
+    out.update(pinned_h2d_bytes_per_s=rate, cpu_threads=args.threads, cases={})
+    say(f"pinned host -> device: {rate / 1e9:.1f} GB/s")
+    del big
+    interpret = not gpu
+    contexts = [int(c) for c in args.tier_contexts.split(",")] if not args.smoke else [2048]
+    resident = args.resident if not args.smoke else 512
+    rng = np.random.default_rng(0)
+    for ctx in contexts:
+        h = ctx - resident
+        for b in [int(x) for x in args.tier_batches.split(",")]:
+            kh = (rng.standard_normal((b, h, hkv, hd), np.float32) * 0.5).astype(ml_dtypes.bfloat16)
+            vh = rng.standard_normal((b, h, hkv, hd), np.float32).astype(ml_dtypes.bfloat16)
+            q = rng.standard_normal((b, 1, hq, hd), np.float32).astype(ml_dtypes.bfloat16)
+            k_host, v_host = jax.device_put(kh, pinned), jax.device_put(vh, pinned)
+            k_dev = jax.device_put(jnp.zeros((b, resident, hkv, hd), jnp.bfloat16), on_device)
+            qd = jax.device_put(q, on_device)
+            pos_h = jnp.full((b,), h - 1, jnp.int32)
+            pos_r = jnp.full((b,), resident - 1, jnp.int32)
+            run = lambda k, v, pos: jax.block_until_ready(        # noqa: E731
+                decode_attention(qd, k, v, None, None, pos, scale=scale, interpret=interpret))
+            case = {"context": ctx, "resident": resident, "host_positions": h, "batch": b,
+                    "host_bytes_per_layer": 2 * kh.nbytes}
+            got = np.asarray(run(k_host, v_host, pos_h), np.float32)
+            want = _reference(q[:, :1], kh, vh, None, None, np.asarray(pos_h), scale)
+            case["kernel_pinned_max_err"] = float(np.abs(got - want).max())
+            case["resident_kernel_s"] = timed(lambda: run(k_dev, k_dev, pos_r), 5)
+            case["kernel_pinned_s"] = timed(lambda: run(k_host, v_host, pos_h), 3)
+            case["staged_s"] = timed(lambda: run(jax.device_put(k_host, on_device),
+                                                 jax.device_put(v_host, on_device), pos_h), 3)
+            qn = q.astype(np.float32)
+            cpu_one = lambda: [cpu_attention(qn[r, 0, g * 8:(g + 1) * 8], kh[r, :, g], vh[r, :, g], scale,  # noqa: E731
+                                             args.threads) for r in range(b) for g in range(hkv)]
+            cpu_out = cpu_one()
+            case["cpu_max_err"] = float(max(np.abs(o - want[r, 0, g * 8:(g + 1) * 8]).max()
+                                            for (r, g), o in zip([(r, g) for r in range(b) for g in range(hkv)],
+                                                                 cpu_out)))
+            case["cpu_s"] = timed(cpu_one, 3)
+            case["floor_s"] = case["host_bytes_per_layer"] / rate
+            for form in ("kernel_pinned", "staged", "cpu"):
+                case[f"{form}_tok_s_12_layers"] = b / (N_FULL * case[f"{form}_s"])
+                case[f"{form}_fraction_of_floor"] = case["floor_s"] / case[f"{form}_s"]
+            out["cases"][f"{ctx}_b{b}"] = case
+            say(f"{ctx} ({h} host positions), b{b}: a layer's host part: kernel on pinned "
+                f"{1000 * case['kernel_pinned_s']:.2f} ms, staged {1000 * case['staged_s']:.2f} ms, cpu "
+                f"{1000 * case['cpu_s']:.2f} ms; floor {1000 * case['floor_s']:.2f} ms; resident part "
+                f"{1000 * case['resident_kernel_s']:.3f} ms; errors {case['kernel_pinned_max_err']:.1e} / "
+                f"{case['cpu_max_err']:.1e}")
+            save()
+            del k_host, v_host, k_dev
+            gc.collect()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("decode", "tier"), required=True)
+    ap.add_argument("--engines", default="bfloat16:131072:16:32768,131072:1,4,16;int8:262144:16:131072,262144:1,4,16",
+                    help="decode: ';'-separated kv:capacity:slots:contexts:batches, one engine each")
+    ap.add_argument("--windows", type=int, default=12)
+    ap.add_argument("--prompt", type=int, default=0, help="decode: also read a prompt of this many tokens")
+    ap.add_argument("--prompt-kv", default="bfloat16")
+    ap.add_argument("--tier-contexts", default="131072,262144")
+    ap.add_argument("--tier-batches", default="1,4")
+    ap.add_argument("--resident", type=int, default=16384)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.part == "decode":
+        print(results_file.server_xla_flags(), flush=True)      # before the first JAX call (stamp's)
+    out = {"bench": f"long_decode_{args.part}", **results_file.stamp(), "args": vars(args)}
+    name = f"long_decode_{args.part}" + ("_smoke" if args.smoke else "")
+    save = lambda: results_file.write(out, args.out, name)           # noqa: E731 - rewritten as it goes
+    (decode_part if args.part == "decode" else tier_part)(args, out, save)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
