@@ -82,6 +82,7 @@ def decode_part(args, out: dict, save) -> None:
             for b in batches:
                 key = f"{kv}_{ctx}_b{b}"
                 s, host = measure_batched(engine, b, ctx, args.windows, ahead=True)
+                gc.collect()                    # the runner's slot states (its KV: up to ~50 GB) before the next
                 f = window_floor(cfg, params, store.layout.nbytes, engine.kv_dtype, b, ctx)
                 floor_s = (f["weights_bytes"] + f["kv_bytes"]) / out["hbm_bytes_per_s"]
                 out["runs"][key] = {"kv": kv, "context": ctx, "batch": b, "s_per_window": s,
