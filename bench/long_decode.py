@@ -200,8 +200,9 @@ def tier_part(args, out: dict, save) -> None:
             save()
             del k_host, v_host, k_dev
             gc.collect()
-        out["spill"] = spill_check(h, min(args.block, h // 4))
-        say(f"spill of {args.block} positions into a pinned host tier of {h}: {out['spill']}")
+        block = min(args.block, h // 4)
+        out["spill"] = dict(spill_check(h, block), positions=block)
+        say(f"spill of {block} positions into a pinned host tier of {h}: {out['spill']}")
         save()
 
 
