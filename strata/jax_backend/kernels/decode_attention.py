@@ -23,8 +23,9 @@ from strata.jax_backend.kernels import triton_params
 BLOCK_K = 64             # keys per loop step (a power of two >= 16; the largest one dividing Cap up to this is used)
 TILE_BYTES = 32 << 10    # ... and a K (or V) tile at most this: K + V x 2 stages <= 128 KB of the ~227 KB of shared
 MIN_ROWS = 16            # query rows per program: the Triton dot needs M >= 16
-TARGET_PROGRAMS = 128    # S x Hkv x n_splits aimed at (the H200 has 132 SMs)
-MAX_SPLITS = 32          # bounds the partials' bytes, S x Hkv x splits x R x (hd + 2) x 4 B, written and read once
+TARGET_PROGRAMS = 264    # S x Hkv x n_splits aimed at: two programs on each of the H200's 132 SMs (one program of
+                         # 4 warps a SM left a batch-1 row's KV reads at about half the HBM rate)
+MAX_SPLITS = 128         # bounds the partials' bytes, S x Hkv x splits x R x (hd + 2) x 4 B, written and read once
 NUM_WARPS, NUM_STAGES = 4, 2
 PROMPT_ROWS = 64         # prompt form: query rows (queries x the kv head's group) per program
 PROMPT_WARPS = 4
