@@ -237,12 +237,16 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     def _attention_one_pass(q, k_cache, v_cache, q_pos, scale, k_scale, v_scale):
         t, hq, hd = q.shape
         cap, hkv, _ = k_cache.shape
-        hi = lax.Precision.HIGHEST
-        qg = q.reshape(t, hkv, hq // hkv, hd).astype(jnp.float32) * scale
-        s = jnp.einsum("tgrd,cgd->tgrc", qg, _dequantized(k_cache, k_scale, 0, cap), precision=hi)
-        visible = jnp.arange(cap)[None, :] <= q_pos[:, None]                          # [T, Cap]
-        p = jax.nn.softmax(jnp.where(visible[:, None, None, :], s, -jnp.inf), axis=-1)
-        o = jnp.einsum("tgrc,cgd->tgrd", p, _dequantized(v_cache, v_scale, 0, cap), precision=hi)
+        # both products are multiply-reduces that read the cache where it lies, its conversion to float32 fused in: a
+        # dot batched over the KV heads (the cache's middle axis) made XLA write a float32, transposed copy of the
+        # whole cache first, per layer and window
+        qg = q.reshape(t, 1, hkv, hq // hkv, hd).astype(jnp.float32) * scale            # [T, 1, g, r, hd]
+        k = _dequantized(k_cache, k_scale, 0, cap)[None, :, :, None, :]                 # [1, Cap, g, 1, hd]
+        s = jnp.sum(qg * k, axis=-1)                                                     # [T, Cap, g, r]
+        visible = jnp.arange(cap)[None, :] <= q_pos[:, None]                             # [T, Cap]
+        p = jax.nn.softmax(jnp.where(visible[:, :, None, None], s, -jnp.inf), axis=1)
+        v = _dequantized(v_cache, v_scale, 0, cap)[None, :, :, None, :]
+        o = jnp.sum(p[..., None] * v, axis=1)                                            # [T, g, r, hd]
         return o.reshape(t, hq, hd).astype(q.dtype)
 
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
