@@ -42,9 +42,10 @@ class Engine:
         if settings.model.max_context == "auto":
             raise ConfigError("an Engine built directly needs max_context as a number of tokens; Engine.load "
                               "chooses it for auto")
-        # KV rows beyond max_context absorb the padding of the last part, so a write never runs off the cache
-        self.capacity = settings.model.max_context + bucket_for(min(settings.sched.prefill,
-                                                                    settings.model.max_context))
+        # KV rows beyond max_context absorb the padding of the last part, so a write never runs off the cache; a
+        # multiple of 64, so the attention kernels' key blocks divide it (else they leave the rows to XLA's form)
+        rows = settings.model.max_context + bucket_for(min(settings.sched.prefill, settings.model.max_context))
+        self.capacity = -(-rows // 64) * 64
         ops = backend
         self._compiled: dict = {}
         self.experts = None          # an ExpertSet once attach_experts ran (models with routed experts)
@@ -569,7 +570,7 @@ def _max_context(cfg: ModelConfig, settings: Settings, ops, dtype, say) -> int:
     kv = np.dtype(KV_DTYPES[settings.model.kv] or dtype)
     sequences = settings.sched.parallel + 1          # as state_bytes counts them
     one, two = (sum(a.nbytes for layer in init_state(cfg, c, dtype, kv) for a in layer.values()) for c in (0, 1))
-    pad = bucket_for(min(settings.sched.prefill, positions))
+    pad = bucket_for(min(settings.sched.prefill, positions)) + 63        # the capacity's rows past n, at most
     n, line = auto_context(positions, ops.free_memory_bytes(), cap=AUTO_CONTEXT_CAP,
                            reserve_mib=settings.experts.vram_reserve_mib,
                            work_bytes=_work_bytes(cfg, settings.sched.prefill, positions),
