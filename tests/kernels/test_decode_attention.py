@@ -226,3 +226,47 @@ def test_prompt_shapes_it_cannot_handle_are_refused():
         call(jnp.zeros((16, 4, 32), jnp.bfloat16), jnp.zeros((40, 2, 32), jnp.bfloat16))
     assert not K.prompt_supported(jnp.zeros((12, 4, 32), jnp.bfloat16), kv, kv, None, None,
                                   jnp.zeros((12,), jnp.int32))
+
+
+# (S, Q, Hq, Hkv, hd, Cap, pos, n_host): a row with no host keys, one whose host part ends inside a key block, one
+# whose device part holds only the query's own key(s); Cap of each tier a multiple of 16
+TIERED = [
+    (3, 1, 4, 2, 32, 128, [100, 40, 127], [0, 37, 127]),
+    (2, 3, 8, 1, 64, 96, [93, 20], [64, 5]),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape", TIERED, ids=lambda sh: "S{}Q{}H{}-{}d{}C{}".format(*sh[:6]))
+def test_tiered_rows_equal_one_cache(shape, kv_dtype, interpret):
+    """A row's keys split at n_host between a host tier (every key seen by every query) and the device cache (key i
+    at position n_host + i) give the reference over the one cache they came from; whatever lies past either tier's
+    part (poisoned: NaN, inf) never reaches the result."""
+    s, nq, hq, hkv, hd, cap, pos, n_host = shape
+    q_dtype = "bfloat16" if kv_dtype != "float32" else "float32"
+    rng = np.random.default_rng(list(shape[:6]) + [len(kv_dtype)])
+    q, kc, vc, ks, vs, p = make_inputs(rng, s, nq, hq, hkv, hd, cap, pos, kv_dtype, q_dtype)
+    want = K._reference(q, kc, vc, ks, vs, p, hd ** -0.5)
+    host_cap, dev_cap = cap, cap                       # each tier poisoned past its part: rolled copies of the junk
+    junk = lambda x: np.roll(np.asarray(x), 1, axis=1)            # noqa: E731 - row i's junk from the last rows
+    hosts, devs = [], []
+    for full in (kc, vc) + ((ks, vs) if ks is not None else ()):
+        a = np.asarray(full)
+        h, d = junk(a)[:, :host_cap].copy(), junk(a)[:, :dev_cap].copy()
+        for i, nh in enumerate(n_host):
+            h[i, :nh] = a[i, :nh]
+            live = pos[i] + nq - nh                      # device keys of row i: positions nh .. pos + Q - 1
+            d[i, :live] = a[i, nh:nh + live]
+            d[i, live:] = a[i, -1:] if kv_dtype != "int8" else d[i, live:]
+        hosts.append(jnp.asarray(h))
+        devs.append(jnp.asarray(d))
+    if ks is None:
+        hosts[2:], devs[2:] = [None, None], [None, None]
+    n = jnp.asarray(n_host, jnp.int32)
+    got = K.tiered_decode_attention(q, devs[0], devs[1], devs[2], devs[3], p - n, hosts[0], hosts[1], hosts[2],
+                                    hosts[3], n, scale=hd ** -0.5, interpret=interpret)
+    out = np.asarray(got.astype(jnp.float32))
+    assert out.shape == (s, nq, hq, hd) and np.isfinite(out).all()
+    assert rel_err(out, want) <= LIMIT[q_dtype]
+    if q_dtype == "bfloat16":
+        assert_rounded_from_float32(out, want, "tiered")

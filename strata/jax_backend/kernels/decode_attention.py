@@ -102,14 +102,15 @@ def _attend(q, k_ref, v_ref, ks_ref, vs_ref, last, n, lo, hi, *, scale: float, b
 
 
 def _kernel(pos_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, n_splits: int, n_q: int, group: int,
-            quantized: bool, bf16: bool):
+            quantized: bool, bf16: bool, all_visible: bool = False):
     """Program (s, g, j) of grid (S, Hkv, n_splits): q_ref [R, hd], all Hq/Hkv query heads x Q positions of kv head
     g as R rows (padded with zeros to a power of two >= 16, the Triton dot's minimum), row r = position r // group;
     k_ref, v_ref [Cap, hd] (row s, kv head g); with int8, ks_ref, vs_ref [Cap]. Row s's keys 0 .. n-1,
     n = min(pos[s] + Q, Cap), are cut into blocks of block_k and the blocks into n_splits equal ranges (they divide
     the row's length, not Cap: every split of a long row has work, a short row's blocks past its end are never
     read); program j walks its range (a dynamically bounded loop) and writes its split's acc [R, hd], m [R], l [R]
-    (_attend); an XLA epilogue combines the splits."""
+    (_attend); an XLA epilogue combines the splits. all_visible (a host tier's part, every key older than every
+    query): row s's keys are 0 .. pos[s] - 1, all of them seen by every query (none when pos[s] = 0)."""
     if quantized:
         ks_ref, vs_ref, acc_ref, m_ref, l_ref = rest
     else:
@@ -117,11 +118,15 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, n_s
     s, j = pl.program_id(0), pl.program_id(2)
     cap = k_ref.shape[0]
     rows = q_ref.shape[0]
-    first = pos_ref[s]                                  # position of the row's query 0
-    n = jnp.minimum(first + n_q, cap)                      # keys the row's last query sees
-    lo, hi = _split_blocks(n, j, block_k, n_splits)
+    first = pos_ref[s]                                  # position of the row's query 0 (all_visible: its key count)
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    last = first + jnp.minimum(r // group, n_q - 1)       # [R]: the last key each row sees (padding rows: as the last)
+    if all_visible:
+        n = jnp.minimum(first, cap)
+        last = jnp.full((rows,), n - 1, jnp.int32)
+    else:
+        n = jnp.minimum(first + n_q, cap)                  # keys the row's last query sees
+        last = first + jnp.minimum(r // group, n_q - 1)   # [R]: the last key each row sees (padding: as the last)
+    lo, hi = _split_blocks(n, j, block_k, n_splits)
     acc, m, l = _attend(q_ref[...], k_ref, v_ref, ks_ref, vs_ref, last, n, lo, hi, scale=scale, block_k=block_k,
                         quantized=quantized, bf16=bf16)
     acc_ref[...] = acc
@@ -196,6 +201,26 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, *, scale: float
     0 .. min(pos[s] + j, Cap - 1); keys past pos[s] + Q - 1 may hold anything. Query head h reads kv head
     h // (Hq // Hkv). -> [S, Q, Hq, hd] in q.dtype, computed in float32. block_k (keys per step) and n_splits (splits
     per row) default to the module's choices."""
+    part = _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, block_k, n_splits, False)
+    return _combine(q, k_cache.shape[2], [part])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def tiered_decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, k_host, v_host, ks_host, vs_host, n_host, *,
+                            scale: float, interpret: bool = False):
+    """decode_attention over a row's keys in two tiers: the oldest n_host[s] in the host caches (k_host, v_host
+    [S, Cap_h, Hkv, hd], scales [S, Cap_h, Hkv] with int8; pinned host memory on a GPU, which the kernel reads in
+    place), every one of them seen by every query, and the rest in the device caches, where device key i is
+    position n_host[s] + i and pos[s] is query 0's position counted the same way (absolute position - n_host[s]).
+    The two parts' partial sums are merged by log-sum-exp with the splits'. -> [S, Q, Hq, hd] in q.dtype."""
+    dev = _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, None, None, False)
+    host = _partials(q, k_host, v_host, ks_host, vs_host, n_host, scale, interpret, None, None, True)
+    return _combine(q, k_cache.shape[2], [dev, host])
+
+
+def _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, block_k, n_splits, all_visible):
+    """The kernel's per-split partial sums (acc [S, Hkv, P, R, hd], m, l [S, Hkv, P, R]) of decode_attention's
+    rows (all_visible: _kernel's host-tier form)."""
     block_k, n_splits = _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits)
     s, nq, hq, hd = q.shape
     _, cap, hkv, _ = k_cache.shape
@@ -214,9 +239,9 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, *, scale: float
     in_specs = ([pl.no_block_spec, pl.BlockSpec((None, None, rows, hd), lambda i, g, j: (i, g, 0, 0)),
                  cache_spec, cache_spec] + ([scale_spec, scale_spec] if quantized else []))
     kernel = functools.partial(_kernel, scale=float(scale), block_k=block_k, n_splits=n_splits, n_q=nq,
-                               group=group, quantized=quantized, bf16=bf16)
+                               group=group, quantized=quantized, bf16=bf16, all_visible=all_visible)
     part = jax.ShapeDtypeStruct((s, hkv, n_splits, rows), jnp.float32)
-    acc, m, l = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((s, hkv, n_splits, rows, hd), jnp.float32), part, part),
         grid=(s, hkv, n_splits),
@@ -226,10 +251,20 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, *, scale: float
                    pl.BlockSpec((None, None, None, rows), lambda i, g, j: (i, g, j, 0))),
         interpret=interpret, **triton_params(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
     )(*args)
-    # combine the splits: a split that saw no key has m = float32 min, l = 0, acc = 0 and weight exp(m - M) = 0;
-    # split 0 of every row holds key 0, so l_total > 0 for every real row
+
+
+def _combine(q, hkv: int, parts: list):
+    """decode_attention's result from partial sums over splits (of one or more parts of each row's keys): a split
+    that saw no key has m = float32 min, l = 0, acc = 0 and weight exp(m - M) = 0; every row's device part holds its
+    query's own key, so l_total > 0 for every real row."""
+    s, nq, hq, hd = q.shape
+    group = hq // hkv
+    real = nq * group
+    acc = jnp.concatenate([p[0] for p in parts], axis=2)                          # [S, Hkv, splits, R, hd]
+    m = jnp.concatenate([p[1] for p in parts], axis=2)
+    l = jnp.concatenate([p[2] for p in parts], axis=2)
     m_all = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_all)                                                         # [S, Hkv, n_splits, R]
+    w = jnp.exp(m - m_all)                                                         # [S, Hkv, splits, R]
     l_all = jnp.sum(w * l, axis=2)                                                 # [S, Hkv, R]
     out = jnp.sum(w[..., None] * acc, axis=2)[:, :, :real] / l_all[:, :, :real, None]
     out = out.reshape(s, hkv, nq, group, hd).transpose(0, 2, 1, 3, 4).reshape(s, nq, hq, hd)
