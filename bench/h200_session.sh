@@ -154,7 +154,7 @@ case "${1:-}" in
   long)
     timeout 150 python3 bench/long_decode.py --part tier --out "$OUT/long_decode_tier_h200.json" 2>&1 \
       | grep -E "\] |Error|error" | tee "$OUT/long_decode_tier.log"
-    timeout 400 python3 bench/long_decode.py --part decode --prompt 131072 \
+    timeout 400 python3 bench/long_decode.py --part decode --prompt "${PROMPT:-131072}" ${ENGINES:+--engines "$ENGINES"} \
       --out "$OUT/long_decode_h200_48_layers.json" 2>&1 | grep -E "\] |Error|error|Warn|warn" \
       | tee "$OUT/long_decode.log"
     ;;

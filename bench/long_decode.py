@@ -136,7 +136,7 @@ def tier_part(args, out: dict, save) -> None:
     import jax.numpy as jnp
     import ml_dtypes
 
-    from strata.jax_backend.kernels.decode_attention import _reference, decode_attention
+    from strata.jax_backend.kernels.decode_attention import _reference, decode_attention, tiered_decode_attention
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
     hq, hkv, hd = (16, 2, 256)
@@ -187,8 +187,21 @@ def tier_part(args, out: dict, save) -> None:
                                             for (r, g), o in zip([(r, g) for r in range(b) for g in range(hkv)],
                                                                  cpu_out)))
             case["cpu_s"] = timed(cpu_one, 3)
+            # both tiers in one call (the host tier's op): the resident part's keys follow the host part's
+            kd = rng.standard_normal((b, resident, hkv, hd), np.float32).astype(ml_dtypes.bfloat16)
+            k_res, v_res = jax.device_put(kd, on_device), jax.device_put(kd[:, ::-1].copy(), on_device)
+            n_h = jnp.full((b,), h, jnp.int32)
+            tiered = lambda: jax.block_until_ready(tiered_decode_attention(     # noqa: E731
+                qd, k_res, v_res, None, None, pos_r, k_host, v_host, None, None, n_h, scale=scale,
+                interpret=interpret))
+            if b == 1:
+                full_k = np.concatenate([kh, kd], axis=1)
+                full_v = np.concatenate([vh, kd[:, ::-1]], axis=1)
+                want_t = _reference(q[:, :1], full_k, full_v, None, None, np.full((b,), ctx - 1), scale)
+                case["tiered_max_err"] = float(np.abs(np.asarray(tiered(), np.float32) - want_t).max())
+            case["tiered_s"] = timed(tiered, 3)
             case["floor_s"] = case["host_bytes_per_layer"] / rate
-            for form in ("kernel_pinned", "staged", "cpu"):
+            for form in ("kernel_pinned", "staged", "cpu", "tiered"):
                 case[f"{form}_tok_s_12_layers"] = b / (N_FULL * case[f"{form}_s"])
                 case[f"{form}_fraction_of_floor"] = case["floor_s"] / case[f"{form}_s"]
             out["cases"][f"{ctx}_b{b}"] = case
@@ -196,7 +209,8 @@ def tier_part(args, out: dict, save) -> None:
                 f"{1000 * case['kernel_pinned_s']:.2f} ms, staged {1000 * case['staged_s']:.2f} ms, cpu "
                 f"{1000 * case['cpu_s']:.2f} ms; floor {1000 * case['floor_s']:.2f} ms; resident part "
                 f"{1000 * case['resident_kernel_s']:.3f} ms; errors {case['kernel_pinned_max_err']:.1e} / "
-                f"{case['cpu_max_err']:.1e}")
+                f"{case['cpu_max_err']:.1e}; both tiers in one call {1000 * case['tiered_s']:.2f} ms (error "
+                f"{case.get('tiered_max_err', float('nan')):.1e})")
             save()
             del k_host, v_host, k_dev
             gc.collect()
