@@ -33,6 +33,8 @@
 #   bash bench/h200_session.sh long      # bench/long_decode.py: the host KV tier's forms at 128K and 256K (XLA's default
 #                                        # allocator), then decode at 32K/128K/256K, batch 1/4/16, all KV on the device,
 #                                        # 48 layers, and a 128K prompt read; each JSON rewritten as it goes
+#   bash bench/h200_session.sh prompt-long  # kernel_speed's prompt attention for a 4K part at 0, 32K and 124K (a long
+#                                        # prompt's later parts, a follow-up turn), in block / warp cases
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -157,6 +159,11 @@ case "${1:-}" in
     timeout 400 python3 bench/long_decode.py --part decode --prompt "${PROMPT:-131072}" ${ENGINES:+--engines "$ENGINES"} \
       --out "$OUT/long_decode_h200_48_layers.json" 2>&1 | grep -E "\] |Error|error|Warn|warn" \
       | tee "$OUT/long_decode.log"
+    ;;
+  prompt-long)
+    timeout 300 python3 bench/kernel_speed.py --only prompt_attention --repeat 5 --prompt-offsets 0,32768,126976 \
+      --prompt-configs "${CONFIGS:-8:4:3,8:8:3,16:8:3,16:4:3}" --out "$OUT/kernel_speed_prompt_attention_long_h200.json" \
+      2>&1 | grep -E "^prompt|FAILED|wrote" | tee "$OUT/kernel_speed_prompt_attention_long.log"
     ;;
   scopes)
     timeout 300 python3 bench/prompt_probe.py --layers 8 --out "$OUT/prompt_probe_h200.json" 2>&1 \

@@ -267,10 +267,11 @@ def decode_attention(hq, hkv, hd, contexts, batches, queries, repeat, interpret)
     return rows
 
 
-def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret):
-    """A prompt part of T tokens at position 0 (causal: query t sees keys 0..t) over an int8 cache, by the flash
-    kernel in each config (block_q, num_warps, p_terms) against the backend's XLA form. FLOPs are the causal
-    half of QK and PV (the kernel's masked diagonal blocks and extra P.V terms not counted)."""
+def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret, offsets=(0,)):
+    """A prompt part of T tokens at position `offset` (causal: query t sees keys 0..offset + t; a follow-up turn or
+    a long prompt's later part) over an int8 cache, by the flash kernel in each config (block_q, num_warps,
+    p_terms) against the backend's XLA form. FLOPs are QK and PV over the visible keys (the kernel's masked
+    diagonal blocks and extra P.V terms not counted); bytes, the cache read once."""
     import jax
     import jax.numpy as jnp
 
@@ -278,27 +279,27 @@ def prompt_attention(hq, hkv, hd, tokens, configs, repeat, interpret):
     from strata.jax_backend.kernels.decode_attention import prompt_attention as ker
     from strata.backend import quantize_kv
     rows, rng = [], np.random.default_rng(4)
-    for t in tokens:
-        cap = t + 64
+    for t, offset in ((t, o) for t in tokens for o in offsets):
+        cap = offset + t + 64
         key = jax.random.key(t)
         (kc, ks), (vc, vs) = (quantize_kv(jnp, jax.random.normal(jax.random.fold_in(key, i), (cap, hkv, hd)))
                               for i in (0, 1))
         q = jnp.asarray(rng.standard_normal((t, hq, hd)).astype(np.float32), jnp.bfloat16)
-        q_pos = jnp.arange(t, dtype=jnp.int32)
+        q_pos = offset + jnp.arange(t, dtype=jnp.int32)
         f_xla = jax.jit(lambda q: JaxBackend.attention_xla(q, kc, vc, q_pos, hd ** -0.5, ks, vs))
         want = f_xla(q).astype(jnp.float32)
         t_xla = device_seconds(f_xla, (q,), 0, repeat, loop=CHUNKED_LOOP)
-        flops = 2 * 2 * (t * (t + 1) / 2) * hq * hd
-        nbytes = 2 * q.size * 2 + 2 * t * hkv * (hd + 4)
+        flops = 2 * 2 * (t * offset + t * (t + 1) / 2) * hq * hd
+        nbytes = 2 * q.size * 2 + 2 * (offset + t) * hkv * (hd + 4)
         for block_q, warps, terms in configs:
             f_ker = jax.jit(partial(ker, scale=hd ** -0.5, interpret=interpret, block_q=block_q, num_warps=warps,
                                     p_terms=terms))
             call = lambda q: f_ker(q, kc, vc, ks, vs, q_pos)              # noqa: E731
             err = rel_err(call(q).astype(jnp.float32), want)
             t_ker = device_seconds(call, (q,), 0, repeat, loop=CHUNKED_LOOP)
-            rows.append(row(f"prompt attention int8 KV, {t} tokens, block_q {block_q}, {warps} warps, {terms} P "
-                            f"terms", t_ker, t_xla, nbytes, flops, err, tokens=t, block_q=block_q, num_warps=warps,
-                            p_terms=terms))
+            rows.append(row(f"prompt attention int8 KV, {t} tokens at {offset}, block_q {block_q}, {warps} warps, "
+                            f"{terms} P terms", t_ker, t_xla, nbytes, flops, err, tokens=t, offset=offset,
+                            block_q=block_q, num_warps=warps, p_terms=terms))
     return rows
 
 
@@ -378,6 +379,10 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode-cases", default=None,
                     help="expert_decode's cases instead of its default: block:warps, comma-separated")
+    ap.add_argument("--prompt-offsets", default=None,
+                    help="prompt_attention: the parts' positions (comma-separated) instead of 0 alone")
+    ap.add_argument("--prompt-configs", default=None,
+                    help="prompt_attention: block_q:warps:p_terms cases (comma-separated) instead of its default")
     ap.add_argument("--trace-decode", default=None,
                     help="expert_decode: also trace these cases (block:warps, comma-separated) and XLA's form")
     args = ap.parse_args()
@@ -390,7 +395,8 @@ def main() -> int:
             "pool_over_4gib": None,
             "decode_attention": dict(hq=4, hkv=2, hd=32, contexts=[128], batches=[1, 2], queries=[1, 3]),
             "gated_delta_chunked": dict(hv=2, dk=16, dv=16, prompt=70),
-            "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)]),
+            "prompt_attention": dict(hq=4, hkv=2, hd=32, tokens=[64], configs=[(8, 4, 3), (8, 4, 1)],
+                                     offsets=[0, 192]),
             "route": dict(experts=16, k=4, tokens=[1, 8]),
             "expert_grouped_blocks": dict(hidden=256, inter=128, n_experts=16, tokens=[40], k=4,
                                           cases=(("int4", "v2", 64), ("int4", "v2", 128))),
@@ -414,6 +420,12 @@ def main() -> int:
     def decode_cases(text):
         return [(int(b), int(w)) for b, w in (c.split(":") for c in text.split(","))]
 
+    if args.prompt_offsets:
+        shapes["prompt_attention"] = dict(shapes["prompt_attention"],
+                                          offsets=[int(o) for o in args.prompt_offsets.split(",")])
+    if args.prompt_configs:
+        shapes["prompt_attention"] = dict(shapes["prompt_attention"], configs=[
+            tuple(int(x) for x in c.split(":")) for c in args.prompt_configs.split(",")])
     if args.decode_cases:
         shapes["expert_decode"] = dict(shapes["expert_decode"], cases=decode_cases(args.decode_cases))
     if args.trace_decode:
