@@ -242,12 +242,21 @@ def test_tiered_rows_equal_one_cache(shape, kv_dtype, interpret):
     """A row's keys split at n_host between a host tier (every key seen by every query) and the device cache (key i
     at position n_host + i) give the reference over the one cache they came from; whatever lies past either tier's
     part (poisoned: NaN, inf) never reaches the result."""
+    out, want, q_dtype = tiered_case(shape, kv_dtype, interpret)
+    assert rel_err(out, want) <= LIMIT[q_dtype]
+    if q_dtype == "bfloat16":
+        assert_rounded_from_float32(out, want, "tiered")
+
+
+def tiered_case(shape, kv_dtype, interpret, dev_cap=None):
+    """tiered_decode_attention on a TIERED case (the device tier dev_cap keys, default Cap) -> (output as float32
+    numpy, the reference over the one cache, q's dtype); asserts the output's shape and that it is finite."""
     s, nq, hq, hkv, hd, cap, pos, n_host = shape
     q_dtype = "bfloat16" if kv_dtype != "float32" else "float32"
     rng = np.random.default_rng(list(shape[:6]) + [len(kv_dtype)])
     q, kc, vc, ks, vs, p = make_inputs(rng, s, nq, hq, hkv, hd, cap, pos, kv_dtype, q_dtype)
     want = K._reference(q, kc, vc, ks, vs, p, hd ** -0.5)
-    host_cap, dev_cap = cap, cap                       # each tier poisoned past its part: rolled copies of the junk
+    host_cap, dev_cap = cap, dev_cap or cap            # each tier poisoned past its part: rolled copies of the junk
     junk = lambda x: np.roll(np.asarray(x), 1, axis=1)            # noqa: E731 - row i's junk from the last rows
     hosts, devs = [], []
     for full in (kc, vc) + ((ks, vs) if ks is not None else ()):
@@ -267,6 +276,4 @@ def test_tiered_rows_equal_one_cache(shape, kv_dtype, interpret):
                                     hosts[3], n, scale=hd ** -0.5, interpret=interpret)
     out = np.asarray(got.astype(jnp.float32))
     assert out.shape == (s, nq, hq, hd) and np.isfinite(out).all()
-    assert rel_err(out, want) <= LIMIT[q_dtype]
-    if q_dtype == "bfloat16":
-        assert_rounded_from_float32(out, want, "tiered")
+    return out, want, q_dtype
