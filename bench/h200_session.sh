@@ -35,6 +35,8 @@
 #                                        # 48 layers, and a 128K prompt read; each JSON rewritten as it goes
 #   bash bench/h200_session.sh prompt-long  # kernel_speed's prompt attention for a 4K part at 0, 32K and 124K (a long
 #                                        # prompt's later parts, a follow-up turn), in block / warp cases
+#   bash bench/h200_session.sh splits    # decode attention over n_splits (bf16, 32K and 128K, batch 1/4/16), then
+#                                        # long_decode's 128K windows with the module's choice
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -164,6 +166,13 @@ case "${1:-}" in
     timeout 300 python3 bench/kernel_speed.py --only prompt_attention --repeat 5 --prompt-offsets 0,32768,126976 \
       --prompt-configs "${CONFIGS:-8:4:3,8:8:3,16:8:3,16:4:3}" --out "$OUT/kernel_speed_prompt_attention_long_h200.json" \
       2>&1 | grep -E "^prompt|FAILED|wrote" | tee "$OUT/kernel_speed_prompt_attention_long.log"
+    ;;
+  splits)
+    timeout 200 python3 bench/kernel_speed.py --only decode_attention --repeat 5 --attention-splits 0,4,8,16,33,64,128 \
+      --attention-contexts 32768,131072 --attention-batches 1,4,16 --out "$OUT/kernel_speed_decode_attention_splits_h200.json" \
+      2>&1 | grep -E "^decode|FAILED|wrote" | tee "$OUT/kernel_speed_decode_attention_splits.log"
+    timeout 240 python3 bench/long_decode.py --part decode --prompt 0 --engines "bfloat16:131072:16:32768,131072:1,4,16" \
+      --out "$OUT/long_decode_h200_48_layers.json" 2>&1 | grep -E "\] |Error|error" | tee "$OUT/long_decode.log"
     ;;
   scopes)
     timeout 300 python3 bench/prompt_probe.py --layers 8 --out "$OUT/prompt_probe_h200.json" 2>&1 \

@@ -228,14 +228,15 @@ def pool_over_4gib(hidden, inter, n_experts, tokens, k, repeat, interpret):
     return out
 
 
-def decode_attention(hq, hkv, hd, contexts, batches, queries, repeat, interpret):
+def decode_attention(hq, hkv, hd, contexts, batches, queries, repeat, interpret, splits=(None,), kvs=("int8", "bf16")):
+    """The split-K kernel against XLA's form; splits: n_splits values to time (None: the module's choice)."""
     import jax
     import jax.numpy as jnp
 
     from strata.jax_backend.kernels.decode_attention import decode_attention as ker, decode_attention_xla as xla
     from strata.backend import quantize_kv
     rows, rng = [], np.random.default_rng(2)
-    for kv in ("int8", "bf16"):
+    for kv in kvs:
         for ctx in contexts:
             for s in batches:
                 for nq in queries:
@@ -253,17 +254,18 @@ def decode_attention(hq, hkv, hd, contexts, batches, queries, repeat, interpret)
                     del k, v
                     q = jnp.asarray(rng.standard_normal((s, nq, hq, hd)).astype(np.float32), jnp.bfloat16)
                     pos = jnp.asarray(np.full(s, ctx - nq, np.int32))
-                    f_ker = partial(ker, scale=hd ** -0.5, interpret=interpret)
                     f_xla = partial(xla, scale=hd ** -0.5)
-                    err = rel_err(f_ker(q, kc, vc, ks, vs, pos).astype(jnp.float32),
-                                  f_xla(q, kc, vc, ks, vs, pos).astype(jnp.float32))
-                    t_ker = device_seconds(lambda q: f_ker(q, kc, vc, ks, vs, pos), (q,), 0, repeat)
+                    want = f_xla(q, kc, vc, ks, vs, pos).astype(jnp.float32)
                     t_xla = device_seconds(lambda q: f_xla(q, kc, vc, ks, vs, pos), (q,), 0, repeat)
                     nbytes = s * ctx * per_token + 2 * q.size * 2
                     flops = 4 * s * nq * hq * hd * ctx
-                    rows.append(row(f"decode attention {kv} KV, {ctx} context, batch {s}, {nq} quer"
-                                    f"{'y' if nq == 1 else 'ies'}", t_ker, t_xla, nbytes, flops, err, kv=kv,
-                                    context=ctx, batch=s, queries=nq))
+                    for n in splits:
+                        f_ker = partial(ker, scale=hd ** -0.5, interpret=interpret, n_splits=n)
+                        err = rel_err(f_ker(q, kc, vc, ks, vs, pos).astype(jnp.float32), want)
+                        t_ker = device_seconds(lambda q: f_ker(q, kc, vc, ks, vs, pos), (q,), 0, repeat)
+                        rows.append(row(f"decode attention {kv} KV, {ctx} context, batch {s}, {nq} quer"
+                                        f"{'y' if nq == 1 else 'ies'}, {n or 'default'} splits", t_ker, t_xla,
+                                        nbytes, flops, err, kv=kv, context=ctx, batch=s, queries=nq, n_splits=n))
     return rows
 
 
@@ -379,6 +381,11 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--decode-cases", default=None,
                     help="expert_decode's cases instead of its default: block:warps, comma-separated")
+    ap.add_argument("--attention-splits", default=None,
+                    help="decode_attention: n_splits values to time (0: the module's choice), bf16, one query, at "
+                         "--attention-contexts and --attention-batches")
+    ap.add_argument("--attention-contexts", default="131072")
+    ap.add_argument("--attention-batches", default="1,4,16")
     ap.add_argument("--prompt-offsets", default=None,
                     help="prompt_attention: the parts' positions (comma-separated) instead of 0 alone")
     ap.add_argument("--prompt-configs", default=None,
@@ -420,6 +427,11 @@ def main() -> int:
     def decode_cases(text):
         return [(int(b), int(w)) for b, w in (c.split(":") for c in text.split(","))]
 
+    if args.attention_splits:
+        shapes["decode_attention"] = dict(shapes["decode_attention"], queries=[1], kvs=("bf16",),
+                                          contexts=[int(c) for c in args.attention_contexts.split(",")],
+                                          batches=[int(b) for b in args.attention_batches.split(",")],
+                                          splits=[int(n) or None for n in args.attention_splits.split(",")])
     if args.prompt_offsets:
         shapes["prompt_attention"] = dict(shapes["prompt_attention"],
                                           offsets=[int(o) for o in args.prompt_offsets.split(",")])

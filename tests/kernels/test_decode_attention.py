@@ -107,13 +107,15 @@ def test_default_blocks_and_splits(interpret):
     s, nq, hq, hkv, hd, cap, pos = 3, 1, 4, 2, 32, 128, [100, 0, 127]
     args = make_inputs(rng, s, nq, hq, hkv, hd, cap, pos, "int8", "bfloat16")
     assert K._check(*args, None, None) == (64, 2)
-    # real shapes at S = 1: 64 keys per block (32 for a float32 cache, whose tiles are twice bf16's); splits aim at
-    # two programs a SM (264 over Hkv = 2), at most one per block (64 of them) and at most MAX_SPLITS (128)
+    # real shapes at S = 1: 64 keys per block (32 for a float32 cache, whose tiles are twice bf16's); splits fill
+    # whole waves of the 132 SMs with the shortest walk: 64 (one per block) for 64 blocks, 66 x Hkv 2 for 128 blocks
     q, pos1 = jnp.zeros((1, 1, 16, 256), jnp.bfloat16), jnp.zeros((1,), jnp.int32)
     for dt, scales, bk, splits in (("int8", jnp.zeros((1, 4096, 2)), 64, 64), ("bfloat16", None, 64, 64),
-                                   ("float32", None, 32, 128)):
+                                   ("float32", None, 32, 66)):
         kv = jnp.zeros((1, 4096, 2, 256), dt)
         assert K._check(q, kv, kv, scales, scales, pos1, None, None) == (bk, splits)
+    # a wave's worth: 16 rows x 2 kv heads take 33 splits (8 full waves), not 9 (3 waves, the last 24 programs)
+    assert K._splits(32, 128) == 33 and K._splits(2, 128) == 66 and K._splits(2, 1) == 1
     got = np.asarray(K.decode_attention(*args, scale=0.2, interpret=interpret).astype(jnp.float32))
     want = K._reference(*args, 0.2)
     assert rel_err(got, want) <= LIMIT["bfloat16"]

@@ -25,8 +25,8 @@ from strata.jax_backend.kernels import int32_offsets_overflow, triton_params
 BLOCK_K = 64             # keys per loop step (a power of two >= 16; the largest one dividing Cap up to this is used)
 TILE_BYTES = 32 << 10    # ... and a K (or V) tile at most this: K + V x 2 stages <= 128 KB of the ~227 KB of shared
 MIN_ROWS = 16            # query rows per program: the Triton dot needs M >= 16
-TARGET_PROGRAMS = 264    # S x Hkv x n_splits aimed at: two programs on each of the H200's 132 SMs (one program of
-                         # 4 warps a SM left a batch-1 row's KV reads at about half the HBM rate)
+SMS = 132                # the H200's SMs: one program of K + V tiles x 2 stages (<= 128 KB of shared memory) fits
+                         # a SM at a time, so programs run in waves of SMS
 MAX_SPLITS = 128         # bounds the partials' bytes, S x Hkv x splits x R x (hd + 2) x 4 B, written and read once
 NUM_WARPS, NUM_STAGES = 4, 2
 PROMPT_ROWS = 64         # prompt form: query rows (queries x the kv head's group) per program
@@ -207,6 +207,14 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: int, n_s
     l_ref[...] = l
 
 
+def _splits(rows: int, most: int) -> int:
+    """Splits per (row, kv head) for `rows` of them: the fewest that leave a row's keys the shortest walk, its keys
+    over n splits taking ceil(rows x n / SMS) waves of programs, each 1/n of the keys (one split a row left half the
+    SMs idle at batch 1; splits that spill a few programs into an extra wave cost a whole wave)."""
+    cost = {n: -(-rows * n // SMS) / n for n in range(1, max(1, most) + 1)}
+    return min(cost, key=lambda n: (cost[n], n))
+
+
 def _takes(check, *args) -> bool:
     """Whether check(*args, None, None) (a form's checks with its default blocks) accepts the arguments."""
     try:
@@ -259,7 +267,7 @@ def _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits, planes
     if not _pow2(block_k) or block_k < 16 or cap % block_k:
         raise ValueError(f"block_k={block_k} must be a power of two >= 16 dividing Cap={cap}")
     if n_splits is None:
-        n_splits = max(1, min(cap // block_k, MAX_SPLITS, -(-TARGET_PROGRAMS // (s * hkv))))
+        n_splits = _splits(s * hkv, min(cap // block_k, MAX_SPLITS))
     if n_splits < 1:
         raise ValueError(f"n_splits={n_splits} must be >= 1")
     return block_k, n_splits
