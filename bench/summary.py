@@ -49,8 +49,10 @@ ENGINE = (("kernels", "xla"), ("kernels", "pallas"))
 
 def decode_sources(batch: str) -> tuple:
     """Steady decoding as the server runs it, windows dispatched ahead (the scheduler's `lookahead`, on by default),
-    where a run measured it: that source is first, so it wins over the same file's windows run one by one."""
-    return (Source("engine_speed_real_shapes", (f"decode_ahead_tok_s_b{batch}_48_layers",), 4096, skip=ENGINE,
+    where a run measured it: that source is first, so it wins over the same file's windows run one by one;
+    long_decode's 4K rows are the same windows (48 layers, bf16 KV)."""
+    return (Source("long_decode_decode", ("runs", f"bfloat16_4096_b{batch}", "tok_s")),
+            Source("engine_speed_real_shapes", (f"decode_ahead_tok_s_b{batch}_48_layers",), 4096, skip=ENGINE,
                    fitted=True),
             Source("engine_speed_real_shapes", (f"decode_tok_s_b{batch}_48_layers",), 4096, skip=ENGINE, fitted=True))
 
