@@ -101,6 +101,18 @@ def assert_rounded_from_float32(got, want, name):
     assert off <= BF16_OFF_MAX, f"{name}: {off:.2%} of outputs are not the float32 result rounded to bfloat16"
 
 
+def assert_matches(got, want, shape, q_dtype, name):
+    """got (the kernel's output) has this shape and q's dtype, no garbage key reached it, and it is the float64
+    reference within LIMIT (bfloat16: the float32 result rounded, but for midpoints)."""
+    assert got.shape == shape and got.dtype == jnp.dtype(q_dtype)
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.isfinite(got).all(), f"{name}: garbage keys reached the result"
+    err = rel_err(got, want)
+    assert err <= LIMIT[q_dtype], f"{name}, q {q_dtype}: relative error {err:.2e}"
+    if q_dtype == "bfloat16":
+        assert_rounded_from_float32(got, want, name)
+
+
 def test_default_blocks_and_splits(interpret):
     """The public call with the module's block and split choices (2 blocks of 64 keys, 2 splits here)."""
     rng = np.random.default_rng(7)
@@ -185,13 +197,7 @@ def test_prompt_kernel_matches_the_reference(shape, kv_dtype, q_dtype, interpret
     want = K._reference_prompt(*args, scale)
     assert np.isfinite(want).all()
     got = K.prompt_attention(*args, scale=scale, interpret=interpret, block_q=block_q, block_k=block_k)
-    assert got.shape == (t, hq, hd) and got.dtype == jnp.dtype(q_dtype)
-    got = np.asarray(got.astype(jnp.float32))
-    assert np.isfinite(got).all(), "garbage keys reached the result"
-    err = rel_err(got, want)
-    assert err <= LIMIT[q_dtype], f"{kv_dtype} cache, q {q_dtype}: relative error {err:.2e}"
-    if q_dtype == "bfloat16":
-        assert_rounded_from_float32(got, want, "prompt kernel")
+    assert_matches(got, want, (t, hq, hd), q_dtype, f"prompt kernel, {kv_dtype} cache")
 
 
 def test_prompt_kernel_is_the_backends_attention(interpret):

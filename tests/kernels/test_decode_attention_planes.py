@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax import export
 from jaxprs import walk
-from test_decode_attention import (LIMIT, TIERED, assert_rounded_from_float32, make_inputs, prompt_inputs, rel_err,
-                                   tiered_case)
+from test_decode_attention import (LIMIT, TIERED, assert_matches, assert_rounded_from_float32, make_inputs,
+                                   prompt_inputs, rel_err, tiered_case)
 
 from strata.jax_backend.kernels import decode_attention as K
 from strata.jax_backend.kernels import int32_offsets_overflow
@@ -121,13 +121,7 @@ def test_plane_form_matches_the_reference(shape, q_dtype, interpret):
     want = K._reference(*args, scale)
     got = K.decode_attention(*args, scale=scale, interpret=interpret, block_k=block_k, n_splits=n_splits,
                              planes=True)
-    assert got.shape == (s, nq, hq, hd) and got.dtype == jnp.dtype(q_dtype)
-    got = np.asarray(got.astype(jnp.float32))
-    assert np.isfinite(got).all(), "garbage keys reached the result"
-    err = rel_err(got, want)
-    assert err <= LIMIT[q_dtype], f"plane form, q {q_dtype}: relative error {err:.2e}"
-    if q_dtype == "bfloat16":
-        assert_rounded_from_float32(got, want, "plane form")
+    assert_matches(got, want, (s, nq, hq, hd), q_dtype, "plane form")
 
 
 @pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
@@ -139,13 +133,7 @@ def test_prompt_plane_form_matches_the_reference(shape, q_dtype, interpret):
     scale = hd ** -0.5
     want = K._reference_prompt(*args, scale)
     got = K.prompt_attention(*args, scale=scale, interpret=interpret, block_q=block_q, block_k=block_k, planes=True)
-    assert got.shape == (t, hq, hd) and got.dtype == jnp.dtype(q_dtype)
-    got = np.asarray(got.astype(jnp.float32))
-    assert np.isfinite(got).all(), "garbage keys reached the result"
-    err = rel_err(got, want)
-    assert err <= LIMIT[q_dtype], f"prompt plane form, q {q_dtype}: relative error {err:.2e}"
-    if q_dtype == "bfloat16":
-        assert_rounded_from_float32(got, want, "prompt plane form")
+    assert_matches(got, want, (t, hq, hd), q_dtype, "prompt plane form")
 
 
 @pytest.mark.parametrize("planes_tier", ["device", "host"])
