@@ -84,13 +84,7 @@ def test_kernel_and_xla_match_the_reference(shape, kv_dtype, q_dtype, interpret)
     got = K.decode_attention(*args, scale=scale, interpret=interpret, block_k=block_k, n_splits=n_splits)
     xla = K.decode_attention_xla(*args, scale=scale)
     for name, out in (("kernel", got), ("xla", xla)):
-        assert out.shape == (s, nq, hq, hd) and out.dtype == jnp.dtype(q_dtype)
-        out = np.asarray(out.astype(jnp.float32))
-        assert np.isfinite(out).all(), f"{name}: garbage keys reached the result"
-        err = rel_err(out, want)
-        assert err <= LIMIT[q_dtype], f"{name} {kv_dtype} cache, q {q_dtype}: relative error {err:.2e}"
-        if q_dtype == "bfloat16":
-            assert_rounded_from_float32(out, want, name)
+        assert_matches(out, want, (s, nq, hq, hd), q_dtype, f"{name}, {kv_dtype} cache")
 
 
 def assert_rounded_from_float32(got, want, name):
