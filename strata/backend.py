@@ -46,6 +46,9 @@ class Backend(Protocol):
     # the optional HostFetch capability (below): the backend itself when its compiled windows can read pinned host
     # memory by themselves, else None. Declared by the backend, never probed.
     host_fetch: "HostFetch | None"
+    # the optional HostKV capability (below): the backend itself when compiled functions can keep arrays in host
+    # memory and move them to and from the device (the attention KV's host tier, kv_resident), else None
+    host_kv: "HostKV | None"
     # the same backend on the same device with its reference ops in place of its own kernels (JAX: XLA instead of
     # Pallas), when some kernel of its own runs; else None (the numerics guard's reference_ops path)
     reference: "Backend | None"
@@ -128,6 +131,18 @@ class HostFetch(Protocol):
     def pool_fill(self, pool: Array, slots, chunks, bounds, rows) -> Array: ...   # pool rows from chunk rows
     def experts_fetch(self, x: Array, ids: Array, weight: Array, valid: Array, pool: Array, table_row: Array,
                       chunks: list, starts: tuple, layout) -> tuple[Array, Array]: ...  # -> (y [T, H], copied)
+
+
+class HostKV(Protocol):
+    """The attention KV's host tier (kv_resident): arrays kept in host memory (pinned on a GPU) that compiled
+    functions write into and read from (strata/engine/kv_tiers.py; forward.py's state names them "*_host")."""
+
+    def host_zeros_like(self, tree: Any) -> Any: ...     # zeros shaped like a host tree, placed in host memory
+    def from_host_tier(self, x: Array) -> Array: ...     # traced: a host array moved to the device (a copy)
+    # traced, on a host array [S, Cap, ...]: device rows x [n, ...] written at (slot, start); rows start..start+n-1
+    # of a slot copied to the device
+    def host_write(self, host: Array, x: Array, slot: Array, start: Array) -> Array: ...
+    def host_window(self, host: Array, slot: Array, start: Array, n: int) -> Array: ...
 
 
 class Peers(Protocol):
@@ -223,6 +238,13 @@ def _auto() -> str:
 # decode window: row s at position start[s], real when n_valid[s] > 0, its state at index s of a bank [S, ...]).
 
 
+# a two-tier attention cache (kv_resident; strata/model/forward.py kv_state): the device window's arrays, their host
+# twins (name + HOST) and the window's first position (TIER_BASE)
+KV_NAMES = ("k", "v", "k_scale", "v_scale")
+HOST = "_host"
+TIER_BASE = "base"
+
+
 def is_rows(start) -> bool:
     """True when start is per row ([S]): one token of each of S sequences (a decode window)."""
     return np.ndim(start) == 1
@@ -296,13 +318,34 @@ class ComposedOps:
         valid = self.valid_mask(t, n_valid)
         q = self.rope(self.rms_norm(q.reshape(t, hq, hd), q_norm, eps), positions, rope)
         k = self.rope(self.rms_norm(k.reshape(t, hkv, hd), k_norm, eps), positions, rope)
-        kv = self.kv_store(kv, k, v.reshape(t, hkv, hd), start)
         # padded rows look at key 0 only (their output is discarded), so the keys visited follow the real rows
-        o = self.attention(q, kv["k"], kv["v"], xp.where(valid, positions, 0), hd ** -0.5, kv.get("k_scale"),
-                           kv.get("v_scale")).reshape(t, hq * hd)
+        q_pos = xp.where(valid, positions, 0)
+        if TIER_BASE in kv:
+            o, kv = self._attention_tiers(q, k, v.reshape(t, hkv, hd), kv, start, q_pos)
+        else:
+            kv = self.kv_store(kv, k, v.reshape(t, hkv, hd), start)
+            o = self.attention(q, kv["k"], kv["v"], q_pos, hd ** -0.5, kv.get("k_scale"), kv.get("v_scale"))
+        o = o.reshape(t, hq * hd)
         if gate is not None:
             o = o * self.sigmoid(gate)
         return o, kv
+
+    def _attention_tiers(self, q, k, v, kv, start, q_pos):
+        """attention_block's store and attention for a two-tier cache (kv_resident; forward.kv_state): the new keys
+        go to the device window at start - base, and the attention reads the host part [0, base) staged on the
+        device with the window written over it at base, so it is the one-tier attention over the same keys.
+        -> (o [T, Hq, hd], kv)."""
+        xp, t = self.xp, q.shape[0]
+        base = kv[TIER_BASE]
+        window = {n: kv[n] for n in KV_NAMES if n in kv}
+        rows = window["k"].shape[0]
+        # the scratch position of an inactive decode row lands on the window's last row, which the tiers keep free
+        # of real positions (strata/engine/kv_tiers.py); a real row is always inside the window
+        window = self.kv_store(window, k, v, xp.minimum(start - base, rows - t))
+        full = {n: self.kv_write(self.from_host_tier(kv[n + HOST]), w, base) for n, w in window.items()}
+        o = self.attention(q, full["k"], full["v"], q_pos, q.shape[-1] ** -0.5, full.get("k_scale"),
+                           full.get("v_scale"))
+        return o, {**kv, **window}
 
     def kv_store(self, kv, k, v, start):
         """The layer's cache with keys and values [T, Hkv, hd] written at rows start.. (int8: quantised, their

@@ -146,6 +146,14 @@ class ModelSettings(_Group):
         f"{AUTO_CONTEXT_CAP} where the device does not report its free memory, and where it does, at most what "
         "lets the sequence state of every slot take half of the memory left beside the working buffers; the plan's "
         "log line says which. A number above the model's positions is refused.")
+    kv_resident: int = setting(
+        0, Rule(lambda v: _is_int(v) and 0 <= v <= MAX_CONTEXT_LIMIT,
+                f"an integer in [0, {MAX_CONTEXT_LIMIT}] (0: every position on the device)"),
+        "Tokens of attention KV each slot keeps on the device: 0 keeps every position there; N gives each slot a "
+        "device window of N positions (rounded up to 64; more than a prompt part's padded size) and moves older "
+        "positions to host RAM as the window fills (pinned on a GPU, where the decode kernel reads them in place; "
+        "needs command_buffer_update = xla_default); attention covers both parts. For contexts longer than the "
+        "device's memory allows; jax backend only, not yet with spec.")
     rope_scaling: str = setting(
         "auto", _choice("auto", "none", "linear", "dynamic", "yarn"),
         "RoPE scaling, to serve contexts past the model's max_position_embeddings: auto is what the checkpoint's "

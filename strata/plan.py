@@ -140,6 +140,8 @@ class Capacity:
                                          # that holds it (empty: every size up to part_size, nothing padded)
     draft: int = 0                       # K: the most drafts a row verifies in one window (0: no speculative
                                          # decoding; WindowPlan.draft_len)
+    kv_resident: int = 0                 # rows of each slot's attention KV window on the device (0: every
+                                         # position there; else older ones are in host RAM: host_positions)
     stages: int = 1                      # a layer split's stages (devices): with more than one, decode windows
                                          # alternate between two groups of slots, so that the next window does not
                                          # wait for this one and the first stage runs it while the last runs this
@@ -187,6 +189,7 @@ class Executor(Protocol):
     def to_host(self, saved: Saved) -> Saved: ...
     def save_kv(self, slot: int, n: int) -> Saved: ...                  # on the host
     def load_kv(self, slot: int, saved: Saved) -> None: ...
+    def host_positions(self, slot: int) -> int: ...                     # its KV positions in host RAM (0: one tier)
     # between windows (none in flight): verify the expert slots and rewrite bad ones from the host tier, clear the
     # sequence states of `slots` (non-finite rows': NaN must not linger in their KV) but, per slot, the KV of the
     # first keep[i] positions (finite windows wrote them: a retry resumes there from a checkpoint; None: keep none);

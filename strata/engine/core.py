@@ -19,7 +19,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from strata.backend import get_backend
+from strata.backend import HOST, get_backend
 from strata.builtin import builtin_dir, is_builtin, is_random
 from strata.config import AUTO_CONTEXT_CAP, KV_DTYPES, Settings, bucket_for
 from strata.errors import ConfigError, StrataError
@@ -46,6 +46,7 @@ class Engine:
         # multiple of 64, so the attention kernels' key blocks divide it (else they leave the rows to XLA's form)
         rows = settings.model.max_context + bucket_for(min(settings.sched.prefill, settings.model.max_context))
         self.capacity = -(-rows // 64) * 64
+        self.kv_resident = _kv_window(settings, backend)     # the device window's rows per slot (0: one tier)
         ops = backend
         self._compiled: dict = {}
         self.experts = None          # an ExpertSet once attach_experts ran (models with routed experts)
@@ -84,7 +85,15 @@ class Engine:
     def zeros_state(self, template: list) -> list:
         """A whole-model state list (per layer {name: array}, e.g. init_state's, or a bank) as zeros, each stage's
         layers on its device."""
-        return [a for st in self.stages for a in st.ops.zeros_like(st.of(template))]
+        out = []
+        for st in self.stages:
+            layers = st.of(template)
+            dev = st.ops.zeros_like([{k: v for k, v in x.items() if not k.endswith(HOST)} for x in layers])
+            host = [{k: v for k, v in x.items() if k.endswith(HOST)} for x in layers]
+            if any(host):             # a two-tier KV's host arrays (kv_resident), in host memory
+                host = st.ops.host_kv.host_zeros_like(host)
+            out += [{**d, **h} for d, h in zip(dev, host)]
+        return out
 
     def hidden(self, stages, x, call):
         """Hidden rows x through `stages` in turn: x = call(stage, x) on each, handed to each stage's device first
@@ -302,14 +311,17 @@ class Engine:
     def state_bytes(self, stage: Stage | None = None) -> int:
         """Device bytes of the sequence state of `settings.sched.parallel` sequences (plus one for Engine
         sequences), of one stage's layers when given."""
-        one = self.init_state()
+        one = self.init_state(tiers=True)
         if stage is not None:
             one = stage.of(one)
-        return (self.settings.sched.parallel + 1) * sum(a.nbytes for layer in one for a in layer.values())
+        return (self.settings.sched.parallel + 1) * device_bytes(one)
 
-    def init_state(self) -> list[dict]:
-        """A fresh sequence state on the host, with this engine's capacity, dtype and KV format."""
-        return init_state(self.cfg, self.capacity, self.dtype, self.kv_dtype)
+    def init_state(self, tiers: bool = False) -> list[dict]:
+        """A fresh sequence state on the host, with this engine's capacity, dtype and KV format; tiers: with the
+        host tier kv_resident asks for (the runner's slots; an Engine sequence keeps every position on the
+        device)."""
+        return init_state(self.cfg, self.capacity, self.dtype, self.kv_dtype,
+                          resident=self.kv_resident if tiers else 0)
 
     def work_bytes(self) -> int:
         return _work_bytes(self.cfg, self.settings.sched.prefill, self.settings.model.max_context)
@@ -555,6 +567,37 @@ def _work_bytes(cfg: ModelConfig, prefill: int, max_context: int) -> int:
     return t * per_token * 4
 
 
+def device_bytes(state: list[dict]) -> int:
+    """Device bytes of a state list (a two-tier KV's host arrays left out)."""
+    return sum(a.nbytes for layer in state for k, a in layer.items() if not k.endswith(HOST))
+
+
+def _kv_window(settings: Settings, ops) -> int:
+    """kv_resident as the rows of each slot's device window (a multiple of 64, as the kernels' key blocks need; 0:
+    one tier), or a ConfigError naming what is wrong with it and what is allowed."""
+    n, m = settings.model.kv_resident, settings.model.max_context
+    if not n:
+        return 0
+    if n > m:
+        raise ConfigError(f"kv_resident {n} is larger than max_context {m}: set kv_resident to at most {m} (or 0 to "
+                          f"keep every position on the device)")
+    part = bucket_for(min(settings.sched.prefill, m))
+    rows = -(-n // 64) * 64
+    if rows <= part:
+        raise ConfigError(f"kv_resident {n} is smaller than a prompt part: parts are padded to {part} tokens (prefill "
+                          f"{settings.sched.prefill}) and the device window holds one beside a scratch row; set "
+                          f"kv_resident to at least {part + 1}, or lower prefill")
+    if settings.sched.spec:
+        raise ConfigError("kv_resident is not supported with spec (speculative decoding) yet: set spec = 0, or "
+                          "kv_resident = 0")
+    if ops.host_kv is None:
+        why = ("XLA's allocator under command_buffer_update = skip_temp leaves no pinned host memory: set "
+               "command_buffer_update = xla_default" if ops.name == "jax" else
+               f"the {ops.name} backend has no host tier: use the jax backend")
+        raise ConfigError(f"kv_resident {n} needs host memory that compiled windows read: {why} (or kv_resident = 0)")
+    return rows
+
+
 def _max_context(cfg: ModelConfig, settings: Settings, ops, dtype, say) -> int:
     """max_context as set, checked against the positions the model supports (with rope scaling), or auto's choice
     (strata/experts/planner.py auto_context), said in one plan line."""
@@ -569,7 +612,8 @@ def _max_context(cfg: ModelConfig, settings: Settings, ops, dtype, say) -> int:
     from strata.experts.planner import auto_context
     kv = np.dtype(KV_DTYPES[settings.model.kv] or dtype)
     sequences = settings.sched.parallel + 1          # as state_bytes counts them
-    one, two = (sum(a.nbytes for layer in init_state(cfg, c, dtype, kv) for a in layer.values()) for c in (0, 1))
+    resident = settings.model.kv_resident            # a two-tier KV's device bytes do not grow with max_context
+    one, two = (device_bytes(init_state(cfg, c, dtype, kv, resident=-(-resident // 64) * 64)) for c in (0, 1))
     pad = bucket_for(min(settings.sched.prefill, positions)) + 63        # the capacity's rows past n, at most
     n, line = auto_context(positions, ops.free_memory_bytes(), cap=AUTO_CONTEXT_CAP,
                            reserve_mib=settings.experts.vram_reserve_mib,

@@ -18,8 +18,10 @@ from functools import partial
 
 import numpy as np
 
+from strata.backend import HOST, TIER_BASE
 from strata.config import PART_BUCKETS, bucket_for
 from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
+from strata.engine.kv_tiers import KvTiers
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
 from strata.experts.path import PathKind
@@ -38,7 +40,8 @@ class WindowRunner:
         self.capacity = Capacity(slots=n_slots, part_size=part_size, max_context=engine.settings.model.max_context,
                                  part_sizes=tuple(self.buckets()), stages=len(engine.stages))
         ops = engine.backend
-        one = engine.init_state()
+        self.capacity = replace(self.capacity, kv_resident=engine.kv_resident)
+        one = engine.init_state(tiers=True)
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
         # per layer {name: [S, ...]}, each stage's layers on its device; init_state is zeros
         self.states = engine.zeros_state(bank)
@@ -50,6 +53,8 @@ class WindowRunner:
         self.stage_args = [DeviceArgs(st.ops) for st in engine.stages]
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
         self._copy = [engine.compile_on(st, "copy_slot", _copy_slot, donate_argnums=(0,)) for st in engine.stages]
+        # the attention KV's host tier (kv_resident): each slot's window moved before the windows that need it
+        self.tiers = KvTiers(self, engine.kv_resident) if engine.kv_resident else None
         self._shaping: Shaping | None = None
         self.copies = SlotCopies(self)
         stages = engine.stages
@@ -109,6 +114,9 @@ class WindowRunner:
                                handoff_seconds=st.handoff_s, **m))
         if self.engine.split:
             out["stages"] = stages
+        if self.tiers is not None:
+            out.update(kv_spills=self.tiers.spills, kv_positions_spilled=self.tiers.spilled_positions,
+                       kv_reloads=self.tiers.reloads, kv_host_positions=int(self.tiers.base.sum()))
         return out
 
     # --- the prompt cache's copies of a slot's state (Executor; strata/engine/slot_copies.py)
@@ -126,6 +134,9 @@ class WindowRunner:
 
     def load_kv(self, slot: int, saved: Saved) -> None:
         self.copies.load_kv(slot, saved)
+
+    def host_positions(self, slot: int) -> int:
+        return 0 if self.tiers is None else int(self.tiers.base[slot])
 
     def buckets(self) -> list[int]:
         return [b for b in PART_BUCKETS if b <= bucket_for(self.part_size)]
@@ -192,6 +203,8 @@ class WindowRunner:
         w = Window(plan, time.perf_counter())
         if after is not None:
             _check_continues(after, plan, self.chains)
+        if self.tiers is not None:
+            self.tiers.fit(plan)
         on_rungs = _rung_rows(plan)                           # the rows of slots on a numerics path
         if on_rungs:
             rest = plan.decode_active.copy()
@@ -279,6 +292,8 @@ class WindowRunner:
         p = plan.part
         for c in p.copies:
             self.each_stage(lambda st, states: self._copy[st.index](states, np.int32(p.slot), np.int32(c)))
+            if self.tiers is not None:
+                self.tiers.copied(p.slot, c)
         if not (plan.shaped or p.copies):
             return PartOut(nxt, fin & residual)
         out = self.shaping().part(plan, logits)
@@ -292,9 +307,13 @@ class WindowRunner:
         t = time.perf_counter()
         for i, n in zip(slots, keep or (0,) * len(slots)):
             if n:
+                if self.tiers is not None:          # the kept positions' window end inside the device window
+                    self.tiers.fit_slot(i, n, n + 1)
                 self.each_stage(lambda st, states: self._clear_after[st.index](states, np.int32(i), np.int32(n)))
             else:
                 self.each_stage(lambda st, states: self._clear[st.index](states, np.int32(i)))
+                if self.tiers is not None:
+                    self.tiers.reset(i)
         if self.spec is not None:
             self.spec.clear(slots)
         if rebuild:
@@ -916,21 +935,28 @@ def _cache_metrics(x) -> dict:
 
 
 def _clear_slot(ops, states, slot):
-    """The slot bank with slot's sequence state zeroed (nothing non-finite left in its KV or recurrent state)."""
-    return [{k: ops.set_row(v, slot, ops.xp.zeros(v.shape[1:], v.dtype)) for k, v in layer.items()}
-            for layer in states]
+    """The slot bank with slot's sequence state zeroed (nothing non-finite left in its KV or recurrent state). A
+    two-tier cache's host rows are left: its base goes to 0, and rows at or past base are never read."""
+    return [{k: v if k.endswith(HOST) else ops.set_row(v, slot, ops.xp.zeros(v.shape[1:], v.dtype))
+             for k, v in layer.items()} for layer in states]
 
 
 def _clear_slot_after(ops, states, slot, n, kinds=()):
-    """_clear_slot but the attention layers' KV of positions 0..n-1 (kinds: the layers' types, static)."""
+    """_clear_slot but the attention layers' KV of positions 0..n-1 (kinds: the layers' types, static); a two-tier
+    cache's window keeps its rows before position n (its base at most n: KvTiers.fit_slot) and its host rows."""
     xp = ops.xp
 
-    def kept(v):
+    def kept(v, first):
         row = ops.take_row(v, slot)
-        on = (xp.arange(row.shape[0]) < n).reshape((-1,) + (1,) * (row.ndim - 1))
+        on = (xp.arange(row.shape[0]) < n - first).reshape((-1,) + (1,) * (row.ndim - 1))
         return ops.set_row(v, slot, xp.where(on, row, xp.zeros((), row.dtype)))
-    return [{k: ops.set_row(v, slot, xp.zeros(v.shape[1:], v.dtype)) if kind == LINEAR else kept(v)
-             for k, v in layer.items()} for kind, layer in zip(kinds, states)]
+
+    def cleared(kind, layer):
+        if kind == LINEAR:
+            return {k: ops.set_row(v, slot, xp.zeros(v.shape[1:], v.dtype)) for k, v in layer.items()}
+        first = ops.take_row(layer[TIER_BASE], slot) if TIER_BASE in layer else 0
+        return {k: v if k.endswith(HOST) or k == TIER_BASE else kept(v, first) for k, v in layer.items()}
+    return [cleared(kind, layer) for kind, layer in zip(kinds, states)]
 
 
 def _rung_rows(plan: WindowPlan) -> dict:

@@ -13,6 +13,7 @@ from functools import partial
 
 import numpy as np
 
+from strata.backend import HOST, KV_NAMES
 from strata.model.config import LINEAR
 from strata.plan import Saved
 
@@ -24,7 +25,8 @@ KV_BLOCKS_IN_FLIGHT = 4
 
 def take_slot(ops, states, slot, layers):
     """Slot `slot`'s rows of the given layers of a bank: [{name: [...]}] (each a fresh array on the device)."""
-    return [{k: ops.take_row(v, slot) + 0 for k, v in states[i].items()} for i in layers]
+    return [{k: ops.take_row(v, slot) if k.endswith(HOST) else ops.take_row(v, slot) + 0
+             for k, v in states[i].items()} for i in layers]
 
 
 def put_slot(ops, states, slot, layers, rows):
@@ -55,6 +57,21 @@ def _put_block(ops, layers, block, states, slot, index, rows):
     return states
 
 
+def _take_host_block(ops, layers, block, states, slot, index):
+    """_take_block of a two-tier cache: the positions' rows of its host arrays (the window written back first)."""
+    return [{n: ops.host_kv.host_window(states[i][n + HOST], slot, index * block, block)
+             for n in KV_NAMES if n in states[i]} for i in layers]
+
+
+def _put_host_block(ops, layers, block, states, slot, index, rows):
+    """_put_block of a two-tier cache: into its host arrays (the window read from them after the last block)."""
+    states = list(states)
+    for i, row in zip(layers, rows):
+        states[i] = dict(states[i], **{n + HOST: ops.host_kv.host_write(states[i][n + HOST], x, slot, index * block)
+                                       for n, x in row.items()})
+    return states
+
+
 def kv_block(capacity: int) -> int:
     """The largest power of two up to KV_BLOCK_MAX that divides the cache's rows."""
     b = 1
@@ -72,6 +89,7 @@ class SlotCopies:
         e = r.engine
         self.ops = e.backend
         self.block = kv_block(e.capacity)
+        take_kv, put_kv = (_take_host_block, _put_host_block) if r.tiers is not None else (_take_block, _put_block)
         self._fns = []
         for st in e.stages:
             ops, c = st.ops, st.ops.compile
@@ -83,8 +101,8 @@ class SlotCopies:
                               memo("take_recurrent", lambda: c(partial(take_slot, ops, layers=linear))),
                               memo("put_recurrent", lambda: c(partial(put_slot, ops, layers=linear),
                                                               donate_argnums=(0,))),
-                              memo("take_kv_block", lambda: c(partial(_take_block, ops, full, self.block))),
-                              memo("put_kv_block", lambda: c(partial(_put_block, ops, full, self.block),
+                              memo("take_kv_block", lambda: c(partial(take_kv, ops, full, self.block))),
+                              memo("put_kv_block", lambda: c(partial(put_kv, ops, full, self.block),
                                                              donate_argnums=(0,)))))
 
     def snapshot(self, slot: int) -> Saved:
@@ -114,7 +132,9 @@ class SlotCopies:
                      on_host=True)
 
     def save_kv(self, slot: int, n: int) -> Saved:
-        ops = self.ops
+        ops, tiers = self.ops, self.runner.tiers
+        if tiers is not None:         # the window written back: the host rows then hold every position
+            tiers.move(slot, int(tiers.base[slot]))
         blocks, pending = [], []
 
         def read_oldest():
@@ -141,6 +161,8 @@ class SlotCopies:
                     a, z = st.layers.start, st.layers.stop
                     r.states[a:z] = put_kv(r.states[a:z], np.int32(slot), np.int32(b), rows[at:at + len(full)])
                     at += len(full)
+        if r.tiers is not None:       # the window read at the newest positions (the next part starts from there)
+            r.tiers.move(slot, max(0, saved.tokens - r.tiers.rows // 2), write_back=False)
 
 
 def _nbytes(rows) -> int:

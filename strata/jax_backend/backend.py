@@ -30,7 +30,7 @@ from strata.jax_backend.kernels import route as k_route
 from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop, experts_fetching, experts_from_pool
 from strata.jax_backend.kernels.host_rows import copy_host_rows
 from strata.jax_backend.xla_flags import pinned_host_usable
-from strata.backend import ComposedOps, is_rows
+from strata.backend import HOST, KV_NAMES, TIER_BASE, ComposedOps, is_rows
 
 GDN_SCAN_BLOCK = 16      # chunks per iteration of the chunked rule's scan, at most (gated_delta_chunked_xla)
 KV_BLOCK = 512      # keys per step of the attention's online softmax
@@ -263,13 +263,30 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         if not k_attention.supported(qr[:, None], kv["k"], kv["v"], *scales, start):     # e.g. hd not a power of 2
             return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         kr = self.rope(self.rms_norm(k.reshape(s, hkv, hd), k_norm, eps), start, rope)
-        kv = jax.vmap(lambda c, k1, v1, p: self.kv_store(c, k1[None], v1[None], p))(
-            kv, kr, v.reshape(s, hkv, hd), start)
+        tiered = TIER_BASE in kv
+        base = kv[TIER_BASE] if tiered else jnp.zeros_like(start)
+        window = {n: kv[n] for n in KV_NAMES if n in kv}
+        rows = window["k"].shape[1]
+        # two tiers: the new key at start - base of the device window (an inactive row's scratch position at its
+        # last row, which strata/engine/kv_tiers.py keeps free of real positions)
+        at = jnp.minimum(start - base, rows - 1) if tiered else start
+        window = jax.vmap(lambda c, k1, v1, p: self.kv_store(c, k1[None], v1[None], p))(
+            window, kr, v.reshape(s, hkv, hd), at)
+        kv = {**kv, **window}
         # an inactive row attends to key 0 only (as the composition's): its output is discarded
-        pos = jnp.where(n_valid > 0, start, 0).astype(jnp.int32)
-        o = k_attention.decode_attention(qr[:, None], kv["k"], kv["v"], kv.get("k_scale"), kv.get("v_scale"), pos,
-                                         scale=hd ** -0.5,
-                                         interpret=self.interpret)[:, 0].reshape(s, hq * hd)
+        active = n_valid > 0
+        pos = jnp.where(active, start - base, 0).astype(jnp.int32)
+        args = (qr[:, None], window["k"], window["v"], window.get("k_scale"), window.get("v_scale"), pos)
+        if tiered:     # the host part read in place by the kernel (interpret mode reads device memory only)
+            host = [kv[n + HOST] if n in window else None for n in KV_NAMES]
+            if self.interpret:
+                host = [None if x is None else self.from_host_tier(x) for x in host]
+            n_host = jnp.where(active, base, 0).astype(jnp.int32)
+            o = k_attention.tiered_decode_attention(*args, *host, n_host, scale=hd ** -0.5,
+                                                    interpret=self.interpret)
+        else:
+            o = k_attention.decode_attention(*args, scale=hd ** -0.5, interpret=self.interpret)
+        o = o[:, 0].reshape(s, hq * hd)
         if gate is not None:
             o = o * self.sigmoid(gate)
         return o, kv
@@ -446,6 +463,36 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         kinds = {m.kind for m in self.device.addressable_memories()}
         usable = pinned_host_usable(self.device.platform, os.environ.get("XLA_FLAGS", ""))
         return self if "pinned_host" in kinds and usable else None
+
+    @property
+    def host_kv(self) -> "JaxBackend | None":
+        """The HostKV capability (strata/backend.py): this backend when its device has pinned host memory that
+        XLA's allocator lets it use (xla_flags), else None."""
+        kinds = {m.kind for m in self.device.addressable_memories()}
+        usable = pinned_host_usable(self.device.platform, os.environ.get("XLA_FLAGS", ""))
+        return self if "pinned_host" in kinds and usable else None
+
+    def host_zeros_like(self, tree):
+        """Zeros shaped like a host tree, in pinned host memory (one allocation per leaf). Copied from numpy zeros:
+        an array a jit makes there (out_shardings) is typed as device memory, and compiled functions then return
+        its updates to the device."""
+        pinned = jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host")
+        return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), pinned), tree)
+
+    @staticmethod
+    def from_host_tier(x):
+        return jax.device_put(x, jax.memory.Space.Device)
+
+    @staticmethod
+    def host_write(host, x, slot, start):
+        # one dynamic_update_slice on the whole (donated) host array: XLA writes it in place
+        x = jax.device_put(x.astype(host.dtype), jax.memory.Space.Host)[None]
+        return lax.dynamic_update_slice(host, x, (slot, start) + (0,) * (host.ndim - 2))
+
+    @staticmethod
+    def host_window(host, slot, start, n):
+        rows = lax.dynamic_slice(host, (slot, start) + (0,) * (host.ndim - 2), (1, n) + host.shape[2:])[0]
+        return jax.device_put(rows, jax.memory.Space.Device)
 
     def host_chunk(self, rows):
         """A host chunk: uint8 [n, nbytes] rows copied into pinned host memory (one allocation)."""

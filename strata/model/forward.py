@@ -6,8 +6,8 @@ Padded rows are harmless by construction: their keys land beyond the real ones (
 can see them), their delta-rule gates are zeroed (g = beta = 0 leaves the recurrent state unchanged), and the conv
 state is taken at n_valid.
 
-State per layer: FULL {"k", "v": [Cap, Hkv, hd]} (int8 KV: plus {"k_scale", "v_scale": [Cap, Hkv] fp32});
-LINEAR {"conv": [K-1, C], "ssm": [Hv, dk, dv] fp32}.
+State per layer: FULL {"k", "v": [Cap, Hkv, hd]} (int8 KV: plus {"k_scale", "v_scale": [Cap, Hkv] fp32}; two
+tiers: see kv_state); LINEAR {"conv": [K-1, C], "ssm": [Hv, dk, dv] fp32}.
 """
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ from typing import Callable
 
 import numpy as np
 
+from strata.backend import HOST, TIER_BASE
 from strata.model.config import LINEAR, ModelConfig
 from strata.model.params import is_sparse, projections
 
 
-def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None) -> list[dict]:
+def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None, resident: int = 0) -> list[dict]:
     """Fresh (empty) sequence state, on the host; the engine moves it to the device. kv_dtype: the attention
-    layers' cache (None: dtype; int8: with a float32 scale per token and KV head, see backend.quantize_kv)."""
+    layers' cache (None: dtype; int8: with a float32 scale per token and KV head, see backend.quantize_kv);
+    resident: the device window's rows of a two-tier cache (kv_state), 0 for one tier."""
     kv_dtype = np.dtype(dtype if kv_dtype is None else kv_dtype)
     state = []
     for kind in cfg.layer_types:
@@ -34,18 +36,27 @@ def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None) -> list[di
                                 np.float32),
             })
         else:
-            state.append(kv_state(cfg, capacity, kv_dtype))
+            state.append(kv_state(cfg, capacity, kv_dtype, resident))
     return state
 
 
-def kv_state(cfg: ModelConfig, capacity: int, kv_dtype) -> dict:
-    """An empty attention layer's cache (host): {"k", "v"} (int8: with their scales)."""
+def kv_state(cfg: ModelConfig, capacity: int, kv_dtype, resident: int = 0) -> dict:
+    """An empty attention layer's cache (host): {"k", "v"} (int8: with their scales). resident > 0: two tiers, the
+    device window of `resident` rows (positions base .. base + resident - 1), the host arrays "*_host" of
+    capacity + resident rows (position p at row p; the window is written back at base, so the extra rows keep that
+    in bounds) and "base" (int32 0-d)."""
     kv_dtype = np.dtype(kv_dtype)
-    shape = (capacity, cfg.num_kv_heads, cfg.head_dim)
-    layer = {"k": np.zeros(shape, kv_dtype), "v": np.zeros(shape, kv_dtype)}
-    if kv_dtype == np.int8:
-        layer.update(k_scale=np.zeros(shape[:2], np.float32), v_scale=np.zeros(shape[:2], np.float32))
-    return layer
+
+    def arrays(rows: int) -> dict:
+        shape = (rows, cfg.num_kv_heads, cfg.head_dim)
+        layer = {"k": np.zeros(shape, kv_dtype), "v": np.zeros(shape, kv_dtype)}
+        if kv_dtype == np.int8:
+            layer.update(k_scale=np.zeros(shape[:2], np.float32), v_scale=np.zeros(shape[:2], np.float32))
+        return layer
+    if not resident:
+        return arrays(capacity)
+    return {**arrays(resident), **{n + HOST: a for n, a in arrays(capacity + resident).items()},
+            TIER_BASE: np.zeros((), np.int32)}
 
 
 @dataclass(frozen=True)

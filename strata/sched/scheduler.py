@@ -220,6 +220,10 @@ class Scheduler:
                         "checkpoints": [c.pos for c in conv.checkpoints] if conv is not None else []})
             if self.drafts is not None:         # only with spec on: the shape is unchanged otherwise
                 out[-1].update(drafts=s.drafts, drafts_accepted=s.accepted)
+            if self.executor.capacity.kv_resident:    # only with a host tier for the KV (kv_resident)
+                length = s.pos if s.req is not None else out[-1]["conversation_tokens"]
+                host = min(self.executor.host_positions(s.id), length)
+                out[-1].update(kv_device_tokens=length - host, kv_host_tokens=host)
         return out
 
     def metrics(self) -> dict:

@@ -153,6 +153,10 @@ class _SchedulerCollector:
             ("expert_slots_repaired", "strata_expert_slots_repaired",
              "Device expert slots that failed their checksum and were rewritten from the host tier"),
             ("guard_rebuilds", "strata_guard_rebuilds", "Rebuilds of the expert device state after a storm of failures"),
+            ("kv_spills", "strata_kv_spills", "Moves of a slot's attention KV window that sent positions to host RAM"),
+            ("kv_positions_spilled", "strata_kv_positions_spilled", "Positions of attention KV sent to host RAM"),
+            ("kv_reloads", "strata_kv_reloads",
+             "Prompts that resumed below their slot's host part, whose window was read back from host RAM"),
         ):
             if (v := num(key)) is not None:
                 c = CounterMetricFamily(name, doc)
@@ -166,6 +170,9 @@ class _SchedulerCollector:
                                     "Host RAM held by checkpoints and parked conversations", value=v)
         if (v := num("conversations_parked_now")) is not None:
             yield GaugeMetricFamily("strata_conversations_parked_now", "Conversations parked in host RAM", value=v)
+        if (v := num("kv_host_positions")) is not None:
+            yield GaugeMetricFamily("strata_kv_host_positions", "Positions of attention KV in host RAM, all slots",
+                                    value=v)
         if (v := num("queue_depth")) is not None:
             yield GaugeMetricFamily("strata_queue_depth", "Requests waiting for a slot", value=v)
         if (v := num("tokens_per_s")) is not None:

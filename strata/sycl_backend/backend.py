@@ -145,6 +145,7 @@ class SyclBackend(ComposedOps):
     name = "sycl"
     eager = True
     host_fetch = None                    # no compiled windows: misses are copied into slots between layers
+    host_kv = None                       # no host tier for the attention KV (kv_resident is refused)
     reference = None                     # its kernels are its only ops (the numpy references are not a backend)
     joins_projections = False            # norm_linears / linears take several weights in one launch; a column slice
                                          # of a joined product is strided, which these kernels would copy first

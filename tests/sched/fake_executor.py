@@ -241,6 +241,9 @@ class FakeExecutor:
         self.calls.append(("save_kv", slot, tuple(self.kv[slot][:n])))
         return Saved(("kv", tuple(self.kv[slot][:n])), 10 * n, on_host=True, tokens=n)
 
+    def host_positions(self, slot: int) -> int:
+        return 0
+
     def load_kv(self, slot: int, saved: Saved) -> None:
         self._clean(slot, "loading a KV")
         kind, tokens = saved.data

@@ -1,0 +1,141 @@
+"""The attention KV's host tier (kv_resident) on the demo engine: conversations of about 2K tokens give the text of a
+cold engine that keeps every position on the device (unlimited, with the prompt cache: test_prompt_cache.py), with
+the device window at 64 and 256, on 1-3 parallel slots with prompt parts interleaved and lookahead on, the prompt
+cache resuming spilled conversations (on their slot and parked), with int8 KV and the Pallas kernels; a 64K prompt
+keeps the state's device bytes within the window; bad settings are refused naming what is allowed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_prompt_cache import converse
+
+from strata import Engine
+from strata.backend import HOST
+from strata.config import Settings
+from strata.engine.core import _kv_window, device_bytes
+from strata.engine.runner import WindowRunner
+from strata.errors import ConfigError
+from strata.plan import PromptPart, idle_plan
+
+pytestmark = pytest.mark.heavy
+
+CONTEXT, PREFILL = 4096, 32
+
+
+@pytest.fixture(scope="module")
+def cold():
+    return Engine.load("demo", max_context=CONTEXT, prefill=PREFILL)
+
+
+def tiered(resident, **kw):
+    return Engine.load("demo", max_context=CONTEXT, prefill=PREFILL, kv_resident=resident, **kw)
+
+
+@pytest.mark.parametrize("resident,parallel,together", [(64, 1, False), (256, 3, True)])
+def test_conversations_match_the_cold_engine(cold, resident, parallel, together):
+    """Two conversations of 4 turns (about 2K tokens each by the last): one after another on one slot (each turn
+    parks the other conversation and resumes its own), or together on 2-3 slots."""
+    e = tiered(resident)
+    sched, rows = converse(cold, 2, 4, parallel, user_words=230, max_tokens=24, together=together, cached_engine=e)
+    assert len(rows[-1][0]) > 1900, len(rows[-1][0])
+    m = sched.metrics()
+    assert m["prompt_cache_hits"] == 6
+    if resident:
+        assert m["kv_spills"] > 0 and m["kv_positions_spilled"] > 0
+        slots = sched.slots()
+        assert all(s["kv_device_tokens"] + s["kv_host_tokens"] == s["conversation_tokens"] for s in slots)
+        assert any(s["kv_host_tokens"] > 0 for s in slots)
+    if not together:
+        assert m["conversations_parked"] > 0 and m["conversations_resumed"] > 0
+
+
+@pytest.mark.parametrize("kw", [dict(kv="int8"), dict(kernels="pallas")], ids=["int8", "pallas"])
+def test_int8_and_the_kernels(kw):
+    """int8 KV (its scales spill with it), and the Pallas kernels (interpreted: decode rows read the host part
+    through the tiered decode kernel)."""
+    cold = Engine.load("demo", max_context=CONTEXT, prefill=PREFILL, **kw)
+    sched, rows = converse(cold, 1, 2, 1, user_words=120, max_tokens=16, cached_engine=tiered(64, **kw))
+    assert sched.metrics()["kv_spills"] > 0
+
+
+def test_a_guard_repair_keeps_positions_below_the_window():
+    """repair(keep=n) with n below the slot's host part: the window is read back first, and a part continued from n
+    gives the logits of the prompt read whole."""
+    e = tiered(64)
+    r = WindowRunner(e, 2, PREFILL)
+    toks = (np.arange(300) * 37 % 600).astype(np.int32)
+
+    def read(slot, start, tk):
+        out = None
+        for a in range(0, len(tk), PREFILL):
+            plan = replace_part(r, slot, start + a, tk[a:a + PREFILL])
+            out = r.run(plan).part_logprobs
+        return out
+    whole = read(0, 0, toks)
+    read(1, 0, toks)
+    assert r.tiers.base[1] > 100
+    snap = r.snapshot(1)
+    r.repair((1,), keep=(100,))
+    assert r.tiers.base[1] <= 100
+    r.restore(1, snap)           # (the snapshot is of position 300; only the KV before 100 is asked for below)
+    read(1, 0, toks[:100])       # the recurrent state rebuilt, then the rest continued from the kept KV
+    again = read(1, 100, toks[100:])
+    np.testing.assert_array_equal(again.top_ids, whole.top_ids)
+    np.testing.assert_allclose(again.top, whole.top, rtol=1e-5, atol=1e-5)
+
+
+def replace_part(r, slot, start, tokens):
+    from dataclasses import replace
+    return replace(idle_plan(r.n_slots), logprobs=np.zeros(r.n_slots, np.int32),
+                   part=PromptPart(slot=slot, tokens=np.asarray(tokens, np.int32), start=start, last=True))
+
+
+def test_a_long_conversation_keeps_the_device_bytes_within_the_window():
+    """A 64K-token prompt with kv_resident 4096: the runner's device state is that of a 4096-row window per slot
+    (the host arrays, in host memory, hold the rest), and the reply's tokens are the one-tier engine's."""
+    n, resident, prefill = 65536, 4096, 2048
+    kw = dict(max_context=n + 64, prefill=prefill)
+    prompt = (np.arange(n) * 7919 % 600).astype(np.int32)
+    out = {}
+    for name, e in (("tiered", Engine.load("demo", kv_resident=resident, **kw)), ("one", Engine.load("demo", **kw))):
+        r = WindowRunner(e, 1, prefill)
+        for a in range(0, n, prefill):
+            res = r.run(replace_part(r, 0, a, prompt[a:a + prefill]))
+        tokens, tok = [res.part_next], res.part_next
+        for i in range(8):
+            from dataclasses import replace
+            plan = replace(idle_plan(1), decode_active=np.ones(1, bool), decode_tokens=np.array([tok], np.int32),
+                           decode_pos=np.array([n + i], np.int32), steps=np.array([i], np.int32))
+            tok = int(r.run(plan).decode_next[0])
+            tokens.append(tok)
+        out[name] = tokens
+        if name == "tiered":
+            attn = [layer for layer in r.states if "base" in layer]
+            kv_device = sum(a.nbytes for layer in attn for k, a in layer.items() if not k.endswith(HOST))
+            row = sum(a.nbytes // a.shape[1] for layer in attn for k, a in layer.items()
+                      if a.ndim > 1 and not k.endswith(HOST))
+            assert kv_device <= resident * row + 4 * len(attn)          # the window's rows (+ the int32 bases)
+            assert all(a.sharding.memory_kind == "pinned_host" for layer in attn for k, a in layer.items()
+                       if k.endswith(HOST))
+            assert r.tiers.base[0] >= n - resident
+            assert device_bytes(e.init_state(tiers=True)) < device_bytes(e.init_state()) / 8
+    assert out["tiered"] == out["one"]
+
+
+def test_bad_settings_are_refused():
+    def window(**flat):
+        return _kv_window(Settings.build(**flat), Engine.load("demo", max_context=512, prefill=32).backend)
+    assert window(max_context=512, prefill=32) == 0
+    assert window(max_context=512, prefill=32, kv_resident=100) == 128
+    with pytest.raises(ConfigError, match="larger than max_context 512"):
+        window(max_context=512, prefill=32, kv_resident=1024)
+    with pytest.raises(ConfigError, match="smaller than a prompt part.*at least 65"):
+        window(max_context=512, prefill=64, kv_resident=64)
+    with pytest.raises(ConfigError, match="spec"):
+        window(max_context=512, prefill=32, kv_resident=128, spec=2)
+    with pytest.raises(ConfigError, match="kv_resident .* is not allowed"):
+        Settings.build(kv_resident=-1)
+    with pytest.raises(ConfigError, match="rope_scale .* is not allowed"):
+        Settings.build(rope_scale=0.5)
+    with pytest.raises(ConfigError, match="sycl backend has no host tier"):
+        Engine.load("demo", max_context=512, prefill=32, kv_resident=128, backend="sycl")
