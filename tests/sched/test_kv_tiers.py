@@ -5,6 +5,8 @@ cache resuming spilled conversations (on their slot and parked), with int8 KV an
 keeps the state's device bytes within the window; bad settings are refused naming what is allowed."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from test_prompt_cache import converse
@@ -85,41 +87,50 @@ def test_a_guard_repair_keeps_positions_below_the_window():
 
 
 def replace_part(r, slot, start, tokens):
-    from dataclasses import replace
     return replace(idle_plan(r.n_slots), logprobs=np.zeros(r.n_slots, np.int32),
                    part=PromptPart(slot=slot, tokens=np.asarray(tokens, np.int32), start=start, last=True))
+
+
+def generate(e, prompt, steps: int) -> tuple[list[int], WindowRunner]:
+    """prompt read in parts of the engine's prefill on slot 0 of a one-slot runner, then `steps` greedy tokens."""
+    part = e.settings.sched.prefill
+    r = WindowRunner(e, 1, part)
+    for a in range(0, len(prompt), part):
+        res = r.run(replace_part(r, 0, a, prompt[a:a + part]))
+    tokens = [res.part_next]
+    for i in range(steps):
+        plan = replace(idle_plan(1), decode_active=np.ones(1, bool), decode_tokens=np.array(tokens[-1:], np.int32),
+                       decode_pos=np.array([len(prompt) + i], np.int32), steps=np.array([i], np.int32))
+        tokens.append(int(r.run(plan).decode_next[0]))
+    return tokens, r
 
 
 def test_a_long_conversation_keeps_the_device_bytes_within_the_window():
     """A 64K-token prompt with kv_resident 4096: the runner's device state is that of a 4096-row window per slot
     (the host arrays, in host memory, hold the rest), and the reply's tokens are the one-tier engine's."""
-    n, resident, prefill = 65536, 4096, 2048
-    kw = dict(max_context=n + 64, prefill=prefill)
+    n, resident = 65536, 4096
+    kw = dict(max_context=n + 64, prefill=2048)
     prompt = (np.arange(n) * 7919 % 600).astype(np.int32)
-    out = {}
-    for name, e in (("tiered", Engine.load("demo", kv_resident=resident, **kw)), ("one", Engine.load("demo", **kw))):
-        r = WindowRunner(e, 1, prefill)
-        for a in range(0, n, prefill):
-            res = r.run(replace_part(r, 0, a, prompt[a:a + prefill]))
-        tokens, tok = [res.part_next], res.part_next
-        for i in range(8):
-            from dataclasses import replace
-            plan = replace(idle_plan(1), decode_active=np.ones(1, bool), decode_tokens=np.array([tok], np.int32),
-                           decode_pos=np.array([n + i], np.int32), steps=np.array([i], np.int32))
-            tok = int(r.run(plan).decode_next[0])
-            tokens.append(tok)
-        out[name] = tokens
-        if name == "tiered":
-            attn = [layer for layer in r.states if "base" in layer]
-            kv_device = sum(a.nbytes for layer in attn for k, a in layer.items() if not k.endswith(HOST))
-            row = sum(a.nbytes // a.shape[1] for layer in attn for k, a in layer.items()
-                      if a.ndim > 1 and not k.endswith(HOST))
-            assert kv_device <= resident * row + 4 * len(attn)          # the window's rows (+ the int32 bases)
-            assert all(a.sharding.memory_kind == "pinned_host" for layer in attn for k, a in layer.items()
-                       if k.endswith(HOST))
-            assert r.tiers.base[0] >= n - resident
-            assert device_bytes(e.init_state(tiers=True)) < device_bytes(e.init_state()) / 8
-    assert out["tiered"] == out["one"]
+    e = Engine.load("demo", kv_resident=resident, **kw)
+    got, r = generate(e, prompt, 8)
+    attn = [layer for layer in r.states if "base" in layer]
+    kv_device = sum(a.nbytes for layer in attn for k, a in layer.items() if not k.endswith(HOST))
+    row = sum(a.nbytes // a.shape[1] for layer in attn for k, a in layer.items() if a.ndim > 1 and not k.endswith(HOST))
+    assert kv_device <= resident * row + 4 * len(attn)          # the window's rows (+ the int32 bases)
+    assert all(a.sharding.memory_kind == "pinned_host" for layer in attn for k, a in layer.items() if k.endswith(HOST))
+    assert r.tiers.base[0] >= n - resident
+    assert device_bytes(e.init_state(tiers=True)) < device_bytes(e.init_state()) / 8
+    assert got == generate(Engine.load("demo", **kw), prompt, 8)[0]
+
+
+def test_the_layer_split_keeps_each_stages_tiers():
+    """Two stages on two CPU devices, each holding its own layers' windows and host arrays."""
+    prompt = (np.arange(400) * 31 % 600).astype(np.int32)
+    e = tiered(64, layer_split="2", say=lambda line: None)
+    assert e.split
+    got, r = generate(e, prompt, 24)
+    assert r.tiers.spills > 0
+    assert got == generate(Engine.load("demo", max_context=CONTEXT, prefill=PREFILL), prompt, 24)[0]
 
 
 def test_bad_settings_are_refused():
