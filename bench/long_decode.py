@@ -5,8 +5,8 @@
                                                                # default allocator: pinned host memory usable)
     python bench/long_decode.py --part decode --smoke          # either on a CPU in a minute (tiny shapes)
 
-decode: every expert resident, all KV on the device; windows dispatched ahead through the WindowRunner (the server's
-path) at position `context` for 1, 4 and 16 rows (the KV's content is whatever it holds: the split-K kernel reads
+decode: every expert resident, all KV on the device (or the newest kv_resident positions, the rest in pinned host
+RAM); windows dispatched ahead through the WindowRunner (the server's path) at position `context` for 1, 4 and 16 rows (the KV's content is whatever it holds: the split-K kernel reads
 the visible keys, timing does not depend on their values). Floor of a window: the weights it reads (dense, plus the
 distinct experts b rows route to, expected E (1 - (1 - k/E)^b) a layer) and each row's KV, over the measured HBM rate.
 tier: attention of b rows over H = context - resident host positions of one layer, three ways: the decode kernel
@@ -64,50 +64,93 @@ def decode_part(args, out: dict, save) -> None:
     params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
     n_moe = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
     store = SyntheticStore("int4", cfg.hidden_size, cfg.moe_intermediate_size, n_moe, cfg.num_experts)
+    if any(len(spec.split(":")) > 5 for spec in args.engines.split(";")):
+        out["pinned_h2d_bytes_per_s"] = pinned_rate()
+        say(f"pinned host -> device: {out['pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s")
     for spec in args.engines.split(";"):
-        kv, cap, par, contexts, batches = spec.split(":")
-        cap, par = int(cap), int(par)
+        kv, cap, par, contexts, batches, *resident = spec.split(":")
+        cap, par, resident = int(cap), int(par), int(resident[0]) if resident else 0
         contexts = [int(c) for c in contexts.split(",")]
         batches = [int(b) for b in batches.split(",")]
+        part = min(4096, resident // 2) if resident else 4096
         if args.smoke:
-            cap, contexts = 1024, [256, 1000]
+            cap, contexts, resident, part = 1024, [256, 1000], resident and 256, 64 if resident else 256
         t = time.perf_counter()
-        engine = Engine(cfg, params, backend, Settings.build(dtype="bfloat16", max_context=cap + 64, prefill=4096,
-                                                             parallel=par, kernels="auto", kv=kv))
+        engine = Engine(cfg, params, backend, Settings.build(dtype="bfloat16", max_context=cap + 64, prefill=part,
+                                                             parallel=par, kernels="auto", kv=kv,
+                                                             kv_resident=resident))
         engine.attach_experts(store, say=lambda line: None)
         free = backend.free_memory_bytes()
-        say(f"engine kv {kv}, {par} slots x {cap + 64} positions: built in {time.perf_counter() - t:.1f} s"
-            + (f", {free / 2**30:.1f} GiB free" if free is not None else ""))
+        say(f"engine kv {kv}, {par} slots x {cap + 64} positions" + (f", {resident} on the device" if resident else "")
+            + f": built in {time.perf_counter() - t:.1f} s" + (f", {free / 2**30:.1f} GiB free" if free is not None
+                                                               else ""))
+        tag = f"{kv}" + (f"_kv{resident}" if resident else "")
         for ctx in contexts:
             for b in batches:
-                key = f"{kv}_{ctx}_b{b}"
+                key = f"{tag}_{ctx}_b{b}"
                 s, host = measure_batched(engine, b, ctx, args.windows, ahead=True)
                 gc.collect()                    # the runner's slot states (its KV: up to ~50 GB) before the next
-                f = window_floor(cfg, params, store.layout.nbytes, engine.kv_dtype, b, ctx)
+                # with a host tier, the first window's move keeps half the window on the device (KvTiers.fit_slot)
+                on_host = max(0, ctx - engine.kv_resident // 2) if resident else 0
+                f = window_floor(cfg, params, store.layout.nbytes, engine.kv_dtype, b, ctx - on_host)
                 floor_s = (f["weights_bytes"] + f["kv_bytes"]) / out["hbm_bytes_per_s"]
-                out["runs"][key] = {"kv": kv, "context": ctx, "batch": b, "s_per_window": s,
-                                    "tok_s": b / s, "host_s": list(host), **f, "floor_s": floor_s,
-                                    "fraction_of_floor": floor_s / s}
-                say(f"{key}: {1000 * s:.2f} ms a window ({b / s:.1f} tok/s), floor {1000 * floor_s:.2f} ms "
-                    f"({floor_s / s:.0%})")
+                row = {"kv": kv, "context": ctx, "batch": b, "s_per_window": s, "tok_s": b / s,
+                       "host_s": list(host), **f, "floor_s": floor_s, "fraction_of_floor": floor_s / s}
+                if resident:
+                    host_kv = window_floor(cfg, params, store.layout.nbytes, engine.kv_dtype, b, on_host)["kv_bytes"]
+                    copy_s = host_kv / out["pinned_h2d_bytes_per_s"]
+                    row.update(kv_resident=resident, host_positions=on_host, host_kv_bytes=host_kv,
+                               copy_floor_s=copy_s, fraction_of_copy_floor=copy_s / s,
+                               fraction_of_floor=(floor_s + copy_s) / s)
+                out["runs"][key] = row
+                say(f"{key}: {1000 * s:.2f} ms a window ({b / s:.1f} tok/s), floor {1000 * floor_s:.2f} ms"
+                    + (f" + host part {1000 * row['copy_floor_s']:.2f} ms ({on_host} positions)" if resident else "")
+                    + f" ({row['fraction_of_floor']:.0%})")
                 save()
         if args.prompt and kv == args.prompt_kv:
             n = min(args.prompt, cap - 64) if not args.smoke else 512
-            ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n).tolist()
-            seq = engine.sequence()
-            t = time.perf_counter()
-            seq.read(ids[:4096], part_size=4096)                # compiles the part (timed apart)
-            compile_s = time.perf_counter() - t
-            seq = engine.sequence()
-            t = time.perf_counter()
-            seq.read(ids, part_size=4096 if not args.smoke else 256)
-            s = time.perf_counter() - t
-            out["prompt"] = {"kv": kv, "tokens": n, "s": s, "tok_s": n / s, "first_part_with_compile_s": compile_s}
-            say(f"prompt of {n} tokens (kv {kv}): {s:.1f} s, {n / s:.0f} tok/s")
+            out.setdefault("prompts", {})[tag] = read_prompt(engine, cfg, n, part)
             save()
-            del seq
         del engine
         gc.collect()
+
+
+def pinned_rate() -> float:
+    """Bytes a second of one 1 GiB copy from pinned host memory to the device (the host tier's copy rate)."""
+    import jax
+    dev = jax.devices()[0]
+    gpu = dev.platform == "gpu"
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    big = jax.device_put(np.zeros(1 << (30 if gpu else 24), np.uint8), pinned)
+    on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    return big.size / timed(lambda: jax.block_until_ready(jax.device_put(big, on_device)), 3)
+
+
+def read_prompt(engine, cfg, n: int, part: int) -> dict:
+    """A prompt of n tokens read in parts of `part` on one slot of a WindowRunner (the server's path; with a host
+    tier, the window moves as it fills); the first part (its compilation) is timed apart."""
+    from dataclasses import replace
+
+    from strata.engine.runner import WindowRunner
+    from strata.plan import PromptPart, idle_plan
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n).astype(np.int32)
+    runner = WindowRunner(engine, 1, part)
+    run = lambda a: runner.run(replace(idle_plan(1), part=PromptPart(  # noqa: E731
+        slot=0, tokens=ids[a:a + part], start=a, last=a + part >= n)))
+    t = time.perf_counter()
+    run(0)
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for a in range(0, n, part):
+        run(a)
+    s = time.perf_counter() - t
+    out = {"tokens": n, "part": part, "s": s, "tok_s": n / s, "first_part_with_compile_s": compile_s,
+           "kv_resident": engine.kv_resident}
+    if runner.tiers is not None:
+        out.update(kv_spills=runner.tiers.spills, host_positions=int(runner.tiers.base[0]))
+    say(f"prompt of {n} tokens in parts of {part}" + (f", {engine.kv_resident} on the device" if engine.kv_resident
+                                                       else "") + f": {s:.1f} s, {n / s:.0f} tok/s")
+    return out
 
 
 def cpu_attention(q, k, v, scale: float, threads: int) -> np.ndarray:
@@ -253,7 +296,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("decode", "tier"), required=True)
     ap.add_argument("--engines", default="bfloat16:131072:16:32768,131072:1,4,16;int8:262144:16:131072,262144:1,4,16",
-                    help="decode: ';'-separated kv:capacity:slots:contexts:batches, one engine each")
+                    help="decode: ';'-separated kv:capacity:slots:contexts:batches[:kv_resident], one engine each "
+                         "(any kv_resident: XLA's default command-buffer mode, which leaves pinned host memory usable)")
     ap.add_argument("--windows", type=int, default=12)
     ap.add_argument("--prompt", type=int, default=0, help="decode: also read a prompt of this many tokens")
     ap.add_argument("--prompt-kv", default="bfloat16")
@@ -265,7 +309,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.part == "decode":
+    if args.part == "decode" and not any(len(e.split(":")) > 5 for e in args.engines.split(";")):
         print(results_file.server_xla_flags(), flush=True)      # before the first JAX call (stamp's)
     out = {"bench": f"long_decode_{args.part}", **results_file.stamp(), "args": vars(args)}
     name = f"long_decode_{args.part}" + ("_smoke" if args.smoke else "")
