@@ -80,6 +80,9 @@ KEYS = (
         (Source("long_decode_decode", ("runs", "bfloat16_131072_b1", "tok_s")),)),
     Key("long_decode_tok_s_b16_128k", "decode, batch 16, 128K context each, all KV on the GPU (bf16)", "tok/s",
         (Source("long_decode_decode", ("runs", "bfloat16_131072_b16", "tok_s")),)),
+    Key("long_decode_tok_s_b1_128k_kv16k", "decode, batch 1, 128K context, 16K of it on the GPU and the rest in "
+        "pinned host RAM (bf16)", "tok/s", (Source("long_decode_decode", ("runs", "bfloat16_kv16384_131072_b1",
+                                                                         "tok_s")),)),
     Key("followup_ttft_ms_64k", "time to first token of a follow-up turn on a 64K conversation", "ms",
         (Source("followup_ttft", ("ttft_ms_64k",)),)),
     # speculative decoding (bench/spec_speed.py at real shapes, 4 drafts + 1, random weights)

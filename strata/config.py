@@ -151,9 +151,10 @@ class ModelSettings(_Group):
                 f"an integer in [0, {MAX_CONTEXT_LIMIT}] (0: every position on the device)"),
         "Tokens of attention KV each slot keeps on the device: 0 keeps every position there; N gives each slot a "
         "device window of N positions (rounded up to 64; more than a prompt part's padded size) and moves older "
-        "positions to host RAM as the window fills (pinned on a GPU, where the decode kernel reads them in place; "
-        "needs command_buffer_update = xla_default); attention covers both parts. For contexts longer than the "
-        "device's memory allows; jax backend only, not yet with spec.")
+        "positions to host RAM as the window fills (pinned on a GPU, where the decode kernel reads them in place: "
+        "the server then runs XLA's default command-buffer mode, whose allocator leaves pinned memory usable); "
+        "attention covers both parts. For contexts longer than the device's memory allows; jax backend only, not "
+        "yet with spec.")
     rope_scaling: str = setting(
         "auto", _choice("auto", "none", "linear", "dynamic", "yarn"),
         "RoPE scaling, to serve contexts past the model's max_position_embeddings: auto is what the checkpoint's "
@@ -373,7 +374,8 @@ class BackendSettings(_Group):
         "jax on an NVIDIA GPU: how XLA updates a window's command buffer (CUDA graph). skip_temp keeps its temporaries "
         "at fixed addresses (XLA's VMM allocator), so windows dispatched ahead run at the device's pace; set where the "
         "installed jaxlib knows the mode, unless XLA_FLAGS names one. That allocator leaves no pinned host memory, so "
-        "window fetch is off under it: a GPU that offloads experts should set xla_default (XLA's own mode).")
+        "window fetch is off under it: a GPU that offloads experts should set xla_default (XLA's own mode), which "
+        "kv_resident implies.")
     kernels: str = setting(
         "auto", _choice("auto", "xla", "pallas"),
         "The jax backend's kernels: auto (on a GPU, the Pallas kernels that measured faster than XLA; plain XLA on a "

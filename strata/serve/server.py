@@ -125,7 +125,10 @@ def load_model(config: Settings, ready_hooks: list | None = None) -> tuple:
         log.info(note)
     if config.backend.backend in ("jax", "auto"):          # before JAX makes its GPU client
         from strata.jax_backend.xla_flags import command_buffer_update
-        log.info(command_buffer_update(config.backend.command_buffer_update))
+        # the KV's host tier needs pinned host memory, which skip_temp's allocator leaves none of
+        mode = "xla_default" if config.model.kv_resident else config.backend.command_buffer_update
+        log.info(command_buffer_update(mode) + (" (kv_resident needs pinned host memory)" if mode !=
+                                                config.backend.command_buffer_update else ""))
     backend = resolve_backend(config.backend.backend)      # "auto" imports JAX to look
     check_device(config)
     if config.serve.compile_cache:
