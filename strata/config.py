@@ -153,8 +153,8 @@ class ModelSettings(_Group):
         "device window of N positions (rounded up to 64; more than a prompt part's padded size) and moves older "
         "positions to host RAM as the window fills (pinned on a GPU, where the decode kernel reads them in place: "
         "the server then runs XLA's default command-buffer mode, whose allocator leaves pinned memory usable); "
-        "attention covers both parts. For contexts longer than the device's memory allows; jax backend only, not "
-        "yet with spec.")
+        "attention covers both parts. For contexts longer than the device's memory allows; jax backend only (the "
+        "MTP head's own KV, with spec, stays on the device).")
     rope_scaling: str = setting(
         "auto", _choice("auto", "none", "linear", "dynamic", "yarn"),
         "RoPE scaling, to serve contexts past the model's max_position_embeddings: auto is what the checkpoint's "

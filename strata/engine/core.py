@@ -587,9 +587,6 @@ def _kv_window(settings: Settings, ops) -> int:
         raise ConfigError(f"kv_resident {n} is smaller than a prompt part: parts are padded to {part} tokens (prefill "
                           f"{settings.sched.prefill}) and the device window holds one beside a scratch row; set "
                           f"kv_resident to at least {part + 1}, or lower prefill")
-    if settings.sched.spec:
-        raise ConfigError("kv_resident is not supported with spec (speculative decoding) yet: set spec = 0, or "
-                          "kv_resident = 0")
     if ops.host_kv is None:
         why = ("XLA's allocator under command_buffer_update = skip_temp leaves no pinned host memory: set "
                "command_buffer_update = xla_default" if ops.name == "jax" else

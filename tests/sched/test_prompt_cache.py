@@ -34,10 +34,11 @@ def engine():
     return Engine.load("demo", max_context=4096, prefill=64)
 
 
-def scheduler(engine, parallel, every=64, lookahead=True, ram_gib=1.0):
+def scheduler(engine, parallel, every=64, lookahead=True, ram_gib=1.0, drafts=None):
     return Scheduler(WindowRunner(engine, parallel, engine.settings.sched.prefill), tokenizer=engine.tokenizer,
                      eos_token_ids=engine.eos_token_ids, max_context=engine.settings.model.max_context,
-                     queue_limit=16, lookahead=lookahead, checkpoint_every=every, checkpoint_ram_gib=ram_gib)
+                     queue_limit=16, lookahead=lookahead, checkpoint_every=every, checkpoint_ram_gib=ram_gib,
+                     drafts=drafts)
 
 
 def text(seed: int, words: int) -> str:
@@ -69,11 +70,11 @@ def stored(sched, prompt) -> tuple:
 
 
 def converse(engine, n_convs, turns, parallel, *, every=64, user_words=40, max_tokens=24, lookahead=True,
-             together=True, ram_gib=1.0, cached_engine=None):
+             together=True, ram_gib=1.0, cached_engine=None, drafts=None):
     """n_convs conversations of `turns` turns each, turns of the conversations sent together (or one after
     another) -> (the cached scheduler, [(prompt, reused, tokens the conversation shared before)]). cached_engine:
-    the cached scheduler's engine (default engine, the cold one's)."""
-    cached = scheduler(cached_engine or engine, parallel, every, lookahead, ram_gib)
+    the cached scheduler's engine (default engine, the cold one's); drafts: its DraftPolicy (spec)."""
+    cached = scheduler(cached_engine or engine, parallel, every, lookahead, ram_gib, drafts)
     cold = scheduler(engine, parallel, every, lookahead)
     rows = []
 
