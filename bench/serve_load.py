@@ -1,5 +1,6 @@
 """N concurrent streaming clients against a Strata server: time to first token, per-client and aggregate tokens/s,
-p50/p99 inter-token latency, and the scheduler's own overhead per window (from /metrics: window wall time minus the
+p50/p99 inter-token latency (over the whole load, and while every client streams: no prompt being read), and the
+scheduler's own overhead per window (from /metrics: window wall time minus the
 device calls inside it).
 
     python bench/serve_load.py --clients 1,2,4,8                      # starts `strata serve` on the demo model
@@ -67,7 +68,30 @@ async def one_client(client: httpx.AsyncClient, base: str, i: int, tokens: int, 
     gaps = np.diff(stamps) * 1000 if len(stamps) > 1 else np.array([])
     # text events can carry several tokens (the server merges what is waiting): rates count tokens from usage
     return {"ttft_ms": (stamps[0] - t0) * 1000 if stamps else None, "tokens": generated, "seconds": t1 - t0,
-            "tok_s": (generated - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0, "gaps_ms": gaps}
+            "tok_s": (generated - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0, "gaps_ms": gaps,
+            "stamps": np.asarray(stamps)}
+
+
+def steady(runs: list) -> dict:
+    """While every client streams (from the last first text event to the first last one): tokens/s in all (each
+    client's events in the span, times its tokens per event) and the p50/p99 gaps between text events there."""
+    live = [r for r in runs if len(r["stamps"]) > 1]
+    if len(live) < len(runs) or not live:
+        return {}
+    lo, hi = max(r["stamps"][0] for r in live), min(r["stamps"][-1] for r in live)
+    if hi <= lo:
+        return {}
+    tokens, gaps = 0.0, []
+    for r in live:
+        st = r["stamps"]
+        per_event = (r["tokens"] - 1) / (len(st) - 1)
+        inside = (st > lo) & (st <= hi)
+        tokens += per_event * int(inside.sum())
+        gaps.append(np.diff(st[(st >= lo) & (st <= hi)]) * 1000)
+    gaps = np.concatenate(gaps)
+    return {"steady_seconds": hi - lo, "steady_tok_s": tokens / (hi - lo),
+            "steady_inter_event_ms_p50": float(np.percentile(gaps, 50)) if gaps.size else None,
+            "steady_inter_event_ms_p99": float(np.percentile(gaps, 99)) if gaps.size else None}
 
 
 async def load(base: str, n: int, tokens: int, prompt_words: int) -> dict:
@@ -94,6 +118,7 @@ async def load(base: str, n: int, tokens: int, prompt_words: int) -> dict:
         "window_seconds": window, "device_seconds": device,
         **{f"{part}_seconds": v for part, v in parts.items()},
         "scheduler_overhead_fraction": (1 - device / window) if window and device is not None else None,
+        **steady(runs),
     }
 
 
@@ -139,20 +164,24 @@ def main() -> int:
             out = {"bench": "serve_load", **stamp, "model": args.model, "max_tokens": args.tokens,
                    "serve_args": args.serve_args, "results": results,
                    **{f"aggregate_tok_s_{r['clients']}_clients": r["aggregate_tok_s"] for r in results},
-                   **{f"inter_event_ms_p99_{r['clients']}": r["inter_event_ms_p99"] for r in results}}
+                   **{f"inter_event_ms_p99_{r['clients']}": r["inter_event_ms_p99"] for r in results},
+                   **{f"steady_tok_s_{r['clients']}_clients": r.get("steady_tok_s") for r in results},
+                   **{f"steady_inter_event_ms_p99_{r['clients']}": r.get("steady_inter_event_ms_p99")
+                      for r in results}}
             platform = stamp["machine"].split(":")[0]
             results_file.write(out, args.out, f"serve_load_{args.model.replace(':', '_')}_{platform}")
     finally:
         if proc:
             proc.terminate()
             proc.wait(30)
-    print("| clients | TTFT ms | per-client tok/s | aggregate tok/s | inter-event p50 ms | p99 ms | sched overhead "
-          "| plan / apply / handoff |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| clients | TTFT ms | per-client tok/s | aggregate tok/s | inter-event p50 ms | p99 ms | all streaming: "
+          "tok/s, p99 ms | sched overhead | plan / apply / handoff |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ov = r["scheduler_overhead_fraction"]
+        both = (f"{r['steady_tok_s']:.1f}, {r['steady_inter_event_ms_p99']:.1f}" if r.get("steady_tok_s") else "")
         print(f"| {r['clients']} | {r['ttft_ms_median']:.0f} | {r['per_client_tok_s_median']:.1f} | "
-              f"{r['aggregate_tok_s']:.1f} | {r['inter_event_ms_p50']:.1f} | {r['inter_event_ms_p99']:.1f} | "
+              f"{r['aggregate_tok_s']:.1f} | {r['inter_event_ms_p50']:.1f} | {r['inter_event_ms_p99']:.1f} | {both} | "
               f"{'' if ov is None else f'{100 * ov:.1f}%'} | "
               + " / ".join("" if r[f"{p}_seconds"] is None or not r["window_seconds"] else
                            f"{100 * r[f'{p}_seconds'] / r['window_seconds']:.1f}%" for p in ("plan", "apply", "handoff"))

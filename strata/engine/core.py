@@ -19,7 +19,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from strata.backend import HOST, get_backend
+from strata.backend import HOST, TIER_BASE, get_backend
 from strata.builtin import builtin_dir, is_builtin, is_random
 from strata.config import AUTO_CONTEXT_CAP, KV_DTYPES, Settings, bucket_for
 from strata.errors import ConfigError, StrataError
@@ -324,7 +324,20 @@ class Engine:
                           resident=self.kv_resident if tiers else 0)
 
     def work_bytes(self) -> int:
-        return _work_bytes(self.cfg, self.settings.sched.prefill, self.settings.model.max_context)
+        """Working buffers: the largest prompt part's activations, and with a host tier the one layer's KV a part
+        stages on the device (its slot's host part with the window over it)."""
+        staged = 0
+        if self.kv_resident:
+            layer = next(x for x in self.init_state(tiers=True) if TIER_BASE in x)
+            staged = sum(a.nbytes for k, a in layer.items() if k.endswith(HOST))
+        return _work_bytes(self.cfg, self.settings.sched.prefill, self.settings.model.max_context) + staged
+
+    def host_kv_bytes(self, slots: int) -> int:
+        """Pinned host RAM the KV's host tier takes for `slots` slots (0 without one)."""
+        if not self.kv_resident:
+            return 0
+        return slots * sum(a.nbytes for layer in self.init_state(tiers=True) for k, a in layer.items()
+                           if k.endswith(HOST))
 
     # --- sequences
     def sequence(self) -> "Sequence":

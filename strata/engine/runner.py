@@ -12,6 +12,7 @@ token (merged on the device). Shaped plans sample by Shaping.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -22,6 +23,7 @@ from strata.backend import HOST, TIER_BASE
 from strata.config import PART_BUCKETS, bucket_for
 from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
 from strata.engine.kv_tiers import KvTiers
+from strata.errors import ConfigError
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
 from strata.experts.path import PathKind
@@ -44,6 +46,8 @@ class WindowRunner:
         one = engine.init_state(tiers=True)
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
         # per layer {name: [S, ...]}, each stage's layers on its device; init_state is zeros
+        if engine.kv_resident:
+            _check_host_ram(engine.host_kv_bytes(n_slots), engine.kv_resident, n_slots)
         self.states = engine.zeros_state(bank)
         self.scratch_pos = engine.capacity - 1
         self.windows = 0
@@ -932,6 +936,20 @@ def _cache_metrics(x) -> dict:
                 expert_cpu_routes=st.cpu_routes, expert_cpu_seconds=st.cpu_seconds, expert_loans=st.loans,
                 expert_swaps=st.swaps, expert_slots_resident=x.cache.n_resident, expert_peer_routes=st.peer_routes,
                 expert_peer_seconds=st.peer_seconds)
+
+
+def _check_host_ram(nbytes: int, resident: int, slots: int) -> None:
+    """The KV host tier's pinned RAM against what the machine has free: logged, or refused naming what to lower."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):             # not reported here: nothing to check against
+        free = None
+    line = (f"strata plan: KV host tier: {slots} slots x {nbytes / slots / 2**30:.2f} GiB of pinned host RAM "
+            f"({resident} positions a slot on the device)")
+    if free is not None and nbytes > free:
+        raise ConfigError(f"{line} needs {nbytes / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB of RAM is free: "
+                          f"lower max_context or parallel (or kv = int8)")
+    log.info(line + (f"; {free / 2**30:.1f} GiB free" if free is not None else ""))
 
 
 def _clear_slot(ops, states, slot):

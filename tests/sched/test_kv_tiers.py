@@ -16,7 +16,7 @@ from strata import Engine
 from strata.backend import HOST
 from strata.config import Settings
 from strata.engine.core import _kv_window, device_bytes
-from strata.engine.runner import WindowRunner
+from strata.engine.runner import WindowRunner, _check_host_ram
 from strata.errors import ConfigError
 from strata.plan import PromptPart, idle_plan
 from strata.sched.drafts import DraftPolicy
@@ -158,5 +158,7 @@ def test_bad_settings_are_refused():
         Settings.build(kv_resident=-1)
     with pytest.raises(ConfigError, match="rope_scale .* is not allowed"):
         Settings.build(rope_scale=0.5)
+    with pytest.raises(ConfigError, match="only .* GiB of RAM is free: lower max_context or parallel"):
+        _check_host_ram(1 << 60, 64, 2)
     with pytest.raises(ConfigError, match="sycl backend has no host tier"):
         Engine.load("demo", max_context=512, prefill=32, kv_resident=128, backend="sycl")
