@@ -23,9 +23,9 @@ from strata.backend import HOST, TIER_BASE
 from strata.config import PART_BUCKETS, bucket_for
 from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
 from strata.engine.kv_tiers import KvTiers
-from strata.errors import ConfigError
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
+from strata.errors import ConfigError
 from strata.experts.path import PathKind
 from strata.model.config import LINEAR
 from strata.model.forward import finite_rows, forward, forward_hidden, head, row_positions
@@ -40,14 +40,14 @@ class WindowRunner:
             raise ValueError(f"part size {part_size} exceeds the engine's prefill {engine.settings.sched.prefill}")
         self.engine, self.n_slots, self.part_size = engine, n_slots, part_size
         self.capacity = Capacity(slots=n_slots, part_size=part_size, max_context=engine.settings.model.max_context,
-                                 part_sizes=tuple(self.buckets()), stages=len(engine.stages))
+                                 part_sizes=tuple(self.buckets()), stages=len(engine.stages),
+                                 kv_resident=engine.kv_resident)
         ops = engine.backend
-        self.capacity = replace(self.capacity, kv_resident=engine.kv_resident)
+        if engine.kv_resident:
+            _check_host_ram(engine.host_kv_bytes(n_slots), engine.kv_resident, n_slots)
         one = engine.init_state(tiers=True)
         bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
         # per layer {name: [S, ...]}, each stage's layers on its device; init_state is zeros
-        if engine.kv_resident:
-            _check_host_ram(engine.host_kv_bytes(n_slots), engine.kv_resident, n_slots)
         self.states = engine.zeros_state(bank)
         self.scratch_pos = engine.capacity - 1
         self.windows = 0
@@ -311,7 +311,7 @@ class WindowRunner:
         t = time.perf_counter()
         for i, n in zip(slots, keep or (0,) * len(slots)):
             if n:
-                if self.tiers is not None:          # the kept positions' window end inside the device window
+                if self.tiers is not None:          # the window moved to start at or below n (positions n.. cleared)
                     self.tiers.fit_slot(i, n, n + 1)
                 self.each_stage(lambda st, states: self._clear_after[st.index](states, np.int32(i), np.int32(n)))
             else:
@@ -938,18 +938,18 @@ def _cache_metrics(x) -> dict:
                 expert_peer_seconds=st.peer_seconds)
 
 
-def _check_host_ram(nbytes: int, resident: int, slots: int) -> None:
-    """The KV host tier's pinned RAM against what the machine has free: logged, or refused naming what to lower."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):             # not reported here: nothing to check against
-        free = None
+def _check_host_ram(nbytes: int, resident: int, slots: int, free: int | None = None) -> None:
+    """The KV host tier's pinned RAM against the RAM the machine has available (free: that figure; None: the
+    kernel's MemAvailable, when it reports one): logged, or refused naming what to lower."""
+    if free is None and os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     line = (f"strata plan: KV host tier: {slots} slots x {nbytes / slots / 2**30:.2f} GiB of pinned host RAM "
             f"({resident} positions a slot on the device)")
     if free is not None and nbytes > free:
-        raise ConfigError(f"{line} needs {nbytes / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB of RAM is free: "
-                          f"lower max_context or parallel (or kv = int8)")
-    log.info(line + (f"; {free / 2**30:.1f} GiB free" if free is not None else ""))
+        raise ConfigError(f"{line} needs {nbytes / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB of RAM is "
+                          f"available: lower max_context or parallel (or kv = int8)")
+    log.info(line + (f"; {free / 2**30:.1f} GiB available" if free is not None else ""))
 
 
 def _clear_slot(ops, states, slot):
