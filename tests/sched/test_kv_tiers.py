@@ -135,6 +135,28 @@ def test_a_long_conversation_keeps_the_device_bytes_within_the_window():
     assert got == generate(Engine.load("demo", **kw), prompt, 8)[0]
 
 
+def test_a_parts_copies_take_its_tiers():
+    """A prompt whose last part is copied to a second slot (n = 2): both slots decode the one-tier engine's tokens
+    from the copied window and host rows."""
+    def run(e):
+        r = WindowRunner(e, 2, PREFILL)
+        toks = (np.arange(200) * 37 % 600).astype(np.int32)
+        for a in range(0, len(toks), PREFILL):
+            last = a + PREFILL >= len(toks)
+            res = r.run(replace(idle_plan(2), part=PromptPart(slot=0, tokens=toks[a:a + PREFILL], start=a, last=last,
+                                                              copies=(1,) if last else ())))
+        rows, out = [res.part_next, int(res.copies_next[0])], []
+        for i in range(24):
+            plan = replace(idle_plan(2), decode_active=np.ones(2, bool), decode_tokens=np.array(rows, np.int32),
+                           decode_pos=np.full(2, len(toks) + i, np.int32), steps=np.full(2, i + 1, np.int32))
+            rows = r.run(plan).decode_next.tolist()
+            out.append(rows)
+        return out, r
+    got, r = run(tiered(64))
+    assert r.tiers.base[1] == r.tiers.base[0] > 0
+    assert got == run(Engine.load("demo", max_context=CONTEXT, prefill=PREFILL))[0]
+
+
 def test_the_layer_split_keeps_each_stages_tiers():
     """Two stages on two CPU devices, each holding its own layers' windows and host arrays."""
     prompt = (np.arange(400) * 31 % 600).astype(np.int32)
