@@ -112,8 +112,3 @@ class KvTiers:
     def copied(self, src: int, dst: int) -> None:
         """Slot dst's state became a copy of slot src's (a part's copies, n > 1)."""
         self.base[dst] = self.base[src]
-
-    def tokens(self, slot: int, length: int) -> tuple[int, int]:
-        """(device, host) positions of a slot whose sequence has `length` of them."""
-        b = int(min(self.base[slot], length))
-        return length - b, b

@@ -24,7 +24,8 @@ KV_BLOCKS_IN_FLIGHT = 4
 
 
 def take_slot(ops, states, slot, layers):
-    """Slot `slot`'s rows of the given layers of a bank: [{name: [...]}] (each a fresh array on the device)."""
+    """Slot `slot`'s rows of the given layers of a bank: [{name: [...]}] (each a fresh array on the device; a
+    two-tier KV's host rows stay in host memory, where adding a device constant is refused)."""
     return [{k: ops.take_row(v, slot) if k.endswith(HOST) else ops.take_row(v, slot) + 0
              for k, v in states[i].items()} for i in layers]
 

@@ -78,38 +78,35 @@ def test_a_guard_repair_keeps_positions_below_the_window():
     e = tiered(64)
     r = WindowRunner(e, 2, PREFILL)
     toks = (np.arange(300) * 37 % 600).astype(np.int32)
-
-    def read(slot, start, tk):
-        out = None
-        for a in range(0, len(tk), PREFILL):
-            plan = replace_part(r, slot, start + a, tk[a:a + PREFILL])
-            out = r.run(plan).part_logprobs
-        return out
-    whole = read(0, 0, toks)
-    read(1, 0, toks)
+    whole = read(r, 0, 0, toks).part_logprobs
+    read(r, 1, 0, toks)
     assert r.tiers.base[1] > 100
     snap = r.snapshot(1)
     r.repair((1,), keep=(100,))
     assert r.tiers.base[1] <= 100
     r.restore(1, snap)           # (the snapshot is of position 300; only the KV before 100 is asked for below)
-    read(1, 0, toks[:100])       # the recurrent state rebuilt, then the rest continued from the kept KV
-    again = read(1, 100, toks[100:])
+    read(r, 1, 0, toks[:100])    # the recurrent state rebuilt, then the rest continued from the kept KV
+    again = read(r, 1, 100, toks[100:]).part_logprobs
     np.testing.assert_array_equal(again.top_ids, whole.top_ids)
     np.testing.assert_allclose(again.top, whole.top, rtol=1e-5, atol=1e-5)
 
 
-def replace_part(r, slot, start, tokens):
-    return replace(idle_plan(r.n_slots), logprobs=np.zeros(r.n_slots, np.int32),
-                   part=PromptPart(slot=slot, tokens=np.asarray(tokens, np.int32), start=start, last=True))
+def read(r, slot: int, start: int, tokens, copies: tuple = ()):
+    """tokens read into a runner's slot from position start, in parts of its part size (the last part copied to
+    `copies`) -> the last part's WindowResult (with logprobs)."""
+    size = r.part_size
+    for a in range(0, len(tokens), size):
+        last = a + size >= len(tokens)
+        res = r.run(replace(idle_plan(r.n_slots), logprobs=np.zeros(r.n_slots, np.int32), part=PromptPart(
+            slot=slot, tokens=np.asarray(tokens[a:a + size], np.int32), start=start + a, last=True,
+            copies=copies if last else ())))
+    return res
 
 
 def generate(e, prompt, steps: int) -> tuple[list[int], WindowRunner]:
     """prompt read in parts of the engine's prefill on slot 0 of a one-slot runner, then `steps` greedy tokens."""
-    part = e.settings.sched.prefill
-    r = WindowRunner(e, 1, part)
-    for a in range(0, len(prompt), part):
-        res = r.run(replace_part(r, 0, a, prompt[a:a + part]))
-    tokens = [res.part_next]
+    r = WindowRunner(e, 1, e.settings.sched.prefill)
+    tokens = [read(r, 0, 0, prompt).part_next]
     for i in range(steps):
         plan = replace(idle_plan(1), decode_active=np.ones(1, bool), decode_tokens=np.array(tokens[-1:], np.int32),
                        decode_pos=np.array([len(prompt) + i], np.int32), steps=np.array([i], np.int32))
@@ -141,10 +138,7 @@ def test_a_parts_copies_take_its_tiers():
     def run(e):
         r = WindowRunner(e, 2, PREFILL)
         toks = (np.arange(200) * 37 % 600).astype(np.int32)
-        for a in range(0, len(toks), PREFILL):
-            last = a + PREFILL >= len(toks)
-            res = r.run(replace(idle_plan(2), part=PromptPart(slot=0, tokens=toks[a:a + PREFILL], start=a, last=last,
-                                                              copies=(1,) if last else ())))
+        res = read(r, 0, 0, toks, copies=(1,))
         rows, out = [res.part_next, int(res.copies_next[0])], []
         for i in range(24):
             plan = replace(idle_plan(2), decode_active=np.ones(2, bool), decode_tokens=np.array(rows, np.int32),
