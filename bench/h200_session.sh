@@ -22,7 +22,7 @@
 #   bash bench/h200_session.sh routes48  # engine48 with decode_expert_max_routes 320 (16 and 32 rows through the
 #                                        # decode expert kernel, not the grouped one): a comparison run
 #   bash bench/h200_session.sh serve     # bench/serve_load.py: `strata serve --model random:qwen3-next-80b-a3b`
-#                                        # (48 layers, int4), 1, 4 and 16 streaming clients of 64 tokens
+#                                        # (48 layers, int4), 1, 4 and 16 streaming clients of 256 tokens (TOKENS)
 #   bash bench/h200_session.sh spec      # bench/spec_speed.py at 48 layers, int4: verify 4+1 (and 1+1, 2+1 at batch 1)
 #                                        # against 1-token windows at batch 1, 4, 16; the JSON rewritten as it goes
 #   bash bench/h200_session.sh spec-probe  # prompt_probe --verify 4: a verify window's kernels by part of the layer
@@ -114,7 +114,7 @@ case "${1:-}" in
               # without their dependencies into .pylib)
     python3 -m pip install -q --no-deps --no-index --target .pylib .wheels/*.whl && export PYTHONPATH="$PWD/.pylib"
     # prefill 64 and short prompts: each prompt-part bucket compiles for ~20 s at 48 layers, and warm-up compiles all
-    timeout 560 python3 bench/serve_load.py --model random:qwen3-next-80b-a3b --clients 1,4,16 --tokens 64 \
+    timeout 560 python3 bench/serve_load.py --model random:qwen3-next-80b-a3b --clients 1,4,16 --tokens "${TOKENS:-256}" \
       --prompt-words 8 --serve-args "--max-context 4096 --prefill 64" --server-log "$OUT/serve_server.log" \
       --out "$OUT/serve_load_h200_random_80b.json" 2>&1 | grep -vE "^INFO|^\s*$" | tail -40
     ;;
