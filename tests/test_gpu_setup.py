@@ -108,3 +108,15 @@ def test_the_planner_gets_the_drivers_free_memory_when_the_allocator_says_nothin
     assert ops.free_memory_bytes() is None                 # the CPU says nothing
     ops.device = SilentGpu()
     assert ops.free_memory_bytes(driver=Driver(7 << 30, 141 << 30)) == 7 << 30
+
+
+def test_the_kv_host_tier_runs_xlas_default_command_buffer_mode():
+    """kv_resident needs pinned host memory, which skip_temp's allocator leaves none of: the server sets XLA's default
+    mode for it and says why; without it the configured mode stands."""
+    from strata.config import Settings
+    from strata.serve.server import command_buffer_mode
+    assert command_buffer_mode(Settings.build()) == ("skip_temp", "")
+    assert command_buffer_mode(Settings.build(kv_resident=4096)) == ("xla_default",
+                                                                     " (kv_resident needs pinned host memory)")
+    assert command_buffer_mode(Settings.build(kv_resident=4096, command_buffer_update="xla_default")) == \
+        ("xla_default", "")

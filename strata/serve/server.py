@@ -114,6 +114,14 @@ def check_device(config: Settings) -> None:
                           f"lists the devices)") from None
 
 
+def command_buffer_mode(config: Settings) -> tuple[str, str]:
+    """The command-buffer update mode the server sets, and why when it is not the configured one: the KV's host
+    tier (kv_resident) needs pinned host memory, which skip_temp's allocator leaves none of."""
+    if config.model.kv_resident and config.backend.command_buffer_update != "xla_default":
+        return "xla_default", " (kv_resident needs pinned host memory)"
+    return config.backend.command_buffer_update, ""
+
+
 def load_model(config: Settings, ready_hooks: list | None = None) -> tuple:
     """Load the model and build its scheduler: -> (engine, scheduler), for the app's lifespan (here, and in each
     Ray Serve engine replica). ready_hooks gets the compile cache's report, to call once the warm-up is done."""
@@ -125,10 +133,8 @@ def load_model(config: Settings, ready_hooks: list | None = None) -> tuple:
         log.info(note)
     if config.backend.backend in ("jax", "auto"):          # before JAX makes its GPU client
         from strata.jax_backend.xla_flags import command_buffer_update
-        # the KV's host tier needs pinned host memory, which skip_temp's allocator leaves none of
-        mode = "xla_default" if config.model.kv_resident else config.backend.command_buffer_update
-        log.info(command_buffer_update(mode) + (" (kv_resident needs pinned host memory)" if mode !=
-                                                config.backend.command_buffer_update else ""))
+        mode, why = command_buffer_mode(config)
+        log.info(command_buffer_update(mode) + why)
     backend = resolve_backend(config.backend.backend)      # "auto" imports JAX to look
     check_device(config)
     if config.serve.compile_cache:
