@@ -79,7 +79,7 @@ def h2d_rate(nbytes: int, n: int = 64) -> dict:
 
 
 def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: float | None, max_context: int,
-          prefill: int, adapt_swaps: int, window_fetch: bool):
+          prefill: int, adapt_swaps: int, window_fetch: bool, stream_parts: bool = True):
     import jax.numpy as jnp
     import ml_dtypes
 
@@ -103,7 +103,7 @@ def build(cfg_overrides: dict, cache_slots: int | None, cache_gib: float, skew: 
     slots = cache_slots or int(cache_gib * GIB // store.layout.nbytes)
     opts = Settings.build(dtype="bfloat16", max_context=max_context, prefill=prefill, parallel=4,
                           expert_cache=min(slots, 48 * cfg.num_experts), adapt_swaps=adapt_swaps,
-                          window_fetch=window_fetch)
+                          window_fetch=window_fetch, stream_parts=stream_parts)
     engine = Engine(cfg, params, ops, opts)
     lines = []
     engine.attach_experts(store, say=lines.append)
@@ -180,8 +180,10 @@ def prompt_run(engine, n: int) -> dict:
     t = time.perf_counter()
     engine.sequence().read(ids, part_size=engine.settings.sched.prefill)
     dt = time.perf_counter() - t
+    engine.experts.moe.settle()                  # streamed parts' routing counts (hits and misses)
     st = cache.stats.as_dict()
     return {"tokens": n, "seconds": dt, "tok_s": n / dt, "bytes_copied": st["bytes_copied"] - st0["bytes_copied"],
+            "layers_streamed": st["streamed_layers"] - st0["streamed_layers"],
             "copy_bytes_per_s": (st["bytes_copied"] - st0["bytes_copied"]) / dt,
             "hit_rate": (st["hits"] - st0["hits"]) / max(st["hits"] - st0["hits"] + st["misses"] - st0["misses"], 1)}
 
@@ -201,13 +203,17 @@ def main() -> int:
     ap.add_argument("--layer-by-layer", action="store_true",
                     help="decode windows layer by layer, misses copied between layers (window_fetch off)")
     ap.add_argument("--batches", default="1,4", help="decode batch sizes to time")
+    ap.add_argument("--no-stream-parts", action="store_true",
+                    help="prompt parts copy only their misses into borrowed slots (stream_parts off)")
     ap.add_argument("--one-by-one", action="store_true",
                     help="read each decode window before dispatching the next (the server's --no-lookahead)")
     ap.add_argument("--trace", action="store_true",
                     help="after each decode run, profile one more window and print where its time went")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    print(results_file.server_xla_flags(), flush=True)          # before the first JAX call (stamp's)
+    # before the first JAX call (stamp's); XLA's own allocator, as the offloading configs set it: the host mirror's
+    # pinned chunks need it (docs/operations.md)
+    print(results_file.server_xla_flags("xla_default"), flush=True)
     stamp = results_file.stamp()
     over, slots, prompts, prefill = {}, None, [int(x) for x in args.prompts.split(",") if x], 4096
     if args.smoke:
@@ -219,8 +225,11 @@ def main() -> int:
               "path": ("XLA-only expert op; " + (
                   "layers run one at a time, misses copied into slots between them" if args.layer_by_layer else
                   "decode windows compiled whole, each layer's misses copied from pinned host chunks by the device "
-                  "(window_fetch); prompt parts layer by layer through borrowed slots")),
-              "cache_gib": args.cache_gib, "window_fetch": not args.layer_by_layer, "runs": {}}
+                  "(window_fetch); prompt parts layer by layer, " + (
+                      "misses through borrowed slots" if args.no_stream_parts else
+                      "each layer's experts copied whole while the layer before computes (stream_parts)"))),
+              "cache_gib": args.cache_gib, "window_fetch": not args.layer_by_layer,
+              "stream_parts": not args.no_stream_parts, "runs": {}}
     if not args.smoke:
         result.update(h2d_rate(1 << 20 | (620 << 10)))
     for name, skew in (("uniform", None), ("skewed", args.skew_bias), ("resident", None)):
@@ -230,7 +239,8 @@ def main() -> int:
         # "resident": every expert in the device cache (one compiled window, nothing copied): the compute floor
         n_slots = 48 * (32 if args.smoke else QWEN3_NEXT_80B["num_experts"]) if name == "resident" else slots
         engine, store, hot, lines = build(over, n_slots, args.cache_gib, skew, max(prompts, default=0) + 256, prefill,
-                                          adapt_swaps=64, window_fetch=not args.layer_by_layer)
+                                          adapt_swaps=64, window_fetch=not args.layer_by_layer,
+                                          stream_parts=not args.no_stream_parts)
         for line in lines:
             print(line, flush=True)
         run = {"build_s": time.perf_counter() - t, "slots": engine.experts.cache.n_slots,
@@ -256,6 +266,7 @@ def main() -> int:
                 print(f"{name}: prompt {n} tokens {r['tok_s']:.0f} tok/s, {r['copy_bytes_per_s'] / 1e9:.1f} GB/s "
                       f"copied, hit rate {100 * r['hit_rate']:.1f}%", flush=True)
         result["runs"][name] = run
+        results_file.write(result, args.out, "offload_speed_partial")      # what a cut-off call keeps
         del engine
         gc.collect()                      # the mirror's pinned chunks go before the next run pins its own
     rate = result.get("bound_rate_bytes_per_s")
@@ -265,6 +276,9 @@ def main() -> int:
                 per_token = r["bytes_copied_per_window"] / r["rows"]
                 r["copy_bound_tok_s"] = rate / per_token if per_token else None
                 r["fraction_of_copy_bound"] = r["tok_s"] / r["copy_bound_tok_s"] if per_token else None
+            for r in run["prompt"].values():        # the bound of a prompt: its bytes copied at the best rate
+                r["copy_bound_tok_s"] = rate * r["tokens"] / r["bytes_copied"] if r["bytes_copied"] else None
+                r["fraction_of_copy_bound"] = r["tok_s"] / r["copy_bound_tok_s"] if r["bytes_copied"] else None
         print(f"\nhost->device, pinned: {result['h2d_bytes_per_s_pinned_one_buffer'] / 1e9:.1f} GB/s in one 1 GiB "
               f"buffer, {result['h2d_bytes_per_s_pinned_expert_buffers'] / 1e9:.1f} GB/s in expert-sized buffers, "
               f"{result['h2d_bytes_per_s_compiled_chunk_copies'] / 1e9:.1f} GB/s as a window copies them; pageable: "
@@ -278,6 +292,11 @@ def main() -> int:
                 print(f"| {name} | {b} | {r['tok_s']:.1f} | {100 * r['hit_rate']:.1f}% | "
                       f"{r['copy_bytes_per_s'] / 1e9:.1f} | {bound:.1f} | {100 * r['fraction_of_copy_bound']:.0f}% |"
                       if bound else f"| {name} | {b} | {r['tok_s']:.1f} | {100 * r['hit_rate']:.1f}% | 0 | - | - |")
+            for n, r in run["prompt"].items():
+                if r["copy_bound_tok_s"]:
+                    print(f"| {name} | prompt {n} | {r['tok_s']:.0f} | {100 * r['hit_rate']:.1f}% | "
+                          f"{r['copy_bytes_per_s'] / 1e9:.1f} | {r['copy_bound_tok_s']:.0f} | "
+                          f"{100 * r['fraction_of_copy_bound']:.0f}% |")
     name = "offload_speed_smoke" if args.smoke else "offload_speed_h200_int4"
     path = results_file.write(result, args.out, name + ("_layer_by_layer" if args.layer_by_layer else ""))
     if not args.smoke and path.parent == summary.RESULTS:

@@ -27,12 +27,13 @@ def commit() -> str:
         return "unknown"
 
 
-def server_xla_flags() -> str:
-    """The XLA flags the server sets by default (its command_buffer_update), applied before JAX starts: an engine
-    bench measures the server's path, not XLA's defaults. Returns the line to log."""
+def server_xla_flags(mode: str | None = None) -> str:
+    """The XLA flags the server sets (its command_buffer_update: the default, or `mode` as a config file sets it),
+    applied before JAX starts: an engine bench measures the server's path, not XLA's defaults. Returns the line to
+    log."""
     from strata.config import Settings
     from strata.jax_backend.xla_flags import command_buffer_update
-    return command_buffer_update(Settings().backend.command_buffer_update)
+    return command_buffer_update(mode or Settings().backend.command_buffer_update)
 
 
 def stamp() -> dict:

@@ -131,6 +131,8 @@ class HostFetch(Protocol):
     def pool_fill(self, pool: Array, slots, chunks, bounds, rows) -> Array: ...   # pool rows from chunk rows
     def experts_fetch(self, x: Array, ids: Array, weight: Array, valid: Array, pool: Array, table_row: Array,
                       chunks: list, starts: tuple, layout) -> tuple[Array, Array]: ...  # -> (y [T, H], copied)
+    def stage_layer(self, chunks: list) -> Array: ...   # chunks copied whole to the device, end to end; returns at once
+    def wait(self, x: Array) -> None: ...               # until x is computed
 
 
 class HostKV(Protocol):

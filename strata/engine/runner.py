@@ -179,8 +179,9 @@ class WindowRunner:
             self.collect(w)
             self.collect(w_next)
         for x in self.expert_sets():              # the warm-up's routes are not traffic: counters start at zero
+            x.moe.settle()
             st = x.cache.stats
-            st.hits = st.misses = st.cpu_routes = st.window_copies = 0
+            st.hits = st.misses = st.cpu_routes = st.window_copies = st.streamed_layers = 0
         return time.perf_counter() - t
 
     def window_args(self, plan: WindowPlan) -> tuple:
@@ -930,8 +931,9 @@ def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, sta
 
 def _cache_metrics(x) -> dict:
     """One ExpertSet's counters, as /metrics names them."""
+    x.moe.settle()
     st = x.cache.stats
-    return dict(expert_hits=st.hits, expert_misses=st.misses, expert_fills=st.fills,
+    return dict(expert_layers_streamed=st.streamed_layers, expert_hits=st.hits, expert_misses=st.misses, expert_fills=st.fills,
                 expert_bytes_copied=st.bytes_copied, expert_copy_seconds=st.copy_seconds,
                 expert_cpu_routes=st.cpu_routes, expert_cpu_seconds=st.cpu_seconds, expert_loans=st.loans,
                 expert_swaps=st.swaps, expert_slots_resident=x.cache.n_resident, expert_peer_routes=st.peer_routes,

@@ -58,6 +58,7 @@ class CacheStats:
     misses: int = 0               # routes whose expert was not
     fills: int = 0                # experts written into slots (misses fetched, refills, swaps)
     window_copies: int = 0        # misses a decode window copied from pinned host memory by itself (not kept)
+    streamed_layers: int = 0      # MoE layers a prompt part copied whole (stream_parts)
     loans: int = 0                # slots lent to prompt parts
     bytes_copied: int = 0         # host -> device
     copy_seconds: float = 0.0

@@ -45,6 +45,9 @@ class MoeRunner:
         self.staging = cache.reserve(staging, "staging") if (not borrow and staging) else []
         self.borrow_limit = max(1, cache.n_slots // 2)
         self._op = compiled(("experts_pool", layout), lambda: ops.compile(partial(_op, ops, layout, n_experts)))
+        self.streamed_op = compiled(("experts_streamed", layout),
+                                    lambda: ops.compile(partial(_streamed, ops, layout, n_experts)))
+        self.pending_counts: list = []      # (MoE layer, routing counts [E] on the device) of streamed parts
         self.cpu_ops = cpu_ops
         self._cpu_op = cpu_ops.compile(partial(_cpu_op, cpu_ops, layout, n_experts)) if cpu_ops is not None else None
         self.peer_ops = peer_ops
@@ -201,6 +204,16 @@ class MoeRunner:
         c = self.cpu_ops
         return np.asarray(c.to_host(self._cpu_op(*c.to_device((np.asarray(h), s, np.asarray(w), blobs)))))
 
+    def settle(self) -> None:
+        """Record streamed parts' routing counts (strata/experts/stream.py), read back after their parts ran."""
+        pending, self.pending_counts = self.pending_counts, []
+        for p, counts in pending:
+            c = np.asarray(self.ops.to_host(counts)).astype(np.int64)
+            self.cache.observe(p, c)
+            hits = int(c[self.cache.table_row(p) >= 0].sum())
+            self.cache.stats.hits += hits
+            self.cache.stats.misses += int(c.sum()) - hits
+
     # --- every device pass
     def _run(self, h, slots, w, p: int, ids):
         """One pass of the expert op: route (t, j) reads slot slots[t, j] (-1: not in this pass) as expert
@@ -224,3 +237,12 @@ def _op(ops, layout, n_experts, h, slots, w, pool):
 def _cpu_op(ops, layout, n_experts, h, slots, w, blobs):
     """The misses' pass on the CPU: w as the host gave it (the device passes cast it to h's dtype)."""
     return ops.experts_pool(h, slots, w, blobs, layout, n_experts)
+
+
+def _streamed(ops, layout, n_experts, h, idx, w, n_valid, staged):
+    """A prompt part's routed experts over one MoE layer's experts staged whole (expert e at row e) -> (y [T, H],
+    routing counts [E] of the real rows)."""
+    valid = ops.valid_mask(h.shape[0], n_valid)
+    slots = ops.xp.where(valid[:, None], idx, -1).astype("int32")
+    return ops.experts_pool(h, slots, w.astype(h.dtype), staged, layout, n_experts), ops.route_counts(idx, valid,
+                                                                                                      n_experts)

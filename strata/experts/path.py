@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strata.experts.stream import PartStream
+
 
 class PathKind(enum.Enum):
     RESIDENT = "resident"
@@ -41,11 +43,13 @@ class ExpertPath:
     empty: object = None                   # a one-byte pool for a model without routed experts
     helped: bool = False                   # a peer device computes a share of prompt parts' experts (so parts run
                                            # layer by layer: a compiled part cannot reach another device)
+    streams_parts: bool = False            # prompt parts copy whole layers of experts (strata/experts/stream.py)
 
     @staticmethod
-    def choose(ops, experts, k: int, options, helped: bool = False) -> "ExpertPath":
+    def choose(ops, experts, k: int, options, helped: bool = False, streams: bool = False) -> "ExpertPath":
         """The path for `experts` (an ExpertSet) under `options` (the expert settings); helped: prefill_help's
-        peer computes a share of prompt parts' experts."""
+        peer computes a share of prompt parts' experts; streams: the memory plan made room for parts to stream
+        whole layers (stream_parts)."""
         if experts.cache.all_resident():
             kind = PathKind.RESIDENT
         elif options.miss_policy == "cpu":
@@ -54,7 +58,8 @@ class ExpertPath:
             kind = PathKind.WINDOW_FETCH
         else:
             kind = PathKind.STEPPED
-        return ExpertPath(kind, ops, experts.cache.n_experts, k, experts, helped=helped)
+        streams = streams and kind is not PathKind.RESIDENT and experts.window_chunks is not None and not helped
+        return ExpertPath(kind, ops, experts.cache.n_experts, k, experts, helped=helped, streams_parts=streams)
 
     @staticmethod
     def no_experts(ops) -> "ExpertPath":
@@ -106,8 +111,11 @@ class ExpertPath:
 
     # --- layer by layer
     def on_host(self, valid: np.ndarray, part: bool, owner: str = "part"):
-        """experts(p, h, w, idx) between host-driven layers (strata/experts/moe.py): valid [T] bool on the host."""
+        """experts(p, h, w, idx) between host-driven layers (strata/experts/moe.py): valid [T] bool on the host. A
+        part whose routes outnumber a layer's experts streams whole layers when the path does (stream.py)."""
         moe = self.experts.moe
+        if part and self.streams_parts and int(valid.sum()) * self.k >= self.n_experts:
+            return PartStream(moe, [chunks for chunks, _ in self.experts.window_chunks], valid)
 
         def resolved(p, h, w, idx):
             return moe.compute(p, h, w, idx, valid, part=part, owner=owner)

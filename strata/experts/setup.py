@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strata.errors import ConfigError
 from strata.experts.cache import ExpertCache
 from strata.experts.moe import MoeRunner
 from strata.experts.path import ExpertPath, fetch_possible
@@ -76,9 +77,10 @@ class ExpertSet:
         return {"pool": c.pool, "table": self._table_dev[1]}
 
     def end_window(self, window: int) -> None:
-        """Between windows: decay the routing counts, refill slots freed by loans, and every adapt_every windows
-        swap up to adapt_swaps experts."""
+        """Between windows: record streamed parts' routing counts, decay the counts, refill slots freed by loans,
+        and every adapt_every windows swap up to adapt_swaps experts."""
         c = self.cache
+        self.moe.settle()
         c.end_window()
         if c.all_resident():
             return
@@ -102,11 +104,24 @@ def build_experts(ops, cfg, store, settings, state_bytes: int, work_bytes: int, 
     if fetching:
         # a window-fetch decode window's staging rows: k experts for each of the runner's rows
         work_bytes += settings.sched.parallel * cfg.num_experts_per_tok * slot_bytes
-    plan = plan_memory(ops.free_memory_bytes(), slot_bytes=slot_bytes, total_experts=total,
-                       state_bytes=state_bytes, work_bytes=work_bytes, expert_cache=opts.expert_cache,
-                       vram_reserve_mib=opts.vram_reserve_mib, staging=staging,
-                       min_slots=cfg.num_experts_per_tok, host_budget_bytes=budget, stream=opts.stream_experts,
-                       device=str(ops.device))
+
+    def planned(work: int) -> MemoryPlan:
+        return plan_memory(ops.free_memory_bytes(), slot_bytes=slot_bytes, total_experts=total,
+                           state_bytes=state_bytes, work_bytes=work, expert_cache=opts.expert_cache,
+                           vram_reserve_mib=opts.vram_reserve_mib, staging=staging,
+                           min_slots=cfg.num_experts_per_tok, host_budget_bytes=budget, stream=opts.stream_experts,
+                           device=str(ops.device))
+    # prompt parts that stream whole layers hold two layers' experts on the device (strata/experts/stream.py),
+    # taken from the cache where they fit beside its minimum; else parts copy their misses into borrowed slots
+    plan, streams = None, False
+    if fetching and opts.stream_parts:
+        try:
+            plan = planned(work_bytes + 2 * store.n_experts * slot_bytes)
+            streams = plan.slots < total and plan.mirrored == total
+        except ConfigError:
+            plan = None
+    if not streams:
+        plan = planned(work_bytes)
     for line in plan.lines():
         say(line)
     priority = None
@@ -131,11 +146,22 @@ def build_experts(ops, cfg, store, settings, state_bytes: int, work_bytes: int, 
         raise RuntimeError(f"slot {bad[0]} does not match the pack after it was filled: the copy to the device is "
                            f"broken (checksum mismatch)")
     experts = ExpertSet(store.layout, cache, moe, plan, store, mirror, opts.adapt_every, opts.adapt_swaps)
-    path = ExpertPath.choose(ops, experts, cfg.num_experts_per_tok, opts, helped=peer_ops is not None)
+    path = ExpertPath.choose(ops, experts, cfg.num_experts_per_tok, opts, helped=peer_ops is not None,
+                             streams=streams)
     say(f"strata experts: {placed} of {total} experts placed in the cache "
         f"({'by profile' if priority is not None else 'in order'}), slot 0 verified; misses: {path.describe()}; "
-        f"prompt parts {'borrow cache slots' if opts.prefill_borrow else f'use {plan.staging} staging slots'}")
+        f"prompt parts {_parts(path, opts, plan, cfg)}")
     return path
+
+
+def _parts(path: ExpertPath, opts, plan: MemoryPlan, cfg) -> str:
+    """How prompt parts get the experts they miss, for the start-up line."""
+    small = "borrow cache slots" if opts.prefill_borrow else f"use {plan.staging} staging slots"
+    if not path.streams_parts:
+        return small
+    fewest = -(-cfg.num_experts // cfg.num_experts_per_tok)
+    return (f"copy each layer's experts whole, the next layer's while one computes (parts under {fewest} tokens "
+            f"{small})")
 
 
 def _order(priority, n_layers: int, n_experts: int):

@@ -498,6 +498,18 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         """A host chunk: uint8 [n, nbytes] rows copied into pinned host memory (one allocation)."""
         return jax.device_put(rows, jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host"))
 
+    def stage_layer(self, chunks):
+        """Host chunks (pinned) copied whole to the device, laid end to end -> uint8 [sum of rows, nbytes]. Returns
+        at once: a transfer from pinned memory runs on the copy engine beside the computations queued after it
+        (one queued before it delays its start: docs/performance.md, offload prefetch)."""
+        on_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
+        parts = [jax.device_put(c, on_device) for c in chunks]
+        return parts[0] if len(parts) == 1 else _concat_rows(parts)
+
+    @staticmethod
+    def wait(x):
+        jax.block_until_ready(x)
+
     def pool_fill(self, pool, slots, chunks, bounds, rows):
         """pool with rows `slots` [m] replaced by host-chunk rows, copied by the device (one copy per expert):
         entries bounds[c] .. bounds[c+1]-1 come from chunks[c], at rows `rows` [m]. The old pool is donated.
@@ -607,6 +619,11 @@ def _pool_fill(pool, chunks, bounds, slots, rows, copy_rows):
 def _host_rows(chunk, rows, copy_rows):
     out = jnp.zeros((rows.shape[0], chunk.shape[1]), jnp.uint8)
     return copy_rows(out, chunk, rows, jnp.int32(0), jnp.int32(rows.shape[0]))
+
+
+@jax.jit
+def _concat_rows(parts):
+    return jnp.concatenate(parts)
 
 
 @jax.jit

@@ -128,6 +128,8 @@ class _SchedulerCollector:
             ("expert_cpu_routes", "strata_expert_cpu_routes", "Routes computed on the CPU"),
             ("expert_cpu_seconds", "strata_expert_cpu_seconds", "Time spent computing experts on the CPU"),
             ("expert_loans", "strata_expert_loans", "Device slots lent to prompt parts"),
+            ("expert_layers_streamed", "strata_expert_layers_streamed",
+             "MoE layers whose experts a prompt part copied whole (stream_parts)"),
             ("expert_peer_routes", "strata_expert_peer_routes",
              "Prompt parts' routes computed on a peer device (prefill_help)"),
             ("expert_swaps", "strata_expert_swaps", "Adaptive expert swaps between windows"),

@@ -31,6 +31,7 @@ def _arrangements(total: int, layers: int):
     half = total // 2
     return {
         "half": dict(expert_cache=half),
+        "half, misses borrow": dict(expert_cache=half, stream_parts=False),
         "layer-by-layer": dict(expert_cache=half, window_fetch=False),
         "two-per-layer": dict(expert_cache=2 * layers),
         "cpu-misses": dict(expert_cache=half, miss_policy="cpu"),
@@ -76,7 +77,11 @@ def test_checkpoint_arrangements_match_all_resident(model, tiny64):
         # decode misses: copied by the compiled window itself, unless it is off or misses run on the CPU
         fetching = opts.get("window_fetch", True) and opts.get("miss_policy", "fetch") == "fetch"
         assert (e.path.kind is PathKind.WINDOW_FETCH) == fetching and (st.window_copies > 0) == fetching, name
+        # prompt parts: whole layers streamed where every expert is in pinned chunks (window fetch), else their
+        # misses through borrowed (or reserved) slots
+        assert e.path.streams_parts == (fetching and opts.get("stream_parts", True)), name
+        assert (st.streamed_layers > 0) == e.path.streams_parts, name
         if opts.get("prefill_borrow") is False:
             assert st.loans == 3                       # only the staging slots, reserved once
-        else:
-            assert st.loans > 0
+        elif not e.path.streams_parts:
+            assert st.loans > 0, name                  # (streaming, a last part too small to stream may borrow)

@@ -57,7 +57,7 @@ def _free_for(slots: int, reserve_mib: int = 0) -> int:
 @pytest.mark.parametrize("slots,reserve", [(10, 0), (24, 1), (40, 2)])
 def test_the_plan_fits_the_device_it_printed_and_allocates_what_it_printed(slots, reserve):
     ops = FixedMemoryDevice(_free_for(slots, reserve))
-    e, lines = _engine_on(ops, vram_reserve_mib=reserve)
+    e, lines = _engine_on(ops, vram_reserve_mib=reserve, stream_parts=False)
     plan = e.experts.plan
     assert plan.slots == slots
     assert plan.planned_bytes + plan.reserve_bytes <= plan.free_bytes            # never beyond the budget
@@ -65,6 +65,15 @@ def test_the_plan_fits_the_device_it_printed_and_allocates_what_it_printed(slots
     assert f"expert cache {slots} slots" in lines[1] and f"reserve {reserve} MiB" in lines[0]
     ids = list(range(3, 20))
     assert e.generate(ids, 4) == Engine.load("demo", max_context=256, say=lambda line: None).generate(ids, 4)
+
+
+def test_streamed_parts_take_two_layers_from_the_cache_where_they_fit():
+    """Prompt parts that stream whole layers (stream_parts) hold two layers' experts on the device: the plan takes
+    them from the cache; where they do not fit beside its minimum, parts copy their misses instead."""
+    e, _ = _engine_on(FixedMemoryDevice(_free_for(40)))
+    assert e.path.streams_parts and e.experts.cache.n_slots == 40 - 2 * e.cfg.num_experts
+    small, _ = _engine_on(FixedMemoryDevice(_free_for(10)))
+    assert not small.path.streams_parts and small.experts.cache.n_slots == 10
 
 
 def test_each_device_is_sized_from_its_own_figure():

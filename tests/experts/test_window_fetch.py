@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from lowerings import lowered
 from strata import Engine
@@ -47,10 +48,14 @@ def _drive(runner: WindowRunner, vocab: int) -> list[np.ndarray]:
     return out
 
 
-def test_runner_tokens_equal_all_resident_and_nothing_compiles_under_load():
+@pytest.mark.parametrize("stream_parts", [True, False])
+def test_runner_tokens_equal_all_resident_and_nothing_compiles_under_load(stream_parts):
+    """Prompt parts stream whole layers (stream_parts), or borrow slots for their misses: the same tokens."""
     ref = Engine.load("demo", max_context=256, prefill=PART, say=lambda line: None)
-    e = Engine.load("demo", max_context=256, prefill=PART, expert_cache=8, debug_slots=True, say=lambda line: None)
+    e = Engine.load("demo", max_context=256, prefill=PART, expert_cache=8, debug_slots=True,
+                    stream_parts=stream_parts, say=lambda line: None)
     assert ref.path.kind is PathKind.RESIDENT and e.path.kind is PathKind.WINDOW_FETCH
+    assert e.path.streams_parts is stream_parts
     want = _drive(WindowRunner(ref, SLOTS, PART), ref.cfg.vocab_size)
 
     runner = WindowRunner(e, SLOTS, PART)
@@ -59,16 +64,21 @@ def test_runner_tokens_equal_all_resident_and_nothing_compiles_under_load():
         got = _drive(runner, e.cfg.vocab_size)
     assert compiled == [], f"{len(compiled)} functions were compiled under load, after warm-up"
     assert all(np.array_equal(a, b) for a, b in zip(got, want)) and len(got) == len(want), "tokens differ"
+    e.experts.moe.settle()
     st = e.experts.cache.stats
-    assert st.window_copies > 0 and st.loans > 0, st.as_dict()         # both paths ran
+    assert st.window_copies > 0, st.as_dict()
+    # every part's routes outnumber the demo's experts: streamed, the cache lends no slot; else parts borrow
+    assert (st.streamed_layers > 0 and st.loans == 0) if stream_parts else (st.loans > 0 and st.streamed_layers == 0)
     assert e.experts.moe.uses_checked > 0 and e.experts.cache.verify() == []
 
 
 def test_between_window_work_runs_in_the_next_run_after_its_decode_is_dispatched():
     """Slots a prompt part borrowed come back FREE and stay so until the next run, whose decode window is dispatched
     first (with the table as it was: those slots out of it) and whose host work between windows (refill, swaps)
-    then overlaps it on the device; afterwards the slots are refilled and every slot still holds what it claims."""
-    e = Engine.load("demo", max_context=256, prefill=PART, expert_cache=8, debug_slots=True, say=lambda line: None)
+    then overlaps it on the device; afterwards the slots are refilled and every slot still holds what it claims.
+    (Parts borrow slots when they do not stream whole layers.)"""
+    e = Engine.load("demo", max_context=256, prefill=PART, expert_cache=8, debug_slots=True, stream_parts=False,
+                    say=lambda line: None)
     runner = WindowRunner(e, SLOTS, PART)
     base = idle_plan(SLOTS)
     tokens = np.arange(PART, dtype=np.int32) % e.cfg.vocab_size
