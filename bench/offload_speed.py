@@ -259,7 +259,10 @@ def main() -> int:
             run["skew_bias"] = skew
             counts = engine.experts.cache.routed
             run["hot_share_of_routes"] = float(sum(counts[p, h].sum() for p, h in enumerate(hot)) / counts.sum())
-        if name == "uniform":
+        if name == "uniform" and prompts:
+            t = time.perf_counter()           # one untimed part first: its compilations are not a prompt's speed
+            prompt_run(engine, min(prompts[0], prefill))
+            run["prompt_warm_up_s"] = time.perf_counter() - t
             for n in prompts:
                 r = prompt_run(engine, n)
                 run["prompt"][str(n)] = r

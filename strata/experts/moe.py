@@ -239,10 +239,10 @@ def _cpu_op(ops, layout, n_experts, h, slots, w, blobs):
     return ops.experts_pool(h, slots, w, blobs, layout, n_experts)
 
 
-def _streamed(ops, layout, n_experts, h, idx, w, n_valid, staged):
-    """A prompt part's routed experts over one MoE layer's experts staged whole (expert e at row e) -> (y [T, H],
-    routing counts [E] of the real rows)."""
+def _streamed(ops, layout, n_experts, h, idx, w, n_valid, pool, table_row):
+    """A prompt part's routed experts of one MoE layer from `pool` (the cache's slots, or the layer's experts staged
+    whole) through table_row [E] (the slot of each expert) -> (y [T, H], routing counts [E] of the real rows)."""
     valid = ops.valid_mask(h.shape[0], n_valid)
-    slots = ops.xp.where(valid[:, None], idx, -1).astype("int32")
-    return ops.experts_pool(h, slots, w.astype(h.dtype), staged, layout, n_experts), ops.route_counts(idx, valid,
-                                                                                                      n_experts)
+    slots = ops.expert_slots(table_row, idx, n_valid)
+    return ops.experts_pool(h, slots, w.astype(h.dtype), pool, layout, n_experts), ops.route_counts(idx, valid,
+                                                                                                    n_experts)

@@ -3,9 +3,10 @@ layer's while this one computes (double-buffered), when every expert is mirrored
 
 A part of thousands of tokens routes to nearly all of a layer's experts, so it reads each layer's chunks whole: the
 copies need no routes from the device, the host issues them ahead on the copy engine (HostFetch.stage_layer) and
-they run beside the computation. At most two layers' copies are alive: before layer p + 1's copy is issued, layer
-p - 1's experts have finished. The cache's slots are not touched (no loans); each route reads its expert from the
-staged layer, so a result equals the pool's for the same routes. Routing counts stay on the device until settle().
+they run beside the computation. A layer whose experts are all in cache slots is read from the pool, uncopied. At
+most two layers' copies are alive: before a layer's copy is issued, the experts of the streamed layer before the
+current one have finished. The cache's slots are not touched (no loans); each route reads the same expert bytes as
+from the pool, through the same op. Routing counts stay on the device until MoeRunner.settle().
 """
 from __future__ import annotations
 
@@ -18,42 +19,53 @@ class PartStream:
         experts from 0 (ExpertSet.window_chunks); valid [T] bool: the part's real rows."""
         self.moe, self.chunks = moe, chunks
         self.n_valid = np.int32(int(np.sum(valid)))
+        table = moe.cache.table()
+        self.streamed = [p for p in range(len(chunks)) if (table[p] < 0).any()]      # layers to copy, in order
+        self.identity = np.arange(table.shape[1], dtype=np.int32)   # a staged layer holds expert e at row e
         self.staged: dict[int, object] = {}       # MoE layer -> its experts on the device
-        self.done: dict[int, object] = {}         # MoE layer -> its output (waited on before a copy is issued)
+        self.done: dict[int, object] = {}         # streamed MoE layer -> its output (waited on before a copy)
         self._issue(0)
 
-    def _issue(self, p: int) -> None:
-        if p < len(self.chunks) and p not in self.staged:
+    def _issue(self, i: int) -> None:
+        """Start copying the i-th streamed layer (if there is one and it is not under way)."""
+        if i < len(self.streamed) and self.streamed[i] not in self.staged:
+            p = self.streamed[i]
             self.staged[p] = self.moe.ops.host_fetch.stage_layer(self.chunks[p])
-            self.moe.cache.stats.bytes_copied += sum(int(c.shape[0]) for c in self.chunks[p]) * self.moe.layout.nbytes
-            self.moe.cache.stats.streamed_layers += 1
+            stats = self.moe.cache.stats
+            stats.bytes_copied += sum(int(c.shape[0]) for c in self.chunks[p]) * self.moe.layout.nbytes
+            stats.streamed_layers += 1
 
     def __call__(self, p: int, h, w, idx):
         """experts(p, h, w, idx) for the layer loop (strata/model/forward.py, run_layers) -> y [T, H]."""
-        before = self.done.pop(p - 1, None)
-        if before is not None:
-            self.moe.ops.host_fetch.wait(before)           # layer p - 1's experts are done with their copy
-            self.staged.pop(p - 1, None)
-        self._issue(p)
-        self._issue(p + 1)
-        staged = self.staged[p]
-        if self.moe.check_uses:
-            self._check(p, staged, idx)
-        y, counts = self.moe.streamed_op(h, idx, w, self.n_valid, staged)
-        self.done[p] = y
-        self.moe.pending_counts.append((p, counts))
+        moe = self.moe
+        if p not in self.streamed:                         # every expert resident: the pool, as the table says
+            pool, table = moe.cache.pool, moe.cache.table_row(p)
+            if moe.check_uses:
+                self._check(p, idx, lambda used: moe.cache.content_matches(pool, table[used], [(p, e) for e in used]))
+        else:
+            i = self.streamed.index(p)
+            before = self.done.pop(self.streamed[i - 1], None) if i else None
+            if before is not None:
+                moe.ops.host_fetch.wait(before)            # the streamed layer before is done with its copy
+                self.staged.pop(self.streamed[i - 1], None)
+            self._issue(i)
+            self._issue(i + 1)
+            pool, table = self.staged[p], self.identity
+            if moe.check_uses:
+                self._check(p, idx, lambda used: all(
+                    _crc(row) == moe.source.checksum(p, int(e)) for e, row in zip(used, moe.ops.pool_read(pool, used))))
+        y, counts = moe.streamed_op(h, idx, w, self.n_valid, pool, table)
+        if p in self.streamed:
+            self.done[p] = y
+        moe.pending_counts.append((p, counts))
         return y
 
-    def _check(self, p: int, staged, idx) -> None:
-        """--debug-slots: every expert this layer's routes read from the staged copy matches the pack."""
+    def _check(self, p: int, idx, matches) -> None:
+        """--debug-slots: the experts this layer's routes read hold the pack's bytes (matches(used experts))."""
         from strata.experts.moe import SlotMismatch
-        ids = np.asarray(self.moe.ops.to_host(idx))[:int(self.n_valid)].reshape(-1)
-        used = np.unique(ids)
-        data = self.moe.ops.pool_read(staged, used.astype(np.int32))
-        source = self.moe.source
-        bad = [int(e) for e, row in zip(used, data) if _crc(row) != source.checksum(p, int(e))]
-        if bad:
-            raise SlotMismatch(f"layer {p}'s experts {bad} copied for a prompt part do not match the pack")
+        used = np.unique(np.asarray(self.moe.ops.to_host(idx))[:int(self.n_valid)].reshape(-1)).astype(np.int32)
+        if not matches(used):
+            raise SlotMismatch(f"layer {p}'s experts {used.tolist()} read by a prompt part do not match the pack")
         self.moe.uses_checked += len(used)
 
 

@@ -18,14 +18,28 @@ from strata.plan import PromptPart, idle_plan
 LAYERS = 5
 
 
+class _Cache:
+    def __init__(self, resident: set):
+        self.stats, self.pool = CacheStats(), "pool"
+        self._table = np.full((LAYERS, 3), -1, np.int32)
+        for p in resident:
+            self._table[p] = np.arange(3)
+
+    def table(self):
+        return self._table.copy()
+
+    def table_row(self, p):
+        return self._table[p].copy()
+
+
 class _Recorder:
     """HostFetch's stage_layer and wait, and the MoeRunner parts a PartStream uses, writing down what happens."""
 
-    def __init__(self):
+    def __init__(self, resident=()):
         self.events = []
         self.host_fetch, self.ops = self, self
         self.layout = type("Layout", (), {"nbytes": 4})()
-        self.cache = type("Cache", (), {"stats": CacheStats()})()
+        self.cache = _Cache(set(resident))
         self.check_uses, self.pending_counts = False, []
 
     def stage_layer(self, chunks):
@@ -36,9 +50,9 @@ class _Recorder:
     def wait(self, y):
         self.events.append(("wait", y))
 
-    def streamed_op(self, h, idx, w, n_valid, staged):
-        self.events.append(("experts", staged))
-        return staged, "counts"
+    def streamed_op(self, h, idx, w, n_valid, pool, table):
+        self.events.append(("experts", pool))
+        return pool, "counts"
 
 
 def test_copies_run_one_layer_ahead_and_at_most_two_layers_are_held():
@@ -55,6 +69,20 @@ def test_copies_run_one_layer_ahead_and_at_most_two_layers_are_held():
     assert rec.events == want
     assert rec.cache.stats.streamed_layers == LAYERS and rec.cache.stats.bytes_copied == LAYERS * 4
     assert [p for p, _ in rec.pending_counts] == list(range(LAYERS))
+
+
+def test_a_layer_whose_experts_are_all_resident_is_read_from_the_pool_uncopied():
+    rec = _Recorder(resident={2})
+    stream = PartStream(rec, [[np.full((1, 4), p, np.uint8)] for p in range(LAYERS)], np.ones(8, bool))
+    for p in range(LAYERS):
+        stream(p, None, None, None)
+        assert len(stream.staged) <= 2, stream.staged
+    assert rec.events == [("copy", 0), ("copy", 1), ("experts", 0),
+                          ("wait", 0), ("copy", 3), ("experts", 1),
+                          ("experts", "pool"),
+                          ("wait", 1), ("copy", 4), ("experts", 3),
+                          ("wait", 3), ("experts", 4)]
+    assert rec.cache.stats.streamed_layers == LAYERS - 1
 
 
 def _part(e, n):
@@ -90,3 +118,15 @@ def test_streamed_counts_reach_the_cache_and_small_parts_borrow():
     e.experts.moe.settle()
     assert cache.stats.streamed_layers == cache.n_layers
     assert cache.routed.sum() - routed == 16 * k * cache.n_layers     # every real row's routes, counted once
+
+
+def test_a_part_over_resident_and_streamed_layers_gives_the_all_resident_logits():
+    """expert_cache 20 in (layer, expert) order: MoE layer 0 all resident (read from the pool), layers 1-3 streamed;
+    every route reads its expert's bytes through the same op as the all-resident compiled part."""
+    ref = Engine.load("demo", max_context=64, prefill=16, say=lambda line: None)
+    e = Engine.load("demo", max_context=64, prefill=16, expert_cache=20, debug_slots=True, say=lambda line: None)
+    tokens = ((np.arange(16) * 5) % e.cfg.vocab_size).tolist()
+    want, got = ref.logits(tokens, part_size=16), e.logits(tokens, part_size=16)
+    assert e.experts.cache.stats.streamed_layers == e.experts.cache.n_layers - 1
+    assert e.experts.moe.uses_checked > 0
+    np.testing.assert_array_equal(got, want)       # the same op over the same bytes: bit for bit, on the CPU
