@@ -246,7 +246,7 @@ def main() -> int:
         run = {"build_s": time.perf_counter() - t, "slots": engine.experts.cache.n_slots,
                "slot_bytes": store.layout.nbytes, "experts_total": 48 * engine.cfg.num_experts,
                "decode": {}, "prompt": {}}
-        for rows in [int(b) for b in args.batches.split(",")]:
+        for rows in [int(b) for b in args.batches.split(",") if b]:
             r = decode_run(engine, rows, args.decode, args.warm, trace=args.trace, ahead=not args.one_by_one)
             run["decode"][f"b{rows}"] = r
             print(f"{name}: decode b{rows} {r['tok_s']:.1f} tok/s, {r['window_ms']:.1f} ms/window "

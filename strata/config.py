@@ -199,8 +199,9 @@ class ExpertSettings(_Group):
     stream_parts: bool = setting(
         True, _BOOL,
         "With every expert mirrored in pinned host memory (window fetch), a prompt part whose routes outnumber a "
-        "layer's experts copies each MoE layer's experts whole, the next layer's while this one computes (two layers "
-        "of device memory); false: it copies only its misses, into borrowed slots, layer by layer (the same results).")
+        "layer's experts copies each MoE layer's experts whole, the next layers' while this one computes (three "
+        "layers' experts of device memory, taken from the cache); false: it copies only its misses, into borrowed "
+        "slots, layer by layer (the same results).")
     staging_slots: int = setting(
         0, _int_range(0, 1 << 16),
         "With prefill_borrow off: the device slots reserved for prompt parts' experts; 0 takes one layer's experts, "

@@ -14,6 +14,7 @@ from strata.experts.moe import MoeRunner
 from strata.experts.path import ExpertPath, fetch_possible
 from strata.experts.planner import GIB, MIB, MemoryPlan, plan_memory
 from strata.experts.profile import load_profile
+from strata.experts.stream import AHEAD
 from strata.experts.tiers import HostMirror
 
 log = logging.getLogger("strata")
@@ -111,12 +112,12 @@ def build_experts(ops, cfg, store, settings, state_bytes: int, work_bytes: int, 
                            vram_reserve_mib=opts.vram_reserve_mib, staging=staging,
                            min_slots=cfg.num_experts_per_tok, host_budget_bytes=budget, stream=opts.stream_experts,
                            device=str(ops.device))
-    # prompt parts that stream whole layers hold two layers' experts on the device (strata/experts/stream.py),
+    # prompt parts that stream whole layers hold AHEAD + 1 layers' experts on the device (strata/experts/stream.py),
     # taken from the cache where they fit beside its minimum; else parts copy their misses into borrowed slots
     plan, streams = None, False
     if fetching and opts.stream_parts:
         try:
-            plan = planned(work_bytes + 2 * store.n_experts * slot_bytes)
+            plan = planned(work_bytes + (AHEAD + 1) * store.n_experts * slot_bytes)
             streams = plan.slots < total and plan.mirrored == total
         except ConfigError:
             plan = None

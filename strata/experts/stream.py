@@ -1,16 +1,20 @@
 """PartStream: a prompt part's routed experts with every MoE layer's experts copied to the device whole, the next
-layer's while this one computes (double-buffered), when every expert is mirrored in pinned host memory.
+layers' while this one computes, when every expert is mirrored in pinned host memory.
 
 A part of thousands of tokens routes to nearly all of a layer's experts, so it reads each layer's chunks whole: the
 copies need no routes from the device, the host issues them ahead on the copy engine (HostFetch.stage_layer) and
-they run beside the computation. A layer whose experts are all in cache slots is read from the pool, uncopied. At
-most two layers' copies are alive: before a layer's copy is issued, the experts of the streamed layer before the
-current one have finished. The cache's slots are not touched (no loans); each route reads the same expert bytes as
-from the pool, through the same op. Routing counts stay on the device until MoeRunner.settle().
+they run beside the computation. A copy starts only after the computations queued before it, so copies are issued
+AHEAD streamed layers early (a layer's copy never waits for the attention just before it). A layer whose experts are
+all in cache slots is read from the pool, uncopied. At most AHEAD + 1 layers' copies are alive: before one is issued,
+the streamed layer before the current one has finished. The cache's slots are not touched (no loans); each route
+reads the same expert bytes as from the pool, through the same op. Routing counts stay on the device until
+MoeRunner.settle().
 """
 from __future__ import annotations
 
 import numpy as np
+
+AHEAD = 2          # streamed layers whose copies are issued before the current one computes
 
 
 class PartStream:
@@ -24,7 +28,8 @@ class PartStream:
         self.identity = np.arange(table.shape[1], dtype=np.int32)   # a staged layer holds expert e at row e
         self.staged: dict[int, object] = {}       # MoE layer -> its experts on the device
         self.done: dict[int, object] = {}         # streamed MoE layer -> its output (waited on before a copy)
-        self._issue(0)
+        for i in range(AHEAD):
+            self._issue(i)
 
     def _issue(self, i: int) -> None:
         """Start copying the i-th streamed layer (if there is one and it is not under way)."""
@@ -48,8 +53,8 @@ class PartStream:
             if before is not None:
                 moe.ops.host_fetch.wait(before)            # the streamed layer before is done with its copy
                 self.staged.pop(self.streamed[i - 1], None)
-            self._issue(i)
-            self._issue(i + 1)
+            for j in range(i, i + AHEAD + 1):
+                self._issue(j)
             pool, table = self.staged[p], self.identity
             if moe.check_uses:
                 self._check(p, idx, lambda used: all(

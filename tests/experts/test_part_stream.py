@@ -12,7 +12,7 @@ from strata import Engine
 from strata.engine.runner import WindowRunner
 from strata.experts.cache import CacheStats
 from strata.experts.moe import SlotMismatch
-from strata.experts.stream import PartStream
+from strata.experts.stream import AHEAD, PartStream
 from strata.plan import PromptPart, idle_plan
 
 LAYERS = 5
@@ -55,17 +55,17 @@ class _Recorder:
         return pool, "counts"
 
 
-def test_copies_run_one_layer_ahead_and_at_most_two_layers_are_held():
+def test_copies_run_ahead_and_at_most_ahead_plus_one_layers_are_held():
     rec = _Recorder()
     stream = PartStream(rec, [[np.full((1, 4), p, np.uint8)] for p in range(LAYERS)], np.ones(8, bool))
-    assert rec.events == [("copy", 0)]                       # layer 0's copy starts before any layer runs
+    assert AHEAD == 2 and rec.events == [("copy", 0), ("copy", 1)]       # before any layer runs
     for p in range(LAYERS):
         assert stream(p, None, None, None) == p
-        assert len(stream.staged) <= 2, stream.staged
-    want = [("copy", 0), ("copy", 1), ("experts", 0)]
+        assert len(stream.staged) <= AHEAD + 1, stream.staged
+    want = [("copy", 0), ("copy", 1), ("copy", 2), ("experts", 0)]
     for p in range(1, LAYERS):
-        # layer p - 1's experts are waited on before layer p + 1's copy is issued (its memory is then free)
-        want += [("wait", p - 1)] + ([("copy", p + 1)] if p + 1 < LAYERS else []) + [("experts", p)]
+        # layer p - 1's experts are waited on before layer p + 2's copy is issued (its memory is then free)
+        want += [("wait", p - 1)] + ([("copy", p + 2)] if p + 2 < LAYERS else []) + [("experts", p)]
     assert rec.events == want
     assert rec.cache.stats.streamed_layers == LAYERS and rec.cache.stats.bytes_copied == LAYERS * 4
     assert [p for p, _ in rec.pending_counts] == list(range(LAYERS))
@@ -76,11 +76,11 @@ def test_a_layer_whose_experts_are_all_resident_is_read_from_the_pool_uncopied()
     stream = PartStream(rec, [[np.full((1, 4), p, np.uint8)] for p in range(LAYERS)], np.ones(8, bool))
     for p in range(LAYERS):
         stream(p, None, None, None)
-        assert len(stream.staged) <= 2, stream.staged
-    assert rec.events == [("copy", 0), ("copy", 1), ("experts", 0),
-                          ("wait", 0), ("copy", 3), ("experts", 1),
+        assert len(stream.staged) <= AHEAD + 1, stream.staged
+    assert rec.events == [("copy", 0), ("copy", 1), ("copy", 3), ("experts", 0),
+                          ("wait", 0), ("copy", 4), ("experts", 1),
                           ("experts", "pool"),
-                          ("wait", 1), ("copy", 4), ("experts", 3),
+                          ("wait", 1), ("experts", 3),
                           ("wait", 3), ("experts", 4)]
     assert rec.cache.stats.streamed_layers == LAYERS - 1
 

@@ -14,6 +14,7 @@ from strata.weights.source import load_source
 from strata.errors import ConfigError
 from strata.experts.planner import MIB, plan_memory
 from strata.experts.profile import load_profile
+from strata.experts.stream import AHEAD
 from strata.experts.tiers import MemoryStore
 from strata.jax_backend.backend import JaxBackend
 from strata.model.config import ModelConfig
@@ -68,10 +69,10 @@ def test_the_plan_fits_the_device_it_printed_and_allocates_what_it_printed(slots
 
 
 def test_streamed_parts_take_two_layers_from_the_cache_where_they_fit():
-    """Prompt parts that stream whole layers (stream_parts) hold two layers' experts on the device: the plan takes
-    them from the cache; where they do not fit beside its minimum, parts copy their misses instead."""
-    e, _ = _engine_on(FixedMemoryDevice(_free_for(40)))
-    assert e.path.streams_parts and e.experts.cache.n_slots == 40 - 2 * e.cfg.num_experts
+    """Prompt parts that stream whole layers (stream_parts) hold AHEAD + 1 layers' experts on the device: the plan
+    takes them from the cache; where they do not fit beside its minimum, parts copy their misses instead."""
+    e, _ = _engine_on(FixedMemoryDevice(_free_for(60)))
+    assert e.path.streams_parts and e.experts.cache.n_slots == 60 - (AHEAD + 1) * e.cfg.num_experts
     small, _ = _engine_on(FixedMemoryDevice(_free_for(10)))
     assert not small.path.streams_parts and small.experts.cache.n_slots == 10
 
