@@ -70,6 +70,12 @@ KEYS = (
         (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 32768, skip=ENGINE, fitted=True),)),
     Key("offload_decode_tok_s_b1", "decode, batch 1, 12 GiB expert cache (32%), the rest in host RAM", "tok/s",
         (Source("offload_speed", ("runs", "uniform", "decode", "b1", "tok_s"), require=(("window_fetch", True),)),)),
+    Key("offload_decode_tok_s_b1_skewed", "decode, batch 1, 12 GiB expert cache, skewed routing (20% of the experts "
+        "take ~80% of the routes)", "tok/s",
+        (Source("offload_speed", ("runs", "skewed", "decode", "b1", "tok_s"), require=(("window_fetch", True),)),)),
+    Key("offload_prompt_tok_s_4k", "prompt of 4K tokens, 12 GiB expert cache, the other layers' experts streamed "
+        "from host RAM", "tok/s", (Source("offload_speed", ("runs", "uniform", "prompt", "4096", "tok_s"),
+                                          require=(("window_fetch", True), ("stream_parts", True))),)),
     # the real server (bench/serve_load.py) on the random-weights model at real shapes, 64 tokens a client
     Key("serve_tok_s_16_clients", "server: 16 streaming clients, tokens/s in all (random weights at real shapes)",
         "tok/s", (Source("serve_load", ("aggregate_tok_s_16_clients",),
