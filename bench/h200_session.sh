@@ -18,8 +18,8 @@
 #   bash bench/h200_session.sh probe     # bench/launch_probe.py: where a decode token's time goes (traces, XLA flags)
 #   bash bench/h200_session.sh copies    # bench/launch_probe.py's copy probes (device_put, kernel, kernel on stream 1)
 #   bash bench/h200_session.sh offload   # bench/offload_speed.py, uniform routing, decode at batch 1 and 4
-#   bash bench/h200_session.sh offload-stream  # offload_speed: uniform and skewed, batch 1 and 4, 4K and 32K prompts
-#                                        # streaming whole layers (EXTRA=--no-stream-parts: misses through loans)
+#   bash bench/h200_session.sh offload-stream  # offload_speed: uniform b1 with 4K and 32K prompts streaming whole
+#                                        # layers, then skewed b1 and b4 (EXTRA=--no-stream-parts: misses through loans)
 #   bash bench/h200_session.sh probe48   # prompt_probe (with the stream's gaps) at 48 layers
 #   bash bench/h200_session.sh routes48  # engine48 with decode_expert_max_routes 320 (16 and 32 rows through the
 #                                        # decode expert kernel, not the grouped one): a comparison run
@@ -159,11 +159,15 @@ case "${1:-}" in
     timeout 540 python3 bench/offload_speed.py --runs uniform --batches 1,4 --prompts "" \
       --out "$OUT/offload_speed_h200_int4.json" 2>&1 | grep -vi warning | tail -20
     ;;
-  offload-stream) # bench/offload_speed.py as issue 32 measured it: uniform and skewed routing, decode at batch 1 and 4,
-              # prompts of 4K and 32K whose parts stream whole layers (stream_parts); the JSON rewritten after each run
-    timeout 560 python3 bench/offload_speed.py --runs uniform,skewed --batches 1,4 --prompts "${PROMPTS:-4096,32768}" \
+  offload-stream) # bench/offload_speed.py as issue 32 measures it, in two runs that end inside one call (~310 s):
+              # uniform routing, decode at batch 1, prompts of 4K and 32K whose parts stream whole layers
+              # (stream_parts); then skewed routing, decode at batch 1 and 4. EXTRA=--no-stream-parts: parts borrow
+    timeout 250 python3 bench/offload_speed.py --runs uniform --batches 1 --warm 32 --prompts "${PROMPTS:-4096,32768}" \
       ${EXTRA:-} --out "$OUT/offload_speed_h200_int4_stream.json" 2>&1 | grep -vi warning | tee "$OUT/offload.log" \
-      | tail -30
+      | grep -E "uniform:|\| uniform"
+    timeout 270 python3 bench/offload_speed.py --runs skewed --batches 1,4 --warm 32 --prompts "" ${EXTRA:-} \
+      --out "$OUT/offload_speed_h200_int4_skewed.json" 2>&1 | grep -vi warning | tee "$OUT/offload_skewed.log" \
+      | grep -E "skewed:|\| skewed|host->"
     ;;
   long)
     timeout 150 python3 bench/long_decode.py --part tier --out "$OUT/long_decode_tier_h200.json" 2>&1 \

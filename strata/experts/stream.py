@@ -1,14 +1,11 @@
-"""PartStream: a prompt part's routed experts with every MoE layer's experts copied to the device whole, the next
-layers' while this one computes, when every expert is mirrored in pinned host memory.
+"""PartStream: a prompt part's routed experts when every expert is mirrored in pinned host memory: each MoE layer's
+experts are copied to the device whole, on the copy engine (HostFetch.stage_layer), while earlier layers compute.
 
-A part of thousands of tokens routes to nearly all of a layer's experts, so it reads each layer's chunks whole: the
-copies need no routes from the device, the host issues them ahead on the copy engine (HostFetch.stage_layer) and
-they run beside the computation. A copy starts only after the computations queued before it, so copies are issued
-AHEAD streamed layers early (a layer's copy never waits for the attention just before it). A layer whose experts are
-all in cache slots is read from the pool, uncopied. At most AHEAD + 1 layers' copies are alive: before one is issued,
-the streamed layer before the current one has finished. The cache's slots are not touched (no loans); each route
-reads the same expert bytes as from the pool, through the same op. Routing counts stay on the device until
-MoeRunner.settle().
+A part of thousands of tokens routes to nearly all of a layer's experts, so the copies need no routes. A copy starts
+after the computations queued before it, so copies are issued AHEAD streamed layers early; at most AHEAD + 1 live
+(before one is issued, the streamed layer before the current one has finished). A layer whose experts are all in
+cache slots is read from the pool, uncopied. No slot is lent; each route reads the same expert bytes as from the
+pool, through the same op. Routing counts stay on the device until MoeRunner.settle().
 """
 from __future__ import annotations
 

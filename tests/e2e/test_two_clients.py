@@ -22,6 +22,7 @@ from strata.experts.path import PathKind
 pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
 
 RUNS = 20
+STREAM_RUNS = 5
 # B's prompt: 150 lines of the client's filler are ~6,800 tokens of the demo's byte-level tokenizer, 7 parts of 1024
 # (the client's default 600 lines are ~27,000: the same interleaving at four times the CPU time)
 CONTEXT, LINES = 16384, "150"
@@ -54,9 +55,10 @@ def test_two_clients_twenty_times(engine, caplog):
 
 @pytest.fixture(scope="module")
 def tiny_cache_engine():
-    # 2 slots per MoE layer (8 of the demo's 64 experts): every prompt part borrows, most decode rows miss
+    # 2 slots per MoE layer (8 of the demo's 64 experts): every prompt part borrows (parts copy their misses, not
+    # whole layers: the report's case), most decode rows miss
     return Engine.load("demo", max_context=CONTEXT, prefill=1024, expert_cache=8, debug_slots=True,
-                       say=lambda line: None)
+                       stream_parts=False, say=lambda line: None)
 
 
 def test_two_clients_twenty_times_with_a_tiny_expert_cache(tiny_cache_engine, caplog):
@@ -79,3 +81,22 @@ def test_two_clients_twenty_times_with_a_tiny_expert_cache(tiny_cache_engine, ca
     assert e.experts.moe.uses_checked > 0 and e.path.kind is not PathKind.RESIDENT
     parts = [m for m in caplog.messages if m.startswith("strata batch: the prompt was read in ")]
     assert len(parts) >= RUNS and all(int(m.split(" parts,")[0].rsplit(" ", 1)[1]) > 1 for m in parts)
+
+
+def test_two_clients_with_prompt_parts_streaming_whole_layers(caplog):
+    """The same interleaving with B's parts streaming each layer's experts whole (stream_parts, the default where
+    every expert is in pinned host memory; a part of fewer than 4 tokens still borrows): every expert any computation
+    reads, the streamed copies' too, is checked against the pack, and every resident slot stays intact."""
+    e = Engine.load("demo", max_context=CONTEXT, prefill=1024, expert_cache=8, debug_slots=True,
+                    say=lambda line: None)
+    assert e.path.streams_parts
+    with running_server(e, parallel=2, prefill=1024, max_context=CONTEXT) as srv:
+        for run in range(STREAM_RUNS):
+            streamed = e.experts.cache.stats.streamed_layers
+            r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "40",
+                                "--lines", "100", "--delay", "0.5", "--stall", "120"], capture_output=True,
+                               text=True, timeout=600)
+            assert r.returncode == 0, f"run {run}: {r.stdout}{r.stderr}"
+            srv.scheduler.cache.clear()
+            assert e.experts.cache.stats.streamed_layers > streamed, f"run {run}: no part streamed a layer"
+    assert e.experts.cache.verify() == [] and e.experts.moe.uses_checked > 0
