@@ -89,3 +89,18 @@ def test_backend_pool_fill_and_host_rows_with_either_copy(copy, interpret):
     got = ops.pool_fill(jnp.asarray(pool_np), slots, chunks, bounds, rows)
     np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(ops.host_rows(chunks[1], [8, 0, 3]), chunks_np[1][[8, 0, 3]])
+
+
+def test_backend_stage_layer_copies_a_layers_chunks_whole_end_to_end():
+    """HostFetch.stage_layer (streamed prompt parts): a layer's pinned chunks on the device, laid end to end; one
+    chunk comes back as it is."""
+    from strata.jax_backend.backend import JaxBackend
+    ops = JaxBackend()
+    rng = np.random.default_rng()
+    chunks_np = [rng.integers(0, 256, (n, 4096), dtype=np.uint8) for n in (5, 3)]
+    chunks = [ops.host_chunk(c) for c in chunks_np]
+    staged = ops.stage_layer(chunks)
+    ops.wait(staged)
+    assert staged.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(staged), np.concatenate(chunks_np))
+    np.testing.assert_array_equal(np.asarray(ops.stage_layer(chunks[1:])), chunks_np[1])
