@@ -61,20 +61,26 @@ def tiny_cache_engine():
                        stream_parts=False, say=lambda line: None)
 
 
-def test_two_clients_twenty_times_with_a_tiny_expert_cache(tiny_cache_engine, caplog):
-    assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
-    e = tiny_cache_engine
-    caplog.set_level(logging.INFO, logger="strata.sched")
+def _tiny_cache_runs(e, runs: int, counter: str, what: str) -> None:
+    """The client `runs` times against a server over e (a tiny expert cache), B's prompt read whole every run: each
+    run must leave every slot free and grow the cache's counter `counter` (else: `what` did not happen)."""
     with running_server(e, parallel=2, prefill=1024, max_context=CONTEXT) as srv:
-        for run in range(RUNS):
-            loans = e.experts.cache.stats.loans
+        for run in range(runs):
+            before = getattr(e.experts.cache.stats, counter)
             r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "40",
                                 "--lines", "100", "--delay", "0.5", "--stall", "120"], capture_output=True,
                                text=True, timeout=600)
             assert r.returncode == 0, f"run {run}: {r.stdout}{r.stderr}"
             assert all(s["state"] == "free" for s in httpx.get(srv.url + "/slots").json())
-            srv.scheduler.cache.clear()      # B's prompt read whole every run, its parts borrowing slots
-            assert e.experts.cache.stats.loans > loans, f"run {run}: B's prompt parts borrowed no slot"
+            srv.scheduler.cache.clear()
+            assert getattr(e.experts.cache.stats, counter) > before, f"run {run}: {what}"
+
+
+def test_two_clients_twenty_times_with_a_tiny_expert_cache(tiny_cache_engine, caplog):
+    assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
+    e = tiny_cache_engine
+    caplog.set_level(logging.INFO, logger="strata.sched")
+    _tiny_cache_runs(e, RUNS, "loans", "B's prompt parts borrowed no slot")
     cache = e.experts.cache
     assert not any(cache.slot(i).state.name == "LOANED" for i in range(cache.n_slots))   # every loan came back
     assert cache.verify() == []                                                    # and every resident slot is intact
@@ -83,20 +89,12 @@ def test_two_clients_twenty_times_with_a_tiny_expert_cache(tiny_cache_engine, ca
     assert len(parts) >= RUNS and all(int(m.split(" parts,")[0].rsplit(" ", 1)[1]) > 1 for m in parts)
 
 
-def test_two_clients_with_prompt_parts_streaming_whole_layers(caplog):
+def test_two_clients_with_prompt_parts_streaming_whole_layers():
     """The same interleaving with B's parts streaming each layer's experts whole (stream_parts, the default where
     every expert is in pinned host memory; a part of fewer than 4 tokens still borrows): every expert any computation
     reads, the streamed copies' too, is checked against the pack, and every resident slot stays intact."""
     e = Engine.load("demo", max_context=CONTEXT, prefill=1024, expert_cache=8, debug_slots=True,
                     say=lambda line: None)
     assert e.path.streams_parts
-    with running_server(e, parallel=2, prefill=1024, max_context=CONTEXT) as srv:
-        for run in range(STREAM_RUNS):
-            streamed = e.experts.cache.stats.streamed_layers
-            r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "40",
-                                "--lines", "100", "--delay", "0.5", "--stall", "120"], capture_output=True,
-                               text=True, timeout=600)
-            assert r.returncode == 0, f"run {run}: {r.stdout}{r.stderr}"
-            srv.scheduler.cache.clear()
-            assert e.experts.cache.stats.streamed_layers > streamed, f"run {run}: no part streamed a layer"
+    _tiny_cache_runs(e, STREAM_RUNS, "streamed_layers", "no prompt part streamed a layer")
     assert e.experts.cache.verify() == [] and e.experts.moe.uses_checked > 0
