@@ -22,9 +22,10 @@ class PartStream:
         self.n_valid = np.int32(int(np.sum(valid)))
         table = moe.cache.table()
         self.streamed = [p for p in range(len(chunks)) if (table[p] < 0).any()]      # layers to copy, in order
+        self.position = {p: i for i, p in enumerate(self.streamed)}
         self.identity = np.arange(table.shape[1], dtype=np.int32)   # a staged layer holds expert e at row e
         self.staged: dict[int, object] = {}       # MoE layer -> its experts on the device
-        self.done: dict[int, object] = {}         # streamed MoE layer -> its output (waited on before a copy)
+        self.previous = None                      # (the last streamed layer computed, its output)
         for i in range(AHEAD):
             self._issue(i)
 
@@ -40,37 +41,29 @@ class PartStream:
     def __call__(self, p: int, h, w, idx):
         """experts(p, h, w, idx) for the layer loop (strata/model/forward.py, run_layers) -> y [T, H]."""
         moe = self.moe
-        if p not in self.streamed:                         # every expert resident: the pool, as the table says
+        i = self.position.get(p)
+        if i is None:                                      # every expert resident: the pool, as the table says
             pool, table = moe.cache.pool, moe.cache.table_row(p)
-            if moe.check_uses:
-                self._check(p, idx, lambda used: moe.cache.content_matches(pool, table[used], [(p, e) for e in used]))
         else:
-            i = self.streamed.index(p)
-            before = self.done.pop(self.streamed[i - 1], None) if i else None
-            if before is not None:
-                moe.ops.host_fetch.wait(before)            # the streamed layer before is done with its copy
-                self.staged.pop(self.streamed[i - 1], None)
+            if self.previous is not None:
+                q, y_q = self.previous
+                moe.ops.host_fetch.wait(y_q)               # the streamed layer before is done with its copy
+                del self.staged[q]
             for j in range(i, i + AHEAD + 1):
                 self._issue(j)
             pool, table = self.staged[p], self.identity
-            if moe.check_uses:
-                self._check(p, idx, lambda used: all(
-                    _crc(row) == moe.source.checksum(p, int(e)) for e, row in zip(used, moe.ops.pool_read(pool, used))))
+        if moe.check_uses:
+            self._check(p, idx, pool, table)
         y, counts = moe.streamed_op(h, idx, w, self.n_valid, pool, table)
-        if p in self.streamed:
-            self.done[p] = y
+        if i is not None:
+            self.previous = (p, y)
         moe.pending_counts.append((p, counts))
         return y
 
-    def _check(self, p: int, idx, matches) -> None:
-        """--debug-slots: the experts this layer's routes read hold the pack's bytes (matches(used experts))."""
+    def _check(self, p: int, idx, pool, table) -> None:
+        """--debug-slots: the experts this layer's routes read from `pool` (through `table`) hold the pack's bytes."""
         from strata.experts.moe import SlotMismatch
         used = np.unique(np.asarray(self.moe.ops.to_host(idx))[:int(self.n_valid)].reshape(-1)).astype(np.int32)
-        if not matches(used):
+        if not self.moe.cache.content_matches(pool, table[used], [(p, int(e)) for e in used]):
             raise SlotMismatch(f"layer {p}'s experts {used.tolist()} read by a prompt part do not match the pack")
         self.moe.uses_checked += len(used)
-
-
-def _crc(row) -> int:
-    import zlib
-    return zlib.crc32(np.ascontiguousarray(row))
