@@ -157,7 +157,7 @@ def test_backend_sends_int4_decode_rows_to_the_decode_kernel(fmt, monkeypatch):
     from test_expert_op import LIMIT, poisoned_pool, rel_err, routes
 
     from strata.weights import quant
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = quant.layout(fmt, 256, 128)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
     ops = jb.JaxBackend(kernels="pallas", kernel_config=KernelConfig(decode_expert_rows=4, decode_expert_warps=2,

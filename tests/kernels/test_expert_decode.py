@@ -25,7 +25,7 @@ LIMIT = {"float32": 2e-6, "bfloat16": 2.5e-3}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens,k", [(1, 4), (3, 2), (4, 8)])
 def test_decode_kernel_matches_the_reference(tokens, k, dtype, interpret):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout("int4", H, I)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
     slots, weight = routes(rng, tokens, k, slot_of)
@@ -45,7 +45,7 @@ def test_decode_kernel_matches_the_reference(tokens, k, dtype, interpret):
 def test_other_blocks_match_the_reference(block, interpret):
     """Fewer rows a program (more programs of fewer bytes, for batch 1 on a many-SM GPU), or more (64 rows: the
     gate/up block is capped at I = 128 rows, the down block at H): the same result."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout("int4", H, I)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
     slots, weight = routes(rng, 3, 4, slot_of)
@@ -89,7 +89,7 @@ def test_pool_at_the_limit_is_read_through_compacted_chunks(chunks, dtype, inter
     """The limit monkeypatched so that the 14-slot pool is over it and the blobs of the 12 routes (3 tokens x 4: at
     most 12 distinct, the compaction's static size) take 1, 2 or 3 chunks of 12, 6 and 4 blobs: the result equals
     the reference on the whole pool, and every kernel reads a compact pool under the limit."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout("int4", H, I)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=10, n_slots=14)
     slots, weight = routes(rng, 3, 4, slot_of)

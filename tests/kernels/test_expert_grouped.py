@@ -46,7 +46,7 @@ def _run(fmt, hidden, inter, tokens, k, dtype, interpret, rng, **kw):
 def test_grouped_kernels_match_the_reference(fmt, variant, hidden, inter, tokens, k, dtype, interpret):
     want_kernels = "v2" if (fmt, variant) == ("int4", "v2") else "v1"
     assert K.kernel_variant(Q.layout(fmt, hidden, inter), dtype, variant) == want_kernels
-    got, want, slots = _run(fmt, hidden, inter, tokens, k, dtype, interpret, np.random.default_rng(), variant=variant)
+    got, want, slots = _run(fmt, hidden, inter, tokens, k, dtype, interpret, np.random.default_rng(0), variant=variant)
     assert np.isfinite(got).all(), "garbage from an unused slot or a skipped route leaked into the result"
     assert np.all(got[np.all(slots < 0, axis=1)] == 0)        # token T//2: every route skipped
     err = rel_err(got, want)
@@ -58,7 +58,7 @@ def test_demo_shape_with_k_steps_inside_an_int4_group(fmt, interpret):
     """H=96, I=32 (the demo model): blocks of 32 columns, int4 gate/up groups of 96 read in three K steps. A group
     of 96 is no power of two: v2 does not apply and the default runs v1."""
     lay = Q.layout(fmt, 96, 32)
-    got, want, _ = _run(fmt, 96, 32, 70, 4, "bfloat16", interpret, np.random.default_rng())
+    got, want, _ = _run(fmt, 96, 32, 70, 4, "bfloat16", interpret, np.random.default_rng(0))
     assert K.plan(lay, jnp.bfloat16) == K.Plan(bm=64, bi=32, bh=32, bk1=32, bk2=32)
     assert K.plan_v2(lay, jnp.bfloat16) is None and K.kernel_variant(lay, jnp.bfloat16) == "v1"
     assert np.isfinite(got).all() and rel_err(got, want) <= LIMIT["bfloat16"][fmt]
@@ -70,7 +70,7 @@ def test_demo_shape_with_k_steps_inside_an_int4_group(fmt, interpret):
 def test_groups_of_several_blocks_and_the_large_block(fmt, dtype, block_m, variant, interpret):
     """Three experts, one taking every token: with block_m 32 its group spans three blocks; block_m 128 is the other
     block the GPU may run. max_distinct = 3 sizes the grid exactly."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout(fmt, 128, 128)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=3, n_slots=6)
     tokens, k = 70, 2
@@ -116,7 +116,7 @@ def test_even_odd_permutation_and_its_inverse():
 def test_routes_are_laid_out_in_blocks_of_the_used_slots_only(block_m):
     """The XLA sort: one run of blocks per used slot (ceil(routes / block_m) of them, in slot order), then blocks of
     slot -1 (no pool read); each route's padded row holds its token and weight; pad rows weigh 0."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     tokens, k, n_slots = 70, 4, 12
     slots, weight = routes(rng, tokens, k, rng.choice(n_slots, 8, replace=False))
     sort = jax.jit(K._sort_routes, static_argnums=(2, 3, 4, 5))
@@ -164,7 +164,7 @@ def test_pool_at_the_limit_is_read_through_compacted_chunks(fmt, variant, chunks
     """The limit monkeypatched so that the 12-slot pool is over it and its used blobs (max_distinct 8: the 8 experts)
     take 1, 2 or 3 chunks (3 chunks of 3: the last padded). The result equals the reference on the whole pool;
     every kernel reads a compact pool under the limit; a pool wider than the blob (garbage past nbytes) is sliced."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout(fmt, 256, 128)
     pool, slot_of = poisoned_pool(rng, lay)
     if wide:
@@ -191,7 +191,7 @@ def test_pool_at_the_limit_is_read_through_compacted_chunks(fmt, variant, chunks
 
 def test_compaction_drops_the_slots_past_max_distinct_like_the_direct_path(interpret, monkeypatch, fresh_jit):
     """max_distinct 5 of the 8 used slots: both paths compute the routes of the 5 smallest slots only."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout("int4", 128, 128)
     pool, slot_of = poisoned_pool(rng, lay)
     slots, weight = routes(rng, 40, 4, slot_of)

@@ -67,7 +67,7 @@ def rel_err(got, want):
 
 @pytest.mark.parametrize("fmt", Q.FORMATS)
 def test_decode_blobs_equals_numpy_decode_bit_for_bit(fmt):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     for hidden, inter in ((256, 128),):                  # several int4 groups per row in gate and up
         lay = Q.layout(fmt, hidden, inter)
         blobs = np.stack([Q.encode_expert(lay, *[(rng.standard_normal(lay.shape_of(m)) * s).astype(np.float32)
@@ -82,7 +82,7 @@ def test_decode_blobs_equals_numpy_decode_bit_for_bit(fmt):
 @pytest.mark.parametrize("tokens,k", [(1, 4), (70, 4)], ids=["gather", "grouped"])
 @pytest.mark.parametrize("fmt", Q.FORMATS)
 def test_op_matches_reference_on_the_same_blobs(fmt, tokens, k, dtype):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout(fmt, H, I)
     pool, slot_of = poisoned_pool(rng, lay)
     slots, weight = routes(rng, tokens, k, slot_of, skip=0.2 if tokens > 1 else 0.0)
@@ -105,7 +105,7 @@ def test_op_matches_reference_on_the_same_blobs(fmt, tokens, k, dtype):
 def test_blob_matvec_is_the_decoded_matrix_times_the_vector(fmt):
     """blob_matvec (decoding inside the product, each byte's two columns at once) against decode_blobs' float32
     weights times v in float64, for every matrix: several groups a row, blobs of three scales."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout(fmt, 256, 128)
     blobs = np.stack([Q.encode_expert(lay, *[(rng.standard_normal(lay.shape_of(m)) * s).astype(np.float32)
                                              for m in Q.MATRICES]) for s in (0.02, 1.0, 30.0)])
@@ -120,9 +120,10 @@ def test_blob_matvec_is_the_decoded_matrix_times_the_vector(fmt):
 @pytest.mark.parametrize("fmt", ["int8", "int4", "nvfp4"])
 def test_quantised_decode_rows_round_once(fmt):
     """The gather form of a quantised format computes in float32 from bfloat16 x and rounds only its output to
-    bfloat16 (no rounded weights or activations in between): within 2^-9 of the reference, relative, plus float32's
-    own error."""
-    rng = np.random.default_rng()
+    bfloat16 (no rounded weights or activations in between): each output within one rounding of the reference
+    (2^-8 of itself: bfloat16 keeps 8 significant bits) plus float32's own error. A Frobenius bound of 2^-9 is only
+    typical of one rounding, not a bound: 96 outputs exceed it at some seeds."""
+    rng = np.random.default_rng(0)
     lay = Q.layout(fmt, H, I)
     pool, slot_of = poisoned_pool(rng, lay)
     slots, weight = routes(rng, 2, 4, slot_of, skip=0.0)
@@ -130,7 +131,8 @@ def test_quantised_decode_rows_round_once(fmt):
     got = np.asarray(EXPERTS(layout=lay, pool=jnp.asarray(pool), x=x, slots=jnp.asarray(slots),
                              weight=jnp.asarray(weight), max_distinct=E).astype(jnp.float32))
     want = K._reference(lay, pool, x, slots, weight)
-    assert rel_err(got, want) <= 2.0 ** -9 + 5e-6
+    err = np.abs(got - want)
+    assert np.all(err <= 2.0 ** -8 * np.abs(want) + 1e-6 * np.abs(want).max()), float(np.max(err / np.abs(want)))
 
 
 def test_all_routes_skipped_gives_exact_zeros():
@@ -148,7 +150,7 @@ def test_all_routes_skipped_gives_exact_zeros():
 def test_grouped_form_with_few_distinct_slots_and_multi_block_groups():
     """max_distinct below the expert count bounds the blocks; one slot holds several blocks of routes."""
     lay = Q.layout("nvfp4", H, I)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     pool, slot_of = poisoned_pool(rng, lay, n_experts=3)
     tokens, k = 100, 2
     p = np.array([0.8, 0.15, 0.05])
@@ -200,7 +202,7 @@ def dense_experts(x, idx, weight, gate, up, down):
 @pytest.mark.parametrize("tokens,k", [(1, 4), (70, 4)], ids=["gather", "grouped"])
 def test_f32_format_matches_the_backend_expert_op(tokens, k, dtype):
     """Same weights, expert e in slot e: the pool op gives the backend's numbers (the same arithmetic)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout("f32", H, I)
     gate = (rng.standard_normal((E, I, H)) / np.sqrt(H)).astype(np.float32)
     up = (rng.standard_normal((E, I, H)) / np.sqrt(H)).astype(np.float32)
@@ -231,7 +233,7 @@ def test_fetching_form_copies_the_misses_from_host_chunks(fmt, tokens, copy, int
     the staging rows laid end to end (both forms of the op); equal to the reference over the true experts, and the
     number of experts it copied is the number of distinct misses of the valid rows. The copies are made by XLA's loop
     and by the host_rows kernel (what a GPU uses)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     lay = Q.layout(fmt, H, I)
     pool, slot_of = poisoned_pool(rng, lay)
     every = pool[slot_of]                                          # [E, nbytes]: expert e's blob

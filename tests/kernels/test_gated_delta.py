@@ -88,7 +88,7 @@ def test_xla_chunked_form_matches_the_reference(t, hv, dk, dv, chunk):
     GDN_SCAN_BLOCK = 16 does not divide 18); test_xla_chunked_form_in_full_blocks takes blocks of GDN_SCAN_BLOCK.
     Chunk 128: half the sequential steps, twice the intra-chunk span."""
     from strata.jax_backend.backend import JaxBackend
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     check_chunked(functools.partial(JaxBackend.gated_delta_chunked_xla, chunk=chunk),
                   *rule_inputs(rng, (t,), hv, dk, dv, "float32"), state_like(rng, (), hv, dk, dv))
 
@@ -96,7 +96,7 @@ def test_xla_chunked_form_matches_the_reference(t, hv, dk, dv, chunk):
 @pytest.mark.parametrize("chunk", [64, 128])
 def test_xla_chunked_form_with_aligned_keys(chunk):
     from strata.jax_backend.backend import JaxBackend
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     check_chunked(functools.partial(JaxBackend.gated_delta_chunked_xla, chunk=chunk),
                   *aligned_inputs(rng, 300, 2, 32, 32), state_like(rng, (), 2, 32, 32))
 
@@ -109,7 +109,7 @@ def test_xla_chunked_form_with_dots_on_the_tensor_cores(dots, interpret):
     accuracy is checked by the GPU run (STRATA_TEST_DEVICE=gpu)."""
     from strata.jax_backend.backend import JaxBackend
     run = functools.partial(JaxBackend.gated_delta_chunked_xla, dots=dots)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     if dots == "tf32x3" and interpret:                       # on the CPU
         with pytest.raises(Exception, match="TF32_TF32_F32_X3"):
             run(*rule_inputs(rng, (70,), 2, 16, 16, "float32"), jnp.asarray(state_like(rng, (), 2, 16, 16)))
@@ -130,7 +130,7 @@ def test_the_backend_runs_its_kernel_configs_chunk_and_precision(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(K, "chunk_products_xla", spied)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     for cfg, want in ((KernelConfig(), (64, "ieee")), (KernelConfig(gdn_chunk=128, gdn_dots="bf16x6"), (128, "bf16x6"))):
         check_chunked(JaxBackend(kernels="xla", kernel_config=cfg).gated_delta_chunked,
                       *rule_inputs(rng, (130,), 2, 16, 16, "float32"), state_like(rng, (), 2, 16, 16))
@@ -150,6 +150,6 @@ def test_xla_chunked_form_in_full_blocks():
     """2048 tokens: 32 chunks, two scan iterations of GDN_SCAN_BLOCK chunks each."""
     from strata.jax_backend.backend import GDN_SCAN_BLOCK, JaxBackend
     assert 2048 // K.CHUNK == 2 * GDN_SCAN_BLOCK
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     check_chunked(JaxBackend.gated_delta_chunked_xla, *rule_inputs(rng, (2048,), 2, 16, 16, "float32"),
                   state_like(rng, (), 2, 16, 16))

@@ -19,7 +19,7 @@ def pinned(a):
 @pytest.mark.parametrize("nbytes", [4096, 8192, 3 * 4096])
 @pytest.mark.parametrize("lo,hi", [(0, 5), (2, 4), (3, 3), (0, 0), (5, 7)])
 def test_copies_rows_lo_to_hi_and_keeps_the_rest(nbytes, lo, hi, interpret):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     src = rng.integers(0, 256, (9, nbytes), dtype=np.uint8)
     dst = np.full((7, nbytes), 0xFF, np.uint8)                     # poisoned: a row the kernel should not touch
     rows = rng.integers(0, 9, 7).astype(np.int32)
@@ -32,7 +32,7 @@ def test_copies_rows_lo_to_hi_and_keeps_the_rest(nbytes, lo, hi, interpret):
 @pytest.mark.parametrize("copy", ["loop", "kernel"])
 def test_the_loop_and_the_kernel_give_the_reference_inside_jit(copy, interpret):
     """Inside a jitted function with device-computed bounds (as experts_fetching calls them)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     src = rng.integers(0, 256, (16, 4096), dtype=np.uint8)
     dst = rng.integers(0, 256, (6, 4096), dtype=np.uint8)
     wanted = np.sort(rng.choice(16, 4, replace=False)).astype(np.int32)
@@ -71,7 +71,7 @@ def test_backend_pool_fill_and_host_rows_with_either_copy(copy, interpret):
     from strata.jax_backend.backend import FILL_BATCH, JaxBackend
     ops = JaxBackend()
     ops.copy_rows = KE.copy_rows_loop if copy == "loop" else partial(K.copy_host_rows, interpret=interpret)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     nbytes = 4096
     chunks_np = [rng.integers(0, 256, (n, nbytes), dtype=np.uint8) for n in (5, 9, 4)]
     chunks = [ops.host_chunk(c) for c in chunks_np]
@@ -96,7 +96,7 @@ def test_backend_stage_layer_copies_a_layers_chunks_whole_end_to_end():
     chunk comes back as it is."""
     from strata.jax_backend.backend import JaxBackend
     ops = JaxBackend()
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     chunks_np = [rng.integers(0, 256, (n, 4096), dtype=np.uint8) for n in (5, 3)]
     chunks = [ops.host_chunk(c) for c in chunks_np]
     staged = ops.stage_layer(chunks)
