@@ -2,7 +2,7 @@
 an attention layer and every weight rounded to bfloat16, so an engine loaded as float32 holds exactly the weights the
 bfloat16 one does; the bfloat16 engine keeps a float32 KV cache (kv = "float32"), so a slot's state is float32 too.
 The rung's prompt-part and decode rows then equal the float32 engine's within float32 rounding (the default path's
-bfloat16 activations are ~1e-2 off); a float32 engine leaves the rung out and says why; a deterministic non-finite
+bfloat16 activations are ~1e-2 off), on one stage and on a layer split; a float32 engine leaves the rung out and says why; a deterministic non-finite
 row retried on float32 follows the ladder (default, then float32) to the guard's explicit error (the scheduler's
 side of the ladder is tested against a FakeExecutor in test_guard.py)."""
 from __future__ import annotations
@@ -45,12 +45,16 @@ def wide(model):
     return Engine.load(model, dtype="float32", **SHAPE)
 
 
-@pytest.fixture(scope="module")
-def narrow(model):
+def narrow_runner(model, **kw):
     """The bfloat16 engine (a float32 KV cache), with the deterministic fault FAULT_AT on every path."""
     settings = Settings.build(allow_faults=True, model=str(model), dtype="bfloat16", kv="float32",
-                              fault_nonfinite=FAULT_AT, **SHAPE)
+                              fault_nonfinite=FAULT_AT, **SHAPE, **kw)
     return WindowRunner(Engine.load(model, settings=settings), 2, 16)
+
+
+@pytest.fixture(scope="module")
+def narrow(model):
+    return narrow_runner(model)
 
 
 def log_softmax(logits) -> np.ndarray:
@@ -66,11 +70,14 @@ def test_a_float32_engine_leaves_the_rung_out_and_says_why(wide, caplog):
     assert any("float32 (the engine computes in float32 already)" in m for m in caplog.messages), caplog.messages
 
 
-def test_the_float32_rung_computes_a_float32_engines_rows(narrow, wide):
+@pytest.mark.parametrize("split", [None, "2"], ids=["one_stage", "split"])
+def test_the_float32_rung_computes_a_float32_engines_rows(model, narrow, wide, split):
     """A prompt part and three decode rows of slot 0 on the rung (slot 1 idle), before the fault's position: each
     sampled token is the float32 engine's argmax after the same tokens (so its greedy output), and each row's top
-    logprobs that engine's log-softmax within float32 rounding."""
-    r = narrow
+    logprobs that engine's log-softmax within float32 rounding; the same on a layer split (two CPU devices: the
+    first stage widens the embedding, the float32 rows cross the hand-off)."""
+    r = narrow if split is None else narrow_runner(model, layer_split=split)
+    assert len(r.engine.stages) == (1 if split is None else 2)
     assert r.numerics == ("float32", "cpu_experts")
     prompt = np.array(wide.tokenizer.encode("the heron waits by the mill pond"), np.int32)
     n = len(prompt)
