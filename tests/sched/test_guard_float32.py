@@ -2,9 +2,9 @@
 an attention layer and every weight rounded to bfloat16, so an engine loaded as float32 holds exactly the weights the
 bfloat16 one does; the bfloat16 engine keeps a float32 KV cache (kv = "float32"), so a slot's state is float32 too.
 The rung's prompt-part and decode rows then equal the float32 engine's within float32 rounding (the default path's
-bfloat16 activations are ~1e-2 off), on one stage and on a layer split; a float32 engine leaves the rung out and says why; a deterministic non-finite
-row retried on float32 follows the ladder (default, then float32) to the guard's explicit error (the scheduler's
-side of the ladder is tested against a FakeExecutor in test_guard.py)."""
+bfloat16 activations are ~1e-2 off), on one stage and on a layer split; a float32 engine leaves the rung out and
+says why; a deterministic non-finite row retried on float32 follows the ladder (default, then float32) to the guard's
+explicit error (the scheduler's side of the ladder is tested against a FakeExecutor in test_guard.py)."""
 from __future__ import annotations
 
 import json
