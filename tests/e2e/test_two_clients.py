@@ -21,7 +21,7 @@ from strata.experts.path import PathKind
 
 pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
 
-RUNS = int(__import__("os").environ.get("TWO_RUNS", 20))
+RUNS = 20
 STREAM_RUNS = 3
 # B's prompt: 150 lines of the client's filler are ~6,800 tokens of the demo's byte-level tokenizer, 7 parts of 1024
 # (the client's default 600 lines are ~27,000: the same interleaving at four times the CPU time)
