@@ -11,6 +11,8 @@ taken with the cache (the stored conversation reused) and without (cache_prompt 
 parked: its KV and checkpoints copied to host RAM) and the follow-up resumes it; the executor's park and resume
 calls are timed on their own. Through the Scheduler over a WindowRunner (no HTTP). Writes JSON as it goes
 (bench "followup_ttft"; its ttft_ms_64k is SUMMARY.json's followup_ttft_ms_64k).
+--park-only: only the copies, on the runner (no prompt read: their cost does not depend on the KV's values): the
+longest history's KV saved from slot 0 and loaded into slot 1, three times (the first compiles).
 """
 from __future__ import annotations
 
@@ -171,6 +173,28 @@ def measure(engine, histories: list[int], new: int, reply: int, every: int, ram_
     return out
 
 
+def measure_park(engine, n: int, out: dict, write) -> dict:
+    """save_kv of n positions from slot 0 and load_kv into slot 1 (waited for), three rounds; the last is kept."""
+    from strata.engine.runner import WindowRunner
+    runner = WindowRunner(engine, 2, engine.settings.sched.prefill)
+    wait = lambda: engine.backend.to_host(runner.states[0][next(iter(runner.states[0]))][0, 0])  # noqa: E731
+    wait()
+    k = label(n)
+    for rep in range(3):
+        t = time.perf_counter()
+        saved = runner.save_kv(0, n)
+        t1 = time.perf_counter()
+        runner.load_kv(1, saved)
+        wait()
+        t2 = time.perf_counter()
+        out.update({f"park_kv_ms_{k}": 1000 * (t1 - t), f"resume_kv_ms_{k}": 1000 * (t2 - t1),
+                    f"park_kv_bytes_{k}": saved.nbytes, f"park_kv_blocks_{k}": len(saved.data)})
+        say(f"{n} positions: KV saved in {1000 * (t1 - t):.1f} ms, loaded in {1000 * (t2 - t1):.1f} ms "
+            f"({saved.nbytes / 2**20:.1f} MiB in {len(saved.data)} blocks; round {rep})")
+    write(out)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the demo model on a CPU: histories 256,512,1024, 64 new")
@@ -183,6 +207,7 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--checkpoint-every", type=int, default=512)
     ap.add_argument("--checkpoint-ram-gib", type=float, default=16.0)
+    ap.add_argument("--park-only", action="store_true", help="only the KV copies of the longest history (no prompt)")
     ap.add_argument("--out", default=None, help="JSON file to write (default bench/results/followup_ttft.json)")
     args = ap.parse_args()
     print(results_file.server_xla_flags(), flush=True)          # before the first JAX call (stamp's)
@@ -194,12 +219,16 @@ def main() -> int:
         engine = real_engine(args.layers, args.experts, max_context, args.prefill)
     else:
         engine = demo_engine(max_context, args.prefill)
-    out = {"bench": "followup_ttft", **results_file.stamp(), "model": "qwen3-next-80b shapes" if args.real_shapes
+    bench = "park_kv" if args.park_only else "followup_ttft"
+    out = {"bench": bench, **results_file.stamp(), "model": "qwen3-next-80b shapes" if args.real_shapes
            else "demo", "layers": args.layers if args.real_shapes else None, "new_tokens": args.new,
            "histories": histories, "checkpoint_every": args.checkpoint_every, "prefill": args.prefill}
-    name = "followup_ttft" + ("_smoke" if args.quick or not args.real_shapes else "")
+    name = bench + ("_smoke" if args.quick or not args.real_shapes else "")
     write = lambda result: results_file.write(result, args.out, name)      # noqa: E731
-    measure(engine, histories, args.new, args.reply, args.checkpoint_every, args.checkpoint_ram_gib, out, write)
+    if args.park_only:
+        measure_park(engine, max(histories), out, write)
+    else:
+        measure(engine, histories, args.new, args.reply, args.checkpoint_every, args.checkpoint_ram_gib, out, write)
     return 0
 
 

@@ -74,6 +74,7 @@ class Backend(Protocol):
 
     # --- sequence state
     def kv_write(self, cache: Array, new: Array, start: Array) -> Array: ...    # [Cap, ...] <- [T, ...] at start
+    def kv_read(self, cache: Array, start: Array, n: int) -> Array: ...        # [Cap, ...] -> rows start.. [n, ...]
     def attention(self, q: Array, k_cache: Array, v_cache: Array, q_pos: Array, scale: float,
                   k_scale: Array | None = None, v_scale: Array | None = None) -> Array: ...  # int8 caches: scales
     def causal_conv(self, u: Array, conv_state: Array, w: Array, n_valid: Array) -> tuple[Array, Array]: ...

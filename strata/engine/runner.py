@@ -168,10 +168,11 @@ class WindowRunner:
             self.run(replace(shaped, decode_active=np.ones(s, bool), temperature=temperature))
             self.run(replace(shaped, part=one, temperature=temperature))
         # the prompt cache's copies: a checkpoint out and back (from the device and from the host: the two compile
-        # apart), a KV block to the host and back
+        # apart), a KV block of each size to the host and back
         self.restore(0, self.snapshot(0))
         self.restore(0, self.to_host(self.snapshot(0)))
-        self.load_kv(0, self.save_kv(0, 1))
+        for n in self.copies.sizes:
+            self.load_kv(0, self.save_kv(0, n))
         if self.chains and s > 1:                 # a continuing window that a row drops out of (merge_rows)
             full = replace(plan, decode_active=np.ones(s, bool))
             w = self.dispatch(full)

@@ -3,9 +3,10 @@ load_kv in strata/plan.py), built on the row take/put that copies a slot for an 
 
 A snapshot is the recurrent state of the linear layers (conv + delta rule) of one slot, a device copy; the attention
 KV is not copied, since a part that continues a restored state overwrites the positions beyond it before any query
-sees them. Parking copies the KV of a sequence's first n positions to host RAM in blocks of a fixed size that divides
-the cache's rows (one compiled shape), and back. Every function runs on the bank as the windows dispatched so far
-leave it (the bank is threaded through as a value, so device order follows data).
+sees them. Parking copies the KV of a sequence's first n positions to host RAM and back in blocks of two sizes (two
+compiled shapes): large ones while they fit in n, then small ones (the last one ending at n or, past the cache's
+rows, at its end). Every function runs on the bank as the windows dispatched so far leave it (the bank is threaded
+through as a value, so device order follows data).
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from strata.backend import HOST, KV_NAMES
 from strata.model.config import LINEAR
 from strata.plan import Saved
 
-KV_BLOCK_MAX = 4096           # rows per block of a parked KV, at most (a power of two dividing the cache's rows)
+# rows per block of a parked KV: large blocks for the bulk (each copy costs a fixed ~0.2 ms besides its bytes), small
+# ones for the rest (a short conversation parks its own rows, not a large block's)
+KV_BLOCK_MAX, KV_BLOCK_MIN = 4096, 256
 # blocks of a parked KV whose copies to the host are queued before the oldest is read: the copies overlap the next
 # blocks' device work instead of the host waiting on each in turn, and the device holds at most this many extra blocks
 KV_BLOCKS_IN_FLIGHT = 4
@@ -38,47 +41,42 @@ def put_slot(ops, states, slot, layers, rows):
     return states
 
 
-def _take_block(ops, layers, block, states, slot, index):
-    """KV rows index * block .. + block of one slot, per attention layer."""
-    out = []
-    for i in layers:
-        layer = {}
-        for k, v in states[i].items():
-            row = ops.take_row(v, slot)
-            layer[k] = ops.take_row(row.reshape((row.shape[0] // block, block) + row.shape[1:]), index) + 0
-        out.append(layer)
-    return out
+def _take_block(ops, layers, block, states, slot, start):
+    """KV rows start .. start + block - 1 of one slot, per attention layer (a start past the cache's last block is
+    clamped to it: kv_read and kv_write clamp alike, so a block goes back where it came from)."""
+    return [{k: ops.kv_read(ops.take_row(v, slot), start, block) + 0 for k, v in states[i].items()}
+            for i in layers]
 
 
-def _put_block(ops, layers, block, states, slot, index, rows):
+def _put_block(ops, layers, block, states, slot, start, rows):
     states = list(states)
     for i, row in zip(layers, rows):
-        states[i] = {k: ops.set_row(v, slot, ops.kv_write(ops.take_row(v, slot), row[k], index * block))
+        states[i] = {k: ops.set_row(v, slot, ops.kv_write(ops.take_row(v, slot), row[k], start))
                      for k, v in states[i].items()}
     return states
 
 
-def _take_host_block(ops, layers, block, states, slot, index):
+def _take_host_block(ops, layers, block, states, slot, start):
     """_take_block of a two-tier cache: the positions' rows of its host arrays (the window written back first)."""
-    return [{n: ops.host_kv.host_window(states[i][n + HOST], slot, index * block, block)
+    return [{n: ops.host_kv.host_window(states[i][n + HOST], slot, start, block)
              for n in KV_NAMES if n in states[i]} for i in layers]
 
 
-def _put_host_block(ops, layers, block, states, slot, index, rows):
+def _put_host_block(ops, layers, block, states, slot, start, rows):
     """_put_block of a two-tier cache: into its host arrays (the window read from them after the last block)."""
     states = list(states)
     for i, row in zip(layers, rows):
-        states[i] = dict(states[i], **{n + HOST: ops.host_kv.host_write(states[i][n + HOST], x, slot, index * block)
+        states[i] = dict(states[i], **{n + HOST: ops.host_kv.host_write(states[i][n + HOST], x, slot, start)
                                        for n, x in row.items()})
     return states
 
 
-def kv_block(capacity: int) -> int:
-    """The largest power of two up to KV_BLOCK_MAX that divides the cache's rows."""
-    b = 1
-    while b * 2 <= KV_BLOCK_MAX and capacity % (b * 2) == 0:
-        b *= 2
-    return b
+def kv_blocks(n: int, sizes: tuple[int, int]) -> list[tuple[int, int]]:
+    """The (start, rows) blocks that copy positions 0..n-1: large blocks while they fit in n, then small ones."""
+    large, small = sizes
+    out = [(a, large) for a in range(0, n - large + 1, large)]
+    at = len(out) * large
+    return out + [(a, small) for a in range(at, n, small)]
 
 
 class SlotCopies:
@@ -89,7 +87,8 @@ class SlotCopies:
         self.runner = r = runner
         e = r.engine
         self.ops = e.backend
-        self.block = kv_block(e.capacity)
+        large = min(KV_BLOCK_MAX, e.capacity)
+        self.sizes = (large, min(KV_BLOCK_MIN, large))
         take_kv, put_kv = (_take_host_block, _put_host_block) if r.tiers is not None else (_take_block, _put_block)
         self._fns = []
         for st in e.stages:
@@ -102,9 +101,11 @@ class SlotCopies:
                               memo("take_recurrent", lambda: c(partial(take_slot, ops, layers=linear))),
                               memo("put_recurrent", lambda: c(partial(put_slot, ops, layers=linear),
                                                               donate_argnums=(0,))),
-                              memo("take_kv_block", lambda: c(partial(take_kv, ops, full, self.block))),
-                              memo("put_kv_block", lambda: c(partial(put_kv, ops, full, self.block),
-                                                             donate_argnums=(0,)))))
+                              {b: memo(f"take_kv_block_{b}", lambda b=b: c(partial(take_kv, ops, full, b)))
+                               for b in self.sizes},
+                              {b: memo(f"put_kv_block_{b}", lambda b=b: c(partial(put_kv, ops, full, b),
+                                                                          donate_argnums=(0,)))
+                               for b in self.sizes}))
 
     def snapshot(self, slot: int) -> Saved:
         states = self.runner.states
@@ -139,28 +140,31 @@ class SlotCopies:
         blocks, pending = [], []
 
         def read_oldest():
-            blocks.append([{k: np.asarray(ops.to_host(v)) for k, v in layer.items()} for layer in pending.pop(0)])
-        for b in range(-(-n // self.block)):
+            start, rows = pending.pop(0)
+            blocks.append((start, [{k: np.asarray(ops.to_host(v)) for k, v in layer.items()} for layer in rows]))
+        for start, size in kv_blocks(n, self.sizes):
             rows = [row for st, _, full, _, _, take_kv, _ in self._fns if full
-                    for row in take_kv(st.of(self.runner.states), np.int32(slot), np.int32(b))]
+                    for row in take_kv[size](st.of(self.runner.states), np.int32(slot), np.int32(start))]
             for layer in rows:                # the copy to the host queued now, behind the block's copy
                 for v in layer.values():
                     ops.start_to_host(v)
-            pending.append(rows)
+            pending.append((start, rows))
             if len(pending) == KV_BLOCKS_IN_FLIGHT:
                 read_oldest()
         while pending:
             read_oldest()
-        return Saved(blocks, sum(_nbytes(x) for x in blocks), on_host=True, tokens=n)
+        return Saved(blocks, sum(_nbytes(rows) for _, rows in blocks), on_host=True, tokens=n)
 
     def load_kv(self, slot: int, saved: Saved) -> None:
         r = self.runner
-        for b, rows in enumerate(saved.data):
+        for start, rows in saved.data:
             at = 0
             for st, _, full, _, _, _, put_kv in self._fns:
                 if full:
                     a, z = st.layers.start, st.layers.stop
-                    r.states[a:z] = put_kv(r.states[a:z], np.int32(slot), np.int32(b), rows[at:at + len(full)])
+                    size = next(iter(rows[at].values())).shape[0]
+                    r.states[a:z] = put_kv[size](r.states[a:z], np.int32(slot), np.int32(start),
+                                                 rows[at:at + len(full)])
                     at += len(full)
         if r.tiers is not None:       # the window read at the newest positions (the next part starts from there)
             r.tiers.move(slot, max(0, saved.tokens - r.tiers.rows // 2), write_back=False)

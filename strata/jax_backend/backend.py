@@ -183,6 +183,11 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         # start + T never runs past it (no silent clamping)
         return lax.dynamic_update_slice(cache, new.astype(cache.dtype), (start,) + (0,) * (cache.ndim - 1))
 
+    @staticmethod
+    def kv_read(cache, start, n):
+        # a start past Cap - n is clamped to it, as kv_write clamps: a block read and written back lands where it was
+        return lax.dynamic_slice_in_dim(cache, start, n, axis=0)
+
     def attention(self, q, k_cache, v_cache, q_pos, scale, k_scale=None, v_scale=None):
         """A prompt part's attention (more than ATTN_ONE_PASS_ROWS rows) by the flash-attention kernel
         (kernels/decode_attention.py, prompt_attention) when chosen and the shapes suit it, else attention_xla."""

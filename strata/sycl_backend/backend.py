@@ -374,6 +374,12 @@ class SyclBackend(ComposedOps):
         cache[s:s + t] = new if new.dtype == cache.dtype else new.astype(cache.dtype)
         return cache
 
+    def kv_read(self, cache, start, n):
+        """cache rows start .. start + n - 1 (a view), start clamped as kv_write clamps it."""
+        self._op()
+        s = min(max(self._host_int(start), 0), cache.shape[0] - n)
+        return cache[s:s + n]
+
     def attention(self, q, k_cache, v_cache, q_pos, scale, k_scale=None, v_scale=None):
         self._op()
         return k_attention.attention(self.kernels, self._f32(q), self._kv(k_cache, v_cache, k_scale, v_scale),

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from lowerings import lowered
 from strata import Engine
 from strata.engine.runner import WindowRunner
+from strata.engine.slot_copies import KV_BLOCK_MAX
 from strata.sched.prompt_cache import common_prefix
 from strata.sched.request import Delta, Finished, Request
 from strata.sched.scheduler import Scheduler
@@ -245,27 +246,33 @@ def test_the_copies_compile_nothing_after_warm_up(engine):
         snap = r.snapshot(1)
         r.restore(0, snap)
         r.restore(1, r.to_host(snap))
-        r.load_kv(1, r.save_kv(0, 3 * r.copies.block + 5))
+        r.load_kv(1, r.save_kv(0, KV_BLOCK_MAX + 5))     # a large block, then a small one
     assert compiled == [], f"{len(compiled)} functions were compiled after warm-up"
-    assert r.copies.block > 1 and engine.capacity % r.copies.block == 0
     assert isinstance(snap.nbytes, int) and snap.nbytes == sum(np.asarray(v).nbytes for layer in snap.data
                                                               for v in layer.values())
 
 
-def test_a_parked_kv_of_many_blocks_loads_back_exactly():
-    """save_kv over more blocks than it keeps in flight (slot_copies.KV_BLOCKS_IN_FLIGHT): loaded into another slot,
-    every attention layer's first n rows equal the original's, in order."""
+@pytest.mark.parametrize("n,blocks", [(470, [(0, 120), (120, 120), (240, 120), (360, 100), (460, 100)]),
+                                      (500, [(0, 120), (120, 120), (240, 120), (360, 120), (480, 100)])])
+def test_a_parked_kv_of_many_blocks_loads_back_exactly(monkeypatch, n, blocks):
+    """save_kv over more blocks than it keeps in flight (slot_copies.KV_BLOCKS_IN_FLIGHT), of sizes that do not
+    divide the cache's 576 rows (large blocks of 120 while they fit in n, then small ones of 100; at n = 500 the last
+    one would run past the cache and is read and written at 476): loaded into another slot, every attention layer's
+    first n rows equal the original's, in order."""
     import numpy as np
-    from strata.engine.slot_copies import KV_BLOCKS_IN_FLIGHT
+    from strata.engine import slot_copies
     from strata.plan import PromptPart, idle_plan
+    monkeypatch.setattr(slot_copies, "KV_BLOCK_MAX", 120)
+    monkeypatch.setattr(slot_copies, "KV_BLOCK_MIN", 100)
     e = Engine.load("demo", max_context=512, prefill=64)
     r = WindowRunner(e, 2, 64)
-    toks = (np.arange(448) * 37 % 600).astype(np.int32)
+    assert r.copies.sizes == (120, 100) and e.capacity == 576
+    toks = (np.arange(512) * 37 % 600).astype(np.int32)
     for start in range(0, len(toks), 64):
         r.run(replace(idle_plan(2), part=PromptPart(slot=0, tokens=toks[start:start + 64], start=start, last=True)))
-    n = 420
     saved = r.save_kv(0, n)
-    assert len(saved.data) > KV_BLOCKS_IN_FLIGHT
+    assert [(a, next(iter(rows[0].values())).shape[0]) for a, rows in saved.data] == blocks
+    assert len(blocks) > slot_copies.KV_BLOCKS_IN_FLIGHT
     r.load_kv(1, saved)
     full = [i for i, layer in enumerate(r.states) if "k" in layer]
     for i in full:

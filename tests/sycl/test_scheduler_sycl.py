@@ -87,3 +87,23 @@ def test_a_window_of_four_rows_costs_the_launches_of_one(engine):
     layers = len(engine.cfg.layer_types)
     assert counts[4] == counts[1], counts
     assert counts[1] <= 16 * layers + 8, f"{counts[1]} launches for a window of {layers} layers"
+
+
+def test_a_parked_kv_loads_back_into_another_slot_exactly(engine):
+    """save_kv / load_kv (parking a conversation) on the SYCL backend: a large block (the whole 2112-row cache) does
+    not fit in n, so blocks of 256 copy the first n rows, and they land in the other slot as they were."""
+    from dataclasses import replace
+    from strata.plan import PromptPart
+    r = WindowRunner(engine, 2, 64)
+    assert r.copies.sizes == (2112, 256) and engine.capacity == 2112
+    toks = (np.arange(2048) * 37 % 600).astype(np.int32)
+    for start in range(0, len(toks), 64):
+        r.run(replace(idle_plan(2), part=PromptPart(slot=0, tokens=toks[start:start + 64], start=start, last=True)))
+    for n in (300, 2000):
+        saved = r.save_kv(0, n)
+        assert [a for a, _ in saved.data] == list(range(0, n, 256))
+        r.load_kv(1, saved)
+        for layer in (layer for layer in r.states if "k" in layer):
+            for k, v in layer.items():
+                a = np.asarray(engine.backend.to_host(v))
+                assert np.array_equal(a[1, :n], a[0, :n]), (n, k)
