@@ -18,7 +18,7 @@ from strata.backend import HOST, KV_NAMES
 from strata.model.config import LINEAR
 from strata.plan import Saved
 
-# rows per block of a parked KV: large blocks for the bulk (each copy costs a fixed ~0.2 ms besides its bytes), small
+# rows per block of a parked KV: large blocks for the bulk (each copy has a fixed cost besides its bytes), small
 # ones for the rest (a short conversation parks its own rows, not a large block's)
 KV_BLOCK_MAX, KV_BLOCK_MIN = 4096, 256
 # blocks of a parked KV whose copies to the host are queued before the oldest is read: the copies overlap the next
