@@ -935,7 +935,8 @@ def _cache_metrics(x) -> dict:
     x.moe.settle()
     st = x.cache.stats
     return dict(expert_hits=st.hits, expert_misses=st.misses, expert_fills=st.fills,
-                expert_layers_streamed=st.streamed_layers, expert_bytes_copied=st.bytes_copied, expert_copy_seconds=st.copy_seconds,
+                expert_layers_streamed=st.streamed_layers, expert_bytes_copied=st.bytes_copied,
+                expert_copy_seconds=st.copy_seconds,
                 expert_cpu_routes=st.cpu_routes, expert_cpu_seconds=st.cpu_seconds, expert_loans=st.loans,
                 expert_swaps=st.swaps, expert_slots_resident=x.cache.n_resident, expert_peer_routes=st.peer_routes,
                 expert_peer_seconds=st.peer_seconds)
