@@ -200,8 +200,6 @@ class Engine:
         split = opts.layer_split is not None
         if opts.prefill_help and not split:
             raise ConfigError("prefill_help needs layer_split: the peer that helps is the second stage's device")
-        if split and settings.sched.mtp:
-            raise ConfigError("layer_split with mtp (and spec) is not built yet: unset one of them")
         if random:
             from strata.jax_backend.random_weights import RandomDeviceReader
             params = params_from_reader(cfg, RandomDeviceReader(np_dtype), ops.joins_projections)
@@ -270,7 +268,8 @@ class Engine:
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             st_ops, st_cfg = backends[i], stage_config(cfg, a, b)
             compiled = partial(self._stage_compiled, i)
-            params = st_ops.to_device(stage_params(self.params, a, b, i == 0, i == len(bounds) - 2))
+            share = stage_params(self.params, a, b, i == 0, i == len(bounds) - 2, self.settings.sched.mtp)
+            params = st_ops.to_device(share)
             stages.append(Stage(i, a, st_ops, st_cfg, params, ExpertPath.no_experts(st_ops), moe_first=moe,
                                 by_layer=LayerByLayer(st_ops, st_cfg, compiled, self.taps), compiled=compiled))
             moe += sum(cfg.is_sparse_layer(j) for j in range(a, b))
@@ -279,6 +278,8 @@ class Engine:
         self.params = {"embed": stages[0].params["embed"], "norm": stages[-1].params["norm"],
                        "lm_head": stages[-1].params["lm_head"],
                        "layers": [lp for st in stages for lp in st.params["layers"]]}
+        if "mtp" in stages[-1].params:
+            self.params["mtp"] = stages[-1].params["mtp"]
         self.backend, self.by_layer, self.path = stages[-1].ops, None, stages[0].path
         self._sample = self.backend.compile(partial(_sample, self.backend), static_argnames=("greedy",))
         say(f"strata split: {len(stages)} stages: {', '.join(st.describe() for st in stages)}; one hand-off of the "

@@ -582,6 +582,10 @@ class CompiledPart:
                         for st in self.before]
 
     def dispatch(self, plan: WindowPlan) -> PartOut:
+        return self.run(plan)[0]
+
+    def run(self, plan: WindowPlan) -> tuple[PartOut, object]:
+        """-> (the part's result, its last layer's output x [T, H] on the last stage's device: the MTP head's)."""
         r, p = self.runner, plan.part
         e = r.engine
         i = p.slot
@@ -597,10 +601,10 @@ class CompiledPart:
         st = self.last
         a, b = st.layers.start, st.layers.stop
         x = st.ops.to_device(x) if x is not None else None
-        nxt, fin, r.states[a:b], logits, residual, _ = self._part(
+        nxt, fin, r.states[a:b], logits, residual, x = self._part(
             st.params, st.path.args(), r.states[a:b], np.int32(i), tokens, start, n, *_sampling_of(plan, i),
             plan.seeds[i], plan.steps[i], x=x)
-        return r.part_out(plan, nxt, fin, logits, residual)
+        return r.part_out(plan, nxt, fin, logits, residual), x
 
 
 class HostPart:
@@ -611,6 +615,10 @@ class HostPart:
         self.runner, self.experts_of, self.widen = runner, experts_of, widen
 
     def dispatch(self, plan: WindowPlan) -> PartOut:
+        return self.run(plan)[0]
+
+    def run(self, plan: WindowPlan) -> tuple[PartOut, object]:
+        """-> (the part's result, its last layer's output x [T, H]), as CompiledPart.run."""
         r, p = self.runner, plan.part
         e = r.engine
         i, n = p.slot, len(p.tokens)
@@ -627,12 +635,12 @@ class HostPart:
                                                                        n, experts, x)
             return x
         last = e.stages[-1]
-        x = self.widen(padded) if self.widen is not None else None
-        logits = last.by_layer.head(last.params, e.hidden(e.stages, x, through), n)
+        x = e.hidden(e.stages, self.widen(padded) if self.widen is not None else None, through)
+        logits = last.by_layer.head(last.params, x, n)
         if plan.shaped or p.copies:
-            return r.part_out(plan, None, None, logits, residual)
+            return r.part_out(plan, None, None, logits, residual), x
         nxt, fin = r._sample(logits, *_sampling_of(plan, i), plan.seeds[i:i + 1], plan.steps[i:i + 1])
-        return r.part_out(plan, nxt, fin, logits, residual)
+        return r.part_out(plan, nxt, fin, logits, residual), x
 
 
 class Shaping:

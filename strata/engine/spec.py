@@ -17,7 +17,6 @@ import numpy as np
 
 from strata.config import bucket_for
 from strata.engine.core import SAMPLING, all_greedy
-from strata.engine.runner import _prompt_part
 from strata.errors import ConfigError
 from strata.experts.path import PathKind
 from strata.model.config import LINEAR
@@ -171,35 +170,81 @@ def _drafts(ops, cfg, geo: Geometry, params, head: MtpHead, pool, kv, g, at, on)
     return xp.concatenate([xp.stack(drafts), n[None]]).astype(xp.int32), kv
 
 
+def _verify_inputs(xp, geo: Geometry, rows, drafted, offer, active):
+    """A verify window's rows on any stage: rows int32 [3, S] (token, position, step), drafted [K + 1, S] (the
+    head's drafts, then how many it offers), offer [S] -> (tokens [T*S] step-major, positions and valid [T, S], the
+    drafts each row verifies n [S])."""
+    i32 = xp.int32
+    T = geo.k + 1
+    on = active > 0
+    n = xp.minimum(offer, drafted[geo.k]) * on.astype(i32)
+    j = xp.arange(T, dtype=i32)[:, None]
+    valid = (j <= n[None]) & on[None]                                                  # [T, S]
+    pos = xp.where(valid, rows[1][None] + j, geo.scratch).astype(i32)
+    return xp.concatenate([rows[0][None], drafted[:geo.k]]).reshape(-1), pos, valid, n
+
+
+def accepted_states(xp, kinds, states, a):
+    """The rollback: each linear layer's state at each row's last accepted position (states [T, S, ...] as the
+    verify form keeps them, a [S]); attention layers' states as they are (later keys are never visible)."""
+    every = xp.arange(a.shape[0])
+    return [{k: v[a, every] for k, v in st.items()} if kind == LINEAR else st for kind, st in zip(kinds, states)]
+
+
+def _verify_hidden(ops, cfg, path, layout, geo: Geometry, params, args, states, rows, drafted, offer, active, x,
+                   taps=None):
+    """A split's stage before the last in a verify window (x [T*S, H] from the stage before, None on the first) ->
+    (its layers' states with the linear layers' as they were, the linear layers' at every position [T, S, ...]
+    (`kept`, for _roll_back), x after its layers); window fetch: and the routing counts and experts copied."""
+    tokens, pos, valid, _ = _verify_inputs(ops.xp, geo, rows, drafted, offer, active)
+    fetching = path.kind is PathKind.WINDOW_FETCH
+    counts, copied = ([], []) if fetching else (None, None)
+    flat_valid = valid.reshape(-1).astype(ops.xp.int32)
+    x, new = forward_hidden(ops, cfg, params, states, tokens, pos, valid.astype(ops.xp.int32),
+                            path.traced(layout, args, flat_valid, counts, copied), mix=stepwise(geo.k + 1),
+                            taps=taps, x=x)
+    kinds = cfg.layer_types
+    kept = [st if kind == LINEAR else {} for kind, st in zip(kinds, new)]
+    states = [old if kind == LINEAR else st for kind, old, st in zip(kinds, states, new)]
+    if fetching:
+        return states, kept, x, ops.xp.stack(counts), ops.xp.stack(copied)
+    return states, kept, x
+
+
+def _roll_back(ops, states, kept, out, k: int, kinds: tuple):
+    """accepted_states on a split's stage before the last (states and kept as _verify_hidden returns them), with
+    the accepted counts from the verify window's out [K + 4, S] (row K + 1): the states keep their shapes, so the
+    donated buffers take the result."""
+    merged = [kp if kind == LINEAR else st for kind, st, kp in zip(kinds, states, kept)]
+    return accepted_states(ops.xp, kinds, merged, out[k + 1])
+
+
 def _verify_rows(ops, cfg, path, layout, geo: Geometry, head: MtpHead, params, args, pool, states, bank, rows, offer,
-                 active, temperature, top_k, top_p, min_p, seeds, greedy: bool = False, taps=None):
-    """A verify window. rows int32 [3, S]: each row's token, position and step; offer [S]: drafts it may verify (of
-    those bank["drafted"] holds); bank: the head's state {kv, h, drafted}. -> (states, bank, out int32 [K + 4, S]:
-    the tokens it emits (the accepted drafts, then the next token; a + 1 of them), a, finite (the logits at every
-    position it verified), drafts verified); window fetch: and the routing counts and experts copied."""
+                 active, temperature, top_k, top_p, min_p, seeds, greedy: bool = False, taps=None, x=None):
+    """A verify window (a split's last stage: x [T*S, H] from the stage before). rows int32 [3, S]: each row's
+    token, position and step; offer [S]: drafts it may verify (of those bank["drafted"] holds); bank: the head's
+    state {kv, h, drafted}. -> (states, bank, out int32 [K + 4, S]: the tokens it emits (the accepted drafts, then
+    the next token; a + 1 of them), a, finite (the logits at every position it verified), drafts verified); window
+    fetch: and the routing counts and experts copied."""
     xp = ops.xp
     i32 = xp.int32
     K, S = geo.k, rows.shape[1]
     T = K + 1
     on = active > 0
     drafts = bank["drafted"][:K]
-    n = xp.minimum(offer, bank["drafted"][K]) * on.astype(i32)
+    tokens, pos, valid, n = _verify_inputs(xp, geo, rows, bank["drafted"], offer, active)
     j = xp.arange(T, dtype=i32)[:, None]
-    valid = (j <= n[None]) & on[None]                                                  # [T, S]
-    pos = xp.where(valid, rows[1][None] + j, geo.scratch).astype(i32)
-    tokens = xp.concatenate([rows[0][None], drafts]).reshape(-1)
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
     flat_valid = valid.reshape(-1).astype(i32)
     x, states = forward_hidden(ops, cfg, params, states, tokens, pos, valid.astype(i32),
-                               path.traced(layout, args, flat_valid, counts, copied), mix=stepwise(T), taps=taps)
+                               path.traced(layout, args, flat_valid, counts, copied), mix=stepwise(T), taps=taps, x=x)
     hn = final_hidden(ops, cfg, params, x)                                             # [T*S, H]
     L = ops.linear(hn, params["lm_head"]).astype(xp.float32).reshape(T, S, -1)
     finite = xp.all(xp.isfinite(L) | ~valid[..., None], axis=(0, 2))
     a, nxt = _accept(ops, L, drafts, n, temperature, top_k, top_p, min_p, seeds, rows[2], greedy)
     every = xp.arange(S)
-    states = [{k: v[a, every] for k, v in st.items()} if kind == LINEAR else st
-              for kind, st in zip(cfg.layer_types, states)]
+    states = accepted_states(xp, cfg.layer_types, states, a)
     # the head reads the accepted positions: (h_i, t_{i+1}) with t the accepted drafts, then the next token
     padded = xp.concatenate([drafts, xp.zeros((1, S), i32)])
     with ops.scope("mtp"):
@@ -271,15 +316,18 @@ def _clear_head(ops, bank, slot):
 
 @dataclass(eq=False)
 class Verify:
-    """A dispatched verify window (Spec.dispatch -> collect)."""
+    """A dispatched verify window (Spec.dispatch -> collect); fetched: each fetching stage's (ExpertSet, slot table,
+    device routing counts, device experts copied) until collect records them."""
     out: object
-    fetched: tuple | None = None
+    fetched: list
 
 
 class Spec:
     """A runner's speculative decoding: the head's device state (its KV cache per slot, the hidden state a part
     leaves for the next, each slot's drafts), verify windows, and the head's share of prompt parts. A slot's drafts
-    on the device are offered only while fresh: made by the window before for the state the slot has now."""
+    on the device are offered only while fresh: made by the window before for the state the slot has now. On a
+    layer split the head lives on the last stage: earlier stages get the drafts from it and keep every position's
+    linear state until the accepted counts come back, all on the devices."""
 
     def __init__(self, runner):
         self.runner = r = runner
@@ -288,24 +336,29 @@ class Spec:
         k = e.settings.sched.spec
         if e.mtp is None:
             raise ConfigError(f"spec = {k} drafts with the MTP head: set mtp = true (--mtp) as well")
-        if ops.eager or not e.path.compiled_rows:
+        if ops.eager or not all(st.path.compiled_rows for st in e.stages):
             raise ConfigError(f"spec = {k} needs compiled decode windows: the jax backend with every expert on the "
                               f"device or window_fetch (this one: {ops.name} backend, experts {e.path.describe()})")
         self.geo = Geometry(k, r.scratch_pos, e.settings.model.max_context, e.settings.sched.spec_min_p)
         s, cfg = r.n_slots, e.cfg
+        *self.before, self.last = e.stages
         kv = kv_state(cfg, e.capacity, e.kv_dtype)
         self.bank = ops.zeros_like({"kv": {n: np.broadcast_to(v, (s,) + v.shape) for n, v in kv.items()},
                                     "h": np.zeros((s, cfg.hidden_size), e.dtype),
                                     "drafted": np.zeros((k + 1, s), np.int32)})
         self.fresh = np.zeros(s, bool)
-        self.fetching = e.path.kind is PathKind.WINDOW_FETCH
         geo, (head, self.pool) = self.geo, e.mtp
-        self._verify = e.compiled(("verify_rows", e.layout, geo), lambda: ops.compile(
-            partial(_verify_rows, ops, cfg, e.path, e.layout, geo, head, taps=e.taps), donate_argnums=(3, 4),
-            static_argnames=("greedy",)))
+
+        def on(st, name, fn, *bound, **kw):   # fn(ops, cfg, path, layout, geo, ...) compiled over a stage's layers
+            return (st.compiled or e.compiled)((name, st.layout, geo), lambda: st.ops.compile(
+                partial(fn, st.ops, st.cfg, st.path, st.layout, geo, *bound, taps=e.taps), **kw))
+        self._verify = on(self.last, "verify_rows", _verify_rows, head, donate_argnums=(3, 4),
+                          static_argnames=("greedy",))
+        self._hidden = [on(st, "verify_hidden", _verify_hidden, donate_argnums=(2,)) for st in self.before]
+        self._roll_back = [e.compile_on(st, ("roll_back", k), partial(_roll_back, k=k, kinds=tuple(st.cfg.layer_types)),
+                                        donate_argnums=(0,)) for st in self.before]
         self._mtp_part = e.compiled(("mtp_part", geo), lambda: ops.compile(
-            partial(_mtp_part, ops, cfg, geo, head), donate_argnums=(2,), static_argnames=("last",)))
-        self._part = e._compile("prompt_part", _prompt_part, donate_argnums=(2,))    # CompiledPart's (x as well)
+            partial(_mtp_part, ops, self.last.cfg, geo, head), donate_argnums=(2,), static_argnames=("last",)))
         self._copy = e.compiled("copy_head", lambda: ops.compile(partial(_copy_head, ops), donate_argnums=(0,)))
         self._clear = e.compiled("clear_head", lambda: ops.compile(partial(_clear_head, ops), donate_argnums=(0,)))
 
@@ -316,34 +369,58 @@ class Spec:
         pos, active = r.decode_rows(plan)
         rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos, np.asarray(plan.steps, np.int32)])
         offer = np.where(self.fresh & plan.decode_active, plan.draft_len, 0).astype(np.int32)
-        a = r._args
-        sampling = [a.get(k, v) for k, v in zip(SAMPLING, plan.sampling)]
+        fetched, kept = [], [None] * len(self.before)
+
+        def through(st, x):          # a stage before the last: its layers, every position's linear state kept
+            a, b = st.layers.start, st.layers.stop
+            drafted = st.ops.to_device(self.bank["drafted"])
+            res = self._hidden[st.index](st.params, self._args(st, fetched), r.states[a:b], st.ops.to_device(rows),
+                                         drafted, offer, active, x)
+            r.states[a:b], kept[st.index], x = res[:3]
+            self._counts(st, fetched, res[3:])
+            return x
+        x = e.hidden(self.before, None, through)
+        st = self.last
+        a, b = st.layers.start, st.layers.stop
+        x = st.ops.to_device(x) if x is not None else None
+        sampling = [r._args.get(k, v) for k, v in zip(SAMPLING, plan.sampling)]
         greedy = all_greedy(plan.temperature, plan.decode_active)
-        fetched = None
-        if self.fetching:
-            args, table = e.experts.fetch_args()
-            r.states, self.bank, out, counts, copied = self._verify(
-                e.params, args, self.pool, r.states, self.bank, rows, offer, active, *sampling,
-                a.get("seeds", plan.seeds), greedy=greedy)
-            fetched = (table, counts, copied)
-        else:
-            r.states, self.bank, out = self._verify(e.params, e.path.args(), self.pool, r.states, self.bank, rows,
-                                                    offer, active, *sampling, a.get("seeds", plan.seeds),
-                                                    greedy=greedy)
+        res = self._verify(st.params, self._args(st, fetched), self.pool, r.states[a:b], self.bank, rows, offer,
+                           active, *sampling, r._args.get("seeds", plan.seeds), greedy=greedy, x=x)
+        r.states[a:b], self.bank, out = res[:3]
+        self._counts(st, fetched, res[3:])
+        # the rollback of the stages before the last: the accepted counts (in out) handed back to their devices
+        for early in self.before:
+            a, b = early.layers.start, early.layers.stop
+            r.states[a:b] = self._roll_back[early.index](r.states[a:b], kept[early.index], early.ops.to_device(out))
         self.fresh |= plan.decode_active
-        for x in (out, *(fetched or ())[1:]):
-            self.ops.start_to_host(x)
+        for y in (out, *(c for f in fetched for c in f[2:])):
+            self.ops.start_to_host(y)
         return Verify(out, fetched)
+
+    @staticmethod
+    def _args(st, fetched: list):
+        """A stage's expert arguments for a verify window; window fetch: its slot table's, noted in fetched (the
+        counts and copies the call returns follow: _counts)."""
+        if st.path.kind is not PathKind.WINDOW_FETCH:
+            return st.path.args()
+        args, table = st.experts.fetch_args()
+        fetched.append([st.experts, table, None, None])
+        return args
+
+    @staticmethod
+    def _counts(st, fetched: list, extra: tuple) -> None:
+        if st.path.kind is PathKind.WINDOW_FETCH:
+            fetched[-1][2:] = extra
 
     def collect(self, v: Verify) -> tuple:
         """-> (next [S], finite [S], accepted drafts [S, K], how many [S], drafts verified [S])."""
         e = self.runner.engine
         out = np.asarray(e.backend.to_host(v.out))
         k = self.geo.k
-        if v.fetched is not None:
-            table, counts, copied = v.fetched
-            v.fetched = None
-            e.experts.record_window(table, np.asarray(e.backend.to_host(counts)), np.asarray(e.backend.to_host(copied)))
+        fetched, v.fetched = v.fetched, []
+        for experts, table, counts, copied in fetched:
+            experts.record_window(table, np.asarray(e.backend.to_host(counts)), np.asarray(e.backend.to_host(copied)))
         a = out[k + 1]
         nxt = out[:k + 1][a, np.arange(out.shape[1])]
         return nxt, out[k + 2].astype(bool), np.ascontiguousarray(out[:k].T), a, out[k + 3]
@@ -359,27 +436,15 @@ class Spec:
         self.fresh &= ~np.asarray(active, bool)
 
     def part(self, plan: WindowPlan):
-        """A prompt part (runner.part's work) and the head's share of it -> PartOut."""
+        """A prompt part (runner.part's work, which hands back its last layer's output) and the head's share of it
+        -> PartOut."""
         r, p = self.runner, plan.part
-        e = r.engine
         i, n = p.slot, len(p.tokens)
         padded = np.zeros(bucket_for(n), np.int32)
         padded[:n] = p.tokens
-        sampling = tuple(x[i:i + 1] for x in plan.sampling)
-        if e.path.compiled_parts:
-            nxt, fin, r.states, logits, residual, x = self._part(
-                e.params, e.path.args(), r.states, np.int32(i), padded, np.int32(p.start), np.int32(n), *sampling,
-                plan.seeds[i], plan.steps[i])
-        else:
-            experts = e.path.on_host(np.arange(len(padded)) < n, part=len(padded) > 1, owner=f"prompt part of slot {i}")
-            x, r.states, residual = e.by_layer.slot_part_hidden(e.params, r.states, i, padded, p.start, n, experts)
-            logits = e.by_layer.head(e.params, x, n)
-            nxt = fin = None
-            if not (plan.shaped or p.copies):
-                nxt, fin = r._sample(logits, *sampling, plan.seeds[i:i + 1], plan.steps[i:i + 1])
-        po = r.part_out(plan, nxt, fin, logits, residual)
+        po, x = r.part.run(plan)
         first = po.next if po.rows is None else po.next[i:i + 1]
-        self.bank = self._mtp_part(e.params, self.pool, self.bank, np.int32(i), x, padded, np.int32(p.start),
+        self.bank = self._mtp_part(self.last.params, self.pool, self.bank, np.int32(i), x, padded, np.int32(p.start),
                                    np.int32(n), first, last=p.last)
         self.fresh[i] = p.last
         for c in p.copies:
@@ -391,7 +456,9 @@ class Spec:
 def sequence_draft_logits(engine, token_ids) -> np.ndarray:
     """The head's draft logits at positions 0..n-2 of a fresh sequence of n tokens (each predicts the token two
     ahead), in the sequence form (every position at once, nothing of verify windows or drafting): the oracle tests'
-    view of the head. Compiled once per n; every expert resident."""
+    view of the head. Compiled once per n; every expert resident, unsplit."""
+    if engine.split:
+        raise ValueError("sequence_draft_logits reads an unsplit engine")
     ops, cfg = engine.backend, engine.cfg
     head, pool = engine.mtp
     f = engine.compiled(("sequence_draft", engine.layout), lambda: ops.compile(

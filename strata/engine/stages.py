@@ -1,6 +1,6 @@
 """Layer split: the model's layers as contiguous stages, one per device, each with its own backend instance, its
-layers' parameters (the first also the embedding, the last the final norm and head), expert cache and path, and the
-sequence state of its layers. An unsplit engine is one stage holding everything.
+layers' parameters (the first also the embedding, the last the final norm and head, and with an MTP head that head
+and a copy of the embedding, which it reads), expert cache and path, and the sequence state of its layers. An unsplit engine is one stage holding everything.
 
 A window runs each stage's compiled function in turn; between stages the hidden rows [T, H] (and the rows' tokens
 and positions, which every stage reads) move to the next device: one hand-off per window per boundary. Every device
@@ -101,13 +101,16 @@ def stage_config(cfg: ModelConfig, first: int, end: int) -> ModelConfig:
                    decoder_sparse_step=1, first_layer=cfg.first_layer + first)
 
 
-def stage_params(params: dict, first: int, end: int, is_first: bool, is_last: bool) -> dict:
-    """A stage's share of the parameter tree (still on the host or the device they came from)."""
+def stage_params(params: dict, first: int, end: int, is_first: bool, is_last: bool, mtp: bool = False) -> dict:
+    """A stage's share of the parameter tree (still on the host or the device they came from); mtp: the head is
+    used (the mtp setting), so the last stage holds it."""
     out = {"layers": params["layers"][first:end]}
     if is_first:
         out["embed"] = params["embed"]
     if is_last:
         out.update(norm=params["norm"], lm_head=params["lm_head"])
+        if mtp and "mtp" in params:             # the head drafts on the last stage and embeds its draft tokens
+            out.update(mtp=params["mtp"], embed=params["embed"])
     return out
 
 

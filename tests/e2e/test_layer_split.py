@@ -238,11 +238,6 @@ def test_bad_splits_are_refused_by_name(value, words):
         Engine.load("demo", max_context=256, prefill=PART, layer_split=value, **QUIET)
 
 
-def test_split_with_mtp_is_refused():
-    with pytest.raises(ConfigError, match="layer_split with mtp"):
-        Engine.load("demo", max_context=256, prefill=PART, layer_split="2", mtp=True, **QUIET)
-
-
 def test_the_guard_on_a_split(tmp_path):
     """The numerics guard across stages: a corrupt slot of the first stage is found and rewritten and the request
     returns the clean engine's tokens; a deterministic non-finite value in the second stage's layer 3 (the fault names

@@ -42,6 +42,19 @@ def spec4():
 
 
 @pytest.fixture(scope="module")
+def spec4_split():
+    """K = 4 on a layer split of three stages (tests/conftest.py's three CPU devices): the head on the last."""
+    return Engine.load("demo", max_context=CTX, prefill=PART, spec=4, mtp=True, layer_split="1,3", say=_quiet)
+
+
+@pytest.fixture(scope="module")
+def spec2_split():
+    """K = 2 on a split of two stages, each with 16 of its layers' experts on the device (window fetch)."""
+    return Engine.load("demo", max_context=CTX, prefill=PART, spec=2, mtp=True, layer_split="2", expert_cache=16,
+                       say=_quiet)
+
+
+@pytest.fixture(scope="module")
 def spec1():
     """K = 1, 32 of the 64 experts on the device (window fetch), and the test-only fault FAULT."""
     return Engine.load(settings=Settings.build(allow_faults=True, model="demo", max_context=CTX, prefill=PART, spec=1,
@@ -121,14 +134,16 @@ def _reference_ids(engine, prompt, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("engine, parallel, policy", [("spec4", 3, "lengths 4, 2, 3"), ("spec4", 3, "adaptive"),
-                                                      ("spec1", 2, "fixed")])
+                                                      ("spec1", 2, "fixed"), ("spec4_split", 3, "lengths 4, 2, 3"),
+                                                      ("spec2_split", 2, "lengths 2, 1")])
 def test_greedy_tokens_equal_spec_off(request, want, engine, parallel, policy):
     """Four requests on fewer slots: prompts read in parts beside the decoding rows; every window verifies with
     rows of different lengths, or the adaptive policy (plain windows chain ahead, lookahead); K = 1 with half the
-    experts on the device (window fetch)."""
+    experts on the device (window fetch); on a layer split of three stages, and of two with window fetch on each."""
     e = request.getfixturevalue(engine)
     k = e.settings.sched.spec
-    drafts = {"lengths 4, 2, 3": Lengths([4, 2, 3]), "adaptive": DraftPolicy(k), "fixed": DraftPolicy(k, False)}
+    drafts = {"lengths 4, 2, 3": Lengths([4, 2, 3]), "adaptive": DraftPolicy(k), "fixed": DraftPolicy(k, False),
+              "lengths 2, 1": Lengths([2, 1])}
     got, sched = _serve(e, _requests(e), parallel, drafts[policy])
     assert {r: v[0] for r, v in got.items()} == want
     assert all(isinstance(v[1], Finished) and v[1].reason == "length" for v in got.values())
@@ -183,10 +198,13 @@ def _inject(runner, drafts: np.ndarray) -> None:
     s.fresh[:] = True
 
 
-@pytest.mark.parametrize("right", [True, False])
-def test_acceptance_counts_by_hand(plain, spec4, right):
+@pytest.mark.parametrize("engine, right", [("spec4", True), ("spec4", False), ("spec4_split", True),
+                                           ("spec4_split", False)])
+def test_acceptance_counts_by_hand(request, plain, engine, right):
     """Drafts that are the model's own greedy continuation are all accepted; drafts that never are cost each window
-    one verify position per draft and accept nothing. One request, 20 tokens, 3 drafts offered while they fit."""
+    one verify position per draft and accept nothing. One request, 20 tokens, 3 drafts offered while they fit;
+    unsplit and on a split of three stages (whose first two take their rollback from the last's counts)."""
+    spec4 = request.getfixturevalue(engine)
     k, n = 3, 20
     req = _requests(spec4, 1, max_tokens=n)[0]
     ref = list(req.prompt_ids) + _reference_ids(plain, req.prompt_ids, n + k)
