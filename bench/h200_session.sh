@@ -41,6 +41,9 @@
 #                                        # prompt's later parts, a follow-up turn), in block / warp cases
 #   bash bench/h200_session.sh splits    # decode attention over n_splits (bf16, 32K and 128K, batch 1/4/16), then
 #                                        # long_decode's 128K windows with the module's choice
+#   bash bench/h200_session.sh prompts   # the prompt path's kernel tests compiled on the GPU, then bench/prompt_speed.py:
+#                                        # 4K, 32K and 128K prompts in 4K parts (48 layers, int4), each part's time and
+#                                        # floor, and VARIANTS (KernelConfig comparisons) at 4K
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -193,6 +196,14 @@ case "${1:-}" in
       2>&1 | grep -E "^decode|FAILED|wrote" | tee "$OUT/kernel_speed_decode_attention_splits.log"
     timeout 240 python3 bench/long_decode.py --part decode --prompt 0 --engines "bfloat16:131072:16:32768,131072:1,4,16" \
       --out "$OUT/long_decode_h200_48_layers.json" 2>&1 | grep -E "\] |Error|error" | tee "$OUT/long_decode.log"
+    ;;
+  prompts)
+    STRATA_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -n 8 tests/kernels/test_gated_delta.py \
+      tests/kernels/test_decode_attention.py tests/kernels/test_expert_grouped.py -p no:cacheprovider -o addopts="" \
+      2>&1 | tee "$OUT/gpu_prompt_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -20
+    timeout 420 python3 bench/prompt_speed.py --variants "${VARIANTS:-gdn_dots=tf32x3;gdn_scan_block=0}" \
+      --stop-after 300 --out "$OUT/prompt_speed_h200_48_layers.json" 2>&1 | grep -E "\] |Error|error|Trace" \
+      | tee "$OUT/prompt_speed.log"
     ;;
   scopes)
     timeout 300 python3 bench/prompt_probe.py --layers 8 --out "$OUT/prompt_probe_h200.json" 2>&1 \

@@ -64,10 +64,16 @@ KEYS = (
         "tok/s", decode_sources("4")),
     Key("decode_tok_s_b16", "decode, batch 16, 4K context, every expert on the GPU, windows dispatched ahead",
         "tok/s", decode_sources("16")),
+    # bench/prompt_speed.py's default engine (the WindowRunner, as the server reads prompts), and before it
+    # engine_speed's Engine API reads
     Key("prompt_tok_s_4k", "prompt of 4K tokens", "tok/s",
-        (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 4096, skip=ENGINE, fitted=True),)),
+        (Source("prompt_speed", ("runs", "default", "4096", "tok_s")),
+         Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 4096, skip=ENGINE, fitted=True),)),
     Key("prompt_tok_s_32k", "prompt of 32K tokens (parts of 4K)", "tok/s",
-        (Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 32768, skip=ENGINE, fitted=True),)),
+        (Source("prompt_speed", ("runs", "default", "32768", "tok_s")),
+         Source("engine_speed_real_shapes", ("prompt_tok_s_48_layers",), 32768, skip=ENGINE, fitted=True),)),
+    Key("prompt_tok_s_128k", "prompt of 128K tokens (parts of 4K)", "tok/s",
+        (Source("prompt_speed", ("runs", "default", "131072", "tok_s")),)),
     Key("offload_decode_tok_s_b1", "decode, batch 1, 12 GiB expert cache (32%), the rest in host RAM", "tok/s",
         (Source("offload_speed", ("runs", "uniform", "decode", "b1", "tok_s"), require=(("window_fetch", True),)),)),
     Key("offload_decode_tok_s_b1_skewed", "decode, batch 1, 12 GiB expert cache, skewed routing (20% of the experts "

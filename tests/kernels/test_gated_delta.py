@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,7 +86,7 @@ def aligned_inputs(rng, t, hv, dk, dv):
 @pytest.mark.parametrize("t,hv,dk,dv", [(1, 4, 32, 32), (130, 4, 32, 32), (1100, 2, 16, 16)])
 def test_xla_chunked_form_matches_the_reference(t, hv, dk, dv, chunk):
     """At chunk 64, 130 tokens are 3 chunks (one per scan iteration); 1100 tokens 18 (blocks of 2, as
-    GDN_SCAN_BLOCK = 16 does not divide 18); test_xla_chunked_form_in_full_blocks takes blocks of GDN_SCAN_BLOCK.
+    SCAN_BLOCK = 16 does not divide 18); test_xla_chunked_form_in_full_blocks takes blocks of SCAN_BLOCK.
     Chunk 128: half the sequential steps, twice the intra-chunk span."""
     from strata.jax_backend.backend import JaxBackend
     rng = np.random.default_rng(0)
@@ -119,19 +120,21 @@ def test_xla_chunked_form_with_dots_on_the_tensor_cores(dots, interpret):
 
 
 def test_the_backend_runs_its_kernel_configs_chunk_and_precision(monkeypatch):
-    """JaxBackend.gated_delta_chunked (the forward pass's call) computes at KernelConfig's gdn_chunk and gdn_dots."""
+    """JaxBackend.gated_delta_chunked (the forward pass's call) computes at KernelConfig's gdn_chunk, gdn_dots and
+    gdn_scan_block."""
     from strata.jax_backend.backend import JaxBackend
     from strata.jax_backend.kernel_config import KernelConfig
     seen = []
-    real = K.chunk_products_xla
+    real = JaxBackend.gated_delta_chunked_xla
 
     def spied(*a, **kw):
-        seen.append((kw["chunk"], kw["dots"]))
+        seen.append((kw["chunk"], kw["dots"], kw["scan_block"]))
         return real(*a, **kw)
 
-    monkeypatch.setattr(K, "chunk_products_xla", spied)
+    monkeypatch.setattr(JaxBackend, "gated_delta_chunked_xla", staticmethod(spied))
     rng = np.random.default_rng(0)
-    for cfg, want in ((KernelConfig(), (64, "ieee")), (KernelConfig(gdn_chunk=128, gdn_dots="bf16x6"), (128, "bf16x6"))):
+    for cfg, want in ((KernelConfig(), (64, "ieee", K.SCAN_BLOCK)),
+                      (KernelConfig(gdn_chunk=128, gdn_dots="bf16x6", gdn_scan_block=0), (128, "bf16x6", 0))):
         check_chunked(JaxBackend(kernels="xla", kernel_config=cfg).gated_delta_chunked,
                       *rule_inputs(rng, (130,), 2, 16, 16, "float32"), state_like(rng, (), 2, 16, 16))
         assert seen == [want]
@@ -146,10 +149,16 @@ def test_xla_chunked_form_refuses_an_unknown_precision_by_name():
                                            z((2, 16, 16)), dots="fp8")
 
 
-def test_xla_chunked_form_in_full_blocks():
-    """2048 tokens: 32 chunks, two scan iterations of GDN_SCAN_BLOCK chunks each."""
-    from strata.jax_backend.backend import GDN_SCAN_BLOCK, JaxBackend
-    assert 2048 // K.CHUNK == 2 * GDN_SCAN_BLOCK
+@pytest.mark.parametrize("scan_block", [K.SCAN_BLOCK, 0])
+def test_xla_chunked_form_in_full_blocks(scan_block):
+    """2048 tokens: 32 chunks, two scan iterations of SCAN_BLOCK chunks each; or all 32 unrolled (scan_block 0),
+    with no loop in the program."""
+    from strata.jax_backend.backend import JaxBackend
+    assert 2048 // K.CHUNK == 2 * K.SCAN_BLOCK
     rng = np.random.default_rng(0)
-    check_chunked(JaxBackend.gated_delta_chunked_xla, *rule_inputs(rng, (2048,), 2, 16, 16, "float32"),
-                  state_like(rng, (), 2, 16, 16))
+    args = (*rule_inputs(rng, (2048,), 2, 16, 16, "float32"), state_like(rng, (), 2, 16, 16))
+    form = functools.partial(JaxBackend.gated_delta_chunked_xla, scan_block=scan_block)
+    check_chunked(form, *args)
+    if scan_block == 0:
+        hlo = jax.jit(form).lower(*args).as_text()
+        assert "while" not in hlo

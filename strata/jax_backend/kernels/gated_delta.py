@@ -13,7 +13,8 @@ from jax import lax
 
 from strata.reference import gated_delta as _gated_delta_reference
 
-CHUNK = 64               # chunk_products_xla's default chunk (JaxBackend's GDN_CHUNK)
+CHUNK = 64               # chunk_products_xla's default chunk (KernelConfig.gdn_chunk)
+SCAN_BLOCK = 16          # chunks a step of the chunk-state scan walks, at most (KernelConfig.gdn_scan_block)
 _HI = lax.Precision.HIGHEST
 _F32 = jnp.float32
 # How the data matmuls run (static `dots`): "ieee" fp32 (Precision.HIGHEST), or fp32 split over the tensor cores,
