@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One lent H200 call per part (each ends well inside a 10-minute call), writing JSON and logs under $OUT (or ./out):
 #   bash bench/h200_session.sh kernels   # bench/kernel_speed.py, the families untimed in their v2 forms first
-#   bash bench/h200_session.sh gdn       # the XLA chunked delta rule at other chunks and precisions, and its GPU tests
-#   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_DOTS (tf32x3), GDN_CHUNK (64)
+#   bash bench/h200_session.sh gdn       # the XLA chunked delta rule at other chunks, and its GPU tests
+#   bash bench/h200_session.sh engine-gdn  # engine with the XLA chunked rule at GDN_CHUNK (128)
 #   bash bench/h200_session.sh engine48  # engine_speed at all 48 layers, kernels auto (~39 GB of int4 experts)
 #   bash bench/h200_session.sh decode-kernels  # the decode expert op (rows, warps) and the routing kernel
 #   bash bench/h200_session.sh decode-experts  # the int4 decode expert op against XLA's form (rows, warps)
@@ -62,7 +62,7 @@ case "${1:-}" in
       --out "$OUT/kernel_speed_h200.json" 2>&1 | grep -E "^(expert|decode|pool|wrote)|FAILED" \
       | tee "$OUT/kernel_speed.log"
     ;;
-  gdn)        # the backend's XLA chunked delta rule at other chunks and matmul precisions, and its tests compiled
+  gdn)        # the backend's XLA chunked delta rule at other chunks, and its tests compiled
     timeout 300 python3 bench/kernel_speed.py --only gated_delta_chunked --out "$OUT/kernel_speed_gated_delta_h200.json" \
       2>&1 | grep -E "^(gated|wrote)|FAILED" | tee "$OUT/kernel_speed_gated_delta.log"
     STRATA_TEST_DEVICE=gpu timeout 200 python3 -m pytest -q -n 8 tests/kernels/test_gated_delta.py \
@@ -128,11 +128,10 @@ case "${1:-}" in
       --kernels auto --decode-expert-max-routes 320 \
       --out "$OUT/engine_speed_real_shapes_int4_auto_48_layers_routes320.json" 2>&1 | grep -E "layers:|\] |\| |wrote|Error"
     ;;
-  engine-gdn) # the XLA chunked rule at other settings, a comparison run: GDN_DOTS (default tf32x3) and GDN_CHUNK
-              # (default 64), LAYERS=8,12 by default
+  engine-gdn) # the XLA chunked rule at another chunk, a comparison run: GDN_CHUNK (default 128), LAYERS=8,12
     timeout 400 python3 bench/engine_speed.py --real-shapes --experts int4 --layers "${LAYERS:-8,12}" --prompt 4096 \
-      --repeat 3 --kernels auto --gdn-chunk "${GDN_CHUNK:-64}" --gdn-dots "${GDN_DOTS:-tf32x3}" \
-      --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_${GDN_CHUNK:-64}_${GDN_DOTS:-tf32x3}.json" 2>&1 \
+      --repeat 3 --kernels auto --gdn-chunk "${GDN_CHUNK:-128}" \
+      --out "$OUT/engine_speed_real_shapes_int4_auto_gdn_${GDN_CHUNK:-128}.json" 2>&1 \
       | grep -E "layers:|\| |wrote|Error"
     ;;
   engine-nocb)  # LAYERS=8 for one point (the prompt part's time against engine's at the same layers)
@@ -201,7 +200,7 @@ case "${1:-}" in
     STRATA_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -n 8 tests/kernels/test_gated_delta.py \
       tests/kernels/test_decode_attention.py tests/kernels/test_expert_grouped.py -p no:cacheprovider -o addopts="" \
       2>&1 | tee "$OUT/gpu_prompt_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -20
-    timeout 420 python3 bench/prompt_speed.py --variants "${VARIANTS:-gdn_dots=tf32x3;gdn_scan_block=0}" \
+    timeout 420 python3 bench/prompt_speed.py --variants "${VARIANTS:-gdn_chunk=128}" \
       --stop-after 300 --out "$OUT/prompt_speed_h200_48_layers.json" 2>&1 | grep -E "\] |Error|error|Trace" \
       | tee "$OUT/prompt_speed.log"
     ;;
@@ -225,7 +224,7 @@ case "${1:-}" in
       | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
     ;;
   *)
-    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|kernel-tests|engine|engine48|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|scopes" >&2
+    echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|kernel-tests|engine|engine48|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|prompts|scopes|..." >&2
     exit 2
     ;;
 esac

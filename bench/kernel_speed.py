@@ -320,14 +320,14 @@ def rule_inputs(hv, dk, dv, prompt):
     return tuple(jnp.asarray(a) for a in (q, k, n(hv, dv), g.astype(np.float32), beta.astype(np.float32), st))
 
 
-# the XLA chunked form's (chunk, dots) cases, each timed against the defaults (64, "ieee"); tf32x3 needs a GPU
-CHUNKED_CASES = ((64, "tf32x3"), (128, "tf32x3"), (64, "bf16x6"), (128, "ieee"))
+# the XLA chunked form's chunks, each timed against the default (64)
+CHUNKED_CASES = (128,)
 
 
 def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CASES):
-    """The backend's chunked gated delta rule (XLA's form) over a prompt part of one sequence, with each (chunk,
-    dots) case as its KernelConfig's gdn_chunk and gdn_dots, against the defaults. FLOPs: the intra-chunk products
-    and the recurrence; bytes: q, k, v, o in fp32 and the state read and written."""
+    """The backend's chunked gated delta rule (XLA's form) over a prompt part of one sequence, with each chunk case
+    as its KernelConfig's gdn_chunk, against the default. FLOPs: the intra-chunk products and the recurrence; bytes:
+    q, k, v, o in fp32 and the state read and written."""
     from strata.jax_backend.backend import JaxBackend
     from strata.jax_backend.kernel_config import KernelConfig
     q, k, v, g, beta, st = rule_inputs(hv, dk, dv, prompt)
@@ -340,15 +340,13 @@ def gated_delta_chunked(hv, dk, dv, prompt, repeat, interpret, cases=CHUNKED_CAS
     flops = prompt * hv * (4 * c * dk + 2 * c * dv + 8 * dk * dv) * 2     # intra-chunk products + the recurrence
     nbytes = prompt * hv * (2 * dk + 2 * dv) * 4 + 2 * hv * dk * dv * 4
     rows = []
-    for chunk, dots in cases:
-        if interpret and dots == "tf32x3":        # XLA's CPU has no TF32
-            continue
-        ker = JaxBackend(kernels="xla", kernel_config=KernelConfig(gdn_chunk=chunk, gdn_dots=dots)).gated_delta_chunked
+    for chunk in cases:
+        ker = JaxBackend(kernels="xla", kernel_config=KernelConfig(gdn_chunk=chunk)).gated_delta_chunked
         err = rel_err(ker(q, k, v, g, beta, st)[1], xla_chunked(q, k, v, g, beta, st)[1])
         t_ker = device_seconds(lambda st: ker(q, k, v, g, beta, st), (st,), 0, repeat, carry=lambda out: out[1],
                                loop=CHUNKED_LOOP)
-        rows.append(row(f"gated delta chunked XLA, chunk {chunk}, {dots}, {prompt} tokens", t_ker, t_xla, nbytes,
-                        flops, err, form="chunked", tokens=prompt, chunk=chunk, dots=dots))
+        rows.append(row(f"gated delta chunked XLA, chunk {chunk}, {prompt} tokens", t_ker, t_xla, nbytes,
+                        flops, err, form="chunked", tokens=prompt, chunk=chunk))
     return rows
 
 

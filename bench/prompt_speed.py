@@ -7,7 +7,7 @@ each part's time against its position, and each part's floor.
 One engine with the backend's default KernelConfig reads a 4K prompt (one part, median of --repeat reads) and then
 prompts of each --prompts length in parts of 4K on one slot, timing every part (its start, ms, tok/s, and the floor:
 prompt_probe's floors for a 4K part with attention over start + T/2 keys a query on average). Then each --variants
-entry (KernelConfig fields, e.g. "gdn_dots=tf32x3;gdn_scan_block=0") builds another engine on the same weights for a
+entry (KernelConfig fields, e.g. "gdn_chunk=128;decode_expert_warps=8") builds another engine on the same weights for a
 comparison (the 4K read, its delta-rule states against the default's, and --variant-prompts when asked): those rows are
 never headlines. The JSON is rewritten after every figure, so a run cut off keeps what ended.
 """
@@ -78,7 +78,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", default="32768,131072", help="prompts read in parts of 4K after the 4K read")
     ap.add_argument("--repeat", type=int, default=3, help="reads of the 4K prompt (the median is its figure)")
-    ap.add_argument("--variants", default="", help="';'-separated KernelConfig comparisons, e.g. gdn_dots=tf32x3")
+    ap.add_argument("--variants", default="", help="';'-separated KernelConfig comparisons, e.g. gdn_chunk=128")
     ap.add_argument("--variant-prompts", default="", help="prompt lengths each variant reads in parts too")
     ap.add_argument("--stop-after", type=float, default=1e9, help="seconds after which no further variant starts")
     ap.add_argument("--smoke", action="store_true", help="4 layers, 16 experts, a 4K vocabulary, short prompts")

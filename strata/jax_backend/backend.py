@@ -306,20 +306,14 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         return jax.nn.silu(y), new_state.astype(conv_state.dtype)
 
     def gated_delta_chunked(self, q, k, v, g, beta, state):
-        """Prompt parts' gated delta rule at kernel_config's gdn_chunk, gdn_dots and gdn_scan_block
-        (gated_delta_chunked_xla)."""
-        cfg = self.kernel_config
-        return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state, chunk=cfg.gdn_chunk, dots=cfg.gdn_dots,
-                                                  scan_block=cfg.gdn_scan_block)
+        """Prompt parts' gated delta rule at kernel_config's gdn_chunk (gated_delta_chunked_xla)."""
+        return JaxBackend.gated_delta_chunked_xla(q, k, v, g, beta, state, chunk=self.kernel_config.gdn_chunk)
 
     @staticmethod
-    def gated_delta_chunked_xla(q, k, v, g, beta, state, chunk: int = k_gated_delta.CHUNK, dots: str = "ieee",
-                                scan_block: int = k_gated_delta.SCAN_BLOCK):
+    def gated_delta_chunked_xla(q, k, v, g, beta, state, chunk: int = k_gated_delta.CHUNK):
         """Chunked gated delta rule (chunks of `chunk` tokens). q, k [T, Hv, dk] (l2-normed, q scaled), v [T, Hv, dv],
         g, beta [T, Hv] fp32; state [Hv, dk, dv] fp32. Rows with g = beta = 0 leave the state unchanged (that is how
-        padding works). dots: how the fp32 matmuls run (kernels/gated_delta.py DOTS: "ieee",
-        Precision.HIGHEST; "tf32x3" and "bf16x6" split over the tensor cores; XLA's CPU has no TF32). scan_block:
-        chunks a scan step walks unrolled, at most (0: all of them, no loop)."""
+        padding works). The fp32 matmuls run at Precision.HIGHEST (IEEE)."""
         t, hv, dk = k.shape
         dv = v.shape[-1]
         c = chunk
@@ -328,8 +322,8 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         q, k, v, g, beta = (jnp.pad(x.astype(f32), [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta))
         n = (t + pad) // c
         # the intra-chunk products, batched over chunks and heads: w, u [Hv, Tp, d], attn [Hv, n, c, c], decays
-        w, u, attn, eq, ek = k_gated_delta.chunk_products_xla(q, k, v, g, beta, chunk=c, dots=dots)
-        hi = k_gated_delta.DOT_PRECISION[dots]
+        w, u, attn, eq, ek = k_gated_delta.chunk_products_xla(q, k, v, g, beta, chunk=c)
+        hi = k_gated_delta.HI
         # [n, Hv, c, ...] for the scan over chunks
         chunks = lambda x: x.reshape(hv, n, c, -1).transpose(1, 0, 2, 3)            # noqa: E731
         per_head = lambda x: x.reshape(n, c, hv, -1).transpose(0, 2, 1, 3)          # noqa: E731
@@ -344,13 +338,13 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         # so M and b are batched matmuls over every chunk, and the scan's step is one matmul and an add (two matmuls
         # and their elementwise work a step were thousands of small kernels a part). v' and o need S before each chunk:
         # the scan returns those (a 4096-token part: 64 states, 134 MB), and v' and o are batched matmuls after it.
-        # Each iteration takes a block of `blk` chunks (scan_block, or what divides n; every chunk when 0) walked
-        # with static indices: a GPU while loop slices its inputs and stacks its outputs by copies.
+        # Each iteration takes a block of `blk` chunks (SCAN_BLOCK, or what divides n) walked with static indices: a
+        # GPU while loop slices its inputs and stacks its outputs by copies.
         k_dec_t = k_dec.swapaxes(-1, -2)                                             # [n, Hv, dk, c]
         eye = jnp.eye(dk, dtype=f32)
         M = chunk_decay * eye - jnp.einsum("nhdc,nhce->nhde", k_dec_t, chunks(w), precision=hi)   # [n, Hv, dk, dk]
         b = jnp.einsum("nhdc,nhce->nhde", k_dec_t, chunks(u), precision=hi)                      # [n, Hv, dk, dv]
-        blk = math.gcd(n, scan_block) if scan_block else n
+        blk = math.gcd(n, k_gated_delta.SCAN_BLOCK)
 
         def block(S, xs):
             s_in = []
@@ -361,11 +355,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             return S, jnp.stack(s_in)
 
         xs = tuple(x.reshape((n // blk, blk) + x.shape[1:]) for x in (M, b))
-        if blk == n:                            # every chunk in one block: straight-line, no loop
-            state, s_before = block(state.astype(f32), tuple(x[0] for x in xs))
-            s_before = s_before[None]
-        else:
-            state, s_before = lax.scan(block, state.astype(f32), xs)
+        state, s_before = lax.scan(block, state.astype(f32), xs)
         s_before = s_before.reshape((n,) + s_before.shape[2:])                       # [n, Hv, dk, dv]
         v_new = chunks(u) - jnp.einsum("nhcd,nhde->nhce", chunks(w), s_before, precision=hi)
         out = (jnp.einsum("nhcd,nhde->nhce", q_dec, s_before, precision=hi)

@@ -18,13 +18,8 @@ def _pow2(n) -> bool:
 @dataclass(frozen=True)
 class KernelConfig:
     # the XLA chunked gated delta rule (prompt parts): tokens a chunk, a power of two from 16 to 256 (its exponent
-    # mask holds chunk^3 floats), and how its fp32 matmuls run: one of kernels/gated_delta.py's DOTS ("ieee" at
-    # HIGHEST precision; "tf32x3", "bf16x6" split over the tensor cores; tf32x3 compiles on a GPU only)
+    # mask holds chunk^3 floats)
     gdn_chunk: int = gated_delta.CHUNK
-    gdn_dots: str = "ieee"
-    # chunks a step of its chunk-state scan walks unrolled (a while loop over the steps); 0: every chunk of the
-    # part unrolled, no loop (one straight-line program per part shape)
-    gdn_scan_block: int = gated_delta.SCAN_BLOCK
     # the int4 decode expert kernel (kernels/expert_decode.py): gate/up rows a program and Triton warps a program
     # (powers of two), and the tokens a window from which it replaces XLA's decode form (at least 1)
     decode_expert_rows: int = expert_decode.BLOCK_ROWS
@@ -38,10 +33,6 @@ class KernelConfig:
     def __post_init__(self):
         if not (_pow2(self.gdn_chunk) and 16 <= self.gdn_chunk <= 256):
             raise ConfigError(f"gdn_chunk {self.gdn_chunk!r} must be a power of two from 16 to 256")
-        if not (isinstance(self.gdn_scan_block, int) and self.gdn_scan_block >= 0):
-            raise ConfigError(f"gdn_scan_block {self.gdn_scan_block!r} must be an integer >= 0 (0: no loop)")
-        if self.gdn_dots not in gated_delta.DOTS:
-            raise ConfigError(f"gdn_dots {self.gdn_dots!r} is not allowed; allowed: {', '.join(gated_delta.DOTS)}")
         for name in ("decode_expert_rows", "decode_expert_warps"):
             if not _pow2(getattr(self, name)):
                 raise ConfigError(f"{name} {getattr(self, name)!r} must be a power of two")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -102,63 +101,30 @@ def test_xla_chunked_form_with_aligned_keys(chunk):
                   *aligned_inputs(rng, 300, 2, 32, 32), state_like(rng, (), 2, 32, 32))
 
 
-@pytest.mark.parametrize("dots", ["bf16x6", "tf32x3"])
-def test_xla_chunked_form_with_dots_on_the_tensor_cores(dots, interpret):
-    """The XLA form's fp32 matmuls split over the tensor cores keep the IEEE limits (random and aligned keys, 1100
-    and 300 tokens). tf32x3 compiles on a GPU only: on the CPU XLA refuses it, by name. XLA's CPU runs a bf16x6
-    dot as plain fp32 (the same error as HIGHEST, measured), so there this checks the plumbing and the split's
-    accuracy is checked by the GPU run (STRATA_TEST_DEVICE=gpu)."""
-    from strata.jax_backend.backend import JaxBackend
-    run = functools.partial(JaxBackend.gated_delta_chunked_xla, dots=dots)
-    rng = np.random.default_rng(0)
-    if dots == "tf32x3" and interpret:                       # on the CPU
-        with pytest.raises(Exception, match="TF32_TF32_F32_X3"):
-            run(*rule_inputs(rng, (70,), 2, 16, 16, "float32"), jnp.asarray(state_like(rng, (), 2, 16, 16)))
-        return
-    check_chunked(run, *rule_inputs(rng, (1100,), 2, 16, 16, "float32"), state_like(rng, (), 2, 16, 16))
-    check_chunked(run, *aligned_inputs(rng, 300, 2, 32, 32), state_like(rng, (), 2, 32, 32))
-
-
-def test_the_backend_runs_its_kernel_configs_chunk_and_precision(monkeypatch):
-    """JaxBackend.gated_delta_chunked (the forward pass's call) computes at KernelConfig's gdn_chunk, gdn_dots and
-    gdn_scan_block."""
+def test_the_backend_runs_its_kernel_configs_chunk(monkeypatch):
+    """JaxBackend.gated_delta_chunked (the forward pass's call) computes at KernelConfig's gdn_chunk."""
     from strata.jax_backend.backend import JaxBackend
     from strata.jax_backend.kernel_config import KernelConfig
     seen = []
     real = JaxBackend.gated_delta_chunked_xla
 
     def spied(*a, **kw):
-        seen.append((kw["chunk"], kw["dots"], kw["scan_block"]))
+        seen.append(kw["chunk"])
         return real(*a, **kw)
 
     monkeypatch.setattr(JaxBackend, "gated_delta_chunked_xla", staticmethod(spied))
     rng = np.random.default_rng(0)
-    for cfg, want in ((KernelConfig(), (64, "ieee", K.SCAN_BLOCK)),
-                      (KernelConfig(gdn_chunk=128, gdn_dots="bf16x6", gdn_scan_block=0), (128, "bf16x6", 0))):
+    for cfg, want in ((KernelConfig(), 64), (KernelConfig(gdn_chunk=128), 128)):
         check_chunked(JaxBackend(kernels="xla", kernel_config=cfg).gated_delta_chunked,
                       *rule_inputs(rng, (130,), 2, 16, 16, "float32"), state_like(rng, (), 2, 16, 16))
         assert seen == [want]
         seen.clear()
 
 
-def test_xla_chunked_form_refuses_an_unknown_precision_by_name():
-    from strata.jax_backend.backend import JaxBackend
-    z = jnp.zeros
-    with pytest.raises(ValueError, match="dots must be one of"):
-        JaxBackend.gated_delta_chunked_xla(z((5, 2, 16)), z((5, 2, 16)), z((5, 2, 16)), z((5, 2)), z((5, 2)),
-                                           z((2, 16, 16)), dots="fp8")
-
-
-@pytest.mark.parametrize("scan_block", [K.SCAN_BLOCK, 0])
-def test_xla_chunked_form_in_full_blocks(scan_block):
-    """2048 tokens: 32 chunks, two scan iterations of SCAN_BLOCK chunks each; or all 32 unrolled (scan_block 0),
-    with no loop in the program."""
+def test_xla_chunked_form_in_full_blocks():
+    """2048 tokens: 32 chunks, two scan iterations of SCAN_BLOCK chunks each."""
     from strata.jax_backend.backend import JaxBackend
     assert 2048 // K.CHUNK == 2 * K.SCAN_BLOCK
     rng = np.random.default_rng(0)
-    args = (*rule_inputs(rng, (2048,), 2, 16, 16, "float32"), state_like(rng, (), 2, 16, 16))
-    form = functools.partial(JaxBackend.gated_delta_chunked_xla, scan_block=scan_block)
-    check_chunked(form, *args)
-    if scan_block == 0:
-        hlo = jax.jit(form).lower(*args).as_text()
-        assert "while" not in hlo
+    check_chunked(JaxBackend.gated_delta_chunked_xla, *rule_inputs(rng, (2048,), 2, 16, 16, "float32"),
+                  state_like(rng, (), 2, 16, 16))

@@ -1,6 +1,6 @@
 """The gated delta rule's chunked form (Qwen3-Next's linear attention) for prompt parts: the intra-chunk products in
-XLA (chunk_products_xla, batched by JaxBackend.gated_delta_chunked_xla), the matmul precisions (DOTS), and float64
-references. (A Pallas form lost to this one on the H200 in every case timed: docs/performance.md.)
+XLA (chunk_products_xla, batched by JaxBackend.gated_delta_chunked_xla; fp32 matmuls at Precision.HIGHEST), and
+float64 references. (A Pallas form lost to this one on the H200 in every case timed: docs/performance.md.)
 
 Per value head h the state S [dk, dv] is fp32: S <- exp(g_t) S; S <- S + k_t (x) beta_t (v_t - S^T k_t);
 o_t = S^T q_t (q, k l2-normed, q scaled). A row with g = beta = 0 leaves S unchanged (how padding works).
@@ -14,31 +14,19 @@ from jax import lax
 from strata.reference import gated_delta as _gated_delta_reference
 
 CHUNK = 64               # chunk_products_xla's default chunk (KernelConfig.gdn_chunk)
-SCAN_BLOCK = 16          # chunks a step of the chunk-state scan walks, at most (KernelConfig.gdn_scan_block)
-_HI = lax.Precision.HIGHEST
+SCAN_BLOCK = 16          # chunks an iteration of the chunk-state scan walks, at most (gated_delta_chunked_xla)
+HI = lax.Precision.HIGHEST
 _F32 = jnp.float32
-# How the data matmuls run (static `dots`): "ieee" fp32 (Precision.HIGHEST), or fp32 split over the tensor cores,
-# "tf32x3" (3-pass TF32, ~22 significant bits a product; a GPU only: XLA's CPU refuses it by name) or "bf16x6"
-# (6-pass bfloat16). The exponent sums (the 0/1-mask matmul over g) stay IEEE whatever `dots` is.
-DOTS = ("ieee", "tf32x3", "bf16x6")
-DOT_PRECISION = {"ieee": _HI, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-                 "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
 
 
-def _check_dots(dots: str) -> str:
-    if dots not in DOTS:
-        raise ValueError(f"dots must be one of {DOTS}, not {dots!r}")
-    return dots
-
-
-def chunk_products_xla(q, k, v, g, beta, chunk: int = CHUNK, dots: str = "ieee"):
+def chunk_products_xla(q, k, v, g, beta, chunk: int = CHUNK):
     """The intra-chunk products in XLA, all chunks and heads at once (batched matmuls and one triangular solve):
     q, k [Tp, Hv, dk], v [Tp, Hv, dv], g, beta [Tp, Hv] with Tp a multiple of `chunk` (padding rows g = beta = 0)
     -> (w [Hv, Tp, dk], u [Hv, Tp, dv], attn [Hv, n, C, C], eq = e^G, ek = e^(G_last - G) [Hv, Tp]), fp32: within
     a chunk G = cumsum(g), A = strict_lower(beta_i k_i.k_j e^(G_i - G_j)), [u | w] = (I + A)^-1 [beta v | beta e^G k]
     (the inverse by one unit lower-triangular solve, then a matmul), attn = lower(q_i.k_j e^(G_i - G_j)); the
-    exponents G_i - G_j as sums of g (no difference of prefix sums). dots: the data products' precision (DOTS)."""
-    hp = DOT_PRECISION[_check_dots(dots)]
+    exponents G_i - G_j as sums of g (no difference of prefix sums)."""
+    hp = HI
     tp, hv, dk = k.shape
     dv, c = v.shape[-1], chunk
     n = tp // c
@@ -52,7 +40,7 @@ def chunk_products_xla(q, k, v, g, beta, chunk: int = CHUNK, dots: str = "ieee")
     # small exponents near the diagonal (5e-6 relative in the final state, against 1e-7 summed directly)
     ii, jj, ll = np.ogrid[:c, :c, :c]
     between = ((jj < ll) & (ll <= ii)).astype(np.float32).reshape(c * c, c)         # [(i, j), l]
-    D = jnp.einsum("hnl,pl->hnp", g, jnp.asarray(between), precision=_HI).reshape(hv, n, c, c)
+    D = jnp.einsum("hnl,pl->hnp", g, jnp.asarray(between), precision=HI).reshape(hv, n, c, c)
     lower = jnp.tril(jnp.ones((c, c), bool))
     decay = jnp.exp(jnp.where(lower, D, -jnp.inf))                                # [Hv, n, c, c]
     k_beta = k * beta[..., None]
