@@ -21,7 +21,7 @@ serve: $(STAMP)
 # lint-imports: ARCHITECTURE.md's layer order (pyproject.toml's [tool.importlinter]) before the tests
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=30 tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_speed.py --model demo
