@@ -1,7 +1,6 @@
-"""Layer split: the model's layers as contiguous stages, one per device, each with its own backend instance, its
-layers' parameters (the first also the embedding, the last the final norm and head, and with an MTP head that head
-and a copy of the embedding, which it reads), expert cache and path, and the sequence state of its layers. An
-unsplit engine is one stage holding everything.
+"""Layer split: the model's layers as contiguous stages, one per device, each with its own backend, its layers'
+parameters (the first also the embedding; the last the final norm, the head and, with mtp, the MTP head and a copy of
+the embedding), expert cache and path, and its layers' sequence state. Unsplit: one stage holding everything.
 
 A window runs each stage's compiled function in turn; between stages the hidden rows [T, H] (and the rows' tokens
 and positions, which every stage reads) move to the next device: one hand-off per window per boundary. Every device
