@@ -1,8 +1,8 @@
 """Speculative decoding served: a real server over the demo engine with spec 4 and the MTP head reports drafts per
 request (its log line and timings), per slot in /slots and /metrics, and totals in /metrics; its greedy reply is the
-one spec off gives, whose /slots and log line name no drafts. The engines' shapes are tests/sched/test_spec.py's (a
-session compiles them once: JAX's persistent cache), and windows compile at first use: what the server reports is
-the subject here, not its warm-up."""
+one spec off gives, whose /slots and log line name no drafts; the same on a layer split of three stages (seed 004's
+users run --spec 4 --mtp --layer-split). The engines' shapes are tests/sched/test_spec.py's (a session compiles them
+once: JAX's persistent cache), and windows compile at first use: what the server reports is the subject here."""
 from __future__ import annotations
 
 import logging
@@ -30,21 +30,27 @@ def _scheduler(engine, drafts):
 def test_drafts_in_the_log_slots_and_metrics(serve, caplog):
     quiet = dict(max_context=SHAPE["max_context"], prefill=SHAPE["prefill"], say=lambda line: None)
     plain, spec = Engine.load("demo", **quiet), Engine.load("demo", spec=4, mtp=True, **quiet)
-    replies, slots = [], []
+    split = Engine.load("demo", spec=4, mtp=True, layer_split="1,3", **quiet)
+    replies, slots, texts = [], [], []
     with caplog.at_level(logging.INFO, logger="strata"):
-        for engine, drafts in ((plain, None), (spec, DraftPolicy(4, adaptive=False))):
+        for engine, drafts in ((plain, None), (spec, DraftPolicy(4, adaptive=False)),
+                               (split, DraftPolicy(4, adaptive=False))):
             with serve(engine, _scheduler(engine, drafts), **SHAPE) as s:
                 client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
                 r = client.chat.completions.create(model="demo", messages=HI, max_tokens=12, temperature=0)
                 replies.append(r.choices[0].message.content)
                 slots.append(httpx.get(s.url + "/slots").json())
-                text = httpx.get(s.url + "/metrics").text
-    assert replies[0] == replies[1]
+                texts.append(httpx.get(s.url + "/metrics").text)
+    assert replies[0] == replies[1] == replies[2]
+    for text in texts[1:]:
+        assert float(re.search(r"^strata_drafts_verified_total (\S+)", text, re.M).group(1)) > 0
+    assert re.search(r'^strata_stage_handoff_seconds_total\{device="cpu:2",layers="3-3",stage="2"\} ', texts[2], re.M)
+    text = texts[1]
     assert r.model_extra["timings"]["drafts"] > 0
     assert not {"drafts", "drafts_accepted"} & set(slots[0][0]) and {"drafts", "drafts_accepted"} <= set(slots[1][0])
     assert float(re.search(r"^strata_drafts_verified_total (\S+)", text, re.M).group(1)) > 0
     assert re.search(r'^strata_drafts_accepted_total \S+', text, re.M)
     assert re.search(r'^strata_slot_draft_acceptance\{slot="0"\} \S+', text, re.M)
     lines = [m for m in caplog.messages if "prompt" in m and "tokens =" in m]
-    assert len(lines) == 2 and "drafts accepted" not in lines[0]
-    assert re.search(r"drafts accepted \d+ of [1-9]\d*", lines[1])
+    assert len(lines) == 3 and "drafts accepted" not in lines[0]
+    assert all(re.search(r"drafts accepted \d+ of [1-9]\d*", line) for line in lines[1:])
