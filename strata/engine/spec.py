@@ -15,8 +15,8 @@ from functools import partial
 
 import numpy as np
 
-from strata.config import bucket_for
 from strata.engine.core import SAMPLING, all_greedy
+from strata.engine.runner import _padded
 from strata.errors import ConfigError
 from strata.experts.path import PathKind
 from strata.model.config import LINEAR
@@ -440,12 +440,10 @@ class Spec:
         -> PartOut."""
         r, p = self.runner, plan.part
         i, n = p.slot, len(p.tokens)
-        padded = np.zeros(bucket_for(n), np.int32)
-        padded[:n] = p.tokens
         po, x = r.part.run(plan)
         first = po.next if po.rows is None else po.next[i:i + 1]
-        self.bank = self._mtp_part(self.last.params, self.pool, self.bank, np.int32(i), x, padded, np.int32(p.start),
-                                   np.int32(n), first, last=p.last)
+        self.bank = self._mtp_part(self.last.params, self.pool, self.bank, np.int32(i), x, _padded(p.tokens),
+                                   np.int32(p.start), np.int32(n), first, last=p.last)
         self.fresh[i] = p.last
         for c in p.copies:
             self.bank = self._copy(self.bank, np.int32(i), np.int32(c))
