@@ -64,7 +64,27 @@ def _expert_decode(args):
                 spec((t, 10), jnp.float32))
 
 
-CASES = {"expert_decode": _expert_decode}    # name -> builder(args) -> (jitted fn, argument specs)
+def _prompt_attention(args):
+    """The prompt parts' flash-attention kernel at Qwen3-Next-80B shapes (Hq 16, Hkv 2, hd 256): args.tokens queries
+    (default 4096) over a cache of 131,072 + 4,096 rows, args.kv "int8" (with scales) or "bfloat16", args.block keys
+    a loop step (default: the kernel's)."""
+    import jax
+    import jax.numpy as jnp
+    from strata.jax_backend.kernels import decode_attention as K
+    spec, t, cap = jax.ShapeDtypeStruct, args.tokens or 4096, 135168
+    kw = dict(scale=256 ** -0.5, num_warps=args.warps or K.PROMPT_WARPS, block_k=args.block)
+    q, pos = spec((t, 16, 256), jnp.bfloat16), spec((t,), jnp.int32)
+    if args.kv == "int8":
+        cache, scales = spec((cap, 2, 256), jnp.int8), spec((cap, 2), jnp.float32)
+        fn = jax.jit(lambda q, k, v, ks, vs, p: K.prompt_attention(q, k, v, ks, vs, p, **kw))
+        return fn, (q, cache, cache, scales, scales, pos)
+    cache = spec((cap, 2, 256), jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v, p: K.prompt_attention(q, k, v, None, None, p, **kw))
+    return fn, (q, cache, cache, pos)
+
+
+CASES = {"expert_decode": _expert_decode,    # name -> builder(args) -> (jitted fn, argument specs)
+         "prompt_attention": _prompt_attention}
 
 
 def extract_kernels(fn, specs, out: Path) -> list[dict]:
@@ -223,8 +243,10 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compile", metavar="DIR", help="Triton side only: compile the TTIR files in DIR (triton venv)")
     ap.add_argument("--case", choices=sorted(CASES), default="expert_decode")
-    ap.add_argument("--tokens", type=int, help="expert_decode: tokens (default 1)")
-    ap.add_argument("--block", type=int, help="expert_decode: rows a program (default: the kernel's)")
+    ap.add_argument("--tokens", type=int, help="expert_decode: tokens (default 1); prompt_attention: queries (4096)")
+    ap.add_argument("--kv", default="int8", choices=("int8", "bfloat16"), help="prompt_attention: the cache's dtype")
+    ap.add_argument("--block", type=int, help="expert_decode: rows a program; prompt_attention: keys a step (default: "
+                                              "the kernel's)")
     ap.add_argument("--warps", type=int, help="Triton warps a program (default: the kernel's)")
     ap.add_argument("--out", default="/work/triton_probe/out", help="folder for the TTIR, PTX, SASS and report.json")
     ap.add_argument("--triton-python", default=TRITON_PYTHON, help="python of a venv with triton installed")
