@@ -43,7 +43,7 @@
 #                                        # long_decode's 128K windows with the module's choice
 #   bash bench/h200_session.sh prompts   # the prompt path's kernel tests compiled on the GPU, then bench/prompt_speed.py:
 #                                        # 4K, 32K and 128K prompts in 4K parts (48 layers, int4), each part's time and
-#                                        # floor, and VARIANTS (KernelConfig comparisons) at 4K
+#                                        # floor, and VARIANTS (KernelConfig comparisons) at 4K and 32K
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -200,7 +200,7 @@ case "${1:-}" in
     STRATA_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -n 8 tests/kernels/test_gated_delta.py \
       tests/kernels/test_decode_attention.py tests/kernels/test_expert_grouped.py -p no:cacheprovider -o addopts="" \
       2>&1 | tee "$OUT/gpu_prompt_kernel_tests.log" | grep -E "passed|failed|FAILED|Error" | head -20
-    timeout 420 python3 bench/prompt_speed.py --variants "${VARIANTS:-gdn_chunk=128}" \
+    timeout 420 python3 bench/prompt_speed.py --variants "${VARIANTS:-prompt_block_k=32}" --variant-prompts 32768 \
       --stop-after 300 --out "$OUT/prompt_speed_h200_48_layers.json" 2>&1 | grep -E "\] |Error|error|Trace" \
       | tee "$OUT/prompt_speed.log"
     ;;

@@ -189,11 +189,13 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
 
     def attention(self, q, k_cache, v_cache, q_pos, scale, k_scale=None, v_scale=None):
         """A prompt part's attention (more than ATTN_ONE_PASS_ROWS rows) by the flash-attention kernel
-        (kernels/decode_attention.py, prompt_attention) when chosen and the shapes suit it, else attention_xla."""
+        (kernels/decode_attention.py, prompt_attention, at kernel_config's prompt_block_k) when chosen and the shapes
+        suit it, else attention_xla."""
+        block_k = self.kernel_config.prompt_block_k or None
         if (q.shape[0] > ATTN_ONE_PASS_ROWS and "attention" in self.pallas_ops
-                and k_attention.prompt_supported(q, k_cache, v_cache, k_scale, v_scale, q_pos)):
+                and k_attention.prompt_supported(q, k_cache, v_cache, k_scale, v_scale, q_pos, block_k)):
             return k_attention.prompt_attention(q, k_cache, v_cache, k_scale, v_scale, q_pos, scale=scale,
-                                                interpret=self.interpret)
+                                                interpret=self.interpret, block_k=block_k)
         return JaxBackend.attention_xla(q, k_cache, v_cache, q_pos, scale, k_scale, v_scale)
 
     @staticmethod

@@ -20,6 +20,9 @@ class KernelConfig:
     # the XLA chunked gated delta rule (prompt parts): tokens a chunk, a power of two from 16 to 256 (its exponent
     # mask holds chunk^3 floats)
     gdn_chunk: int = gated_delta.CHUNK
+    # keys a loop step of the prompt parts' attention kernel (kernels/decode_attention.py prompt_attention): a power
+    # of two from 16, or 0 for the kernel's own (BLOCK_K); fewer keys take less shared memory a program
+    prompt_block_k: int = 0
     # the int4 decode expert kernel (kernels/expert_decode.py): gate/up rows a program and Triton warps a program
     # (powers of two), and the tokens a window from which it replaces XLA's decode form (at least 1)
     decode_expert_rows: int = expert_decode.BLOCK_ROWS
@@ -33,6 +36,9 @@ class KernelConfig:
     def __post_init__(self):
         if not (_pow2(self.gdn_chunk) and 16 <= self.gdn_chunk <= 256):
             raise ConfigError(f"gdn_chunk {self.gdn_chunk!r} must be a power of two from 16 to 256")
+        if not (self.prompt_block_k == 0 or (_pow2(self.prompt_block_k) and self.prompt_block_k >= 16)):
+            raise ConfigError(f"prompt_block_k {self.prompt_block_k!r} must be 0 (the kernel's) or a power of two "
+                              f">= 16")
         for name in ("decode_expert_rows", "decode_expert_warps"):
             if not _pow2(getattr(self, name)):
                 raise ConfigError(f"{name} {getattr(self, name)!r} must be a power of two")

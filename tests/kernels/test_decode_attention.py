@@ -213,6 +213,23 @@ def test_prompt_kernel_is_the_backends_attention(interpret):
     assert float(np.mean(got != xla)) <= BF16_OFF_MAX
 
 
+def test_the_backend_reads_prompt_block_k_from_its_kernel_config(interpret, monkeypatch):
+    """KernelConfig.prompt_block_k (here 16 keys a step, over a bf16 cache) reaches the prompt kernel, whose result
+    is the reference's; 0 leaves the kernel its own."""
+    from strata.jax_backend.backend import JaxBackend
+    from strata.jax_backend.kernel_config import KernelConfig
+    seen, real = [], K.prompt_attention
+    monkeypatch.setattr(K, "prompt_attention", lambda *a, **kw: (seen.append(kw["block_k"]), real(*a, **kw))[1])
+    rng = np.random.default_rng(12)
+    q, kc, vc, ks, vs, q_pos = prompt_inputs(rng, 32, 29, 8, 1, 64, 128, 37, "bfloat16", "bfloat16")
+    want = K._reference_prompt(q, kc, vc, ks, vs, q_pos, 64 ** -0.5)
+    for cfg, block_k in ((KernelConfig(prompt_block_k=16), 16), (KernelConfig(), None)):
+        ops = JaxBackend(kernels="pallas", kernel_config=cfg)
+        got = ops.attention(q, kc, vc, q_pos, 64 ** -0.5)
+        assert seen[-1] == block_k
+        assert_matches(got, want, (32, 8, 64), "bfloat16", f"prompt_block_k {block_k}")
+
+
 def test_prompt_shapes_it_cannot_handle_are_refused():
     kv = jnp.zeros((64, 2, 32), jnp.bfloat16)
     call = lambda q, k=kv, **kw: K.prompt_attention(  # noqa: E731

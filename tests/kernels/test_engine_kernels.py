@@ -100,6 +100,8 @@ def test_the_kernel_config_is_frozen_checked_and_given_at_load():
         cfg.gdn_chunk = 64                                  # frozen: a backend's settings never change after load
     for bad, match in ((dict(gdn_chunk=96), "gdn_chunk 96 must be a power of two from 16 to 256"),
                        (dict(gdn_chunk=512), "gdn_chunk 512 must be"),
+                       (dict(prompt_block_k=24), r"prompt_block_k 24 must be 0 \(the kernel's\) or a power of two"),
+                       (dict(prompt_block_k=8), "prompt_block_k 8 must be 0"),
                        (dict(decode_expert_rows=12), "decode_expert_rows 12 must be a power of two"),
                        (dict(decode_expert_warps=0), "decode_expert_warps 0 must be a power of two"),
                        (dict(decode_expert_min_tokens=0), "decode_expert_min_tokens 0 must be an integer >= 1"),

@@ -215,10 +215,10 @@ def _splits(rows: int, most: int) -> int:
     return min(cost, key=lambda n: (cost[n], n))
 
 
-def _takes(check, *args) -> bool:
-    """Whether check(*args, None, None) (a form's checks with its default blocks) accepts the arguments."""
+def _takes(check, *args, blocks=(None, None)) -> bool:
+    """Whether check(*args, *blocks) (a form's checks; None: a default block) accepts the arguments."""
     try:
-        check(*args, None, None)
+        check(*args, *blocks)
     except ValueError:
         return False
     return True
@@ -378,9 +378,10 @@ def _prompt_kernel(last_ref, q_ref, k_ref, v_ref, *rest, scale: float, block_k: 
     _store(o_ref, [acc / l[:, None] for acc in accs])    # every row sees key 0, so l > 0
 
 
-def prompt_supported(q, k_cache, v_cache, k_scale, v_scale, q_pos) -> bool:
-    """Whether prompt_attention takes these shapes and dtypes (with its default blocks and form)."""
-    return _takes(_check_prompt, q, k_cache, v_cache, k_scale, v_scale, q_pos)
+def prompt_supported(q, k_cache, v_cache, k_scale, v_scale, q_pos, block_k: int | None = None) -> bool:
+    """Whether prompt_attention takes these shapes and dtypes (with its default query block and form, and block_k
+    keys a step: None, its default)."""
+    return _takes(_check_prompt, q, k_cache, v_cache, k_scale, v_scale, q_pos, blocks=(None, block_k))
 
 
 def _check_prompt(q, k_cache, v_cache, k_scale, v_scale, q_pos, block_q, block_k, planes=None):
