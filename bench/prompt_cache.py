@@ -12,7 +12,8 @@ parked: its KV and checkpoints copied to host RAM) and the follow-up resumes it;
 calls are timed on their own. Through the Scheduler over a WindowRunner (no HTTP). Writes JSON as it goes
 (bench "followup_ttft"; its ttft_ms_64k is SUMMARY.json's followup_ttft_ms_64k).
 --park-only: only the copies, on the runner (no prompt read: their cost does not depend on the KV's values): the
-longest history's KV saved from slot 0 and loaded into slot 1, three times (the first compiles).
+longest history's KV saved from slot 0 and loaded into slot 1, three times (the first compiles). --kv-resident N
+--kv-parked 0|auto: with the KV's host tier, parks that copy it or keep it in place.
 """
 from __future__ import annotations
 
@@ -41,12 +42,12 @@ def label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def demo_engine(max_context: int, prefill: int):
+def demo_engine(max_context: int, prefill: int, **kv):
     from strata import Engine
-    return Engine.load("demo", max_context=max_context, prefill=prefill)
+    return Engine.load("demo", max_context=max_context, prefill=prefill, **kv)
 
 
-def real_engine(layers: int, experts: str, max_context: int, prefill: int):
+def real_engine(layers: int, experts: str, max_context: int, prefill: int, **kv):
     """Random weights at Qwen3-Next-80B-A3B shapes (bench/engine_speed.py's), every expert resident."""
     import ml_dtypes
     from strata.demo import QWEN3_NEXT_80B
@@ -61,7 +62,7 @@ def real_engine(layers: int, experts: str, max_context: int, prefill: int):
     tokenizer = id_tokenizer(cfg.vocab_size)          # first: a failure here costs no model build
     params = params_from_reader(cfg, RandomDeviceReader(ml_dtypes.bfloat16))
     engine = Engine(cfg, params, get_backend("jax"), Settings.build(dtype="bfloat16", max_context=max_context,
-                                                                    prefill=prefill, parallel=1))
+                                                                    prefill=prefill, parallel=1, **kv))
     n_moe = sum(cfg.is_sparse_layer(i) for i in range(layers))
     engine.attach_experts(SyntheticStore(experts, cfg.hidden_size, cfg.moe_intermediate_size, n_moe,
                                          cfg.num_experts), say=lambda line: None)
@@ -187,10 +188,11 @@ def measure_park(engine, n: int, out: dict, write) -> dict:
         runner.load_kv(1, saved)
         wait()
         t2 = time.perf_counter()
+        blocks = len(saved.data) if isinstance(saved.data, list) else 0         # 0: kept in place (ParkedRow)
         out.update({f"park_kv_ms_{k}": 1000 * (t1 - t), f"resume_kv_ms_{k}": 1000 * (t2 - t1),
-                    f"park_kv_bytes_{k}": saved.nbytes, f"park_kv_blocks_{k}": len(saved.data)})
+                    f"park_kv_bytes_{k}": saved.nbytes, f"park_kv_blocks_{k}": blocks})
         say(f"{n} positions: KV saved in {1000 * (t1 - t):.1f} ms, loaded in {1000 * (t2 - t1):.1f} ms "
-            f"({saved.nbytes / 2**20:.1f} MiB in {len(saved.data)} blocks; round {rep})")
+            f"({saved.nbytes / 2**20:.1f} MiB in {blocks} blocks; round {rep})")
     write(out)
     return out
 
@@ -208,6 +210,8 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=512)
     ap.add_argument("--checkpoint-ram-gib", type=float, default=16.0)
     ap.add_argument("--park-only", action="store_true", help="only the KV copies of the longest history (no prompt)")
+    ap.add_argument("--kv-resident", type=int, default=0, help="the KV's device window (0: one tier)")
+    ap.add_argument("--kv-parked", default="auto", help="host-tier rows for parking in place (0: parks copy)")
     ap.add_argument("--out", default=None, help="JSON file to write (default bench/results/followup_ttft.json)")
     args = ap.parse_args()
     print(results_file.server_xla_flags(), flush=True)          # before the first JAX call (stamp's)
@@ -215,14 +219,16 @@ def main() -> int:
         args.histories, args.new, args.reply, args.prefill = "256,512,1024", 64, 8, 256
     histories = [int(x) for x in args.histories.split(",")]
     max_context = max(histories) + args.new + 2 * args.reply + 64
+    kv = dict(kv_resident=args.kv_resident, kv_parked=args.kv_parked if args.kv_parked == "auto" else
+              int(args.kv_parked))
     if args.real_shapes:
-        engine = real_engine(args.layers, args.experts, max_context, args.prefill)
+        engine = real_engine(args.layers, args.experts, max_context, args.prefill, **kv)
     else:
-        engine = demo_engine(max_context, args.prefill)
+        engine = demo_engine(max_context, args.prefill, **kv)
     bench = "park_kv" if args.park_only else "followup_ttft"
     out = {"bench": bench, **results_file.stamp(), "model": "qwen3-next-80b shapes" if args.real_shapes
            else "demo", "layers": args.layers if args.real_shapes else None, "new_tokens": args.new,
-           "histories": histories, "checkpoint_every": args.checkpoint_every, "prefill": args.prefill}
+           "histories": histories, "checkpoint_every": args.checkpoint_every, "prefill": args.prefill, **kv}
     name = bench + ("_smoke" if args.quick or not args.real_shapes else "")
     write = lambda result: results_file.write(result, args.out, name)      # noqa: E731
     if args.park_only:

@@ -83,8 +83,28 @@ def _prompt_attention(args):
     return fn, (q, cache, cache, pos)
 
 
+def _tiered_decode(args):
+    """The decode attention kernel over a host tier kept as banks (kv_resident with parked rows) at Qwen3-Next-80B
+    shapes: args.tokens rows (default 16) of 16K device positions, host banks of 2 x rows rows of 128K + 16K
+    positions (pinned host memory on the GPU), args.kv "int8" (with scales) or "bfloat16"."""
+    import jax
+    import jax.numpy as jnp
+    from strata.jax_backend.kernels import decode_attention as K
+    spec, s, dev, host = jax.ShapeDtypeStruct, args.tokens or 16, 16384, 147456
+    q, i = spec((s, 1, 16, 256), jnp.bfloat16), spec((s,), jnp.int32)
+    dt = jnp.int8 if args.kv == "int8" else jnp.bfloat16
+    d, h = spec((s, dev, 2, 256), dt), spec((2 * s, host, 2, 256), dt)
+    if args.kv == "int8":
+        ds, hs = spec((s, dev, 2), jnp.float32), spec((2 * s, host, 2), jnp.float32)
+        fn = jax.jit(lambda *a: K.tiered_decode_attention(*a, scale=256 ** -0.5))
+        return fn, (q, d, d, ds, ds, i, h, h, hs, hs, i, i)
+    fn = jax.jit(lambda q, k, v, p, kh, vh, n, r: K.tiered_decode_attention(q, k, v, None, None, p, kh, vh, None,
+                                                                             None, n, r, scale=256 ** -0.5))
+    return fn, (q, d, d, i, h, h, i, i)
+
+
 CASES = {"expert_decode": _expert_decode,    # name -> builder(args) -> (jitted fn, argument specs)
-         "prompt_attention": _prompt_attention}
+         "prompt_attention": _prompt_attention, "tiered_decode": _tiered_decode}
 
 
 def extract_kernels(fn, specs, out: Path) -> list[dict]:
@@ -109,7 +129,8 @@ def extract_kernels(fn, specs, out: Path) -> list[dict]:
                     and ir.StringAttr(op.attributes["call_target_name"]).value == target):
                 calls.append(op)
             return ir.WalkResult.ADVANCE
-        ir.Module.parse(exp.mlir_module()).operation.walk(visit)
+        module = ir.Module.parse(exp.mlir_module())     # held: the ops collected live as long as it does
+        module.operation.walk(visit)
         for i, call in enumerate(calls):
             cfg = ir.DictAttr(call.attributes["mhlo.backend_config"])
             meta = {k: ir.IntegerAttr(cfg[k]).value for k in ("num_warps", "num_stages", "grid_x", "grid_y", "grid_z")}
@@ -243,8 +264,10 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compile", metavar="DIR", help="Triton side only: compile the TTIR files in DIR (triton venv)")
     ap.add_argument("--case", choices=sorted(CASES), default="expert_decode")
-    ap.add_argument("--tokens", type=int, help="expert_decode: tokens (default 1); prompt_attention: queries (4096)")
-    ap.add_argument("--kv", default="int8", choices=("int8", "bfloat16"), help="prompt_attention: the cache's dtype")
+    ap.add_argument("--tokens", type=int, help="expert_decode: tokens (default 1); prompt_attention: queries (4096); "
+                                              "tiered_decode: rows (16)")
+    ap.add_argument("--kv", default="int8", choices=("int8", "bfloat16"),
+                    help="prompt_attention, tiered_decode: the cache's dtype")
     ap.add_argument("--block", type=int, help="expert_decode: rows a program; prompt_attention: keys a step (default: "
                                               "the kernel's)")
     ap.add_argument("--warps", type=int, help="Triton warps a program (default: the kernel's)")

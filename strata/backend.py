@@ -146,6 +146,9 @@ class HostKV(Protocol):
     # of a slot copied to the device
     def host_write(self, host: Array, x: Array, slot: Array, start: Array) -> Array: ...
     def host_window(self, host: Array, slot: Array, start: Array, n: int) -> Array: ...
+    # traced, on one row's host array [Cap_h, ...]: its rows [0, n) on the device in blocks of `block` rows (the last
+    # block clamped to the end), the rest zeros
+    def host_prefix(self, host: Array, n: Array, block: int) -> Array: ...
 
 
 class Peers(Protocol):
@@ -242,10 +245,13 @@ def _auto() -> str:
 
 
 # a two-tier attention cache (kv_resident; strata/model/forward.py kv_state): the device window's arrays, their host
-# twins (name + HOST) and the window's first position (TIER_BASE)
+# twins (name + HOST), the window's first position (TIER_BASE) and, in a bank, the host arrays' row that holds each
+# slot's (TIER_ROW: host banks have more rows than slots, parked conversations keep theirs)
 KV_NAMES = ("k", "v", "k_scale", "v_scale")
 HOST = "_host"
 TIER_BASE = "base"
+TIER_ROW = "row"
+STAGE_BLOCK = 4096       # rows of host KV a prompt part stages a copy at a time (it copies the positions it reads)
 
 
 def is_rows(start) -> bool:
@@ -312,7 +318,10 @@ class ComposedOps:
                 o, kv = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
                                              k_norm, eps, kv, s, n, rope)
                 return o[0], kv
-            return self.vmap(one)(q, k, v, q if gate is None else gate, kv, start, n_valid)
+            host = {n: a for n, a in kv.items() if n.endswith(HOST)}     # a two-tier bank: each row's host arrays
+            rows = {n: self.xp.take(self.from_host_tier(a), kv[TIER_ROW], axis=0) for n, a in host.items()}
+            o, kv = self.vmap(one)(q, k, v, q if gate is None else gate, {**kv, **rows}, start, n_valid)
+            return o, {**kv, **host}
         xp = self.xp
         t = q.shape[0]
         _, hkv, hd = kv["k"].shape
@@ -336,8 +345,8 @@ class ComposedOps:
     def _attention_tiers(self, q, k, v, kv, start, q_pos):
         """attention_block's store and attention for a two-tier cache (kv_resident; forward.kv_state): the new keys
         go to the device window at start - base, and the attention reads the host part [0, base) staged on the
-        device with the window written over it at base, so it is the one-tier attention over the same keys.
-        -> (o [T, Hq, hd], kv)."""
+        device (copied in blocks up to base, not the tier's capacity) with the window written over it at base, so
+        it is the one-tier attention over the same keys. -> (o [T, Hq, hd], kv)."""
         xp, t = self.xp, q.shape[0]
         base = kv[TIER_BASE]
         window = {n: kv[n] for n in KV_NAMES if n in kv}
@@ -345,7 +354,8 @@ class ComposedOps:
         # the scratch position of an inactive decode row lands on the window's last row, which the tiers keep free
         # of real positions (strata/engine/kv_tiers.py); a real row is always inside the window
         window = self.kv_store(window, k, v, xp.minimum(start - base, rows - t))
-        full = {n: self.kv_write(self.from_host_tier(kv[n + HOST]), w, base) for n, w in window.items()}
+        full = {n: self.kv_write(self.host_prefix(kv[n + HOST], base, STAGE_BLOCK), w, base)
+                for n, w in window.items()}
         o = self.attention(q, full["k"], full["v"], q_pos, q.shape[-1] ** -0.5, full.get("k_scale"),
                            full.get("v_scale"))
         return o, {**kv, **window}

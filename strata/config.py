@@ -155,6 +155,13 @@ class ModelSettings(_Group):
         "the server then runs XLA's default command-buffer mode, whose allocator leaves pinned memory usable); "
         "attention covers both parts. For contexts longer than the device's memory allows; jax backend only (the "
         "MTP head's own KV, with spec, stays on the device).")
+    kv_parked: int | str = setting(
+        "auto", Rule(lambda v: v == "auto" or (_is_int(v) and 0 <= v <= 4096), "\"auto\" or an integer in [0, 4096]"),
+        "With kv_resident: host-tier rows kept besides each slot's own for parked conversations (a conversation "
+        "whose slot another request needs keeps its host KV there, by reference, and only its device window is "
+        "written back; with no row free its KV is copied within checkpoint_ram_gib). Each row is pinned host RAM "
+        "for max_context positions. auto: one per slot (parallel), fewer where the machine's available RAM does "
+        "not hold them beside the slots' own; the plan line says how many.")
     rope_scaling: str = setting(
         "auto", _choice("auto", "none", "linear", "dynamic", "yarn"),
         "RoPE scaling, to serve contexts past the model's max_position_embeddings: auto is what the checkpoint's "

@@ -173,7 +173,8 @@ class Executor(Protocol):
     recurrent state (conv + delta rule; the KV stays in the slot), restore(slot, saved) puts one back (a part that
     starts at the checkpoint's position then continues it, the KV beyond it overwritten before it is visible),
     to_host moves a snapshot to host RAM, save_kv/load_kv copy the KV of a sequence's first n positions to host RAM
-    and back into a slot (parking a conversation; after load_kv the slot's recurrent state is a restore's to set).
+    and back into a slot (parking a conversation; after load_kv the slot's recurrent state is a restore's to set;
+    with a host tier save_kv may keep the slot's host KV in place instead, nbytes 0: drop_kv frees what it holds).
     None of them is called on a slot that a non-finite row poisoned until repair() has cleared it."""
     capacity: Capacity
     chains: bool
@@ -189,6 +190,7 @@ class Executor(Protocol):
     def to_host(self, saved: Saved) -> Saved: ...
     def save_kv(self, slot: int, n: int) -> Saved: ...                  # on the host
     def load_kv(self, slot: int, saved: Saved) -> None: ...
+    def drop_kv(self, saved: Saved) -> None: ...                        # a save_kv's the cache no longer holds
     def host_positions(self, slot: int) -> int: ...                     # its KV positions in host RAM (0: one tier)
     # between windows (none in flight): verify the expert slots and rewrite bad ones from the host tier, clear the
     # sequence states of `slots` (non-finite rows': NaN must not linger in their KV) but, per slot, the KV of the

@@ -19,10 +19,10 @@ from functools import partial
 
 import numpy as np
 
-from strata.backend import HOST, TIER_BASE
+from strata.backend import HOST, TIER_BASE, TIER_ROW
 from strata.config import PART_BUCKETS, bucket_for
 from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
-from strata.engine.kv_tiers import KvTiers
+from strata.engine.kv_tiers import KvTiers, put_slot_state, slot_state
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
 from strata.errors import ConfigError
@@ -43,11 +43,15 @@ class WindowRunner:
                                  part_sizes=tuple(self.buckets()), stages=len(engine.stages),
                                  kv_resident=engine.kv_resident)
         ops = engine.backend
+        parked = 0
         if engine.kv_resident:
-            _check_host_ram(engine.host_kv_bytes(n_slots), engine.kv_resident, n_slots)
+            parked = _host_rows(engine.host_kv_bytes(1), engine.kv_resident, n_slots,
+                                engine.settings.model.kv_parked)
         one = engine.init_state(tiers=True)
-        bank = [{k: np.broadcast_to(v, (n_slots,) + v.shape) for k, v in layer.items()} for layer in one]
-        # per layer {name: [S, ...]}, each stage's layers on its device; init_state is zeros
+        bank = [{k: np.broadcast_to(v, (n_slots + (parked if k.endswith(HOST) else 0),) + v.shape)
+                 for k, v in layer.items()} for layer in one]
+        # per layer {name: [S, ...]} (a two-tier cache's host arrays [S + parked, ...]), each stage's layers on its
+        # device; init_state is zeros
         self.states = engine.zeros_state(bank)
         self.scratch_pos = engine.capacity - 1
         self.windows = 0
@@ -58,7 +62,7 @@ class WindowRunner:
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
         self._copy = [engine.compile_on(st, "copy_slot", _copy_slot, donate_argnums=(0,)) for st in engine.stages]
         # the attention KV's host tier (kv_resident): each slot's window moved before the windows that need it
-        self.tiers = KvTiers(self, engine.kv_resident) if engine.kv_resident else None
+        self.tiers = KvTiers(self, engine.kv_resident, parked) if engine.kv_resident else None
         self._shaping: Shaping | None = None
         self.copies = SlotCopies(self)
         stages = engine.stages
@@ -120,7 +124,8 @@ class WindowRunner:
             out["stages"] = stages
         if self.tiers is not None:
             out.update(kv_spills=self.tiers.spills, kv_positions_spilled=self.tiers.spilled_positions,
-                       kv_reloads=self.tiers.reloads, kv_host_positions=int(self.tiers.base.sum()))
+                       kv_reloads=self.tiers.reloads, kv_host_positions=int(self.tiers.base.sum()),
+                       kv_parks_by_reference=self.tiers.parks, kv_rows_free=len(self.tiers.free))
         return out
 
     # --- the prompt cache's copies of a slot's state (Executor; strata/engine/slot_copies.py)
@@ -138,6 +143,9 @@ class WindowRunner:
 
     def load_kv(self, slot: int, saved: Saved) -> None:
         self.copies.load_kv(slot, saved)
+
+    def drop_kv(self, saved: Saved) -> None:
+        self.copies.drop_kv(saved)
 
     def host_positions(self, slot: int) -> int:
         return 0 if self.tiers is None else int(self.tiers.base[slot])
@@ -916,10 +924,10 @@ def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, gr
 def _part_hidden(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, x, taps=None):
     """A split's stage before the last on a prompt part of one slot: x [T, H] from the stage before (None on the
     first) -> (its layers' states, x after them)."""
-    state = [{k: v[slot] for k, v in layer.items()} for layer in states]
+    state = slot_state(ops, states, slot)
     x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
                               taps=taps, x=x)
-    return [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)], x
+    return put_slot_state(ops, states, slot, state), x
 
 
 def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, temperature, top_k,
@@ -928,11 +936,11 @@ def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, sta
     last row's logits [1, V] for a shaped sampler, its real rows' residual at the end finite, that residual x [T, H]
     (the MTP head reads it: strata/engine/spec.py))."""
     xp = ops.xp
-    state = [{k: v[slot] for k, v in layer.items()} for layer in states]
+    state = slot_state(ops, states, slot)
     x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
                               taps=taps, x=x)
     logits = head(ops, cfg, params, x, n_valid, all_logits=False)                          # [1, V]
-    states = [{k: ops.set_row(states[i][k], slot, v) for k, v in layer.items()} for i, layer in enumerate(state)]
+    states = put_slot_state(ops, states, slot, state)
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))
     residual = finite_rows(xp, x, row_positions(xp, x.shape[0], start, n_valid)[1])
     return nxt[0], xp.all(xp.isfinite(logits)), states, logits, residual, x
@@ -950,24 +958,30 @@ def _cache_metrics(x) -> dict:
                 expert_peer_seconds=st.peer_seconds)
 
 
-def _check_host_ram(nbytes: int, resident: int, slots: int, free: int | None = None) -> None:
-    """The KV host tier's pinned RAM against the RAM the machine has available (free: that figure; None: the
-    kernel's MemAvailable, when it reports one): logged, or refused naming what to lower."""
+def _host_rows(row_bytes: int, resident: int, slots: int, parked: int | str, free: int | None = None) -> int:
+    """The KV host tier's rows (slots' own + parked) against the RAM the machine has available (free: that figure;
+    None: the kernel's MemAvailable, when it reports one): logged, or refused naming what to lower. -> the parked
+    rows (auto: one per slot, as many as fit)."""
     if free is None and os.path.exists("/proc/meminfo"):
         with open("/proc/meminfo") as f:
             free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
-    line = (f"strata plan: KV host tier: {slots} slots x {nbytes / slots / 2**30:.2f} GiB of pinned host RAM "
-            f"({resident} positions a slot on the device)")
-    if free is not None and nbytes > free:
-        raise ConfigError(f"{line} needs {nbytes / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB of RAM is "
-                          f"available: lower max_context or parallel (or kv = int8)")
+    if parked == "auto":
+        parked = slots if free is None else max(0, min(slots, free // row_bytes - slots))
+    rows = slots + parked
+    line = (f"strata plan: KV host tier: {slots} slots + {parked} parked conversations x {row_bytes / 2**30:.2f} GiB "
+            f"of pinned host RAM ({resident} positions a slot on the device)")
+    if free is not None and rows * row_bytes > free:
+        raise ConfigError(f"{line} needs {rows * row_bytes / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB of RAM "
+                          f"is available: lower max_context, parallel or kv_parked (or kv = int8)")
     log.info(line + (f"; {free / 2**30:.1f} GiB available" if free is not None else ""))
+    return parked
 
 
 def _clear_slot(ops, states, slot):
     """The slot bank with slot's sequence state zeroed (nothing non-finite left in its KV or recurrent state). A
-    two-tier cache's host rows are left: its base goes to 0, and rows at or past base are never read."""
-    return [{k: v if k.endswith(HOST) else ops.set_row(v, slot, ops.xp.zeros(v.shape[1:], v.dtype))
+    two-tier cache's host rows are left (and the slot keeps its row): its base goes to 0, and rows at or past base
+    are never read."""
+    return [{k: v if k.endswith(HOST) or k == TIER_ROW else ops.set_row(v, slot, ops.xp.zeros(v.shape[1:], v.dtype))
              for k, v in layer.items()} for layer in states]
 
 
@@ -985,7 +999,7 @@ def _clear_slot_after(ops, states, slot, n, kinds=()):
         if kind == LINEAR:
             return {k: ops.set_row(v, slot, xp.zeros(v.shape[1:], v.dtype)) for k, v in layer.items()}
         first = ops.take_row(layer[TIER_BASE], slot) if TIER_BASE in layer else 0
-        return {k: v if k.endswith(HOST) or k == TIER_BASE else kept(v, first) for k, v in layer.items()}
+        return {k: v if k.endswith(HOST) or k in (TIER_BASE, TIER_ROW) else kept(v, first) for k, v in layer.items()}
     return [cleared(kind, layer) for kind, layer in zip(kinds, states)]
 
 

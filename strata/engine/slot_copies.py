@@ -5,16 +5,19 @@ A snapshot is the recurrent state of the linear layers (conv + delta rule) of on
 KV is not copied, since a part that continues a restored state overwrites the positions beyond it before any query
 sees them. Parking copies the KV of a sequence's first n positions to host RAM and back in blocks of two sizes (two
 compiled shapes): large ones while they fit in n, then small ones (the last one ending at n or, past the cache's
-rows, at its end). Every function runs on the bank as the windows dispatched so far leave it (the bank is threaded
-through as a value, so device order follows data).
+rows, at its end); with a host tier it keeps the slot's host row instead while one is free (ParkedRow). Every
+function runs on the bank as the windows dispatched so far leave it (threaded through as a value: device order
+follows data).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
-from strata.backend import HOST, KV_NAMES
+from strata.backend import HOST, KV_NAMES, TIER_ROW
+from strata.engine.kv_tiers import host_row
 from strata.model.config import LINEAR
 from strata.plan import Saved
 
@@ -28,16 +31,19 @@ KV_BLOCKS_IN_FLIGHT = 4
 
 def take_slot(ops, states, slot, layers):
     """Slot `slot`'s rows of the given layers of a bank: [{name: [...]}] (each a fresh array on the device; a
-    two-tier KV's host rows stay in host memory, where adding a device constant is refused)."""
-    return [{k: ops.take_row(v, slot) if k.endswith(HOST) else ops.take_row(v, slot) + 0
-             for k, v in states[i].items()} for i in layers]
+    two-tier KV's host rows, the slot's row of its host banks, stay in host memory, where adding a device constant
+    is refused)."""
+    return [{k: ops.take_row(v, host_row(ops, states[i], slot)) if k.endswith(HOST) else ops.take_row(v, slot) + 0
+             for k, v in states[i].items() if k != TIER_ROW} for i in layers]
 
 
 def put_slot(ops, states, slot, layers, rows):
-    """The bank with slot `slot`'s rows of the given layers set to `rows` (take_slot's form)."""
+    """The bank with slot `slot`'s rows of the given layers set to `rows` (take_slot's form; a two-tier KV's host
+    rows into the slot's own row of its host banks)."""
     states = list(states)
     for i, row in zip(layers, rows):
-        states[i] = {k: ops.set_row(v, slot, row[k]) for k, v in states[i].items()}
+        at = {k: host_row(ops, states[i], slot) if k.endswith(HOST) else slot for k in row}
+        states[i] = {**states[i], **{k: ops.set_row(states[i][k], at[k], x) for k, x in row.items()}}
     return states
 
 
@@ -58,7 +64,7 @@ def _put_block(ops, layers, block, states, slot, start, rows):
 
 def _take_host_block(ops, layers, block, states, slot, start):
     """_take_block of a two-tier cache: the positions' rows of its host arrays (the window written back first)."""
-    return [{n: ops.host_kv.host_window(states[i][n + HOST], slot, start, block)
+    return [{n: ops.host_kv.host_window(states[i][n + HOST], host_row(ops, states[i], slot), start, block)
              for n in KV_NAMES if n in states[i]} for i in layers]
 
 
@@ -66,7 +72,8 @@ def _put_host_block(ops, layers, block, states, slot, start, rows):
     """_put_block of a two-tier cache: into its host arrays (the window read from them after the last block)."""
     states = list(states)
     for i, row in zip(layers, rows):
-        states[i] = dict(states[i], **{n + HOST: ops.host_kv.host_write(states[i][n + HOST], x, slot, start)
+        at = host_row(ops, states[i], slot)
+        states[i] = dict(states[i], **{n + HOST: ops.host_kv.host_write(states[i][n + HOST], x, at, start)
                                        for n, x in row.items()})
     return states
 
@@ -135,8 +142,11 @@ class SlotCopies:
 
     def save_kv(self, slot: int, n: int) -> Saved:
         ops, tiers = self.ops, self.runner.tiers
-        if tiers is not None:         # the window written back: the host rows then hold every position
-            tiers.move(slot, int(tiers.base[slot]))
+        if tiers is not None:         # by reference: the slot's host row stays the conversation's
+            row = tiers.park(slot)
+            if row is not None:
+                return Saved(ParkedRow(row), 0, on_host=True, tokens=n)
+            tiers.move(slot, int(tiers.base[slot]))   # else the window written back: the host row holds every position
         blocks, pending = [], []
 
         def read_oldest():
@@ -157,6 +167,9 @@ class SlotCopies:
 
     def load_kv(self, slot: int, saved: Saved) -> None:
         r = self.runner
+        if isinstance(saved.data, ParkedRow):
+            r.tiers.resume(slot, saved.data.row, saved.tokens)
+            return
         for start, rows in saved.data:
             at = 0
             for st, _, full, _, _, _, put_kv in self._fns:
@@ -168,6 +181,17 @@ class SlotCopies:
                     at += len(full)
         if r.tiers is not None:       # the window read at the newest positions (the next part starts from there)
             r.tiers.move(slot, max(0, saved.tokens - r.tiers.rows // 2), write_back=False)
+
+
+    def drop_kv(self, saved: Saved) -> None:
+        if isinstance(saved.data, ParkedRow):
+            self.runner.tiers.release(saved.data.row)
+
+
+@dataclass(frozen=True)
+class ParkedRow:
+    """A conversation parked by reference: the host-tier row (of every two-tier layer's banks) holding its KV."""
+    row: int
 
 
 def _nbytes(rows) -> int:

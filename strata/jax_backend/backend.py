@@ -30,7 +30,7 @@ from strata.jax_backend.kernels import route as k_route
 from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop, experts_fetching, experts_from_pool
 from strata.jax_backend.kernels.host_rows import copy_host_rows
 from strata.jax_backend.xla_flags import pinned_host_usable
-from strata.backend import HOST, KV_NAMES, TIER_BASE, ComposedOps, is_rows
+from strata.backend import HOST, KV_NAMES, TIER_BASE, TIER_ROW, ComposedOps, is_rows
 
 KV_BLOCK = 512      # keys per step of the attention's online softmax
 ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
@@ -288,7 +288,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             if self.interpret:
                 host = [None if x is None else self.from_host_tier(x) for x in host]
             n_host = jnp.where(active, base, 0).astype(jnp.int32)
-            o = k_attention.tiered_decode_attention(*args, *host, n_host, scale=hd ** -0.5,
+            o = k_attention.tiered_decode_attention(*args, *host, n_host, kv[TIER_ROW], scale=hd ** -0.5,
                                                     interpret=self.interpret)
         else:
             o = k_attention.decode_attention(*args, scale=hd ** -0.5, interpret=self.interpret)
@@ -492,6 +492,18 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         # one dynamic_update_slice on the whole (donated) host array: XLA writes it in place
         x = jax.device_put(x.astype(host.dtype), jax.memory.Space.Host)[None]
         return lax.dynamic_update_slice(host, x, (slot, start) + (0,) * (host.ndim - 2))
+
+    @staticmethod
+    def host_prefix(host, n, block):
+        # one copy per block (a loop over the positions' blocks): the copies follow n, not the host array's rows
+        rows = host.shape[0]
+        block = min(block, rows)
+
+        def copy(i, out):
+            at = jnp.minimum(i * block, rows - block)
+            x = jax.device_put(lax.dynamic_slice_in_dim(host, at, block, 0), jax.memory.Space.Device)
+            return lax.dynamic_update_slice_in_dim(out, x, at, 0)
+        return lax.fori_loop(0, (n + block - 1) // block, copy, jnp.zeros(host.shape, host.dtype))
 
     @staticmethod
     def host_window(host, slot, start, n):

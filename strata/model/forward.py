@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from strata.backend import HOST, TIER_BASE
+from strata.backend import HOST, TIER_BASE, TIER_ROW
 from strata.model.config import LINEAR, ModelConfig
 from strata.model.params import is_sparse, projections
 
@@ -44,7 +44,7 @@ def kv_state(cfg: ModelConfig, capacity: int, kv_dtype, resident: int = 0) -> di
     """An empty attention layer's cache (host): {"k", "v"} (int8: with their scales). resident > 0: two tiers, the
     device window of `resident` rows (positions base .. base + resident - 1), the host arrays "*_host" of
     capacity + resident rows (position p at row p; the window is written back at base, so the extra rows keep that
-    in bounds) and "base" (int32 0-d)."""
+    in bounds), "base" (int32 0-d) and "row" (int32 0-d: in a bank, the host arrays' row that is this slot's)."""
     kv_dtype = np.dtype(kv_dtype)
 
     def arrays(rows: int) -> dict:
@@ -56,7 +56,7 @@ def kv_state(cfg: ModelConfig, capacity: int, kv_dtype, resident: int = 0) -> di
     if not resident:
         return arrays(capacity)
     return {**arrays(resident), **{n + HOST: a for n, a in arrays(capacity + resident).items()},
-            TIER_BASE: np.zeros((), np.int32)}
+            TIER_BASE: np.zeros((), np.int32), TIER_ROW: np.zeros((), np.int32)}
 
 
 @dataclass(frozen=True)

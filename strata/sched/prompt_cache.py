@@ -175,6 +175,8 @@ class PromptCache:
 
     def clear(self) -> None:
         """Forget every stored conversation (the next prompts read from token 0)."""
+        for conv in self.parked:
+            self.ex.drop_kv(conv.kv)
         self.live = [None] * len(self.live)
         self.parked = []
 
@@ -198,6 +200,8 @@ class PromptCache:
         need = sum(c.saved.nbytes for c in conv.checkpoints)        # (no longer counted among the live ones)
         kv = self.ex.save_kv(slot, len(conv.tokens)) if need < self.ram else None
         if kv is None or not self._room(need + kv.nbytes):
+            if kv is not None:
+                self.ex.drop_kv(kv)
             self.stats["conversations_dropped"] += 1
             log.info(f"strata serve: dropped conversation of {len(conv.tokens)} tokens from slot {slot}: "
                      f"{(need + (kv.nbytes if kv else 0)) / MIB:.1f} MiB do not fit checkpoint_ram_gib ({self.ram / MIB:.0f} MiB)")
@@ -206,8 +210,9 @@ class PromptCache:
         conv.kv = kv
         self.parked.append(conv)
         self.stats["conversations_parked"] += 1
+        where = f"{(need + kv.nbytes) / MIB:.1f} MiB" if kv.nbytes else f"{need / MIB:.1f} MiB, its KV kept in place"
         log.info(f"strata serve: parked conversation of {len(conv.tokens)} tokens from slot {slot} "
-                 f"({len(conv.checkpoints)} checkpoints, {(need + kv.nbytes) / MIB:.1f} MiB); {len(self.parked)} "
+                 f"({len(conv.checkpoints)} checkpoints, {where}); {len(self.parked)} "
                  f"parked, {self.ram_bytes() / MIB:.1f} of {self.ram / MIB:.0f} MiB of RAM used")
 
     def _victim(self, free: list[int]) -> int:
@@ -231,6 +236,7 @@ class PromptCache:
             _, conv, ck = min(items, key=lambda x: x[0])
             if ck is None:
                 self.parked.remove(conv)
+                self.ex.drop_kv(conv.kv)
                 self.stats["conversations_dropped"] += 1
             else:
                 conv.checkpoints.remove(ck)

@@ -159,6 +159,8 @@ class _SchedulerCollector:
             ("kv_positions_spilled", "strata_kv_positions_spilled", "Positions of attention KV sent to host RAM"),
             ("kv_reloads", "strata_kv_reloads",
              "Prompts that resumed below their slot's host part, whose window was read back from host RAM"),
+            ("kv_parks_by_reference", "strata_kv_parks_by_reference",
+             "Conversations parked with their host KV kept in place (kv_parked rows) instead of copied"),
         ):
             if (v := num(key)) is not None:
                 c = CounterMetricFamily(name, doc)
@@ -174,6 +176,9 @@ class _SchedulerCollector:
             yield GaugeMetricFamily("strata_conversations_parked_now", "Conversations parked in host RAM", value=v)
         if (v := num("kv_host_positions")) is not None:
             yield GaugeMetricFamily("strata_kv_host_positions", "Positions of attention KV in host RAM, all slots",
+                                    value=v)
+        if (v := num("kv_rows_free")) is not None:
+            yield GaugeMetricFamily("strata_kv_rows_free", "Host KV rows free for conversations parked in place",
                                     value=v)
         if (v := num("queue_depth")) is not None:
             yield GaugeMetricFamily("strata_queue_depth", "Requests waiting for a slot", value=v)

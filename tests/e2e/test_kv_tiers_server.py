@@ -53,4 +53,6 @@ def test_two_clients_and_a_long_chat_over_the_host_tier(server, caplog):
     metrics = httpx.get(srv.url + "/metrics").text
     spills = re.search(r"^strata_kv_spills_total (\S+)", metrics, re.M)
     assert spills and float(spills.group(1)) > 0 and re.search(r"^strata_kv_host_positions \d", metrics, re.M)
+    assert re.search(r"^strata_kv_rows_free \d", metrics, re.M)               # parked rows: auto, one a slot
+    assert re.search(r"^strata_kv_parks_by_reference_total \d", metrics, re.M)
     assert any(re.match(r"strata kv: slot \d moved positions \d+\.\.\d+ to host RAM", m) for m in caplog.messages)

@@ -267,8 +267,17 @@ def test_tiered_rows_equal_one_cache(shape, kv_dtype, interpret):
         assert_rounded_from_float32(out, want, "tiered")
 
 
-def tiered_case(shape, kv_dtype, interpret, dev_cap=None):
-    """tiered_decode_attention on a TIERED case (the device tier dev_cap keys, default Cap) -> (output as float32
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
+def test_tiered_rows_read_their_bank_rows(kv_dtype, interpret):
+    """Host tiers as banks with more rows than the batch (parked conversations' rows among them): row s reads bank
+    row rows[s], and the rows no batch row names (junk) never reach the result."""
+    out, want, q_dtype = tiered_case(TIERED[0], kv_dtype, interpret, bank_rows=[4, 0, 2])
+    assert rel_err(out, want) <= LIMIT[q_dtype]
+
+
+def tiered_case(shape, kv_dtype, interpret, dev_cap=None, bank_rows=None):
+    """tiered_decode_attention on a TIERED case (the device tier dev_cap keys, default Cap; bank_rows: the host
+    tiers are banks of max(bank_rows) + 1 rows, row s's at bank_rows[s], the others junk) -> (output as float32
     numpy, the reference over the one cache, q's dtype); asserts the output's shape and that it is finite."""
     s, nq, hq, hkv, hd, cap, pos, n_host = shape
     q_dtype = "bfloat16" if kv_dtype != "float32" else "float32"
@@ -288,11 +297,19 @@ def tiered_case(shape, kv_dtype, interpret, dev_cap=None):
             d[i, live:] = a[i, -1:] if kv_dtype != "int8" else d[i, live:]
         hosts.append(jnp.asarray(h))
         devs.append(jnp.asarray(d))
+    if bank_rows is not None:               # each row moved to its bank row; the rest of the bank is junk
+        banks = []
+        for h in hosts:
+            bank = np.concatenate([np.asarray(h)[::-1]] * (max(bank_rows) // s + 1))[:max(bank_rows) + 1]
+            bank[bank_rows] = np.asarray(h)
+            banks.append(jnp.asarray(bank))
+        hosts = banks
     if ks is None:
         hosts[2:], devs[2:] = [None, None], [None, None]
     n = jnp.asarray(n_host, jnp.int32)
+    rows = None if bank_rows is None else jnp.asarray(bank_rows, jnp.int32)
     got = K.tiered_decode_attention(q, devs[0], devs[1], devs[2], devs[3], p - n, hosts[0], hosts[1], hosts[2],
-                                    hosts[3], n, scale=hd ** -0.5, interpret=interpret)
+                                    hosts[3], n, rows, scale=hd ** -0.5, interpret=interpret)
     out = np.asarray(got.astype(jnp.float32))
     assert out.shape == (s, nq, hq, hd) and np.isfinite(out).all()
     return out, want, q_dtype

@@ -104,3 +104,16 @@ def test_backend_stage_layer_copies_a_layers_chunks_whole_end_to_end():
     assert staged.sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(staged), np.concatenate(chunks_np))
     np.testing.assert_array_equal(np.asarray(ops.stage_layer(chunks[1:])), chunks_np[1])
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8, 9, 17, 20, 21])
+def test_host_prefix_copies_the_blocks_up_to_n(n):
+    """JaxBackend.host_prefix (a prompt part's staged host KV): rows [0, n) of a host array on the device, copied in
+    blocks of 8 rows (the last one clamped to the array's 21 rows), rows past n's last block zero; inside jit with n
+    computed on the device."""
+    from strata.jax_backend.backend import JaxBackend
+    host = np.random.default_rng(n).standard_normal((21, 2, 4)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda h, n: JaxBackend.host_prefix(h, n, 8))(pinned(host), jnp.int32(n)))
+    copied = min(-(-n // 8) * 8, 21)
+    np.testing.assert_array_equal(got[:copied], host[:copied])
+    np.testing.assert_array_equal(got[copied:], 0)

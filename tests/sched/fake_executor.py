@@ -92,6 +92,7 @@ class FakeExecutor:
     part_s_per_token: float = 0.0                     # and for each token of a part, padded (Capacity.padded)
     part_s_at: dict = field(default_factory=dict)     # window index -> the part's seconds instead
     stages: int = 1                                   # the layer split's stages it declares (Capacity.stages)
+    parked_rows: int = 0                              # KVs save_kv keeps by reference (nbytes 0) before copying
 
     def __post_init__(self):
         self.capacity = Capacity(self.slots, self.part_size, self.max_context, tuple(self.part_sizes),
@@ -107,6 +108,8 @@ class FakeExecutor:
         self.repairs: list[tuple[tuple, bool]] = []   # repair() calls: (slots, rebuild)
         self.kept: list[tuple] = []                   # and the KV positions each kept per slot
         self.paths: list[tuple[int, int, str]] = []   # (slot, position, numerics) of every row and part row computed
+        self.free_rows = list(range(self.parked_rows))     # by-reference KVs: rows not held by a Saved
+        self.ref_saves = 0
 
     @property
     def length(self) -> list:
@@ -239,16 +242,32 @@ class FakeExecutor:
         if n > len(self.kv[slot]):
             raise ValueError(f"slot {slot}: saving {n} positions of a KV of {len(self.kv[slot])}")
         self.calls.append(("save_kv", slot, tuple(self.kv[slot][:n])))
+        if self.free_rows:
+            self.ref_saves += 1
+            return Saved(("ref", tuple(self.kv[slot][:n]), self.free_rows.pop()), 0, on_host=True, tokens=n)
         return Saved(("kv", tuple(self.kv[slot][:n])), 10 * n, on_host=True, tokens=n)
+
+    def _give_back(self, saved: Saved) -> None:
+        """A by-reference KV's row freed (loaded or dropped); refuses one given back before (a leak's twin)."""
+        if saved.data[0] == "ref":
+            row = saved.data[2]
+            if row in self.free_rows:
+                raise ValueError(f"parked row {row} given back twice")
+            self.free_rows.append(row)
+
+    def drop_kv(self, saved: Saved) -> None:
+        self.calls.append(("drop_kv", None, saved.data[1]))
+        self._give_back(saved)
 
     def host_positions(self, slot: int) -> int:
         return 0
 
     def load_kv(self, slot: int, saved: Saved) -> None:
         self._clean(slot, "loading a KV")
-        kind, tokens = saved.data
-        if kind != "kv":
+        kind, tokens = saved.data[:2]
+        if kind not in ("kv", "ref"):
             raise ValueError("load_kv takes a saved KV")
+        self._give_back(saved)
         self.calls.append(("load_kv", slot, tokens))
         self.kv[slot] = list(tokens) + self.kv[slot][len(tokens):]
         self.rec[slot] = None

@@ -16,7 +16,8 @@ from strata import Engine
 from strata.backend import HOST
 from strata.config import Settings
 from strata.engine.core import _kv_window, device_bytes
-from strata.engine.runner import WindowRunner, _check_host_ram
+from strata.engine.runner import WindowRunner, _host_rows
+from strata.engine.slot_copies import ParkedRow
 from strata.errors import ConfigError
 from strata.plan import PromptPart, idle_plan
 from strata.sched.drafts import DraftPolicy
@@ -35,31 +36,38 @@ def tiered(resident, **kw):
     return Engine.load("demo", max_context=CONTEXT, prefill=PREFILL, kv_resident=resident, **kw)
 
 
-@pytest.mark.parametrize("resident,parallel,together", [(64, 1, False), (256, 3, True)])
-def test_conversations_match_the_cold_engine(cold, resident, parallel, together):
-    """Two conversations of 4 turns (about 2K tokens each by the last): one after another on one slot (each turn
-    parks the other conversation and resumes its own), or together on 2-3 slots."""
-    e = tiered(resident)
-    sched, rows = converse(cold, 2, 4, parallel, user_words=230, max_tokens=24, together=together, cached_engine=e)
-    assert len(rows[-1][0]) > 1900, len(rows[-1][0])
+@pytest.mark.parametrize("resident,parallel,together,convs,turns", [(64, 1, False, 3, 3), (256, 3, True, 2, 4)])
+def test_conversations_match_the_cold_engine(cold, resident, parallel, together, convs, turns):
+    """Conversations of about 2K tokens by their last turn: three of 3 turns one after another on one slot (each
+    turn parks the last conversation and resumes its own; with one parked row, some park in place and the others
+    are copied while the row is taken), or two of 4 turns together on 3 slots."""
+    e = tiered(resident, kv_parked=1)
+    sched, rows = converse(cold, convs, turns, parallel, user_words=230, max_tokens=24, together=together,
+                           cached_engine=e)
+    assert len(rows[-1][0]) > 1400, len(rows[-1][0])
     m = sched.metrics()
     assert m["prompt_cache_hits"] == 6
+    by_ref = [c for c in sched.cache.parked if isinstance(c.kv.data, ParkedRow)]
+    assert m["kv_rows_free"] + len(by_ref) == 1                 # every parked row held or free: none lost
     if resident:
         assert m["kv_spills"] > 0 and m["kv_positions_spilled"] > 0
         slots = sched.slots()
         assert all(s["kv_device_tokens"] + s["kv_host_tokens"] == s["conversation_tokens"] for s in slots)
         assert any(s["kv_host_tokens"] > 0 for s in slots)
     if not together:
-        assert m["conversations_parked"] > 0 and m["conversations_resumed"] > 0
+        assert m["conversations_parked"] > m["kv_parks_by_reference"] > 0 and m["conversations_resumed"] > 0
 
 
 @pytest.mark.parametrize("kw", [dict(kv="int8"), dict(kernels="pallas")], ids=["int8", "pallas"])
 def test_int8_and_the_kernels(kw):
     """int8 KV (its scales spill with it), and the Pallas kernels (interpreted: decode rows read the host part
-    through the tiered decode kernel)."""
+    through the tiered decode kernel), two conversations on one slot: parked in place, so the slot's host row is
+    another bank row than its index once the first is parked."""
     cold = Engine.load("demo", max_context=CONTEXT, prefill=PREFILL, **kw)
-    sched, rows = converse(cold, 1, 2, 1, user_words=120, max_tokens=16, cached_engine=tiered(64, **kw))
-    assert sched.metrics()["kv_spills"] > 0
+    sched, rows = converse(cold, 2, 2, 1, user_words=120, max_tokens=16, together=False,
+                           cached_engine=tiered(64, **kw))
+    m = sched.metrics()
+    assert m["kv_spills"] > 0 and m["kv_parks_by_reference"] > 0 and m["conversations_resumed"] > 0
 
 
 def test_speculative_decoding_verifies_across_the_tiers(cold):
@@ -125,7 +133,7 @@ def test_a_long_conversation_keeps_the_device_bytes_within_the_window():
     attn = [layer for layer in r.states if "base" in layer]
     kv_device = sum(a.nbytes for layer in attn for k, a in layer.items() if not k.endswith(HOST))
     row = sum(a.nbytes // a.shape[1] for layer in attn for k, a in layer.items() if a.ndim > 1 and not k.endswith(HOST))
-    assert kv_device <= resident * row + 4 * len(attn)          # the window's rows (+ the int32 bases)
+    assert kv_device <= resident * row + 8 * len(attn)          # the window's rows (+ the int32 bases and rows)
     assert all(a.sharding.memory_kind == "pinned_host" for layer in attn for k, a in layer.items() if k.endswith(HOST))
     assert r.tiers.base[0] >= n - resident
     assert device_bytes(e.init_state(tiers=True)) < device_bytes(e.init_state()) / 8
@@ -175,7 +183,12 @@ def test_bad_settings_are_refused():
     with pytest.raises(ConfigError, match="rope_scale .* is not allowed"):
         Settings.build(rope_scale=0.5)
     with pytest.raises(ConfigError, match="needs 3.00 GiB, but only 2.00 GiB of RAM is available: lower max_con"):
-        _check_host_ram(3 << 30, 64, 2, free=2 << 30)
-    _check_host_ram(1 << 20, 64, 2)                    # this machine's MemAvailable: a MiB fits
+        _host_rows(1 << 30, 64, 2, 1, free=2 << 30)
+    with pytest.raises(ConfigError, match="kv_parked .* is not allowed"):
+        Settings.build(kv_parked=-1)
+    assert _host_rows(1 << 30, 64, 2, "auto", free=3 << 30) == 1        # auto: as many as fit, at most a slot's
+    assert _host_rows(1 << 30, 64, 2, "auto", free=9 << 30) == 2
+    assert _host_rows(1 << 30, 64, 2, "auto", free=2 << 30) == 0
+    assert _host_rows(1 << 20, 64, 2, 2) == 2          # this machine's MemAvailable: 4 MiB fit
     with pytest.raises(ConfigError, match="sycl backend has no host tier"):
         Engine.load("demo", max_context=512, prefill=32, kv_resident=128, backend="sycl")

@@ -146,9 +146,11 @@ def test_three_interleaved_conversations_on_three_slots(tokenizer):
     assert sched.metrics()["prompt_cache_hits"] == 12 and sched.metrics()["conversations_parked"] == 0
 
 
-def test_a_conversation_is_parked_when_its_slot_is_needed_and_resumed_without_rereading(tokenizer):
+@pytest.mark.parametrize("parked_rows", [0, 1])
+def test_a_conversation_is_parked_when_its_slot_is_needed_and_resumed_without_rereading(tokenizer, parked_rows):
+    """(parked_rows 1: one parked KV at a time is kept by reference, the others copied.)"""
     every = 8
-    fake = FakeExecutor(slots=2, part_size=8, max_context=4096, chains=True)
+    fake = FakeExecutor(slots=2, part_size=8, max_context=4096, chains=True, parked_rows=parked_rows)
     sched = sched_over(fake, tokenizer, checkpoint_every=every, checkpoint_ram_gib=1.0)
     hist = {c: () for c in "abc"}
     reqs, before = [], {}
@@ -167,13 +169,16 @@ def test_a_conversation_is_parked_when_its_slot_is_needed_and_resumed_without_re
     m = sched.metrics()
     assert m["conversations_parked"] >= 9 and m["conversations_resumed"] >= 8 and m["prompt_cache_hits"] == 9
     assert m["checkpoint_ram_bytes"] > 0 and [c[0] for c in fake.calls].count("load_kv") == m["conversations_resumed"]
+    assert m["conversations_parked"] > fake.ref_saves >= 2 * parked_rows
 
 
-def test_the_ram_budget_evicts_least_recently_used_first(tokenizer):
+@pytest.mark.parametrize("parked_rows", [0, 1])
+def test_the_ram_budget_evicts_least_recently_used_first(tokenizer, parked_rows):
     """A budget for a few checkpoints (the fake's are 100 bytes, its KV 10 bytes a token): older checkpoints go
-    first, parked conversations that do not fit are dropped, and every reply is still exact."""
+    first, parked conversations that do not fit are dropped (a by-reference KV's row given back: parked_rows 1),
+    and every reply is still exact."""
     every, budget = 4, 1000
-    fake = FakeExecutor(slots=2, part_size=8, max_context=4096, chains=True)
+    fake = FakeExecutor(slots=2, part_size=8, max_context=4096, chains=True, parked_rows=parked_rows)
     sched = sched_over(fake, tokenizer, checkpoint_every=every, checkpoint_ram_gib=budget / (1 << 30))
     hist = {c: () for c in "abc"}
     reqs = []
@@ -192,6 +197,10 @@ def test_the_ram_budget_evicts_least_recently_used_first(tokenizer):
     assert m["checkpoints_evicted"] > 0 and m["conversations_dropped"] > 0
     newest = [c for c in sched.cache.live if c is not None]
     assert all(not ck.saved.on_host for conv in newest for ck in conv.checkpoints[-1:])   # each slot's newest
+    held = [c.kv.data[2] for c in sched.cache.parked if c.kv.data[0] == "ref"]
+    dropped_refs = [c for c in fake.calls if c[0] == "drop_kv"]
+    assert sorted(held + fake.free_rows) == list(range(parked_rows)) and (fake.ref_saves > 0) == (parked_rows > 0)
+    assert len(dropped_refs) > 0 or not parked_rows
 
 
 def test_cache_prompt_false_reads_all_and_strata_checkpoint_false_takes_none(tokenizer):
@@ -235,12 +244,14 @@ ops = st.lists(st.tuples(st.sampled_from(["new", "extend", "edit", "regenerate",
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops, every=st.integers(2, 16), slots=st.integers(1, 3), lookahead=st.booleans(),
-       budget=st.sampled_from([0, 600, 1 << 20]), together=st.booleans())
-def test_random_conversation_trees(tokenizer, ops, every, slots, lookahead, budget, together):
+       budget=st.sampled_from([0, 600, 1 << 20]), together=st.booleans(), parked_rows=st.integers(0, 2))
+def test_random_conversation_trees(tokenizer, ops, every, slots, lookahead, budget, together, parked_rows):
     """New conversations, turns extending any earlier one, edits (an earlier prompt cut at a random point and
     continued otherwise), regenerations (a prompt sent again) and truncations, served one by one or in rounds of
-    `slots`, with any budget: each gets its exact tokens from a state that read exactly its prompt."""
-    fake = FakeExecutor(slots=slots, part_size=8, max_context=4096, chains=lookahead)
+    `slots`, with any budget and parked KVs kept by reference while rows last: each gets its exact tokens from a
+    state that read exactly its prompt, and every by-reference KV is held by a parked conversation or given back
+    once."""
+    fake = FakeExecutor(slots=slots, part_size=8, max_context=4096, chains=lookahead, parked_rows=parked_rows)
     sched = sched_over(fake, tokenizer, checkpoint_every=every, checkpoint_ram_gib=budget / (1 << 30),
                        lookahead=lookahead)
     done: list[tuple] = []             # every prompt + reply served so far
@@ -265,6 +276,8 @@ def test_random_conversation_trees(tokenizer, ops, every, slots, lookahead, budg
     results = serve_rounds(sched, rounds)
     check_exact(fake, sched, reqs, results, every)
     assert sched.cache.ram_bytes() <= budget
+    held = [c.kv.data[2] for c in sched.cache.parked if c.kv.data[0] == "ref"]
+    assert sorted(held + fake.free_rows) == list(range(parked_rows))
 
 
 # --- the numerics guard

@@ -229,14 +229,15 @@ def supported(q, k_cache, v_cache, k_scale, v_scale, pos) -> bool:
     return _takes(_check, q, k_cache, v_cache, k_scale, v_scale, pos)
 
 
-def _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits, planes=None):
-    """Shapes and dtypes the kernel handles (in the form planes asks for: _use_planes); -> (block_k, n_splits) to
-    use. Raises ValueError naming the constraint."""
+def _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits, planes=None, banked=False):
+    """Shapes and dtypes the kernel handles (in the form planes asks for: _use_planes; banked: caches of any number
+    of rows B, which rows of them to read given apart); -> (block_k, n_splits) to use. Raises ValueError naming the
+    constraint."""
     if q.ndim != 4 or k_cache.ndim != 4:
         raise ValueError(f"q must be [S, Q, Hq, hd] and the caches [S, Cap, Hkv, hd], got {q.shape}, {k_cache.shape}")
     s, nq, hq, hd = q.shape
-    _, cap, hkv, _ = k_cache.shape
-    if k_cache.shape[0] != s or k_cache.shape[3] != hd or v_cache.shape != k_cache.shape:
+    b, cap, hkv, _ = k_cache.shape
+    if (b != s and not banked) or k_cache.shape[3] != hd or v_cache.shape != k_cache.shape:
         raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must both be [S, Cap, Hkv, hd] for q {q.shape}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k and v caches must have one dtype, got {k_cache.dtype} and {v_cache.dtype}")
@@ -250,8 +251,8 @@ def _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits, planes
         raise ValueError(f"q must be bfloat16 or float32, not {q.dtype}")
     if k_cache.dtype == jnp.int8:
         for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if sc is None or sc.shape != (s, cap, hkv) or sc.dtype != jnp.float32:
-                raise ValueError(f"an int8 cache needs {name} float32 [S, Cap, Hkv] = [{s}, {cap}, {hkv}], got "
+            if sc is None or sc.shape != (b, cap, hkv) or sc.dtype != jnp.float32:
+                raise ValueError(f"an int8 cache needs {name} float32 [S, Cap, Hkv] = [{b}, {cap}, {hkv}], got "
                                  f"{None if sc is None else (sc.shape, sc.dtype)}")
     elif k_cache.dtype in (jnp.bfloat16, jnp.float32):
         if k_scale is not None or v_scale is not None:
@@ -290,23 +291,47 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, *, scale: float
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def tiered_decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, k_host, v_host, ks_host, vs_host, n_host, *,
-                            scale: float, interpret: bool = False):
+def tiered_decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, k_host, v_host, ks_host, vs_host, n_host,
+                            rows=None, *, scale: float, interpret: bool = False):
     """decode_attention over a row's keys in two tiers: the oldest n_host[s] in the host caches (k_host, v_host
-    [S, Cap_h, Hkv, hd], scales [S, Cap_h, Hkv] with int8; pinned host memory on a GPU, which the kernel reads in
-    place), every one of them seen by every query, and the rest in the device caches, where device key i is
-    position n_host[s] + i and pos[s] is query 0's position counted the same way (absolute position - n_host[s]).
-    The two parts' partial sums are merged by log-sum-exp with the splits'. -> [S, Q, Hq, hd] in q.dtype."""
+    [B, Cap_h, Hkv, hd], scales [B, Cap_h, Hkv] with int8; pinned host memory on a GPU, which the kernel reads in
+    place; row s's are row rows[s] of them, or row s when rows is None), every one of them seen by every query, and
+    the rest in the device caches, where device key i is position n_host[s] + i and pos[s] is query 0's position
+    counted the same way (absolute position - n_host[s]). The two parts' partial sums are merged by log-sum-exp with
+    the splits'. -> [S, Q, Hq, hd] in q.dtype."""
     dev = _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, None, None, False, None)
-    host = _partials(q, k_host, v_host, ks_host, vs_host, n_host, scale, interpret, None, None, True, None)
+    host = _partials(q, k_host, v_host, ks_host, vs_host, n_host, scale, interpret, None, None, True, None, rows)
     return _combine(q, k_cache.shape[2], [dev, host])
 
 
-def _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, block_k, n_splits, all_visible, planes):
+class _BankRow:
+    """Row `row`, kv head g of a bank ref [B, Cap, Hkv(, hd)] indexed as the [Cap(, hd)] block a BlockSpec would
+    give (one indexer per read: JAX's Triton lowering takes no chained views)."""
+
+    def __init__(self, ref, row, g):
+        self.ref, self.row, self.g = ref, row, g
+        self.shape = (ref.shape[1],) + tuple(ref.shape[3:])
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        return self.ref[(self.row, idx[0], self.g) + idx[1:]]
+
+
+def _bank_kernel(pos_ref, rows_ref, q_ref, *refs, quantized: bool, **kw):
+    """_kernel on caches that are banks: program (s, g, j) reads bank row rows[s]."""
+    n = 4 if quantized else 2
+    row, g = rows_ref[pl.program_id(0)], pl.program_id(1)
+    caches = [_BankRow(r, row, g) for r in refs[:n]]
+    _kernel(pos_ref, q_ref, *caches, *refs[n:], quantized=quantized, **kw)
+
+
+def _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, block_k, n_splits, all_visible, planes,
+              bank_rows=None):
     """The kernel's per-split partial sums (acc [S, Hkv, P, R, hd], m, l [S, Hkv, P, R]) of decode_attention's
     rows (all_visible: _kernel's host-tier form; planes: _use_planes, acc's columns put back in order here so that
-    parts in either form combine)."""
-    block_k, n_splits = _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits, planes)
+    parts in either form combine; bank_rows [S]: the caches are banks [B, ...] and row s reads row bank_rows[s])."""
+    banked = bank_rows is not None
+    block_k, n_splits = _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits, planes, banked)
     planes = _use_planes(k_cache, planes)
     s, nq, hq, hd = q.shape
     _, cap, hkv, _ = k_cache.shape
@@ -323,11 +348,16 @@ def _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, bloc
         qg, k_cache, v_cache = _to_planes(qg), _packed(k_cache), _packed(v_cache)
     cache_spec = pl.BlockSpec((None, cap, None, k_cache.shape[3]), lambda i, g, j: (i, 0, g, 0))
     scale_spec = pl.BlockSpec((None, cap, None), lambda i, g, j: (i, 0, g))
-    args = [pos.astype(jnp.int32), qg, k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
-    in_specs = ([pl.no_block_spec, pl.BlockSpec((None, None, rows, hd), lambda i, g, j: (i, g, 0, 0)),
-                 cache_spec, cache_spec] + ([scale_spec, scale_spec] if quantized else []))
-    kernel = functools.partial(_kernel, scale=float(scale), block_k=block_k, n_splits=n_splits, n_q=nq,
-                               group=group, quantized=quantized, bf16=bf16, all_visible=all_visible, planes=planes)
+    if banked:                                          # whole banks: the kernel picks each row's (_BankRow)
+        cache_spec = scale_spec = pl.no_block_spec
+    args = ([pos.astype(jnp.int32)] + ([bank_rows.astype(jnp.int32)] if banked else []) + [qg, k_cache, v_cache]
+            + ([k_scale, v_scale] if quantized else []))
+    in_specs = ([pl.no_block_spec] * (2 if banked else 1)
+                + [pl.BlockSpec((None, None, rows, hd), lambda i, g, j: (i, g, 0, 0)), cache_spec, cache_spec]
+                + ([scale_spec, scale_spec] if quantized else []))
+    kernel = functools.partial(_bank_kernel if banked else _kernel, scale=float(scale), block_k=block_k,
+                               n_splits=n_splits, n_q=nq, group=group, quantized=quantized, bf16=bf16,
+                               all_visible=all_visible, planes=planes)
     part = jax.ShapeDtypeStruct((s, hkv, n_splits, rows), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel,
