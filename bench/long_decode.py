@@ -78,7 +78,7 @@ def decode_part(args, out: dict, save) -> None:
         t = time.perf_counter()
         engine = Engine(cfg, params, backend, Settings.build(dtype="bfloat16", max_context=cap + 64, prefill=part,
                                                              parallel=par, kernels="auto", kv=kv,
-                                                             kv_resident=resident))
+                                                             kv_resident=resident, kv_parked=0))
         engine.attach_experts(store, say=lambda line: None)
         free = backend.free_memory_bytes()
         say(f"engine kv {kv}, {par} slots x {cap + 64} positions" + (f", {resident} on the device" if resident else "")

@@ -160,8 +160,8 @@ class ModelSettings(_Group):
         "With kv_resident: host-tier rows kept besides each slot's own for parked conversations (a conversation "
         "whose slot another request needs keeps its host KV there, by reference, and only its device window is "
         "written back; with no row free its KV is copied within checkpoint_ram_gib). Each row is pinned host RAM "
-        "for max_context positions. auto: one per slot (parallel), fewer where the machine's available RAM does "
-        "not hold them beside the slots' own; the plan line says how many.")
+        "for max_context positions. auto: one per slot (parallel), at most half the available RAM that the slots' "
+        "own rows leave; the plan line says how many.")
     rope_scaling: str = setting(
         "auto", _choice("auto", "none", "linear", "dynamic", "yarn"),
         "RoPE scaling, to serve contexts past the model's max_position_embeddings: auto is what the checkpoint's "

@@ -965,8 +965,8 @@ def _host_rows(row_bytes: int, resident: int, slots: int, parked: int | str, fre
     if free is None and os.path.exists("/proc/meminfo"):
         with open("/proc/meminfo") as f:
             free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
-    if parked == "auto":
-        parked = slots if free is None else max(0, min(slots, free // row_bytes - slots))
+    if parked == "auto":          # a row a slot, within half the RAM the slots' own rows leave
+        parked = slots if free is None else max(0, min(slots, (free - slots * row_bytes) // 2 // row_bytes))
     rows = slots + parked
     line = (f"strata plan: KV host tier: {slots} slots + {parked} parked conversations x {row_bytes / 2**30:.2f} GiB "
             f"of pinned host RAM ({resident} positions a slot on the device)")

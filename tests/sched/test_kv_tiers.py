@@ -186,9 +186,10 @@ def test_bad_settings_are_refused():
         _host_rows(1 << 30, 64, 2, 1, free=2 << 30)
     with pytest.raises(ConfigError, match="kv_parked .* is not allowed"):
         Settings.build(kv_parked=-1)
-    assert _host_rows(1 << 30, 64, 2, "auto", free=3 << 30) == 1        # auto: as many as fit, at most a slot's
+    # auto: a row a slot, within half of what the slots' rows leave
+    assert _host_rows(1 << 30, 64, 2, "auto", free=4 << 30) == 1
     assert _host_rows(1 << 30, 64, 2, "auto", free=9 << 30) == 2
-    assert _host_rows(1 << 30, 64, 2, "auto", free=2 << 30) == 0
+    assert _host_rows(1 << 30, 64, 2, "auto", free=3 << 30) == 0
     assert _host_rows(1 << 20, 64, 2, 2) == 2          # this machine's MemAvailable: 4 MiB fit
     with pytest.raises(ConfigError, match="sycl backend has no host tier"):
         Engine.load("demo", max_context=512, prefill=32, kv_resident=128, backend="sycl")
