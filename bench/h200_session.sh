@@ -36,7 +36,8 @@
 #                                        # allocator), then decode at 32K/128K/256K, batch 1/4/16, all KV on the device,
 #                                        # 48 layers, and a 128K prompt read; each JSON rewritten as it goes
 #   bash bench/h200_session.sh long-tier # bench/long_decode.py with kv_resident 16384 (XLA's default allocator): decode
-#                                        # at 32K/128K (bf16, batch 1/4) and 256K (int8, batch 1), a 128K prompt read
+#                                        # at 32K/128K (bf16, batch 1/4/16: 58 GB pinned) and 256K (bf16 and int8,
+#                                        # batch 1), a 128K prompt read
 #   bash bench/h200_session.sh prompt-long  # kernel_speed's prompt attention for a 4K part at 0, 32K and 124K (a long
 #                                        # prompt's later parts, a follow-up turn), in block / warp cases
 #   bash bench/h200_session.sh splits    # decode attention over n_splits (bf16, 32K and 128K, batch 1/4/16), then
@@ -180,7 +181,7 @@ case "${1:-}" in
     ;;
   long-tier)
     timeout 480 python3 bench/long_decode.py --part decode --prompt "${PROMPT:-131072}" \
-      --engines "${ENGINES:-bfloat16:131072:4:32768,131072:1,4:16384;int8:262144:1:262144:1:16384}" \
+      --engines "${ENGINES:-bfloat16:131072:16:32768,131072:1,4,16:16384;bfloat16:262144:1:262144:1:16384;int8:262144:1:262144:1:16384}" \
       --out "$OUT/long_decode_kv16k_h200_48_layers.json" 2>&1 | grep -E "\] |Error|error|Warn|warn|Trace" \
       | tee "$OUT/long_decode_kv16k.log"
     ;;
