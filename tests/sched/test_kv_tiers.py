@@ -169,6 +169,44 @@ def test_the_layer_split_keeps_each_stages_tiers():
     assert got == generate(Engine.load("demo", max_context=CONTEXT, prefill=PREFILL), prompt, 24)[0]
 
 
+@pytest.mark.parametrize("split", [None, "2"], ids=["one_stage", "split"])
+def test_a_conversation_parked_in_place_continues_exactly(cold, split):
+    """A conversation parked in place (its host row kept, the slot given the free one) while another prompt spills
+    through the slot, then resumed (its row back, its checkpoint restored): it decodes the one-tier engine's tokens;
+    on a layer split every stage moves its own rows."""
+    e = tiered(64, kv_parked=1, **({} if split is None else dict(layer_split=split, say=lambda line: None)))
+    prompt = (np.arange(400) * 31 % 600).astype(np.int32)
+    r = WindowRunner(e, 1, PREFILL)
+    tokens = [read(r, 0, 0, prompt).part_next]
+    ck, saved = r.snapshot(0), r.save_kv(0, len(prompt))
+    assert isinstance(saved.data, ParkedRow) and saved.nbytes == 0 and r.tiers.row[0] != saved.data.row
+    read(r, 0, 0, (np.arange(300) * 7 % 600).astype(np.int32))       # another conversation, spilled, in the slot
+    assert r.tiers.base[0] > 0 and r.metrics()["kv_rows_free"] == 0
+    r.load_kv(0, saved)
+    r.restore(0, ck)
+    got = decode(r, tokens[0], len(prompt), 16)
+    assert r.tiers.row[0] == saved.data.row and r.metrics()["kv_rows_free"] == 1
+    one_tier = WindowRunner(cold, 1, PREFILL)
+    want = decode(one_tier, read(one_tier, 0, 0, prompt).part_next, len(prompt), 16)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):             # every key the one-tier engine attends: the logits agree
+        np.testing.assert_array_equal(a.top_ids, b.top_ids)
+        np.testing.assert_allclose(a.top, b.top, rtol=1e-5, atol=1e-5)
+
+
+def decode(r, token: int, pos: int, steps: int) -> list:
+    """steps greedy tokens of slot 0 from token at pos -> [(token, its row's Logprobs)]."""
+    out = []
+    for i in range(steps):
+        plan = replace(idle_plan(1), decode_active=np.ones(1, bool), decode_tokens=np.array([token], np.int32),
+                       decode_pos=np.array([pos + i], np.int32), steps=np.array([i], np.int32),
+                       logprobs=np.full(1, 20, np.int32))
+        res = r.run(plan)
+        token = int(res.decode_next[0])
+        out.append((token, res.decode_logprobs))
+    return out
+
+
 def test_bad_settings_are_refused():
     def window(**flat):
         return _kv_window(Settings.build(**flat), Engine.load("demo", max_context=512, prefill=32).backend)
