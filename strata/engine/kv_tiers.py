@@ -18,6 +18,7 @@ import numpy as np
 
 from strata.backend import HOST, KV_NAMES, TIER_BASE, TIER_ROW
 from strata.config import bucket_for
+from strata.model.forward import put_slot_layer, slot_layer
 from strata.plan import WindowPlan
 
 log = logging.getLogger("strata")
@@ -29,17 +30,13 @@ def host_row(ops, layer: dict, slot):
 
 
 def slot_state(ops, states: list, slot) -> list:
-    """One slot's sequence state from a bank (per layer {name: row}): a two-tier cache's host arrays are the rows of
-    its host banks that the slot owns (TIER_ROW)."""
-    return [{k: ops.take_row(v, host_row(ops, layer, slot)) if k.endswith(HOST) else ops.take_row(v, slot)
-             for k, v in layer.items()} for layer in states]
+    """One slot's sequence state from a bank (forward.slot_layer of each layer)."""
+    return [slot_layer(ops, layer, slot) for layer in states]
 
 
 def put_slot_state(ops, states: list, slot, state: list) -> list:
-    """The bank with slot's state set from `state` (slot_state's form) but the host arrays and TIER_ROW, which a
-    window never changes (it writes the device window; only moves and parked copies write the host rows)."""
-    return [{k: v if k.endswith(HOST) or k == TIER_ROW else ops.set_row(v, slot, row[k]) for k, v in layer.items()}
-            for layer, row in zip(states, state)]
+    """The bank with slot's state set from `state` (forward.put_slot_layer of each layer)."""
+    return [put_slot_layer(ops, layer, slot, st) for layer, st in zip(states, state)]
 
 
 def _move(ops, states, slot, new_base, new_row, write_back: bool):

@@ -252,9 +252,22 @@ def _front(ops, cfg, lp, st, x, start, n_valid, kind):
 
 
 def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, kind):
-    st = {k: v[slot] for k, v in bank.items()}
+    st = slot_layer(ops, bank, slot)
     x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
-    return x, h, w, idx, shared, {k: ops.set_row(bank[k], slot, v) for k, v in st.items()}
+    return x, h, w, idx, shared, put_slot_layer(ops, bank, slot, st)
+
+
+def slot_layer(ops, layer: dict, slot) -> dict:
+    """One slot's state of a layer's bank ({name: [S, ...]}): a two-tier cache's host arrays are the row of its
+    host banks that the slot owns (TIER_ROW: the banks have more rows than slots)."""
+    row = ops.take_row(layer[TIER_ROW], slot) if TIER_ROW in layer else slot
+    return {k: ops.take_row(v, row) if k.endswith(HOST) else ops.take_row(v, slot) for k, v in layer.items()}
+
+
+def put_slot_layer(ops, layer: dict, slot, st: dict) -> dict:
+    """The layer's bank with slot's state set from st (slot_layer's form) but the host arrays and TIER_ROW, which a
+    window never changes (it writes the device window; only moves and parked copies write the host rows)."""
+    return {k: v if k.endswith(HOST) or k == TIER_ROW else ops.set_row(v, slot, st[k]) for k, v in layer.items()}
 
 
 def embed(params: dict, tokens):

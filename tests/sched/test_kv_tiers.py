@@ -16,7 +16,7 @@ from strata import Engine
 from strata.backend import HOST
 from strata.config import Settings
 from strata.engine.core import _kv_window, device_bytes
-from strata.engine.runner import WindowRunner, _host_rows
+from strata.engine.runner import HostPart, WindowRunner, _host_rows
 from strata.engine.slot_copies import ParkedRow
 from strata.errors import ConfigError
 from strata.plan import PromptPart, idle_plan
@@ -169,24 +169,29 @@ def test_the_layer_split_keeps_each_stages_tiers():
     assert got == generate(Engine.load("demo", max_context=CONTEXT, prefill=PREFILL), prompt, 24)[0]
 
 
-@pytest.mark.parametrize("split", [None, "2"], ids=["one_stage", "split"])
-def test_a_conversation_parked_in_place_continues_exactly(cold, split):
+@pytest.mark.parametrize("kw", [{}, dict(layer_split="2"), dict(expert_cache=16, window_fetch=False)],
+                         ids=["one_stage", "split", "layer_by_layer"])
+def test_a_conversation_parked_in_place_continues_exactly(cold, kw):
     """A conversation parked in place (its host row kept, the slot given the free one) while another prompt spills
     through the slot, then resumed (its row back, its checkpoint restored): it decodes the one-tier engine's tokens;
-    on a layer split every stage moves its own rows."""
-    e = tiered(64, kv_parked=1, **({} if split is None else dict(layer_split=split, say=lambda line: None)))
+    on a layer split every stage moves its own rows; with an expert cache the windows run layer by layer."""
+    e = tiered(64, kv_parked=1, say=lambda line: None, **kw)
     prompt = (np.arange(400) * 31 % 600).astype(np.int32)
     r = WindowRunner(e, 1, PREFILL)
+    assert kw.get("window_fetch", True) or isinstance(r.part, HostPart)
     tokens = [read(r, 0, 0, prompt).part_next]
     ck, saved = r.snapshot(0), r.save_kv(0, len(prompt))
     assert isinstance(saved.data, ParkedRow) and saved.nbytes == 0 and r.tiers.row[0] != saved.data.row
-    read(r, 0, 0, (np.arange(300) * 7 % 600).astype(np.int32))       # another conversation, spilled, in the slot
+    other = (np.arange(300) * 7 % 600).astype(np.int32)              # another conversation, spilled, in the slot
+    one_tier = WindowRunner(cold, 1, PREFILL)
+    a, b = read(r, 0, 0, other).part_logprobs, read(one_tier, 0, 0, other).part_logprobs
+    np.testing.assert_array_equal(a.top_ids, b.top_ids)               # it attended its own row's host part
+    np.testing.assert_allclose(a.top, b.top, rtol=1e-5, atol=1e-5)
     assert r.tiers.base[0] > 0 and r.metrics()["kv_rows_free"] == 0
     r.load_kv(0, saved)
     r.restore(0, ck)
     got = decode(r, tokens[0], len(prompt), 16)
     assert r.tiers.row[0] == saved.data.row and r.metrics()["kv_rows_free"] == 1
-    one_tier = WindowRunner(cold, 1, PREFILL)
     want = decode(one_tier, read(one_tier, 0, 0, prompt).part_next, len(prompt), 16)
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, a), (_, b) in zip(got, want):             # every key the one-tier engine attends: the logits agree
