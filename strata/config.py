@@ -153,8 +153,9 @@ class ModelSettings(_Group):
         "device window of N positions (rounded up to 64; more than a prompt part's padded size) and moves older "
         "positions to host RAM as the window fills (pinned on a GPU, where the decode kernel reads them in place: "
         "the server then runs XLA's default command-buffer mode, whose allocator leaves pinned memory usable); "
-        "attention covers both parts. For contexts longer than the device's memory allows; jax backend only (the "
-        "MTP head's own KV, with spec, stays on the device).")
+        "attention covers both parts. For contexts longer than the device's memory allows (the MTP head's own KV, "
+        "with spec, stays on the device). On the sycl backend the host part is USM host memory (float32 or int8 KV) "
+        "and each row's positions there are copied to the device to be attended.")
     kv_parked: int | str = setting(
         "auto", Rule(lambda v: v == "auto" or (_is_int(v) and 0 <= v <= 4096), "\"auto\" or an integer in [0, 4096]"),
         "With kv_resident: host-tier rows kept besides each slot's own for parked conversations (a conversation "

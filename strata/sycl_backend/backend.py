@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from strata.errors import ConfigError
-from strata.backend import ComposedOps, is_rows
+from strata.backend import TIER_BASE, ComposedOps, is_rows
 from strata.sycl_backend import runtime
 
 runtime.prepare_environment()          # before dpctl is first imported
@@ -145,7 +145,6 @@ class SyclBackend(ComposedOps):
     name = "sycl"
     eager = True
     host_fetch = None                    # no compiled windows: misses are copied into slots between layers
-    host_kv = None                       # no host tier for the attention KV (kv_resident is refused)
     reference = None                     # its kernels are its only ops (the numpy references are not a backend)
     joins_projections = False            # norm_linears / linears take several weights in one launch; a column slice
                                          # of a joined product is strided, which these kernels would copy first
@@ -238,6 +237,51 @@ class SyclBackend(ComposedOps):
     def _upload(self, a: np.ndarray):
         a = np.ascontiguousarray(a)
         return dpnp.asarray(a, dtype=a.dtype, sycl_queue=self.queue)
+
+    # --- HostKV (strata/backend.py): the attention KV's host tier in USM host memory, which the device reads over
+    # the bus; the composition (ComposedOps._attention_tiers) copies a row's positions to the device to attend them
+    @property
+    def host_kv(self) -> "SyclBackend":
+        return self
+
+    def host_zeros_like(self, tree):
+        """Zeros shaped like a host tree, in USM host memory on this queue (float32 or int8 KV: a bfloat16 cache,
+        stored as bits and widened on every read, is refused)."""
+        if isinstance(tree, dict):
+            return {k: self.host_zeros_like(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self.host_zeros_like(v) for v in tree)
+        a = np.asarray(tree)
+        if a.dtype == BF16:
+            raise ConfigError("kv_resident on the sycl backend keeps float32 or int8 KV in host memory, not "
+                              "bfloat16: set kv = int8 (or float32)")
+        return dpnp.zeros(a.shape, dtype=a.dtype, usm_type="host", sycl_queue=self.queue)
+
+    def from_host_tier(self, x):
+        self._op()
+        return dpnp.array(x, usm_type="device", copy=True, sycl_queue=self.queue)
+
+    def host_write(self, host, x, slot, start):
+        """host[slot, start .. start + n - 1] = x (start clamped as kv_write clamps it), in place."""
+        self._op()
+        n = x.shape[0]
+        s = min(max(self._host_int(start), 0), host.shape[1] - n)
+        host[self._host_int(slot), s:s + n] = x if x.dtype == host.dtype else x.astype(host.dtype)
+        return host
+
+    def host_window(self, host, slot, start, n):
+        s = min(max(self._host_int(start), 0), host.shape[1] - n)
+        return self.from_host_tier(host[self._host_int(slot), s:s + n])
+
+    def host_prefix(self, host, n, block):
+        """host's rows [0, n) rounded up to whole blocks, on the device (one copy: n is known here), the rest zero."""
+        self._op()
+        rows = host.shape[0]
+        m = min(-(-self._host_int(n) // block) * block, rows)
+        out = dpnp.zeros(host.shape, dtype=host.dtype, sycl_queue=self.queue)
+        if m:
+            out[:m] = host[:m]
+        return out
 
     @staticmethod
     def start_to_host(x):
@@ -543,7 +587,7 @@ class SyclBackend(ComposedOps):
 
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
         self._op()
-        if not (_is_host(start) and _is_host(n_valid)):
+        if not (_is_host(start) and _is_host(n_valid)) or TIER_BASE in kv:     # (two tiers: the composition)
             return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         rotary_dim = rope.rotary_dim
         t = q.shape[0]

@@ -7,6 +7,7 @@ refused naming what is allowed."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -234,5 +235,6 @@ def test_bad_settings_are_refused():
     assert _host_rows(1 << 30, 64, 2, "auto", free=9 << 30) == 2
     assert _host_rows(1 << 30, 64, 2, "auto", free=3 << 30) == 0
     assert _host_rows(1 << 20, 64, 2, 2) == 2          # this machine's MemAvailable: 4 MiB fit
-    with pytest.raises(ConfigError, match="sycl backend has no host tier"):
-        Engine.load("demo", max_context=512, prefill=32, kv_resident=128, backend="sycl")
+    no_pinned = SimpleNamespace(name="jax", host_kv=None)          # jax under skip_temp on a GPU
+    with pytest.raises(ConfigError, match="skip_temp leaves no pinned host memory: set command_buffer_update = xla_de"):
+        _kv_window(Settings.build(max_context=512, prefill=32, kv_resident=128), no_pinned)
