@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from strata.errors import ConfigError
-from strata.backend import TIER_BASE, ComposedOps, is_rows
+from strata.backend import HOST, TIER_BASE, TIER_ROW, ComposedOps, is_rows
 from strata.sycl_backend import runtime
 
 runtime.prepare_environment()          # before dpctl is first imported
@@ -587,6 +587,8 @@ class SyclBackend(ComposedOps):
 
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
         self._op()
+        if TIER_BASE in kv and is_rows(start):
+            return self._tiered_rows(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         if not (_is_host(start) and _is_host(n_valid)) or TIER_BASE in kv:     # (two tiers: the composition)
             return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         rotary_dim = rope.rotary_dim
@@ -607,6 +609,20 @@ class SyclBackend(ComposedOps):
                                           self._f32(k_norm), freqs, kv, rotary_dim, eps, int(start), s0)
         o = k_attention.attention_gated(self.kernels, qr, kv, gate, int(start), int(n_valid), hd ** -0.5)
         return o.reshape(t, -1), kv
+
+    def _tiered_rows(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
+        """Decode rows over a two-tier bank, one active row at a time by the composition for one sequence: its
+        window is a view of the bank (written in place) and its host part a view of its own bank row, of which
+        only the positions below its base are copied to the device (not every row of the bank, parked ones
+        included, as a gather would). An inactive row's output is zero (discarded)."""
+        rows, starts, valid = (np.asarray(self.to_host(x)) for x in (kv[TIER_ROW], start, n_valid))
+        out = dpnp.zeros((q.shape[0], q.shape[1]), dtype=F32, sycl_queue=self.queue)
+        for s in np.flatnonzero(valid > 0):
+            one = {n: (a[int(rows[s])] if n.endswith(HOST) else a[s]) for n, a in kv.items()}
+            o, _ = super().attention_block(q[s:s + 1], k[s:s + 1], v[s:s + 1], None if gate is None else
+                                           gate[s:s + 1], q_norm, k_norm, eps, one, int(starts[s]), 1, rope)
+            out[s] = o[0]
+        return out, kv
 
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
                     n_k_heads):
