@@ -318,8 +318,10 @@ class ComposedOps:
                 o, kv = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
                                              k_norm, eps, kv, s, n, rope)
                 return o[0], kv
-            host = {n: a for n, a in kv.items() if n.endswith(HOST)}     # a two-tier bank: each row's host arrays
-            rows = {n: self.xp.take(self.from_host_tier(a), kv[TIER_ROW], axis=0) for n, a in host.items()}
+            # a two-tier bank: each row's own host row copied to the device (not the bank's other rows)
+            host = {n: a for n, a in kv.items() if n.endswith(HOST)}
+            rows = {n: self.xp.stack([self.host_window(a, kv[TIER_ROW][i], 0, a.shape[1]) for i in range(q.shape[0])])
+                    for n, a in host.items()}
             o, kv = self.vmap(one)(q, k, v, q if gate is None else gate, {**kv, **rows}, start, n_valid)
             return o, {**kv, **host}
         xp = self.xp
