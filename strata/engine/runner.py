@@ -961,7 +961,7 @@ def _cache_metrics(x) -> dict:
 def _host_rows(row_bytes: int, resident: int, slots: int, parked: int | str, free: int | None = None) -> int:
     """The KV host tier's rows (slots' own + parked) against the RAM the machine has available (free: that figure;
     None: the kernel's MemAvailable, when it reports one): logged, or refused naming what to lower. -> the parked
-    rows (auto: one per slot, as many as fit)."""
+    rows (auto: one per slot, within half the RAM that the slots' rows leave)."""
     if free is None and os.path.exists("/proc/meminfo"):
         with open("/proc/meminfo") as f:
             free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)

@@ -182,7 +182,6 @@ class SlotCopies:
         if r.tiers is not None:       # the window read at the newest positions (the next part starts from there)
             r.tiers.move(slot, max(0, saved.tokens - r.tiers.rows // 2), write_back=False)
 
-
     def drop_kv(self, saved: Saved) -> None:
         if isinstance(saved.data, ParkedRow):
             self.runner.tiers.release(saved.data.row)
