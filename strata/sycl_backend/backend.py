@@ -475,8 +475,8 @@ class SyclBackend(ComposedOps):
     def take_row(self, x, i):
         self._op()
         n = x.shape[0]
-        if _is_host(i):
-            return x[min(max(int(i), 0), n - 1)]                # clamped, as lax.dynamic_index_in_dim
+        if _is_host(i) or (isinstance(x, dpnp.ndarray) and x.usm_type == "host"):   # a host-tier row: a view
+            return x[min(max(self._host_int(i), 0), n - 1)]     # clamped, as lax.dynamic_index_in_dim
         i = dpnp.clip(self._dev(i), 0, n - 1).reshape(1)
         return dpnp.take(x, i, axis=0)[0]
 
