@@ -97,6 +97,7 @@ class SlotCopies:
         large = min(KV_BLOCK_MAX, e.capacity)
         self.sizes = (large, min(KV_BLOCK_MIN, large))
         take_kv, put_kv = (_take_host_block, _put_host_block) if r.tiers is not None else (_take_block, _put_block)
+        self._copying: list[list[dict]] = []     # to_host's snapshots whose copies are under way
         self._fns = []
         for st in e.stages:
             ops, c = st.ops, st.ops.compile
@@ -131,14 +132,27 @@ class SlotCopies:
                 at += len(linear)
 
     def to_host(self, saved: Saved) -> Saved:
+        """The snapshot's copy to host RAM started, not waited for: its arrays are read into host memory (in place
+        in the Saved's layers) at the next to_host, by when the copy has long finished (a checkpoint at real shapes
+        is tens of MB over pageable memory, which the scheduler's loop would otherwise wait for at each take); until
+        then its device arrays stay (at most the last call's), and restore() takes either form."""
         if saved.on_host:
             return saved
-        for layer in saved.data:                  # every array's copy queued before the first is waited for
+        self.settle()
+        for layer in saved.data:
             for v in layer.values():
                 self.ops.start_to_host(v)
+        layers = [dict(layer) for layer in saved.data]
+        self._copying.append(layers)
+        return Saved(layers, saved.nbytes, on_host=True)
+
+    def settle(self) -> None:
+        """The snapshots whose copies to_host started: read into host memory (their device arrays released)."""
         to_host = self.ops.to_host
-        return Saved([{k: np.asarray(to_host(v)) for k, v in layer.items()} for layer in saved.data], saved.nbytes,
-                     on_host=True)
+        for layers in self._copying:
+            for layer in layers:
+                layer.update({k: np.asarray(to_host(v)) for k, v in layer.items()})
+        self._copying = []
 
     def save_kv(self, slot: int, n: int) -> Saved:
         ops, tiers = self.ops, self.runner.tiers

@@ -145,7 +145,9 @@ def test_turns_with_speculative_decoding(engine):
 
 def test_snapshots_restore_exactly_on_both_backends():
     """The runner's copies on the JAX and the SYCL backend (numpy on a CPU): a prompt continued from a restored
-    checkpoint, and from a parked KV loaded into another slot, gives the logits of the prompt read whole."""
+    checkpoint, and from a parked KV loaded into another slot, gives the logits of the prompt read whole; the
+    checkpoint restores while its copy to the host is under way (to_host waits for nothing) and once the next
+    to_host has read it into host memory."""
     import numpy as np
     from strata.plan import PromptPart, idle_plan
     for backend in ("jax", "sycl"):
@@ -160,9 +162,12 @@ def test_snapshots_restore_exactly_on_both_backends():
         whole = part(0, 0, toks)
         part(1, 0, toks[:40])
         snap = r.to_host(r.snapshot(1))
+        assert not any(isinstance(v, np.ndarray) for layer in snap.data for v in layer.values())   # under way
         part(1, 40, toks[40:70])                        # the slot's state moves on past the checkpoint
         r.restore(1, snap)
         again = part(1, 40, toks[40:])
+        r.to_host(r.snapshot(0))                        # reads snap's copy into host memory
+        assert snap.on_host and all(isinstance(v, np.ndarray) for layer in snap.data for v in layer.values())
         kv = r.save_kv(1, 40)
         part(0, 0, toks[::-1])                          # slot 0 holds something else
         r.load_kv(0, kv)
