@@ -262,12 +262,15 @@ class SchedSettings(_Group):
         "on a CPU (docs/performance.md); the H200's is an open measurement.")
     queue_limit: int = setting(
         16, _int_range(1, 65536), "Requests waiting for a free slot; beyond it requests get 503 with Retry-After.")
-    checkpoint_every: int = setting(
-        512, _int_range(1, 1 << 20),
+    checkpoint_every: int | str = setting(
+        "auto", Rule(lambda v: v == "auto" or (_is_int(v) and 1 <= v <= 1 << 20),
+                     "\"auto\" or an integer in [1, 1048576]"),
         "Prompt cache: a checkpoint of the recurrent state (linear layers) every this many tokens of a sequence, "
         "besides the ones at the start of the last assistant header of a prompt and at the end of each reply. A new "
         "prompt that shares a prefix with a stored conversation reads from the nearest checkpoint at or before the "
-        "point where they differ: at most this many tokens more than its new ones.")
+        "point where they differ: at most this many tokens more than its new ones. Prompt parts end at checkpoint "
+        "positions, so a spacing under prefill reads long prompts in smaller parts (slower on a GPU); auto: the "
+        "prefill size.")
     checkpoint_ram_gib: float = setting(
         4.0, Rule(lambda v: _is_number(v) and 0 <= v <= 4096, "a number of GiB in [0, 4096]"),
         "Prompt cache: host RAM for checkpoints and parked conversations (a conversation whose slot another request "
@@ -318,6 +321,11 @@ class SchedSettings(_Group):
     def ladder(self) -> tuple[str, ...]:
         """guard_ladder as a tuple of names."""
         return tuple(_names(self.guard_ladder) or ()) if self.guard_ladder != [] else ()
+
+    @property
+    def checkpoint_tokens(self) -> int:
+        """checkpoint_every as a number of tokens (auto: prefill)."""
+        return self.prefill if self.checkpoint_every == "auto" else self.checkpoint_every
 
 
 @dataclass(frozen=True)

@@ -92,3 +92,12 @@ def test_every_deployment_file_is_valid_and_documented(path):
     """configs/*.toml load through the one validation, and docs/operations.md says what each is for."""
     load_settings(path, env={})
     assert f"configs/{path.name}" in (ROOT / "docs" / "operations.md").read_text()
+
+
+def test_checkpoint_every_auto_is_the_prefill_size():
+    """Prompt parts end at checkpoint positions: auto spaces checkpoints by the part size, a number as given."""
+    assert Settings.build().sched.checkpoint_tokens == Settings.build().sched.prefill
+    assert Settings.build(prefill=4096).sched.checkpoint_tokens == 4096
+    assert Settings.build(prefill=4096, checkpoint_every=512).sched.checkpoint_tokens == 512
+    with pytest.raises(ConfigError, match="checkpoint_every .* is not allowed.*\"auto\" or an integer"):
+        Settings.build(checkpoint_every=0)

@@ -156,7 +156,7 @@ def load_model(config: Settings, ready_hooks: list | None = None) -> tuple:
                           eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
                           lookahead=sched.lookahead, max_context=engine.settings.model.max_context,
                           window_tokens=sched.window_tokens, prompt_share=sched.prompt_share,
-                          checkpoint_every=sched.checkpoint_every, checkpoint_ram_gib=sched.checkpoint_ram_gib,
+                          checkpoint_every=sched.checkpoint_tokens, checkpoint_ram_gib=sched.checkpoint_ram_gib,
                           guard=Guard(runner.numerics, sched.guard_storm, sched.guard_storm_seconds))
     return engine, scheduler
 
