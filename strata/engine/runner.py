@@ -178,9 +178,19 @@ class WindowRunner:
         # the prompt cache's copies: a checkpoint out and back (from the device and from the host: the two compile
         # apart), a KV block of each size to the host and back
         self.restore(0, self.snapshot(0))
-        self.restore(0, self.to_host(self.snapshot(0)))
+        held = self.to_host(self.snapshot(0))
+        self.restore(0, held)                     # its copy under way, then read into host memory
+        self.copies.settle()
+        self.restore(0, held)
+        spare = self.tiers.free if self.tiers is not None else []
+        if self.tiers is not None:                # the copies' own path first (taken with no parked row free)
+            self.tiers.free = []
         for n in self.copies.sizes:
             self.load_kv(0, self.save_kv(0, n))
+        if spare:                                 # then a park in place and its resume
+            self.tiers.free = spare
+            self.load_kv(0, self.save_kv(0, 1))
+            self.tiers.parks = 0
         if self.chains and s > 1:                 # a continuing window that a row drops out of (merge_rows)
             full = replace(plan, decode_active=np.ones(s, bool))
             w = self.dispatch(full)

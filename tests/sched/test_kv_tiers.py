@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from lowerings import lowered
 from test_prompt_cache import converse
 
 from strata import Engine
@@ -201,16 +202,38 @@ def test_a_conversation_parked_in_place_continues_exactly(cold, kw):
 
 
 def decode(r, token: int, pos: int, steps: int) -> list:
-    """steps greedy tokens of slot 0 from token at pos -> [(token, its row's Logprobs)]."""
-    out = []
+    """steps greedy tokens of slot 0 (the runner's other slots idle) from token at pos -> [(token, its row's
+    Logprobs)]."""
+    out, n = [], r.n_slots
     for i in range(steps):
-        plan = replace(idle_plan(1), decode_active=np.ones(1, bool), decode_tokens=np.array([token], np.int32),
-                       decode_pos=np.array([pos + i], np.int32), steps=np.array([i], np.int32),
-                       logprobs=np.full(1, 20, np.int32))
+        one = lambda v: np.array([v] + [0] * (n - 1), np.int32)          # noqa: E731
+        plan = replace(idle_plan(n), decode_active=np.arange(n) == 0, decode_tokens=one(token),
+                       decode_pos=one(pos + i), steps=one(i), logprobs=np.full(n, 20, np.int32))
         res = r.run(plan)
         token = int(res.decode_next[0])
         out.append((token, res.decode_logprobs))
     return out
+
+
+def test_nothing_compiles_after_warm_up():
+    """After warm-up a tiered runner's parts with spills, decode rows, checkpoints (on the device, their copy under
+    way, read into host memory), parks in place and by copy, and resumes compile nothing."""
+    r = WindowRunner(tiered(64, kv_parked=1), 2, PREFILL)
+    r.warm_up()
+    with lowered() as compiled:
+        tokens = [read(r, 0, 0, (np.arange(200) * 37 % 600).astype(np.int32)).part_next]
+        ck = r.to_host(r.snapshot(0))
+        r.to_host(r.snapshot(1))                                     # reads ck into host memory
+        in_place = r.save_kv(0, 200)
+        spare, r.tiers.free = r.tiers.free, []
+        copied = r.save_kv(1, 100)
+        r.tiers.free = spare
+        r.load_kv(1, copied)
+        r.load_kv(0, in_place)
+        r.restore(0, ck)
+        decode(r, tokens[0], 200, 2)
+    assert isinstance(in_place.data, ParkedRow) and not isinstance(copied.data, ParkedRow)
+    assert compiled == [], f"{len(compiled)} functions were compiled after warm-up"
 
 
 def test_bad_settings_are_refused():
