@@ -207,7 +207,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=1024, help="tokens of the follow-up turn")
     ap.add_argument("--reply", type=int, default=32, help="tokens of the first turn's reply")
     ap.add_argument("--prefill", type=int, default=4096)
-    ap.add_argument("--checkpoint-every", type=int, default=512)
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="0: the prefill size (the server's auto)")
     ap.add_argument("--checkpoint-ram-gib", type=float, default=16.0)
     ap.add_argument("--park-only", action="store_true", help="only the KV copies of the longest history (no prompt)")
     ap.add_argument("--kv-resident", type=int, default=0, help="the KV's device window (0: one tier)")
@@ -217,6 +217,7 @@ def main() -> int:
     print(results_file.server_xla_flags(), flush=True)          # before the first JAX call (stamp's)
     if args.quick:
         args.histories, args.new, args.reply, args.prefill = "256,512,1024", 64, 8, 256
+    args.checkpoint_every = args.checkpoint_every or args.prefill
     histories = [int(x) for x in args.histories.split(",")]
     max_context = max(histories) + args.new + 2 * args.reply + 64
     kv = dict(kv_resident=args.kv_resident, kv_parked=args.kv_parked if args.kv_parked == "auto" else
