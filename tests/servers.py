@@ -50,7 +50,7 @@ def running_server(engine, scheduler=None, **overrides):
                               eos_token_ids=engine.eos_token_ids, max_context=cfg.model.max_context,
                               queue_limit=cfg.sched.queue_limit, window_tokens=cfg.sched.window_tokens,
                               prompt_share=cfg.sched.prompt_share, lookahead=cfg.sched.lookahead,
-                              checkpoint_every=cfg.sched.checkpoint_every,
+                              checkpoint_every=cfg.sched.checkpoint_tokens,
                               checkpoint_ram_gib=cfg.sched.checkpoint_ram_gib,
                               guard=Guard(runner.numerics, cfg.sched.guard_storm, cfg.sched.guard_storm_seconds))
     app = create_app(engine, scheduler, cfg)
