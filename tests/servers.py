@@ -42,17 +42,8 @@ def running_server(engine, scheduler=None, **overrides):
     """-> Server with .url; `scheduler` defaults to the real Scheduler over `engine` built from the config."""
     cfg = Settings.build(**{**DEFAULTS, **overrides})
     if scheduler is None:
-        from strata.engine.runner import WindowRunner
-        from strata.sched.scheduler import Scheduler
-        from strata.sched.guard import Guard
-        runner = WindowRunner(engine, cfg.sched.parallel, cfg.sched.prefill)
-        scheduler = Scheduler(runner, tokenizer=engine.tokenizer,
-                              eos_token_ids=engine.eos_token_ids, max_context=cfg.model.max_context,
-                              queue_limit=cfg.sched.queue_limit, window_tokens=cfg.sched.window_tokens,
-                              prompt_share=cfg.sched.prompt_share, lookahead=cfg.sched.lookahead,
-                              checkpoint_every=cfg.sched.checkpoint_tokens,
-                              checkpoint_ram_gib=cfg.sched.checkpoint_ram_gib,
-                              guard=Guard(runner.numerics, cfg.sched.guard_storm, cfg.sched.guard_storm_seconds))
+        from strata.serve.server import scheduler_for
+        scheduler = scheduler_for(engine, cfg.sched, cfg.model.max_context)
     app = create_app(engine, scheduler, cfg)
     sock = bind_socket("127.0.0.1", 0)
     url = socket_url(sock)

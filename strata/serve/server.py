@@ -126,9 +126,6 @@ def load_model(config: Settings, ready_hooks: list | None = None) -> tuple:
     """Load the model and build its scheduler: -> (engine, scheduler), for the app's lifespan (here, and in each
     Ray Serve engine replica). ready_hooks gets the compile cache's report, to call once the warm-up is done."""
     from strata.engine import Engine
-    from strata.engine.runner import WindowRunner
-    from strata.sched.guard import Guard
-    from strata.sched.scheduler import Scheduler
     if note := builtin_note(config.model.model):
         log.info(note)
     if config.backend.backend in ("jax", "auto"):          # before JAX makes its GPU client
@@ -149,16 +146,21 @@ def load_model(config: Settings, ready_hooks: list | None = None) -> tuple:
     log.info("model %s loaded in %.0f ms (%s, %d layers, %d experts, %s)", config.model_name,
              (time.perf_counter() - t0) * 1000, engine.cfg.model_type, engine.cfg.num_layers,
              engine.cfg.num_experts, engine.dtype)
-    # the server owns the engine; the scheduler is given its runner (the Executor) and the model's values
-    sched = config.sched
+    return engine, scheduler_for(engine, config.sched, engine.settings.model.max_context)
+
+
+def scheduler_for(engine, sched, max_context: int):
+    """The server's Scheduler over a WindowRunner of `engine` (its Executor; the server owns the engine), from the
+    scheduler settings (SchedSettings) and the model's values."""
+    from strata.engine.runner import WindowRunner
+    from strata.sched.guard import Guard
+    from strata.sched.scheduler import Scheduler
     runner = WindowRunner(engine, sched.parallel, sched.prefill)
-    scheduler = Scheduler(runner, tokenizer=engine.tokenizer,
-                          eos_token_ids=engine.eos_token_ids, queue_limit=sched.queue_limit,
-                          lookahead=sched.lookahead, max_context=engine.settings.model.max_context,
-                          window_tokens=sched.window_tokens, prompt_share=sched.prompt_share,
-                          checkpoint_every=sched.checkpoint_tokens, checkpoint_ram_gib=sched.checkpoint_ram_gib,
-                          guard=Guard(runner.numerics, sched.guard_storm, sched.guard_storm_seconds))
-    return engine, scheduler
+    return Scheduler(runner, tokenizer=engine.tokenizer, eos_token_ids=engine.eos_token_ids,
+                     queue_limit=sched.queue_limit, lookahead=sched.lookahead, max_context=max_context,
+                     window_tokens=sched.window_tokens, prompt_share=sched.prompt_share,
+                     checkpoint_every=sched.checkpoint_tokens, checkpoint_ram_gib=sched.checkpoint_ram_gib,
+                     guard=Guard(runner.numerics, sched.guard_storm, sched.guard_storm_seconds))
 
 
 async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,
