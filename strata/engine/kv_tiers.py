@@ -18,15 +18,10 @@ import numpy as np
 
 from strata.backend import HOST, KV_NAMES, TIER_BASE, TIER_ROW
 from strata.config import bucket_for
-from strata.model.forward import put_slot_layer, slot_layer
+from strata.model.forward import host_row, put_slot_layer, slot_layer
 from strata.plan import WindowPlan
 
 log = logging.getLogger("strata")
-
-
-def host_row(ops, layer: dict, slot):
-    """The row of the layer's host banks that holds slot's positions (traced)."""
-    return ops.take_row(layer[TIER_ROW], slot)
 
 
 def slot_state(ops, states: list, slot) -> list:

@@ -17,8 +17,8 @@ from functools import partial
 import numpy as np
 
 from strata.backend import HOST, KV_NAMES, TIER_ROW
-from strata.engine.kv_tiers import host_row
 from strata.model.config import LINEAR
+from strata.model.forward import host_row
 from strata.plan import Saved
 
 # rows per block of a parked KV: large blocks for the bulk (each copy has a fixed cost besides its bytes), small

@@ -257,10 +257,15 @@ def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, kind):
     return x, h, w, idx, shared, put_slot_layer(ops, bank, slot, st)
 
 
+def host_row(ops, layer: dict, slot):
+    """The row of a two-tier layer's host banks that holds slot's positions (traced)."""
+    return ops.take_row(layer[TIER_ROW], slot)
+
+
 def slot_layer(ops, layer: dict, slot) -> dict:
     """One slot's state of a layer's bank ({name: [S, ...]}): a two-tier cache's host arrays are the row of its
     host banks that the slot owns (TIER_ROW: the banks have more rows than slots)."""
-    row = ops.take_row(layer[TIER_ROW], slot) if TIER_ROW in layer else slot
+    row = host_row(ops, layer, slot) if TIER_ROW in layer else slot
     return {k: ops.take_row(v, row) if k.endswith(HOST) else ops.take_row(v, slot) for k, v in layer.items()}
 
 

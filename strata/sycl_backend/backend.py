@@ -247,15 +247,13 @@ class SyclBackend(ComposedOps):
     def host_zeros_like(self, tree):
         """Zeros shaped like a host tree, in USM host memory on this queue (float32 or int8 KV: a bfloat16 cache,
         stored as bits and widened on every read, is refused)."""
-        if isinstance(tree, dict):
-            return {k: self.host_zeros_like(v) for k, v in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self.host_zeros_like(v) for v in tree)
-        a = np.asarray(tree)
-        if a.dtype == BF16:
-            raise ConfigError("kv_resident on the sycl backend keeps float32 or int8 KV in host memory, not "
-                              "bfloat16: set kv = int8 (or float32)")
-        return dpnp.zeros(a.shape, dtype=a.dtype, usm_type="host", sycl_queue=self.queue)
+        def zeros(leaf):
+            a = np.asarray(leaf)
+            if a.dtype == BF16:
+                raise ConfigError("kv_resident on the sycl backend keeps float32 or int8 KV in host memory, not "
+                                  "bfloat16: set kv = int8 (or float32)")
+            return dpnp.zeros(a.shape, dtype=a.dtype, usm_type="host", sycl_queue=self.queue)
+        return _tree_map(zeros, tree)
 
     def from_host_tier(self, x):
         self._op()
