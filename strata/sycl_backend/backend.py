@@ -260,16 +260,12 @@ class SyclBackend(ComposedOps):
         return dpnp.array(x, usm_type="device", copy=True, sycl_queue=self.queue)
 
     def host_write(self, host, x, slot, start):
-        """host[slot, start .. start + n - 1] = x (start clamped as kv_write clamps it), in place."""
-        self._op()
-        n = x.shape[0]
-        s = min(max(self._host_int(start), 0), host.shape[1] - n)
-        host[self._host_int(slot), s:s + n] = x if x.dtype == host.dtype else x.astype(host.dtype)
+        """kv_write into the slot's row of the host array (a view: in place)."""
+        self.kv_write(host[self._host_int(slot)], x, start)
         return host
 
     def host_window(self, host, slot, start, n):
-        s = min(max(self._host_int(start), 0), host.shape[1] - n)
-        return self.from_host_tier(host[self._host_int(slot), s:s + n])
+        return self.from_host_tier(self.kv_read(host[self._host_int(slot)], start, n))
 
     def host_prefix(self, host, n, block):
         """host's rows [0, n) rounded up to whole blocks, on the device (one copy: n is known here), the rest zero."""
