@@ -177,10 +177,6 @@ class CompileCache(Protocol):
                                                   # that asked it) since it was enabled
 
 
-def available_backends() -> tuple[str, ...]:
-    return tuple(_BACKENDS)
-
-
 def resolve_backend(name: str = "auto") -> str:
     """The backend `name` stands for ("auto" picks one: _auto); ConfigError for a name that is not known."""
     if name == "auto":

@@ -56,7 +56,6 @@ class WindowRunner:
         self.scratch_pos = engine.capacity - 1
         self.windows = 0
         self._pending_between = False
-        self.between_s = 0.0              # host seconds spent on the cache's work between windows, in total
         self._args = DeviceArgs(ops)                          # the last stage's (the sampler's)
         self.stage_args = [DeviceArgs(st.ops) for st in engine.stages]
         self._sample = engine.compiled("sample_rows", lambda: ops.compile(partial(_sample_rows, ops)))
@@ -100,10 +99,8 @@ class WindowRunner:
         It is deferred to the next run so that, with window fetch, it overlaps the next window on the device."""
         if self._pending_between:
             self._pending_between = False
-            t = time.perf_counter()
             for x in self.expert_sets():
                 x.end_window(self.windows)
-            self.between_s += time.perf_counter() - t
 
     def expert_sets(self) -> list:
         """Each stage's ExpertSet (one unsplit; none for a model without routed experts)."""
@@ -469,7 +466,7 @@ class CompiledRows:
 
     def dispatch(self, plan: WindowPlan, after: DeviceRows | None) -> DeviceRows:
         r = self.runner
-        e, ops = r.engine, r.engine.backend
+        ops = r.engine.backend
         pos, active = r.decode_rows(plan)
         stable = r.window_args(plan)
         rows = np.stack([np.asarray(plan.decode_tokens, np.int32), pos, np.asarray(plan.steps, np.int32)])

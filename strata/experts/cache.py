@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -68,10 +68,9 @@ class CacheStats:
     peer_seconds: float = 0.0
     swaps: int = 0                # adaptive swaps between windows
     verified: int = 0             # slots checked against the pack
-    by_kind: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "by_kind"}
+        d = dict(self.__dict__)
         d["hit_rate"] = self.hits / max(self.hits + self.misses, 1)
         return d
 

@@ -8,7 +8,6 @@ Every source is an ExpertSource: `blob(p, e)` (the expert's bytes, uint8 [nbytes
 from __future__ import annotations
 
 import abc
-import time
 import zlib
 
 import numpy as np
@@ -84,19 +83,13 @@ class PackStore(ExpertSource):
         if reader.mtp_layer is not None and reader.mtp_layer in self.layers:
             self.layers.remove(reader.mtp_layer)            # the MTP head's experts are not served yet
         self.n_layers, self.n_experts = len(self.layers), reader.n_experts
-        self.reads = 0
-        self.read_bytes = 0
-        self.read_seconds = 0.0
+        self.reads = 0                                      # blobs read from the pack so far
         self.where = str(reader.dir)
 
     def blob(self, p: int, e: int) -> np.ndarray:
-        t = time.perf_counter()
-        layer = self.layers[p]
-        out = self.reader.read_blob(layer, e) if self.stream else np.array(self.reader.blob(layer, e))
         self.reads += 1
-        self.read_bytes += out.nbytes
-        self.read_seconds += time.perf_counter() - t
-        return out
+        layer = self.layers[p]
+        return self.reader.read_blob(layer, e) if self.stream else np.array(self.reader.blob(layer, e))
 
     def checksum(self, p: int, e: int) -> int:
         return int(self.reader.checksum(self.layers[p], e))
@@ -142,7 +135,6 @@ class HostMirror(ExpertSource):
                 self.chunk_at.append((p, int(part[0])))
                 self.where_is[p, part] = np.stack([np.full(len(part), c), np.arange(len(part))], axis=1)
         self.n_mirrored = n
-        self.hits = self.store_reads = 0
 
     @property
     def nbytes(self) -> int:
@@ -151,11 +143,9 @@ class HostMirror(ExpertSource):
     def blob(self, p: int, e: int):
         c, r = self.where_is[p, e]
         if c >= 0:
-            self.hits += 1
             if self.device is not None:
                 return self.device.host_rows(self.chunks[c], [r])[0]
             return self.chunks[c][r]
-        self.store_reads += 1
         return self.store.blob(p, e)
 
     def checksum(self, p: int, e: int) -> int:
@@ -170,7 +160,6 @@ class HostMirror(ExpertSource):
         for c in np.unique(where[pinned, 0]):
             sel = pinned & (where[:, 0] == c)
             out[sel] = self.device.host_rows(self.chunks[c], where[sel, 1])
-            self.hits += int(sel.sum())
         for i in np.flatnonzero(~pinned):
             out[i] = self.blob(p, int(experts[i]))
         return out
