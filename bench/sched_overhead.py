@@ -6,9 +6,9 @@ alone (engine_speed.measure_batched, one window dispatched ahead), at each batch
     python bench/sched_overhead.py --batches 1,4 --slots 16  # b streams on a 16-slot runner (the others idle)
 
 Per batch b: b requests of --tokens tokens each (no stop token), admitted together on a b-slot WindowRunner (or
-one of --slots slots, the rest idle); the
-windows while every slot generates are timed (wall ms a window, and the scheduler's own plan / apply / hand-off
-seconds from its metrics), against measure_batched's ms a window for b rows. Writes JSON (machine, date, commit).
+one of --slots slots, the rest idle); the windows while all b generate are timed (wall ms a window, and the
+scheduler's own plan / apply / hand-off seconds from its metrics), against measure_batched's ms a window for b rows.
+Writes JSON (machine, date, commit).
 """
 from __future__ import annotations
 
