@@ -83,6 +83,8 @@ class Backend(Protocol):
     def valid_mask(self, t: int, n_valid: Array) -> Array: ...                           # [T] bool: row < n_valid
     def take_row(self, x: Array, i: Array) -> Array: ...                                 # x[i] at a traced index
     def set_row(self, x: Array, i: Array, row: Array) -> Array: ...                      # x with x[i] = row
+    def take_rows(self, x: Array, idx: Array) -> Array: ...              # x[idx] [B, ...] at traced distinct indices
+    def put_rows(self, x: Array, idx: Array, rows: Array) -> Array: ...  # x with x[idx] = rows (distinct indices)
 
     def scope(self, name: str) -> Any: ...                 # a context naming the ops inside it (profiles), or nothing
     def report(self, fn, *xs: Array) -> None: ...          # fn(*host values of xs) once computed (in a window too)
@@ -247,6 +249,9 @@ KV_NAMES = ("k", "v", "k_scale", "v_scale")
 HOST = "_host"
 TIER_BASE = "base"
 TIER_ROW = "row"
+# in a decode window's attention layer (rows mode): int32 [B], the bank rows of the window's B rows when it is
+# compiled for fewer rows than the bank has (the window's other arrays are [B]; the layer's are the bank's [S, ...])
+SLOTS = "slots"
 STAGE_BLOCK = 4096       # rows of host KV a prompt part stages a copy at a time (it copies the positions it reads)
 
 
@@ -308,7 +313,11 @@ class ComposedOps:
         NeoX RoPE at positions start.., the new keys and values written at rows start.. of the layer's cache,
         causal GQA attention, the output times sigmoid(gate) (gate None: ungated).
         q [T, Hq * hd], k, v [T, Hkv * hd]; kv the layer's cache: {"k", "v": [Cap, Hkv, hd]}, plus
-        {"k_scale", "v_scale": [Cap, Hkv] fp32} when it is int8 (quantize_kv) -> (o [T, Hq * hd], kv)."""
+        {"k_scale", "v_scale": [Cap, Hkv] fp32} when it is int8 (quantize_kv) -> (o [T, Hq * hd], kv).
+        Rows mode (start [S]): kv holds the bank's [S, ...], or with SLOTS [B] the bank's rows of the B rows (the
+        kv returned is the bank, without SLOTS)."""
+        if is_rows(start) and SLOTS in kv:
+            return self._attention_slots(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         if is_rows(start):
             def one(q, k, v, g, kv, s, n):
                 o, kv = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
@@ -339,6 +348,16 @@ class ComposedOps:
         if gate is not None:
             o = o * self.sigmoid(gate)
         return o, kv
+
+    def _attention_slots(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
+        """attention_block's rows mode on the bank rows kv[SLOTS] [B]: those rows' caches gathered (a copy of B
+        whole rows: the composition's way; a kernel reads them in place), attended, their caches put back."""
+        slots = kv[SLOTS]
+        own = [n for n in kv if n != SLOTS and not n.endswith(HOST)]       # per-slot arrays [S, ...]
+        sub = {**{n: kv[n] for n in kv if n.endswith(HOST)}, **{n: self.take_rows(kv[n], slots) for n in own}}
+        o, sub = self.attention_block(q, k, v, gate, q_norm, k_norm, eps, sub, start, n_valid, rope)
+        return o, {**{n: kv[n] for n in kv if n != SLOTS},
+                   **{n: self.put_rows(kv[n], slots, sub[n]) for n in own if n in KV_NAMES}}
 
     def _attention_tiers(self, q, k, v, kv, start, q_pos):
         """attention_block's store and attention for a two-tier cache (kv_resident; forward.kv_state): the new keys

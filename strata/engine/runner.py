@@ -71,6 +71,9 @@ class WindowRunner:
         # is one compiled function taking the pool and the slot table by value, so the cache's work between
         # windows, which may then run while two windows are queued, cannot change what a dispatched window reads
         self.chains = isinstance(self.rows, CompiledRows) and not ops.eager
+        # compiled decode windows of fewer rows than slots (row_slots): 1, 2, 4, ... up to all of them
+        self.row_buckets = [1 << i for i in range((n_slots - 1).bit_length())] if (
+            engine.settings.sched.row_buckets and self.chains) else []
         self.spec = None
         if engine.settings.sched.spec:
             from strata.engine.spec import Spec
@@ -158,6 +161,9 @@ class WindowRunner:
         plan = idle_plan(s)
         self.run(replace(plan, decode_active=np.ones(s, bool)))          # the decode rows, every row greedy
         self.run(replace(plan, decode_active=np.ones(s, bool), temperature=np.ones(s, np.float32)))   # or sampled
+        for b in self.row_buckets:                # and windows of fewer rows
+            for temperature in (np.zeros(s, np.float32), np.ones(s, np.float32)):
+                self.run(replace(plan, decode_active=np.arange(s) < b, temperature=temperature))
         for b in self.buckets():
             self.run(replace(plan, part=PromptPart(slot=0, tokens=np.zeros(b, np.int32), start=0, last=True)))
         if self.spec is not None:                 # verify windows, and parts that are not a prompt's last
@@ -207,6 +213,17 @@ class WindowRunner:
         return (a.get("active", plan.decode_active.astype(np.int32)),
                 *(a.get(k, v) for k, v in zip(SAMPLING, plan.sampling)),
                 a.get("seeds", plan.seeds))
+
+    def row_slots(self, plan: WindowPlan) -> np.ndarray | None:
+        """The bank rows a compiled decode window computes when that is fewer than all slots: its active rows and
+        idle ones up to the smallest bucket holding them, int32 [B] in slot order (an idle row computes nothing
+        that is kept: its key goes to the scratch row, its recurrent state is left); None: every slot."""
+        on = plan.decode_active
+        n = int(on.sum())
+        b = next((b for b in self.row_buckets if b >= n), None)
+        if b is None:
+            return None
+        return np.sort(np.concatenate([np.flatnonzero(on), np.flatnonzero(~on)[:b - n]])).astype(np.int32)
 
     def decode_rows(self, plan: WindowPlan) -> tuple[np.ndarray, np.ndarray]:
         """-> (positions, active int32) [S] of a plan's decode rows: an inactive row writes to the scratch row."""
@@ -360,13 +377,13 @@ class WindowRunner:
 
 
 def rows_before_last(r: WindowRunner, before: list, hidden: list, plan: WindowPlan, rows_in, fetched: list,
-                     x=None, handoff: list | None = None):
+                     x=None, handoff: list | None = None, slots=None):
     """A split's stages before the last (`before`, each run by hidden[i], _decode_hidden compiled on it) on a
     window's rows (their copy on each stage's device) -> the hidden rows [S, H] on the last stage's device (None
     unsplit); window fetch: each stage's (ExpertSet, table, counts, copied) appended to fetched. x: the first
     stage's input rows in place of the tokens' embedding (returned as they are, unsplit). handoff: each stage's
     hand-off buffer [S, H], donated to its call (hidden[i] donates its argument 6) and replaced by the output that
-    reuses it."""
+    reuses it. slots: the bank rows of a window of fewer rows (row_slots; its hidden rows are the first of x's)."""
     if not before:
         return x
     e = r.engine
@@ -380,12 +397,13 @@ def rows_before_last(r: WindowRunner, before: list, hidden: list, plan: WindowPl
         st.handoff_s += time.perf_counter() - t
         f = hidden[st.index]
         buf = () if handoff is None else (handoff[st.index],)
+        kw = {} if slots is None else {"slots": r.stage_args[st.index].get("slots", slots)}
         if st.path.kind is PathKind.WINDOW_FETCH:
             args, table = st.experts.fetch_args()
-            r.states[a:b], x, counts, copied = f(st.params, args, r.states[a:b], rows, act, x, *buf)
+            r.states[a:b], x, counts, copied = f(st.params, args, r.states[a:b], rows, act, x, *buf, **kw)
             fetched.append((st.experts, table, counts, copied))
         else:
-            r.states[a:b], x = f(st.params, st.path.args(), r.states[a:b], rows, act, x, *buf)
+            r.states[a:b], x = f(st.params, st.path.args(), r.states[a:b], rows, act, x, *buf, **kw)
         if handoff is not None:
             handoff[st.index] = x
         return x
@@ -483,10 +501,13 @@ class CompiledRows:
             rows_in = r._args.take("rows", _with_result_rows(rows))
         greedy = all_greedy(plan.temperature, plan.decode_active)
         fetched, lp = [], None
-        x = self._before_last(plan, rows_in, fetched)
-        # a shaped plan's forward pass returns the logits, and Shaping samples from them
+        # a shaped plan's forward pass returns the logits [S, V], and Shaping samples from them (every slot's row)
+        slots = None if plan.shaped else r.row_slots(plan)
+        x = self._before_last(plan, rows_in, fetched, slots)
         decode, extra = (self._logits, ()) if plan.shaped else (self._decode, stable[1:])
         kw = {} if plan.shaped else {"greedy": greedy}
+        if slots is not None:
+            kw["slots"] = r._args.get("slots", slots)
         st = self.last
         a, b = st.layers.start, st.layers.stop
         if self.fetching:
@@ -510,9 +531,9 @@ class CompiledRows:
             ops.start_to_host(y)
         return d
 
-    def _before_last(self, plan: WindowPlan, rows_in, fetched: list):
+    def _before_last(self, plan: WindowPlan, rows_in, fetched: list, slots=None):
         return rows_before_last(self.runner, self.before, self._hidden, plan, rows_in, fetched,
-                                handoff=self._handoff)
+                                handoff=self._handoff, slots=slots)
 
     def collect(self, d: DeviceRows) -> tuple[np.ndarray, np.ndarray, Logprobs | None]:
         r = self.runner
@@ -826,15 +847,18 @@ def _result_rows(rows):
     return rows[3:] + 0
 
 
-def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x, buf=None, taps=None):
+def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x, buf=None, taps=None, slots=None):
     """A split's stage before the last on a window's decode rows (rows [ROWS, S]: tokens and positions; x [S, H]
     from the stage before, None on the first) -> (its layers' states, x after them); window fetch: (states, x,
     routing counts [Lp, E], experts copied [Lp]). buf [S, H]: x is written into it (donated, the hand-off keeps one
-    address window to window, as a command buffer must not see its addresses change)."""
+    address window to window, as a command buffer must not see its addresses change). slots [B]: as _decode_rows'
+    (x: its first B rows in and out)."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
+    rows, active, _ = _own_rows(ops, slots, rows, active)
     x, states = forward_hidden(ops, cfg, params, states, rows[0], rows[1], active,
-                               path.traced(layout, args, active, counts, copied), taps=taps, x=x)
+                               path.traced(layout, args, active, counts, copied), taps=taps,
+                               x=_first_rows(x, slots), slots=slots)
     if buf is not None:
         x = ops.kv_write(buf, x, 0)
     if fetching:
@@ -843,22 +867,40 @@ def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x
 
 
 def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, temperature, top_k, top_p, min_p, seeds,
-                 greedy: bool = False, taps=None, x=None):
+                 greedy: bool = False, taps=None, x=None, slots=None):
     """rows int32 [ROWS, S]: (tokens, positions, steps) of S rows of one token each (rows 3, 4 ignored) -> (states,
     rows [ROWS, S]: the successor's rows, then this window's next tokens and finite flags; an eager backend's: the
     result [2, S] alone); window fetch: (states, routing counts [Lp, E], experts copied [Lp], rows).
     greedy (static): every active row is greedy (ops.sample's all_greedy). x: as _decode_hidden's (a split's last
-    stage)."""
+    stage). slots [B] (WindowRunner.row_slots): only those rows are computed (every active row among them); the
+    others' results are token 0, finite."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
-    logits, states = forward(ops, cfg, params, states, rows[0], rows[1], active,
-                             path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps,
-                             x=x)  # [S, V]
-    rows = _rows_out(ops, rows, _sampled(ops, logits, temperature, top_k, top_p, min_p, seeds, rows[2], greedy),
-                     active)
+    own, on, sampling = _own_rows(ops, slots, rows, active, (temperature, top_k, top_p, min_p, seeds))
+    logits, states = forward(ops, cfg, params, states, own[0], own[1], on,
+                             path.traced(layout, args, on, counts, copied), all_logits=True, taps=taps,
+                             x=_first_rows(x, slots), slots=slots)  # [B, V]
+    out = _sampled(ops, logits, *sampling, own[2], greedy)
+    if slots is not None:          # [2, B] -> [2, S]
+        out = ops.put_rows(ops.xp.stack([ops.xp.zeros_like(active), ops.xp.ones_like(active)]).T, slots, out.T).T
+    rows = _rows_out(ops, rows, out, active)
     if fetching:
         return states, ops.xp.stack(counts), ops.xp.stack(copied), rows
     return states, rows
+
+
+def _own_rows(ops, slots, rows, active, per_row=()):
+    """A window's [S] arguments as its computed rows see them: (rows [ROWS, B], active [B], per_row each [B]);
+    as given when slots is None."""
+    if slots is None:
+        return rows, active, per_row
+    return (ops.take_rows(rows.T, slots).T, ops.take_rows(active, slots),
+            tuple(ops.take_rows(v, slots) for v in per_row))
+
+
+def _first_rows(x, slots):
+    """The hidden rows [B, H] handed on to a window of B rows, the first of the hand-off buffer's (x [S, H])."""
+    return x if x is None or slots is None else x[:slots.shape[0]]
 
 
 def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, taps=None, x=None):

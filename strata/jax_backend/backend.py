@@ -30,7 +30,7 @@ from strata.jax_backend.kernels import route as k_route
 from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop, experts_fetching, experts_from_pool
 from strata.jax_backend.kernels.host_rows import copy_host_rows
 from strata.jax_backend.xla_flags import pinned_host_usable
-from strata.backend import HOST, KV_NAMES, TIER_BASE, TIER_ROW, ComposedOps, is_rows
+from strata.backend import HOST, KV_NAMES, SLOTS, TIER_BASE, TIER_ROW, ComposedOps, is_rows, quantize_kv
 
 KV_BLOCK = 512      # keys per step of the attention's online softmax
 ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
@@ -258,26 +258,32 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
         """The composition (strata/backend.py), but a decode window's attention (rows mode: one query per
         sequence over its own cache in the bank) is one Pallas kernel over every row (kernels/decode_attention.py),
-        whose cost follows each row's length rather than the cache's capacity."""
+        whose cost follows each row's length rather than the cache's capacity; with SLOTS, the kernel reads the
+        window's rows of the bank in place."""
         if "attention" not in self.pallas_ops or not is_rows(start):
             return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         s = q.shape[0]
         _, _, hkv, hd = kv["k"].shape
         hq = q.shape[1] // hd
+        slots = kv.get(SLOTS)
         scales = (kv.get("k_scale"), kv.get("v_scale"))
         qr = self.rope(self.rms_norm(q.reshape(s, hq, hd), q_norm, eps), start, rope)     # [S, Hq, hd]
-        if not k_attention.supported(qr[:, None], kv["k"], kv["v"], *scales, start):     # e.g. hd not a power of 2
+        if not k_attention.supported(qr[:, None], kv["k"], kv["v"], *scales, start, banked=slots is not None):
             return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         kr = self.rope(self.rms_norm(k.reshape(s, hkv, hd), k_norm, eps), start, rope)
+        kv = {n: a for n, a in kv.items() if n != SLOTS}
+        bank = jnp.arange(s, dtype=jnp.int32) if slots is None else slots       # row s's bank row
+
+        def own(name):                       # a per-slot value of each row
+            return kv[name] if slots is None else self.take_rows(kv[name], slots)
         tiered = TIER_BASE in kv
-        base = kv[TIER_BASE] if tiered else jnp.zeros_like(start)
+        base = own(TIER_BASE) if tiered else jnp.zeros_like(start)
         window = {n: kv[n] for n in KV_NAMES if n in kv}
         rows = window["k"].shape[1]
         # two tiers: the new key at start - base of the device window (an inactive row's scratch position at its
         # last row, which strata/engine/kv_tiers.py keeps free of real positions)
         at = jnp.minimum(start - base, rows - 1) if tiered else start
-        window = jax.vmap(lambda c, k1, v1, p: self.kv_store(c, k1[None], v1[None], p))(
-            window, kr, v.reshape(s, hkv, hd), at)
+        window = _store_rows(window, kr, v.reshape(s, hkv, hd), bank, at)
         kv = {**kv, **window}
         # an inactive row attends to key 0 only (as the composition's): its output is discarded
         active = n_valid > 0
@@ -288,10 +294,10 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             if self.interpret:
                 host = [None if x is None else self.from_host_tier(x) for x in host]
             n_host = jnp.where(active, base, 0).astype(jnp.int32)
-            o = k_attention.tiered_decode_attention(*args, *host, n_host, kv[TIER_ROW], scale=hd ** -0.5,
+            o = k_attention.tiered_decode_attention(*args, *host, n_host, own(TIER_ROW), slots, scale=hd ** -0.5,
                                                     interpret=self.interpret)
         else:
-            o = k_attention.decode_attention(*args, scale=hd ** -0.5, interpret=self.interpret)
+            o = k_attention.decode_attention(*args, slots, scale=hd ** -0.5, interpret=self.interpret)
         o = o[:, 0].reshape(s, hq * hd)
         if gate is not None:
             o = o * self.sigmoid(gate)
@@ -389,6 +395,15 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     @staticmethod
     def take_row(x, i):
         return lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
+
+    @staticmethod
+    def take_rows(x, idx):
+        return jnp.take(x, idx, axis=0, unique_indices=True, mode="clip")
+
+    @staticmethod
+    def put_rows(x, idx, rows):
+        """x with x[idx] = rows (idx distinct; in place when x is donated)."""
+        return x.at[idx].set(rows.astype(x.dtype), unique_indices=True, mode="promise_in_bounds")
 
     # --- mixture of experts
     @staticmethod
@@ -645,3 +660,14 @@ def _concat_rows(parts):
 @jax.jit
 def _pool_read(pool, slots):
     return pool[slots]
+
+
+def _store_rows(window: dict, k, v, bank, at) -> dict:
+    """A decode window's new keys and values [S, Hkv, hd] written into the caches [B, Cap, ...]: row s's at
+    (bank[s], at[s]) (int8: quantised, their scales beside them, as kv_store)."""
+    new = {"k": k, "v": v}
+    if "k_scale" in window:
+        for name in ("k", "v"):
+            new[name], new[name + "_scale"] = quantize_kv(jnp, new[name])
+    return {n: c.at[bank, at].set(new[n].astype(c.dtype), unique_indices=True, mode="promise_in_bounds")
+            for n, c in window.items()}

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from strata.backend import HOST, TIER_BASE, TIER_ROW
+from strata.backend import HOST, SLOTS, TIER_BASE, TIER_ROW
 from strata.model.config import LINEAR, ModelConfig
 from strata.model.params import is_sparse, projections
 
@@ -138,7 +138,7 @@ def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, 
 
 
 def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, all_logits: bool,
-            taps: Taps | None = None, x=None):
+            taps: Taps | None = None, x=None, slots=None):
     """Traced: one part of one sequence, or a decode window, through run_layers -> (logits, new state).
 
     One sequence: tokens [T] int32 at positions start..start+T-1 (start, n_valid int32 scalars: one compilation per
@@ -147,21 +147,30 @@ def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_v
     sequences ({name: [S, ...]} per layer); all_logits True: logits [S, V]. (A padding row's key goes to the
     position given, beyond every real one, and its recurrent state is unchanged.)
     experts(p, h, w, idx) -> y: the routed experts of MoE layer p (strata/experts/path.py). x: the rows' hidden
-    state from the stage before (a layer split's last stage), in place of the tokens' embedding."""
-    x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, experts, taps=taps, x=x)
+    state from the stage before (a layer split's last stage), in place of the tokens' embedding. slots [B]: a decode
+    window of B rows over a bank of more, row b on bank row slots[b] (distinct; the other rows left as they are)."""
+    x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, experts, taps=taps, x=x, slots=slots)
     return head(ops, cfg, params, x, n_valid, all_logits), state
 
 
 def forward_hidden(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, mix=None,
-                   taps: Taps | None = None, x=None):
+                   taps: Taps | None = None, x=None, slots=None):
     """forward() up to the final norm -> (x [T, H], new state). mix: the mixers' form (mix_rows's signature; None:
     mix_rows), e.g. the verify form that runs several positions of each row and keeps each position's state.
-    x: the rows' hidden state from the stage before (a layer split's later stage), in place of tokens' embedding."""
+    x: the rows' hidden state from the stage before (a layer split's later stage), in place of tokens' embedding.
+    slots: as forward's."""
     if x is None:
         x = embed(params, tokens)                                                 # [T, H]
 
     def front(lp, st, x, kind):
-        return layer_front(ops, cfg, kind, lp, st, x, start, n_valid, mix)
+        if slots is None:
+            return layer_front(ops, cfg, kind, lp, st, x, start, n_valid, mix)
+        # the recurrent states of the window's rows gathered and put back; attention reads the bank in place
+        rows = {**st, SLOTS: slots} if kind != LINEAR else {k: ops.take_rows(v, slots) for k, v in st.items()}
+        x, h, w, idx, shared, rows = layer_front(ops, cfg, kind, lp, rows, x, start, n_valid, mix)
+        if kind == LINEAR:
+            rows = {k: ops.put_rows(st[k], slots, v) for k, v in rows.items()}
+        return x, h, w, idx, shared, rows
     tap = taps.on(ops, *row_positions(ops.xp, x.shape[0], start, n_valid)) if taps is not None else None
     return run_layers(cfg, params, state, x, front, experts, partial(layer_back, ops, cfg), tap)
 

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from strata.errors import ConfigError
-from strata.backend import HOST, TIER_BASE, TIER_ROW, ComposedOps, is_rows
+from strata.backend import HOST, SLOTS, TIER_BASE, TIER_ROW, ComposedOps, is_rows
 from strata.sycl_backend import runtime
 
 runtime.prepare_environment()          # before dpctl is first imported
@@ -484,6 +484,16 @@ class SyclBackend(ComposedOps):
         dst[...] = self._dev(row)
         return x
 
+    def take_rows(self, x, idx):
+        self._op()
+        return dpnp.take(x, self._dev(idx), axis=0)
+
+    def put_rows(self, x, idx, rows):
+        """x with x[idx] = rows, in place (x is donated)."""
+        self._op()
+        x[self._dev(idx)] = self._dev(rows)
+        return x
+
     # --- fused ops (strata/backend.py defines them; here each is one or a few launches, because every launch
     # costs on this eager backend: tests/sycl/test_fused_ops.py holds each to the composition)
     def _fmt(self, ws) -> str | None:
@@ -581,6 +591,8 @@ class SyclBackend(ComposedOps):
 
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
         self._op()
+        if SLOTS in kv:                        # rows of the bank gathered, then the rows below (the composition)
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         if TIER_BASE in kv and is_rows(start):
             return self._tiered_rows(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         if not (_is_host(start) and _is_host(n_valid)) or TIER_BASE in kv:     # (two tiers: the composition)

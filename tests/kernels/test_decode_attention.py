@@ -87,6 +87,30 @@ def test_kernel_and_xla_match_the_reference(shape, kv_dtype, q_dtype, interpret)
         assert_matches(out, want, (s, nq, hq, hd), q_dtype, f"{name}, {kv_dtype} cache")
 
 
+def in_bank(x, rows, size):
+    """x [S, ...] placed at rows of a bank of `size` rows whose other rows are junk (x's rows reversed, rolled)."""
+    x = np.asarray(x)
+    bank = np.roll(np.concatenate([x[::-1]] * (size // len(x) + 1))[:size], 1, axis=1)
+    bank[rows] = x
+    return jnp.asarray(bank)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16", "float32"])
+def test_rows_read_their_bank_rows(kv_dtype, interpret):
+    """Caches that are banks with more rows than the batch (a decode window of fewer rows than slots): row s reads
+    bank row rows[s], and the bank rows no batch row names never reach the result."""
+    s, nq, hq, hkv, hd, cap, block_k, n_splits, pos = SHAPES[2]
+    q_dtype = "bfloat16" if kv_dtype != "float32" else "float32"
+    rng = np.random.default_rng(len(kv_dtype))
+    q, kc, vc, ks, vs, p = make_inputs(rng, s, nq, hq, hkv, hd, cap, pos, kv_dtype, q_dtype)
+    want = K._reference(q, kc, vc, ks, vs, p, hd ** -0.5)
+    rows = [4, 0, 2]
+    banks = [None if x is None else in_bank(x, rows, 6) for x in (kc, vc, ks, vs)]
+    got = K.decode_attention(q, *banks, p, jnp.asarray(rows, jnp.int32), scale=hd ** -0.5, interpret=interpret,
+                             block_k=block_k, n_splits=n_splits)
+    assert_matches(got, want, (s, nq, hq, hd), q_dtype, f"banked, {kv_dtype} cache")
+
+
 def assert_rounded_from_float32(got, want, name):
     """got (bfloat16 values) is want rounded to bfloat16 but for a few elements near a rounding midpoint: what
     bfloat16 arithmetic inside (probabilities rounded to bfloat16) would not give."""
@@ -275,10 +299,19 @@ def test_tiered_rows_read_their_bank_rows(kv_dtype, interpret):
     assert rel_err(out, want) <= LIMIT[q_dtype]
 
 
-def tiered_case(shape, kv_dtype, interpret, dev_cap=None, bank_rows=None):
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
+def test_tiered_rows_read_their_device_bank_rows(kv_dtype, interpret):
+    """The device tier as a bank too (a decode window of fewer rows than slots): row s's device keys at dev_rows[s],
+    its host keys at its own host bank row."""
+    out, want, q_dtype = tiered_case(TIERED[0], kv_dtype, interpret, bank_rows=[4, 0, 2], dev_rows=[1, 3, 0])
+    assert rel_err(out, want) <= LIMIT[q_dtype]
+
+
+def tiered_case(shape, kv_dtype, interpret, dev_cap=None, bank_rows=None, dev_rows=None):
     """tiered_decode_attention on a TIERED case (the device tier dev_cap keys, default Cap; bank_rows: the host
-    tiers are banks of max(bank_rows) + 1 rows, row s's at bank_rows[s], the others junk) -> (output as float32
-    numpy, the reference over the one cache, q's dtype); asserts the output's shape and that it is finite."""
+    tiers are banks of max(bank_rows) + 1 rows, row s's at bank_rows[s], the others junk; dev_rows: the device
+    tiers banks the same way) -> (output as float32 numpy, the reference over the one cache, q's dtype); asserts the
+    output's shape and that it is finite."""
     s, nq, hq, hkv, hd, cap, pos, n_host = shape
     q_dtype = "bfloat16" if kv_dtype != "float32" else "float32"
     rng = np.random.default_rng(list(shape[:6]) + [len(kv_dtype)])
@@ -304,12 +337,14 @@ def tiered_case(shape, kv_dtype, interpret, dev_cap=None, bank_rows=None):
             bank[bank_rows] = np.asarray(h)
             banks.append(jnp.asarray(bank))
         hosts = banks
+    if dev_rows is not None:
+        devs = [in_bank(d, dev_rows, max(dev_rows) + 2) for d in devs]
     if ks is None:
         hosts[2:], devs[2:] = [None, None], [None, None]
     n = jnp.asarray(n_host, jnp.int32)
-    rows = None if bank_rows is None else jnp.asarray(bank_rows, jnp.int32)
+    rows, dev = (None if r is None else jnp.asarray(r, jnp.int32) for r in (bank_rows, dev_rows))
     got = K.tiered_decode_attention(q, devs[0], devs[1], devs[2], devs[3], p - n, hosts[0], hosts[1], hosts[2],
-                                    hosts[3], n, rows, scale=hd ** -0.5, interpret=interpret)
+                                    hosts[3], n, rows, dev, scale=hd ** -0.5, interpret=interpret)
     out = np.asarray(got.astype(jnp.float32))
     assert out.shape == (s, nq, hq, hd) and np.isfinite(out).all()
     return out, want, q_dtype

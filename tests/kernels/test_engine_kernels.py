@@ -63,10 +63,11 @@ def test_prompt_parts_and_decode_match_xla(engines, monkeypatch):
 
 
 def test_runner_decode_rows_match_xla(engines, monkeypatch):
-    """Decode windows of 8 slots at different lengths (some inactive in turn) through the decode attention kernel
-    and the routing kernel. (The demo's float experts stay with XLA's decode form: the decode expert kernel reads
-    int4 blobs; test_backend_sends_int4_decode_rows_to_the_decode_kernel covers it.)"""
-    calls = counting(monkeypatch, jb.k_attention, "decode_attention")
+    """Decode windows of 8 slots at different lengths (some inactive in turn, and windows of 1, 2 and 4 rows, whose
+    attention reads the bank's rows in place) through the decode attention kernel and the routing kernel. (The
+    demo's float experts stay with XLA's decode form: the decode expert kernel reads int4 blobs;
+    test_backend_sends_int4_decode_rows_to_the_decode_kernel covers it.)"""
+    calls = spying_args(monkeypatch, jb.k_attention, "decode_attention")
     routes = counting(monkeypatch, jb.k_route, "route")
     lengths = np.array([5, 16, 9, 3, 12, 7, 20, 4], np.int32)
     s = len(lengths)
@@ -80,8 +81,9 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
         pos = lengths.copy()
         toks = np.arange(7, 7 + s, dtype=np.int32)
         seen = []
-        for step in range(6):
-            active = (np.arange(s) + step) % 3 != 0 if step % 2 else np.ones(s, bool)
+        few = [np.isin(np.arange(s), on) for on in ([2], [0, 5], [1, 3, 6])]
+        for step in range(9):
+            active = few[step - 6] if step >= 6 else (np.arange(s) + step) % 3 != 0 if step % 2 else np.ones(s, bool)
             r = runner.run(replace(plan, decode_active=active, decode_tokens=toks, decode_pos=pos))
             seen.append(np.where(active, r.decode_next, -1))
             toks = np.where(active, r.decode_next, toks).astype(np.int32)
@@ -89,6 +91,21 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
         out.append(np.stack(seen))
     assert (out[0] == out[1]).all()
     assert calls and routes, "the pallas engine's decode rows did not go through the kernels"
+    assert {a[6].shape[0] for a in calls if len(a) > 6 and a[6] is not None} == {1, 2, 4}, \
+        "windows of fewer rows did not read the bank's rows in place"
+
+
+def spying_args(monkeypatch, module, name):
+    """Record the positional arguments of every call (trace) of module.name from now on."""
+    calls = []
+    real = getattr(module, name)
+
+    def spied(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, spied)
+    return calls
 
 
 def test_the_kernel_config_is_frozen_checked_and_given_at_load():

@@ -224,9 +224,10 @@ def _takes(check, *args, blocks=(None, None)) -> bool:
     return True
 
 
-def supported(q, k_cache, v_cache, k_scale, v_scale, pos) -> bool:
-    """Whether decode_attention takes these shapes and dtypes (with its default blocks, splits and form)."""
-    return _takes(_check, q, k_cache, v_cache, k_scale, v_scale, pos)
+def supported(q, k_cache, v_cache, k_scale, v_scale, pos, banked: bool = False) -> bool:
+    """Whether decode_attention takes these shapes and dtypes (with its default blocks, splits and form; banked:
+    with rows given)."""
+    return _takes(functools.partial(_check, banked=banked), q, k_cache, v_cache, k_scale, v_scale, pos)
 
 
 def _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits, planes=None, banked=False):
@@ -275,7 +276,7 @@ def _check(q, k_cache, v_cache, k_scale, v_scale, pos, block_k, n_splits, planes
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_k", "n_splits", "planes"))
-def decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, *, scale: float, interpret: bool = False,
+def decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, rows=None, *, scale: float, interpret: bool = False,
                      block_k: int | None = None, n_splits: int | None = None, planes: bool | None = None):
     """softmax(scale q.k) v for each row's queries over its visible keys, by the split-K kernel.
 
@@ -285,21 +286,24 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, *, scale: float
     0 .. min(pos[s] + j, Cap - 1); keys past pos[s] + Q - 1 may hold anything. Query head h reads kv head
     h // (Hq // Hkv). -> [S, Q, Hq, hd] in q.dtype, computed in float32. block_k (keys per step) and n_splits (splits
     per row) default to the module's choices; planes (an int8 cache read as int32 words, _attend) defaults to where
-    int8 offsets would overflow (int8_planes_needed)."""
-    part = _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, block_k, n_splits, False, planes)
+    int8 offsets would overflow (int8_planes_needed). rows [S] (optional): the caches are banks [B, Cap, ...] and
+    row s reads bank row rows[s]."""
+    part = _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, block_k, n_splits, False, planes,
+                     rows)
     return _combine(q, k_cache.shape[2], [part])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def tiered_decode_attention(q, k_cache, v_cache, k_scale, v_scale, pos, k_host, v_host, ks_host, vs_host, n_host,
-                            rows=None, *, scale: float, interpret: bool = False):
+                            rows=None, dev_rows=None, *, scale: float, interpret: bool = False):
     """decode_attention over a row's keys in two tiers: the oldest n_host[s] in the host caches (k_host, v_host
     [B, Cap_h, Hkv, hd], scales [B, Cap_h, Hkv] with int8; pinned host memory on a GPU, which the kernel reads in
     place; row s's are row rows[s] of them, or row s when rows is None), every one of them seen by every query, and
     the rest in the device caches, where device key i is position n_host[s] + i and pos[s] is query 0's position
-    counted the same way (absolute position - n_host[s]). The two parts' partial sums are merged by log-sum-exp with
-    the splits'. -> [S, Q, Hq, hd] in q.dtype."""
-    dev = _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, None, None, False, None)
+    counted the same way (absolute position - n_host[s]); dev_rows [S] (optional): the device caches are banks and
+    row s's is dev_rows[s]. The two parts' partial sums are merged by log-sum-exp with the splits'. -> [S, Q, Hq,
+    hd] in q.dtype."""
+    dev = _partials(q, k_cache, v_cache, k_scale, v_scale, pos, scale, interpret, None, None, False, None, dev_rows)
     host = _partials(q, k_host, v_host, ks_host, vs_host, n_host, scale, interpret, None, None, True, None, rows)
     return _combine(q, k_cache.shape[2], [dev, host])
 
