@@ -15,6 +15,8 @@ from strata.engine.runner import WindowRunner
 from strata.model.config import LINEAR
 from strata.plan import PromptPart, idle_plan
 
+pytestmark = pytest.mark.heavy
+
 S, PART = 5, 32
 LENGTHS = [70, 9, 41, 100, 23]           # prompt lengths per slot (past a 64-row KV window on three of them)
 VARIANTS = {"float KV": {}, "int8 KV": dict(kv="int8"), "KV host tier": dict(kv_resident=64),
@@ -103,8 +105,12 @@ def _unchanged(r, before, after, idle):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fewer_rows_give_the_tokens_of_windows_over_every_slot(variant):
-    kw = VARIANTS[variant]
-    every = drive(WindowRunner(engine(False, **kw), S, PART))
-    bucketed = WindowRunner(engine(True, **kw), S, PART)
+    e = engine(True, **VARIANTS[variant])
+    every = WindowRunner(e, S, PART)
+    every.row_buckets = []                   # as row_buckets = false has it, sharing the engine's compilations
+    bucketed = WindowRunner(e, S, PART)
     assert bucketed.row_buckets == [1, 2, 4]
-    assert drive(bucketed, check_idle=_unchanged) == every
+    sizes, row_slots = [], bucketed.row_slots
+    bucketed.row_slots = lambda plan: sizes.append(row_slots(plan)) or sizes[-1]
+    assert drive(bucketed, check_idle=_unchanged) == drive(every)
+    assert sorted({len(x) for x in sizes if x is not None}) == [1, 2, 4] and sum(x is None for x in sizes) == 1

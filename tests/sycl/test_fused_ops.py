@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from strata.backend import ComposedOps
+from strata.backend import SLOTS, ComposedOps
 from strata.model.rope import RopeScaling, rope_for
 from strata.reference import quantize_kv
 from strata.sycl_backend.kernels import gated_delta as k_gdn
@@ -272,6 +272,24 @@ def test_attention_block_rows(ops, rng, s, gated, kv):
     real = active > 0
     close(dpnp.asnumpy(o)[real], dpnp.asnumpy(o0)[real], "attention_block rows: output (active rows)")
     assert launches(ops, lambda: run(ops.attention_block)) == 2      # the rows were uploaded by the first call
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_attention_block_rows_on_bank_slots(ops, rng, kv):
+    """A window of fewer rows than the bank (SLOTS: row b on bank row slots[b]): the rows' outputs and caches are
+    those of the same rows on caches of their own, and the bank's other rows are left as they were."""
+    args = attention_inputs(ops, rng, 2, True)
+    bank = kv_cache(ops, rng, (4, ATT["cap"], ATT["hkv"], ATT["hd"]), kv)
+    slots = np.array([3, 1], np.int32)
+    pos, active = np.array([5, 11], np.int32), np.ones(2, np.int32)
+    own = {n: ops.take_rows(copy_of(ops, bank)[n], slots) for n in bank}
+    o0, kv0 = ops.attention_block(*args, 1e-6, own, pos, active, ROPE)
+    o, kv1 = ops.attention_block(*args, 1e-6, {**copy_of(ops, bank), SLOTS: ops.to_device(slots)}, pos, active, ROPE)
+    assert SLOTS not in kv1
+    close(dpnp.asnumpy(o), dpnp.asnumpy(o0), "attention_block on bank slots: output")
+    same_cache({n: ops.take_rows(a, slots) for n, a in kv1.items()}, kv0, "attention_block on bank slots: rows")
+    same_cache({n: ops.take_rows(a, np.array([0, 2])) for n, a in kv1.items()},
+               {n: ops.take_rows(a, np.array([0, 2])) for n, a in bank.items()}, "the bank's other rows")
 
 
 @pytest.mark.parametrize("s", [1, 4])
