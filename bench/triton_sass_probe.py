@@ -103,8 +103,29 @@ def _tiered_decode(args):
     return fn, (q, d, d, i, h, h, i, i)
 
 
+def _banked_decode(args):
+    """The decode attention kernel over a bank of slots (a decode window of fewer rows than slots, row_buckets) at
+    Qwen3-Next-80B shapes: args.tokens rows (default 4) of a 16-slot bank of 16K positions, args.kv "int8" (with
+    scales) or "bfloat16"; args.block 0: the same rows on caches of their own (no bank), to compare."""
+    import jax
+    import jax.numpy as jnp
+    from strata.jax_backend.kernels import decode_attention as K
+    spec, s, cap = jax.ShapeDtypeStruct, args.tokens or 4, 16384
+    banked = args.block != 0
+    b = 16 if banked else s
+    q, i = spec((s, 1, 16, 256), jnp.bfloat16), spec((s,), jnp.int32)
+    dt = jnp.int8 if args.kv == "int8" else jnp.bfloat16
+    c, sc = spec((b, cap, 2, 256), dt), spec((b, cap, 2), jnp.float32)
+    rows = (i,) if banked else ()
+    if args.kv == "int8":
+        fn = jax.jit(lambda q, k, v, ks, vs, p, *r: K.decode_attention(q, k, v, ks, vs, p, *r, scale=256 ** -0.5))
+        return fn, (q, c, c, sc, sc, i, *rows)
+    fn = jax.jit(lambda q, k, v, p, *r: K.decode_attention(q, k, v, None, None, p, *r, scale=256 ** -0.5))
+    return fn, (q, c, c, i, *rows)
+
+
 CASES = {"expert_decode": _expert_decode,    # name -> builder(args) -> (jitted fn, argument specs)
-         "prompt_attention": _prompt_attention, "tiered_decode": _tiered_decode}
+         "prompt_attention": _prompt_attention, "tiered_decode": _tiered_decode, "banked_decode": _banked_decode}
 
 
 def extract_kernels(fn, specs, out: Path) -> list[dict]:
@@ -265,11 +286,11 @@ def main() -> None:
     ap.add_argument("--compile", metavar="DIR", help="Triton side only: compile the TTIR files in DIR (triton venv)")
     ap.add_argument("--case", choices=sorted(CASES), default="expert_decode")
     ap.add_argument("--tokens", type=int, help="expert_decode: tokens (default 1); prompt_attention: queries (4096); "
-                                              "tiered_decode: rows (16)")
+                                              "tiered_decode: rows (16); banked_decode: rows (4)")
     ap.add_argument("--kv", default="int8", choices=("int8", "bfloat16"),
-                    help="prompt_attention, tiered_decode: the cache's dtype")
+                    help="prompt_attention, tiered_decode, banked_decode: the cache's dtype")
     ap.add_argument("--block", type=int, help="expert_decode: rows a program; prompt_attention: keys a step (default: "
-                                              "the kernel's)")
+                                              "the kernel's); banked_decode: 0 for caches of the rows' own")
     ap.add_argument("--warps", type=int, help="Triton warps a program (default: the kernel's)")
     ap.add_argument("--out", default="/work/triton_probe/out", help="folder for the TTIR, PTX, SASS and report.json")
     ap.add_argument("--triton-python", default=TRITON_PYTHON, help="python of a venv with triton installed")
