@@ -4,6 +4,7 @@ alone (engine_speed.measure_batched, one window dispatched ahead), at each batch
     python bench/sched_overhead.py                          # CPU: the demo model, batches 1, 4 and 16
     python bench/sched_overhead.py --profile 16             # ... and cProfile's top functions of the batch-16 run
     python bench/sched_overhead.py --batches 1,4 --slots 16  # b streams on a 16-slot runner (the others idle)
+    python bench/sched_overhead.py --logprobs 5              # ... each stream asking for logprobs (shaped windows)
 
 Per batch b: b requests of --tokens tokens each (no stop token), admitted together on a b-slot WindowRunner (or
 one of --slots slots, the rest idle); the windows while all b generate are timed (wall ms a window, and the
@@ -36,13 +37,13 @@ KEYS = ("windows", "window_seconds_sum", "plan_seconds_sum", "apply_seconds_sum"
         "device_seconds_sum", "generated_tokens")
 
 
-def served(engine, batch: int, slots: int, tokens: int, profile: bool) -> dict:
+def served(engine, batch: int, slots: int, tokens: int, profile: bool, logprobs: int | None = None) -> dict:
     """ms a window while all `batch` streams generate on a runner of `slots` slots, and the scheduler's parts of it."""
     runner = WindowRunner(engine, slots, engine.settings.sched.prefill)
     sched = Scheduler(runner, tokenizer=engine.tokenizer, eos_token_ids=engine.eos_token_ids, queue_limit=batch,
                       max_context=engine.settings.model.max_context, lookahead=True)
-    reqs = [Request(id=f"r{i}", prompt_ids=tuple(range(5 + i, 21 + i)), max_tokens=tokens, stop_token_ids=())
-            for i in range(batch)]
+    reqs = [Request(id=f"r{i}", prompt_ids=tuple(range(5 + i, 21 + i)), max_tokens=tokens, stop_token_ids=(),
+                    logprobs=logprobs) for i in range(batch)]
     marks: dict = {}
     prof = cProfile.Profile() if profile else None
 
@@ -91,15 +92,20 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200, help="tokens each stream generates")
     ap.add_argument("--profile", type=int, default=0, help="a batch whose scheduled run cProfile records")
     ap.add_argument("--slots", type=int, default=0, help="the served runner's slots (default: the batch's)")
+    ap.add_argument("--logprobs", type=int, default=None, help="each request asks for this many alternatives' "
+                                                                    "logprobs (the windows are shaped)")
+    ap.add_argument("--no-row-buckets", action="store_true", help="every window runs all slots (row_buckets off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    engine = Engine.load("demo", max_context=1024, prefill=32, parallel=max(batches + [args.slots]))
+    engine = Engine.load("demo", max_context=1024, prefill=32, parallel=max(batches + [args.slots]),
+                         row_buckets=not args.no_row_buckets)
     out = {"bench": "sched_overhead", **results_file.stamp(), "model": "demo", "tokens": args.tokens,
-           "slots": args.slots or "batch", "runs": {}}
+           "slots": args.slots or "batch", "logprobs": args.logprobs,
+           "row_buckets": not args.no_row_buckets, "runs": {}}
     for b in batches:
         alone = 1000 * measure_batched(engine, b, 64, windows=args.tokens, ahead=True)[0]
-        run = served(engine, b, max(b, args.slots), args.tokens, profile=b == args.profile)
+        run = served(engine, b, max(b, args.slots), args.tokens, profile=b == args.profile, logprobs=args.logprobs)
         run.update(engine_ms_per_window=alone, overhead=run["ms_per_window"] / alone)
         out["runs"][f"b{b}"] = run
         say(f"batch {b}: {run['ms_per_window']:.2f} ms a window served ({run['tokens_per_s']:.0f} tok/s) against "
@@ -108,7 +114,9 @@ def main() -> int:
             f"{run['device_ms_per_window']:.2f} ms a window")
         if "profile_top" in run:
             say(run["profile_top"])
-        results_file.write(out, args.out, "sched_overhead_cpu_demo" + (f"_{args.slots}_slots" if args.slots else ""))
+        results_file.write(out, args.out, "sched_overhead_cpu_demo" + (f"_{args.slots}_slots" if args.slots else "")
+                           + (f"_logprobs_{args.logprobs}" if args.logprobs is not None else "")
+                           + ("_no_row_buckets" if args.no_row_buckets else ""))
     return 0
 
 

@@ -286,9 +286,8 @@ class SchedSettings(_Group):
         True, _BOOL,
         "Decode windows are compiled for 1, 2, 4, ... rows besides all `parallel` slots, and each window runs the "
         "smallest that holds its decoding slots: idle slots are computed only to fill a bucket. Applies where `lookahead` does "
-        "(compiled decode windows on the jax backend), not to windows that verify drafts (`spec`) or shape their "
-        "sampling (penalties, a logit bias, a grammar, logprobs), which run every slot. Off: every window runs all "
-        "slots, with fewer compilations at start-up.")
+        "(compiled decode windows on the jax backend), not to windows that verify drafts (`spec`), which run every "
+        "slot. Off: every window runs all slots, with fewer compilations at start-up.")
     spec: int = setting(
         0, _int_range(0, 8),
         "Speculative decoding: each generating slot drafts up to this many tokens with the model's MTP head (needs "

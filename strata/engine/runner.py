@@ -161,9 +161,10 @@ class WindowRunner:
         plan = idle_plan(s)
         self.run(replace(plan, decode_active=np.ones(s, bool)))          # the decode rows, every row greedy
         self.run(replace(plan, decode_active=np.ones(s, bool), temperature=np.ones(s, np.float32)))   # or sampled
-        for b in self.row_buckets:                # and windows of fewer rows
+        for b in self.row_buckets:                # and windows of fewer rows, plain and shaped
             for temperature in (np.zeros(s, np.float32), np.ones(s, np.float32)):
-                self.run(replace(plan, decode_active=np.arange(s) < b, temperature=temperature))
+                for p in (plan, replace(plan, logprobs=np.zeros(s, np.int32))):
+                    self.run(replace(p, decode_active=np.arange(s) < b, temperature=temperature))
         for b in self.buckets():
             self.run(replace(plan, part=PromptPart(slot=0, tokens=np.zeros(b, np.int32), start=0, last=True)))
         if self.spec is not None:                 # verify windows, and parts that are not a prompt's last
@@ -501,8 +502,8 @@ class CompiledRows:
             rows_in = r._args.take("rows", _with_result_rows(rows))
         greedy = all_greedy(plan.temperature, plan.decode_active)
         fetched, lp = [], None
-        # a shaped plan's forward pass returns the logits [S, V], and Shaping samples from them (every slot's row)
-        slots = None if plan.shaped else r.row_slots(plan)
+        # a shaped plan's forward pass returns the logits, and Shaping samples from them
+        slots = r.row_slots(plan)
         x = self._before_last(plan, rows_in, fetched, slots)
         decode, extra = (self._logits, ()) if plan.shaped else (self._decode, stable[1:])
         kw = {} if plan.shaped else {"greedy": greedy}
@@ -520,7 +521,7 @@ class CompiledRows:
                                         **kw)
         rows_out = out
         if plan.shaped:
-            rows_out, lp = r.shaping().rows(plan, out, rows_in, greedy)
+            rows_out, lp = r.shaping().rows(plan, out, rows_in, greedy, kw.get("slots"))
         out = rows_out if ops.eager else self._peel(rows_out)                               # [2, S]
         lp = lp if plan.logprobs is not None else None
         d = DeviceRows(active, rows, out, None if ops.eager else rows_out, fetched or None, logprobs=lp,
@@ -743,12 +744,13 @@ class Shaping:
         return (a.get(name, active, device=True), *(a.get(k, v, device=True) for k, v in zip(SAMPLING, plan.sampling)),
                 a.get("seeds", plan.seeds, device=True))
 
-    def rows(self, plan: WindowPlan, logits, rows, greedy: bool) -> tuple:
-        """A compiled window's decode rows from their logits -> (rows [ROWS, S] as _decode_rows returns them,
-        device logprobs)."""
+    def rows(self, plan: WindowPlan, logits, rows, greedy: bool, slots=None) -> tuple:
+        """A compiled window's decode rows from their logits (of the bank rows `slots`, device [B], when given) ->
+        (rows [ROWS, S] as _decode_rows returns them, device logprobs)."""
         active = plan.decode_active.astype(np.int32)
+        kw = {} if slots is None else {"slots": slots}
         rows_out, self.counts, lp = self._rows(logits, rows, *self.settings(plan, active, "active"),
-                                               *self.args(plan, np.zeros(len(active), np.int32)), greedy=greedy)
+                                               *self.args(plan, np.zeros(len(active), np.int32)), greedy=greedy, **kw)
         return rows_out, lp
 
     def sample(self, plan: WindowPlan, logits, active: np.ndarray, reset: np.ndarray) -> tuple:
@@ -880,9 +882,7 @@ def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, tem
     logits, states = forward(ops, cfg, params, states, own[0], own[1], on,
                              path.traced(layout, args, on, counts, copied), all_logits=True, taps=taps,
                              x=_first_rows(x, slots), slots=slots)  # [B, V]
-    out = _sampled(ops, logits, *sampling, own[2], greedy)
-    if slots is not None:          # [2, B] -> [2, S]
-        out = ops.put_rows(ops.xp.stack([ops.xp.zeros_like(active), ops.xp.ones_like(active)]).T, slots, out.T).T
+    out = _at_slots(ops, _sampled(ops, logits, *sampling, own[2], greedy), slots, active)
     rows = _rows_out(ops, rows, out, active)
     if fetching:
         return states, ops.xp.stack(counts), ops.xp.stack(copied), rows
@@ -898,31 +898,49 @@ def _own_rows(ops, slots, rows, active, per_row=()):
             tuple(ops.take_rows(v, slots) for v in per_row))
 
 
+def _at_slots(ops, out, slots, active):
+    """A window's result [2, B] (next tokens, finite) as [2, S]: the rows outside slots token 0, finite (as given when
+    slots is None)."""
+    if slots is None:
+        return out
+    xp = ops.xp
+    return ops.put_rows(xp.stack([xp.zeros_like(active), xp.ones_like(active)]).T, slots, out.T).T
+
+
 def _first_rows(x, slots):
     """The hidden rows [B, H] handed on to a window of B rows, the first of the hand-off buffer's (x [S, H])."""
     return x if x is None or slots is None else x[:slots.shape[0]]
 
 
-def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, taps=None, x=None):
-    """_decode_rows's forward pass without its sampler -> (states, logits [S, V]); window fetch: (states, routing
-    counts, experts copied, logits). The rows are not donated: the shaped sampler that follows takes them."""
+def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, taps=None, x=None, slots=None):
+    """_decode_rows's forward pass without its sampler -> (states, logits [S, V], or [B, V] of slots); window fetch:
+    (states, routing counts, experts copied, logits). The rows are not donated: the shaped sampler that follows takes
+    them."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
-    logits, states = forward(ops, cfg, params, states, rows[0], rows[1], active,
-                             path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps, x=x)
+    own, on, _ = _own_rows(ops, slots, rows, active)
+    logits, states = forward(ops, cfg, params, states, own[0], own[1], on,
+                             path.traced(layout, args, on, counts, copied), all_logits=True, taps=taps,
+                             x=_first_rows(x, slots), slots=slots)
     if fetching:
         return states, ops.xp.stack(counts), ops.xp.stack(copied), logits
     return states, logits
 
 
 def _shaped_rows(ops, logits, rows, active, temperature, top_k, top_p, min_p, seeds, penalties, counts, seen, bias,
-                 mask, reset, greedy: bool = False):
+                 mask, reset, greedy: bool = False, slots=None):
     """Decode rows sampled from their logits with their processing -> (rows as _decode_rows returns them, counts,
-    logprobs)."""
-    nxt, fin, counts, lp = sample_shaped(ops, logits, active, temperature, top_k, top_p, min_p, seeds, rows[2],
-                                         penalties, counts, seen, bias, mask, reset, greedy)
-    out = ops.xp.stack([nxt, fin.astype(ops.xp.int32)])
-    return _rows_out(ops, rows, out, active), counts, lp
+    logprobs [S, ...]). slots [B]: logits [B, V] are those bank rows' (as _decode_rows'); the others' counts are
+    kept, their logprobs zero."""
+    xp = ops.xp
+    own, on, per_row = _own_rows(ops, slots, rows, active, (temperature, top_k, top_p, min_p, seeds, penalties,
+                                                            counts, seen, bias, mask, reset))
+    nxt, fin, counted, lp = sample_shaped(ops, logits, on, *per_row[:5], own[2], *per_row[5:], greedy)
+    out = _at_slots(ops, xp.stack([nxt, fin.astype(xp.int32)]), slots, active)
+    if slots is not None:
+        counted = ops.put_rows(counts, slots, counted)
+        lp = tuple(ops.put_rows(xp.zeros(active.shape + x.shape[1:], x.dtype), slots, x) for x in lp)
+    return _rows_out(ops, rows, out, active), counted, lp
 
 
 def _copy_slot(ops, states, src, dst):

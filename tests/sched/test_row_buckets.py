@@ -1,8 +1,8 @@
 """Decode windows of fewer rows than slots (row_buckets): a compiled window runs the smallest bucket (1, 2, 4, ...)
 holding its active rows, on their bank rows (WindowRunner.row_slots). It must change nothing: every row's tokens
 (greedy and sampled, one by one and dispatched ahead with rows dropping out) equal those of windows over all slots,
-with float and int8 KV, the KV host tier and the layer split; and the slots a window does not compute keep their
-states bit for bit (but the scratch row, which no query reads)."""
+with float and int8 KV, the KV host tier, the layer split and shaped sampling (penalties, logprobs); and the slots
+a window does not compute keep their states bit for bit (but the scratch row, which no query reads)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -20,7 +20,11 @@ pytestmark = pytest.mark.heavy
 S, PART = 5, 32
 LENGTHS = [70, 9, 41, 100, 23]           # prompt lengths per slot (past a 64-row KV window on three of them)
 VARIANTS = {"float KV": {}, "int8 KV": dict(kv="int8"), "KV host tier": dict(kv_resident=64),
-            "layer split": dict(layer_split="2")}
+            "layer split": dict(layer_split="2"), "shaped sampling": {}}
+# a shaped window's rows: penalties on two rows (one with a repetition penalty, which reads the prompt's tokens) and
+# logprobs on all
+SHAPED = dict(penalties=np.array([[0, 0, 1], [0.5, 0.2, 1], [0, 0, 1], [0, 0, 1.3], [0, 0, 1]], np.float32),
+              logprobs=np.full(S, 3, np.int32))
 
 
 def engine(buckets: bool, **kw):
@@ -39,28 +43,31 @@ def test_windows_take_the_smallest_bucket_holding_their_rows():
     assert WindowRunner(engine(True), 1, PART).row_buckets == []
 
 
-def read_prompts(r: WindowRunner) -> list[int]:
+def read_prompts(r: WindowRunner, shaped: dict) -> list[int]:
     """Each slot's prompt read in parts -> each slot's first token."""
     first = []
     for slot, n in enumerate(LENGTHS):
         toks = (np.arange(n) * 7 + slot) % 500 + 3
         for at in range(0, n, PART):
-            res = r.run(replace(idle_plan(S), part=PromptPart(slot=slot, tokens=toks[at:at + PART].astype(np.int32),
-                                                              start=at, last=at + PART >= n)))
+            res = r.run(replace(idle_plan(S), **shaped,
+                                part=PromptPart(slot=slot, tokens=toks[at:at + PART].astype(np.int32), start=at,
+                                                last=at + PART >= n)))
         first.append(res.part_next)
     return first
 
 
-def drive(r: WindowRunner, check_idle=None) -> list:
+def drive(r: WindowRunner, check_idle=None, shaped: dict | None = None) -> list:
     """Windows of 5, 1, 2, 3 and 4 active rows one by one, then a chain dispatched ahead from which rows drop out;
-    -> every window's tokens of its active rows. check_idle(runner, before, after, idle): called around the window
-    of three rows, whose bucket of four pads with slot 0 and leaves slot 3 out."""
-    toks = np.array(read_prompts(r), np.int32)
+    -> (every window's tokens of its active rows and a shaped window's top ids, a shaped window's logprobs). check_idle(runner, before, after,
+    idle): called around the window of three rows, whose bucket of four pads with slot 0 and leaves slot 3 out.
+    shaped: the plans' penalties and logprobs (SHAPED)."""
+    shaped = shaped or {}
+    toks = np.array(read_prompts(r, shaped), np.int32)
     pos = np.array(LENGTHS, np.int32)
     steps = np.zeros(S, np.int32)
     base = replace(idle_plan(S), temperature=np.array([0, 0.9, 0, 0.7, 0], np.float32),
-                   seeds=np.arange(2 * S, dtype=np.uint32).reshape(S, 2))
-    seen = []
+                   seeds=np.arange(2 * S, dtype=np.uint32).reshape(S, 2), **shaped)
+    seen, values = [], []
     for on in ([0, 1, 2, 3, 4], [3], [0, 4], [1, 2, 4], [0, 1, 3, 4], [2]):
         active = np.isin(np.arange(S), on)
         plan = replace(base, decode_active=active, decode_tokens=toks, decode_pos=pos, steps=steps)
@@ -69,6 +76,10 @@ def drive(r: WindowRunner, check_idle=None) -> list:
         if before is not None:
             check_idle(r, before, _host_states(r), [0, 3])
         seen.append(res.decode_next[active].tolist())
+        if shaped:
+            lp = res.decode_logprobs
+            seen.append(lp.top_ids[active].tolist())
+            values.append(np.concatenate([lp.sampled[active], lp.top[active].ravel()]))
         toks = np.where(active, res.decode_next, toks).astype(np.int32)
         pos, steps = pos + active, steps + active
     plan = replace(base, decode_active=np.isin(np.arange(S), [0, 1, 2, 4]), decode_tokens=toks, decode_pos=pos,
@@ -83,7 +94,7 @@ def drive(r: WindowRunner, check_idle=None) -> list:
         seen.append(res.decode_next[plan.decode_active].tolist())
         w, plan = w_next, nxt
     seen.append(r.collect(w).decode_next[plan.decode_active].tolist())
-    return seen
+    return seen, values
 
 
 def _host_states(r: WindowRunner) -> list:
@@ -106,11 +117,17 @@ def _unchanged(r, before, after, idle):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fewer_rows_give_the_tokens_of_windows_over_every_slot(variant):
     e = engine(True, **VARIANTS[variant])
+    shaped = SHAPED if variant == "shaped sampling" else None
     every = WindowRunner(e, S, PART)
     every.row_buckets = []                   # as row_buckets = false has it, sharing the engine's compilations
     bucketed = WindowRunner(e, S, PART)
     assert bucketed.row_buckets == [1, 2, 4]
     sizes, row_slots = [], bucketed.row_slots
     bucketed.row_slots = lambda plan: sizes.append(row_slots(plan)) or sizes[-1]
-    assert drive(bucketed, check_idle=_unchanged) == drive(every)
+    (got, got_lp), (want, want_lp) = drive(bucketed, _unchanged, shaped), drive(every, shaped=shaped)
+    assert got == want
+    # XLA's CPU matmul of one row (a bucket of 1: the head's gemv) sums in another order than of several (gemm), so
+    # a lone row's logits may differ from the same row's among others in their last bits (as between runners of 1
+    # and 5 slots): ~1e-6 here
+    assert len(got_lp) == len(want_lp) and all(np.abs(a - b).max() <= 1e-5 for a, b in zip(got_lp, want_lp))
     assert sorted({len(x) for x in sizes if x is not None}) == [1, 2, 4] and sum(x is None for x in sizes) == 1
