@@ -145,6 +145,7 @@ class Capacity:
     stages: int = 1                      # a layer split's stages (devices): with more than one, decode windows
                                          # alternate between two groups of slots, so that the next window does not
                                          # wait for this one and the first stage runs it while the last runs this
+    row_buckets: tuple[int, ...] = ()    # decode windows are compiled for these fewer rows too (row_buckets)
 
     def padded(self, n: int) -> int:
         """The tokens a part of n tokens costs: the smallest compiled part size that holds it."""

@@ -74,6 +74,7 @@ class WindowRunner:
         # compiled decode windows of fewer rows than slots (row_slots): 1, 2, 4, ... up to all of them
         self.row_buckets = [1 << i for i in range((n_slots - 1).bit_length())] if (
             engine.settings.sched.row_buckets and self.chains) else []
+        self.capacity = replace(self.capacity, row_buckets=tuple(self.row_buckets))
         self.spec = None
         if engine.settings.sched.spec:
             from strata.engine.spec import Spec

@@ -241,7 +241,9 @@ class Scheduler:
         paced = f", parts at most {self.prompt_share:.0%} of their time" if self.prompt_share < 1 else ""
         beside = "" if self.window_part == self.prefill and not paced else \
             f" ({self.window_part} beside decode rows: windows of {self.window_tokens} tokens{paced})"
-        log.info(f"strata batch: {len(self.slots_)} slots, prompt parts of up to {self.prefill} tokens{beside}, "
+        rows = self.executor.capacity.row_buckets
+        rows = f", decode windows of {', '.join(map(str, rows))} or {len(self.slots_)} rows" if rows else ""
+        log.info(f"strata batch: {len(self.slots_)} slots, prompt parts of up to {self.prefill} tokens{beside}{rows}, "
                  f"compiled at warm-up in {seconds * 1000:.0f} ms")
         task_status.started()
         try:

@@ -33,7 +33,7 @@ def engine(buckets: bool, **kw):
 
 def test_windows_take_the_smallest_bucket_holding_their_rows():
     r = WindowRunner(engine(True), S, PART)
-    assert r.row_buckets == [1, 2, 4]
+    assert r.row_buckets == [1, 2, 4] and r.capacity.row_buckets == (1, 2, 4)
     plan = idle_plan(S)
     for on, want in (([3], [3]), ([0, 4], [0, 4]), ([1, 2, 4], [0, 1, 2, 4]), ([4, 1, 0, 3], [0, 1, 3, 4]),
                      ([0, 1, 2, 3, 4], None)):

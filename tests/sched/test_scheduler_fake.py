@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 
 import anyio
 import anyio.lowlevel
@@ -409,6 +410,11 @@ def test_warm_up_and_metrics_come_from_the_executor(tokenizer, caplog):
     serve(sched, [req("A", P("count"), 5)])
     assert fake.warmed == 1
     assert "strata batch: 3 slots, prompt parts of up to 8 tokens, compiled at warm-up in 0 ms" in caplog.messages
+    bucketed = FakeExecutor(slots=3, part_size=8)
+    bucketed.capacity = replace(bucketed.capacity, row_buckets=(1, 2))
+    serve(sched_over(bucketed, tokenizer), [])
+    assert ("strata batch: 3 slots, prompt parts of up to 8 tokens, decode windows of 1, 2 or 3 rows, compiled at "
+            "warm-up in 0 ms") in caplog.messages
     m = sched.metrics()
     assert m["fake_windows"] == len(fake.windows) and m["windows"] == len(fake.collected)
     assert m["generated_tokens"] == 5 and m["prompt_tokens"] == 5 and m["requests_finished"] == 1
