@@ -294,10 +294,10 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
             if self.interpret:
                 host = [None if x is None else self.from_host_tier(x) for x in host]
             n_host = jnp.where(active, base, 0).astype(jnp.int32)
-            o = k_attention.tiered_decode_attention(*args, *host, n_host, own(TIER_ROW), slots, scale=hd ** -0.5,
-                                                    interpret=self.interpret)
+            o = k_attention.tiered_decode_attention(*args, *host, n_host, own(TIER_ROW), dev_rows=slots,
+                                                    scale=hd ** -0.5, interpret=self.interpret)
         else:
-            o = k_attention.decode_attention(*args, slots, scale=hd ** -0.5, interpret=self.interpret)
+            o = k_attention.decode_attention(*args, rows=slots, scale=hd ** -0.5, interpret=self.interpret)
         o = o[:, 0].reshape(s, hq * hd)
         if gate is not None:
             o = o * self.sigmoid(gate)

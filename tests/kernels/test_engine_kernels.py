@@ -67,7 +67,7 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
     attention reads the bank's rows in place) through the decode attention kernel and the routing kernel. (The
     demo's float experts stay with XLA's decode form: the decode expert kernel reads int4 blobs;
     test_backend_sends_int4_decode_rows_to_the_decode_kernel covers it.)"""
-    calls = spying_args(monkeypatch, jb.k_attention, "decode_attention")
+    calls = spying(monkeypatch, jb.k_attention, "decode_attention")
     routes = counting(monkeypatch, jb.k_route, "route")
     lengths = np.array([5, 16, 9, 3, 12, 7, 20, 4], np.int32)
     s = len(lengths)
@@ -91,21 +91,8 @@ def test_runner_decode_rows_match_xla(engines, monkeypatch):
         out.append(np.stack(seen))
     assert (out[0] == out[1]).all()
     assert calls and routes, "the pallas engine's decode rows did not go through the kernels"
-    assert {a[6].shape[0] for a in calls if len(a) > 6 and a[6] is not None} == {1, 2, 4}, \
+    assert {k["rows"].shape[0] for k in calls if k["rows"] is not None} == {1, 2, 4}, \
         "windows of fewer rows did not read the bank's rows in place"
-
-
-def spying_args(monkeypatch, module, name):
-    """Record the positional arguments of every call (trace) of module.name from now on."""
-    calls = []
-    real = getattr(module, name)
-
-    def spied(*a, **k):
-        calls.append(a)
-        return real(*a, **k)
-
-    monkeypatch.setattr(module, name, spied)
-    return calls
 
 
 def test_the_kernel_config_is_frozen_checked_and_given_at_load():
