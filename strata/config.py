@@ -285,9 +285,9 @@ class SchedSettings(_Group):
     row_buckets: bool = setting(
         True, _BOOL,
         "Decode windows are compiled for 1, 2, 4, ... rows besides all `parallel` slots, and each window runs the "
-        "smallest that holds its decoding slots: idle slots are computed only to fill a bucket. Applies where `lookahead` does "
-        "(compiled decode windows on the jax backend), not to windows that verify drafts (`spec`), which run every "
-        "slot. Off: every window runs all slots, with fewer compilations at start-up.")
+        "smallest that holds its decoding slots: idle slots are computed only to fill a bucket. Applies where "
+        "`lookahead` does (compiled decode windows on the jax backend), not to windows that verify drafts (`spec`), "
+        "which run every slot. Off: every window runs all slots, with fewer compilations at start-up.")
     spec: int = setting(
         0, _int_range(0, 8),
         "Speculative decoding: each generating slot drafts up to this many tokens with the model's MTP head (needs "

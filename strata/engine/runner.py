@@ -503,9 +503,9 @@ class CompiledRows:
             rows_in = r._args.take("rows", _with_result_rows(rows))
         greedy = all_greedy(plan.temperature, plan.decode_active)
         fetched, lp = [], None
-        # a shaped plan's forward pass returns the logits, and Shaping samples from them
         slots = r.row_slots(plan)
         x = self._before_last(plan, rows_in, fetched, slots)
+        # a shaped plan's forward pass returns the logits, and Shaping samples from them
         decode, extra = (self._logits, ()) if plan.shaped else (self._decode, stable[1:])
         kw = {} if plan.shaped else {"greedy": greedy}
         if slots is not None:

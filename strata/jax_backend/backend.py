@@ -403,7 +403,7 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     @staticmethod
     def put_rows(x, idx, rows):
         """x with x[idx] = rows (idx distinct; in place when x is donated)."""
-        return x.at[idx].set(rows.astype(x.dtype), unique_indices=True, mode="promise_in_bounds")
+        return x.at[idx].set(rows.astype(x.dtype), unique_indices=True, mode="clip")
 
     # --- mixture of experts
     @staticmethod
@@ -664,10 +664,9 @@ def _pool_read(pool, slots):
 
 def _store_rows(window: dict, k, v, bank, at) -> dict:
     """A decode window's new keys and values [S, Hkv, hd] written into the caches [B, Cap, ...]: row s's at
-    (bank[s], at[s]) (int8: quantised, their scales beside them, as kv_store)."""
+    (bank[s], at[s]) (int8: quantised, their scales beside them, as kv_store; positions clamped, as kv_write's)."""
     new = {"k": k, "v": v}
     if "k_scale" in window:
         for name in ("k", "v"):
             new[name], new[name + "_scale"] = quantize_kv(jnp, new[name])
-    return {n: c.at[bank, at].set(new[n].astype(c.dtype), unique_indices=True, mode="promise_in_bounds")
-            for n, c in window.items()}
+    return {n: c.at[bank, at].set(new[n].astype(c.dtype), unique_indices=True, mode="clip") for n, c in window.items()}

@@ -56,11 +56,11 @@ def read_prompts(r: WindowRunner, shaped: dict) -> list[int]:
     return first
 
 
-def drive(r: WindowRunner, check_idle=None, shaped: dict | None = None) -> list:
+def drive(r: WindowRunner, check_idle=None, shaped: dict | None = None) -> tuple[list, list]:
     """Windows of 5, 1, 2, 3 and 4 active rows one by one, then a chain dispatched ahead from which rows drop out;
-    -> (every window's tokens of its active rows and a shaped window's top ids, a shaped window's logprobs). check_idle(runner, before, after,
-    idle): called around the window of three rows, whose bucket of four pads with slot 0 and leaves slot 3 out.
-    shaped: the plans' penalties and logprobs (SHAPED)."""
+    -> (every window's tokens of its active rows and a shaped window's top ids, a shaped window's logprobs).
+    check_idle(runner, before, after, idle): called around the window of three rows, whose bucket of four pads with
+    slot 0 and leaves slot 3 out. shaped: the plans' penalties and logprobs (SHAPED)."""
     shaped = shaped or {}
     toks = np.array(read_prompts(r, shaped), np.int32)
     pos = np.array(LENGTHS, np.int32)
