@@ -72,9 +72,8 @@ class WindowRunner:
         # windows, which may then run while two windows are queued, cannot change what a dispatched window reads
         self.chains = isinstance(self.rows, CompiledRows) and not ops.eager
         # compiled decode windows of fewer rows than slots (row_slots): 1, 2, 4, ... up to all of them
-        self.row_buckets = [1 << i for i in range((n_slots - 1).bit_length())] if (
-            engine.settings.sched.row_buckets and self.chains) else []
-        self.capacity = replace(self.capacity, row_buckets=tuple(self.row_buckets))
+        if engine.settings.sched.row_buckets and self.chains:
+            self.capacity = replace(self.capacity, row_buckets=tuple(1 << i for i in range((n_slots - 1).bit_length())))
         self.spec = None
         if engine.settings.sched.spec:
             from strata.engine.spec import Spec
@@ -162,7 +161,7 @@ class WindowRunner:
         plan = idle_plan(s)
         self.run(replace(plan, decode_active=np.ones(s, bool)))          # the decode rows, every row greedy
         self.run(replace(plan, decode_active=np.ones(s, bool), temperature=np.ones(s, np.float32)))   # or sampled
-        for b in self.row_buckets:                # and windows of fewer rows, plain and shaped
+        for b in self.capacity.row_buckets:       # and windows of fewer rows, plain and shaped
             for temperature in (np.zeros(s, np.float32), np.ones(s, np.float32)):
                 for p in (plan, replace(plan, logprobs=np.zeros(s, np.int32))):
                     self.run(replace(p, decode_active=np.arange(s) < b, temperature=temperature))
@@ -222,7 +221,7 @@ class WindowRunner:
         that is kept: its key goes to the scratch row, its recurrent state is left); None: every slot."""
         on = plan.decode_active
         n = int(on.sum())
-        b = next((b for b in self.row_buckets if b >= n), None)
+        b = next((b for b in self.capacity.row_buckets if b >= n), None)
         if b is None:
             return None
         return np.sort(np.concatenate([np.flatnonzero(on), np.flatnonzero(~on)[:b - n]])).astype(np.int32)

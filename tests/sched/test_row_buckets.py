@@ -33,14 +33,14 @@ def engine(buckets: bool, **kw):
 
 def test_windows_take_the_smallest_bucket_holding_their_rows():
     r = WindowRunner(engine(True), S, PART)
-    assert r.row_buckets == [1, 2, 4] and r.capacity.row_buckets == (1, 2, 4)
+    assert r.capacity.row_buckets == (1, 2, 4)
     plan = idle_plan(S)
     for on, want in (([3], [3]), ([0, 4], [0, 4]), ([1, 2, 4], [0, 1, 2, 4]), ([4, 1, 0, 3], [0, 1, 3, 4]),
                      ([0, 1, 2, 3, 4], None)):
         got = r.row_slots(replace(plan, decode_active=np.isin(np.arange(S), on)))
         assert (got is None and want is None) or got.tolist() == want
-    assert WindowRunner(engine(False), S, PART).row_buckets == []
-    assert WindowRunner(engine(True), 1, PART).row_buckets == []
+    assert WindowRunner(engine(False), S, PART).capacity.row_buckets == ()
+    assert WindowRunner(engine(True), 1, PART).capacity.row_buckets == ()
 
 
 def read_prompts(r: WindowRunner, shaped: dict) -> list[int]:
@@ -119,9 +119,9 @@ def test_fewer_rows_give_the_tokens_of_windows_over_every_slot(variant):
     e = engine(True, **VARIANTS[variant])
     shaped = SHAPED if variant == "shaped sampling" else None
     every = WindowRunner(e, S, PART)
-    every.row_buckets = []                   # as row_buckets = false has it, sharing the engine's compilations
+    every.capacity = replace(every.capacity, row_buckets=())   # as row_buckets = false, sharing the compilations
     bucketed = WindowRunner(e, S, PART)
-    assert bucketed.row_buckets == [1, 2, 4]
+    assert bucketed.capacity.row_buckets == (1, 2, 4)
     sizes, row_slots = [], bucketed.row_slots
     bucketed.row_slots = lambda plan: sizes.append(row_slots(plan)) or sizes[-1]
     (got, got_lp), (want, want_lp) = drive(bucketed, _unchanged, shaped), drive(every, shaped=shaped)
