@@ -748,9 +748,9 @@ class Shaping:
         """A compiled window's decode rows from their logits (of the bank rows `slots`, device [B], when given) ->
         (rows [ROWS, S] as _decode_rows returns them, device logprobs)."""
         active = plan.decode_active.astype(np.int32)
-        kw = {} if slots is None else {"slots": slots}
         rows_out, self.counts, lp = self._rows(logits, rows, *self.settings(plan, active, "active"),
-                                               *self.args(plan, np.zeros(len(active), np.int32)), greedy=greedy, **kw)
+                                               *self.args(plan, np.zeros(len(active), np.int32)), greedy=greedy,
+                                               slots=slots)
         return rows_out, lp
 
     def sample(self, plan: WindowPlan, logits, active: np.ndarray, reset: np.ndarray) -> tuple:
