@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test bench docs train-tiny clean
+.PHONY: serve test check bench docs train-tiny clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,10 +18,16 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/strata serve --model tiny $(ARGS)
 
-# lint-imports: ARCHITECTURE.md's layer order (pyproject.toml's [tool.importlinter]) before the tests
+# lint-imports: ARCHITECTURE.md's layer order (pyproject.toml's [tool.importlinter]) before the tests. Compilations
+# are kept in ~/.cache/strata/jax-test-cache (tests/conftest.py), so a second run loads them.
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=30 tests
+
+# The inner loop: the import contracts and the quick test files (tests/file_seconds.json), in under 2 minutes.
+check: $(STAMP)
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q --quick tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_speed.py --model demo
