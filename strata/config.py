@@ -282,6 +282,11 @@ class SchedSettings(_Group):
         "reach the host: the tokens stay on the device. A request that stops is computed one token further, then "
         "dropped. Applies where decode windows are compiled (every expert on the device, or window_fetch), on the jax "
         "backend.")
+    warm_up: bool = setting(
+        True, _BOOL,
+        "Compile every window shape before the server says ready, so nothing compiles under load. Off: a shape "
+        "compiles the first time a window needs it (a fast start for development and tests; the first requests of "
+        "each shape wait for their compilation).")
     row_buckets: bool = setting(
         True, _BOOL,
         "Decode windows are compiled for 1, 2, 4, ... rows besides all `parallel` slots, and each window runs the "

@@ -21,8 +21,9 @@ from strata.config import Settings
 from strata.serve.app import create_app
 from strata.serve.server import bind_socket, run_app, socket_url
 
-# small shapes so warm-up compiles few buckets; max_context small so "prompt over max_context" is cheap to send
-DEFAULTS = dict(port=0, parallel=2, prefill=64, max_context=512, queue_limit=8)
+# small shapes; max_context small so "prompt over max_context" is cheap to send; no warm-up: a test compiles only the
+# window shapes its requests use (the warm-up itself: `strata serve` in test_readme, test_drain, test_compile_cache)
+DEFAULTS = dict(port=0, parallel=2, prefill=64, max_context=512, queue_limit=8, warm_up=False)
 STARTUP_TIMEOUT_S = 600.0
 
 

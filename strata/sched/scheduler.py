@@ -92,7 +92,7 @@ class Scheduler:
     def __init__(self, executor: Executor, *, tokenizer, eos_token_ids, queue_limit: int, lookahead: bool = True,
                  max_context: int | None = None, window_tokens: int | None = None, prompt_share: float = 1.0,
                  checkpoint_every: int = 512, checkpoint_ram_gib: float = 0.0, guard: Guard | None = None,
-                 drafts: DraftPolicy | None = None):
+                 drafts: DraftPolicy | None = None, warm_up: bool = True):
         """tokenizer: decode_stream and token_to_id (strata/tokenizer.py); eos_token_ids: a request's stop tokens
         unless it names its own; max_context: tokens of one sequence, at most (and by default) the executor's;
         window_tokens: the token budget of a window with decode rows (None: none, a part of the part size beside
@@ -100,12 +100,14 @@ class Scheduler:
         (1: a part beside every window's rows); checkpoint_every, checkpoint_ram_gib: the prompt cache's (its
         checkpoints' spacing in tokens, and the host RAM for checkpoints and parked conversations); guard: the
         numerics guard's policy (default: the executor's numerics paths as its ladder); drafts: how much slots draft
-        when the executor verifies drafts (capacity.draft > 0; default DraftPolicy, adaptive)."""
+        when the executor verifies drafts (capacity.draft > 0; default DraftPolicy, adaptive); warm_up: compile every
+        window shape before serving (False: each compiles when first used)."""
         cap = executor.capacity
         max_context = cap.max_context if max_context is None else max_context
         if max_context > cap.max_context:
             raise ValueError(f"max_context {max_context} exceeds the executor's {cap.max_context}")
         self.executor, self.max_context, self.queue_limit = executor, max_context, queue_limit
+        self.warm_up = warm_up
         self.tokenizer, self.eos_token_ids = tokenizer, tuple(eos_token_ids)
         self.prefill = cap.part_size
         if window_tokens is not None and window_tokens < 1:
@@ -237,14 +239,15 @@ class Scheduler:
 
     # --- the engine task
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED):
-        seconds = await anyio.to_thread.run_sync(self.executor.warm_up)
+        seconds = await anyio.to_thread.run_sync(self.executor.warm_up) if self.warm_up else None
         paced = f", parts at most {self.prompt_share:.0%} of their time" if self.prompt_share < 1 else ""
         beside = "" if self.window_part == self.prefill and not paced else \
             f" ({self.window_part} beside decode rows: windows of {self.window_tokens} tokens{paced})"
         rows = self.executor.capacity.row_buckets
         rows = f", decode windows of {', '.join(map(str, rows))} or {len(self.slots_)} rows" if rows else ""
         log.info(f"strata batch: {len(self.slots_)} slots, prompt parts of up to {self.prefill} tokens{beside}{rows}, "
-                 f"compiled at warm-up in {seconds * 1000:.0f} ms")
+                 + (f"compiled at warm-up in {seconds * 1000:.0f} ms" if seconds is not None else
+                    "no warm-up (warm_up off): each window shape compiles when first used"))
         task_status.started()
         try:
             await self._loop()

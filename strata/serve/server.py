@@ -160,7 +160,7 @@ def scheduler_for(engine, sched, max_context: int):
                      queue_limit=sched.queue_limit, lookahead=sched.lookahead, max_context=max_context,
                      window_tokens=sched.window_tokens, prompt_share=sched.prompt_share,
                      checkpoint_every=sched.checkpoint_tokens, checkpoint_ram_gib=sched.checkpoint_ram_gib,
-                     guard=Guard(runner.numerics, sched.guard_storm, sched.guard_storm_seconds))
+                     guard=Guard(runner.numerics, sched.guard_storm, sched.guard_storm_seconds), warm_up=sched.warm_up)
 
 
 async def serve(config: Settings, shutdown_event: asyncio.Event | None = None,

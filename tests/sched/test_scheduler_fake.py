@@ -420,6 +420,18 @@ def test_warm_up_and_metrics_come_from_the_executor(tokenizer, caplog):
     assert m["generated_tokens"] == 5 and m["prompt_tokens"] == 5 and m["requests_finished"] == 1
 
 
+def test_without_warm_up_the_scheduler_serves_at_once_and_says_so(tokenizer, caplog):
+    """warm_up off (tests, development): the executor's warm-up is never called, the requests are served all the
+    same, and the start-up line says that shapes compile when first used."""
+    caplog.set_level(logging.INFO, logger="strata.sched")
+    fake = FakeExecutor(slots=2, part_size=8)
+    out = serve(sched_over(fake, tokenizer, warm_up=False), [req("A", P("count"), 5)])
+    assert fake.warmed == 0
+    assert summary(out["A"]) == finished(expected_tokens(P("count"), 5), "length", P("count"), 5)
+    assert ("strata batch: 2 slots, prompt parts of up to 8 tokens, no warm-up (warm_up off): each window shape "
+            "compiles when first used") in caplog.messages
+
+
 def test_the_scheduler_imports_nothing_below_the_plan():
     """strata/sched plans against the Executor protocol: importing it loads no engine, model code or backend."""
     code = ("import sys, strata.sched.scheduler; print(sorted(m for m in sys.modules if m.split('.')[0] in "
