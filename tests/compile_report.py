@@ -68,7 +68,8 @@ def summarize(path: str, write: bool = False) -> None:
                 if key != "test":
                     counter[key] += value
     total = collections.Counter()
-    print(f"{'file':58s} {'tests':>5s} {'wall s':>8s} {'compile':>8s} {'trace':>7s} {'lower':>7s} {'#comp':>6s} {'hits':>6s}")
+    print(f"{'file':58s} {'tests':>5s} {'wall s':>8s} {'compile':>8s} {'trace':>7s} {'lower':>7s} {'#comp':>6s} "
+          f"{'hits':>6s}")
     for name, c in sorted(per_file.items(), key=lambda kv: -kv[1]["wall_s"]):
         total.update(c)
         print(f"{name:58s} {c['tests']:5d} {c['wall_s']:8.1f} {c['compile_s']:8.1f} {c['trace_s']:7.1f} "

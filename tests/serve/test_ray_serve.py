@@ -27,8 +27,10 @@ from strata.serve.ray_app import HEADER, application
 
 pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
 
+# the module's replicas start without warm-up: each compiles (or loads from the shared cache) the shapes its requests
+# use; `strata serve --replicas` below keeps the default warm-up
 SETTINGS = dict(parallel=2, prefill=32, max_context=512, queue_limit=8, cpus_per_replica=0.5,
-                affinity_block=16, affinity_min_tokens=32, checkpoint_every=64)
+                affinity_block=16, affinity_min_tokens=32, checkpoint_every=64, warm_up=False)
 HI = [{"role": "user", "content": "Say hi."}]
 # A follow-up turn on the replica holding its conversation resumes from a checkpoint near the end of the previous
 # turn's prompt: it reads the generation prompt and the last few tokens again, and nothing earlier.
@@ -90,7 +92,7 @@ def url(jax_cache):
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # one replica first (it compiles and fills the compile cache), then the second loads from the cache
+        # one replica first, then the second: both compile into (and load from) the one cache
         _deploy(replicas=1)
         _deploy(replicas=2)
         yield f"http://127.0.0.1:{port}"
