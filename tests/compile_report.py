@@ -2,7 +2,8 @@
 and the seconds JAX spent tracing, lowering and compiling, with the number of compilations and persistent-cache hits.
 On when STRATA_TEST_COMPILE_REPORT names a file: each xdist worker appends JSON lines to FILE.<worker>; summarize them
 with `python tests/compile_report.py FILE` (per file, slowest first); `--write` also records each file's seconds in
-tests/file_seconds.json, which orders the suite's files (tests/conftest.py)."""
+tests/file_seconds.json, which orders the suite's files (tests/conftest.py); `--json OUT` writes the per-file sums
+with the machine, date and commit, for bench/results/."""
 from __future__ import annotations
 
 import collections
@@ -57,7 +58,7 @@ def pytest_configure(config):
         config.pluginmanager.register(CompileReport(path), "strata-compile-report")
 
 
-def summarize(path: str, write: bool = False) -> None:
+def summarize(path: str, write: bool = False, json_out: str | None = None) -> None:
     per_file: dict = collections.defaultdict(collections.Counter)
     for name in glob.glob(path + ".gw*") + glob.glob(path + ".main"):
         for line in open(name):
@@ -76,6 +77,16 @@ def summarize(path: str, write: bool = False) -> None:
               f"{c['lower_s']:7.1f} {c['compiles']:6d} {c['cache_hits']:6d}")
     print(f"{'total':58s} {total['tests']:5d} {total['wall_s']:8.1f} {total['compile_s']:8.1f} {total['trace_s']:7.1f} "
           f"{total['lower_s']:7.1f} {total['compiles']:6d} {total['cache_hits']:6d}")
+    if json_out:
+        import datetime
+        import platform
+        import subprocess
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        result = {"bench": "test_suite", "machine": f"cpu:{platform.machine()} x{os.cpu_count()} ({platform.node()})",
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "commit": commit, "total": dict(total), "files": {n: dict(c) for n, c in per_file.items()}}
+        with open(json_out, "w") as f:
+            f.write(json.dumps(result, indent=1) + "\n")
     if write:
         seconds = {name: round(c["wall_s"], 1) for name, c in sorted(per_file.items())}
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_seconds.json")
@@ -84,4 +95,5 @@ def summarize(path: str, write: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    summarize(sys.argv[1], write="--write" in sys.argv[2:])
+    args = sys.argv[2:]
+    summarize(sys.argv[1], write="--write" in args, json_out=args[args.index("--json") + 1] if "--json" in args else None)
