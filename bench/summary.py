@@ -110,6 +110,11 @@ KEYS = (
         "unsplit one", "x", (Source("split_speed", ("split_over_unsplit_decode_b1",),
                                     require=(("model", "random:qwen3-next-80b-a3b"), ("one_device", True)),
                                     skip=(("default_xla_flags", ""),)),)),
+    # `make test` on the 2-core CPU machine (tests/compile_report.py --json after a run with the report on)
+    Key("make_test_s_cold", "`make test` on the 2-core CPU machine, empty compile cache (pytest's time)", "s",
+        (Source("test_suite", ("pytest_wall_s",), require=(("cache", "empty"),)),)),
+    Key("make_test_s_warm", "`make test` on the 2-core CPU machine, the compile cache of a run before", "s",
+        (Source("test_suite", ("pytest_wall_s",), require=(("cache", "warm"),)),)),
     # peers, measured on the same machine and shapes by bench/transformers_speed.py
     Key("peer_transformers_prompt_tok_s_4k", "peer: Hugging Face transformers, prompt of 4K tokens (bf16 experts)",
         "tok/s", (Source("transformers_speed", ("prompt_tok_s_48_layers",), fitted=True),)),
