@@ -7,9 +7,12 @@ with the machine, date and commit, for bench/results/."""
 from __future__ import annotations
 
 import collections
+import datetime
 import glob
 import json
 import os
+import platform
+import subprocess
 import sys
 import time
 
@@ -78,9 +81,6 @@ def summarize(path: str, write: bool = False, json_out: str | None = None) -> No
     print(f"{'total':58s} {total['tests']:5d} {total['wall_s']:8.1f} {total['compile_s']:8.1f} {total['trace_s']:7.1f} "
           f"{total['lower_s']:7.1f} {total['compiles']:6d} {total['cache_hits']:6d}")
     if json_out:
-        import datetime
-        import platform
-        import subprocess
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         result = {"bench": "test_suite", "machine": f"cpu:{platform.machine()} x{os.cpu_count()} ({platform.node()})",
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
