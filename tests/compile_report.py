@@ -2,10 +2,11 @@
 and the seconds JAX spent tracing, lowering and compiling, with the number of compilations and persistent-cache hits.
 On when STRATA_TEST_COMPILE_REPORT names a file: each xdist worker appends JSON lines to FILE.<worker>; summarize them
 with `python tests/compile_report.py FILE` (per file, slowest first); `--write` also records each file's seconds in
-tests/file_seconds.json, which orders the suite's files (tests/conftest.py); `--json OUT` writes the per-file sums
-with the machine, date and commit, for bench/results/."""
+tests/file_seconds.json, which orders the suite's files (tests/conftest.py); `--json OUT --cache empty|warm
+--pytest-s S` writes the per-file sums with the machine, date, commit and pytest's own time, for bench/results/."""
 from __future__ import annotations
 
+import argparse
 import collections
 import datetime
 import glob
@@ -35,8 +36,7 @@ class CompileReport:
     def _duration(self, event: str, secs: float, **_kw) -> None:
         if event in EVENTS:
             self.totals[EVENTS[event]] += secs
-            if event.endswith("backend_compile_duration"):
-                self.totals["compiles"] += 1
+            self.totals["compiles"] += EVENTS[event] == "compile_s"
 
     def _event(self, event: str, **_kw) -> None:
         if event == "/jax/compilation_cache/cache_hits":
@@ -61,7 +61,8 @@ def pytest_configure(config):
         config.pluginmanager.register(CompileReport(path), "strata-compile-report")
 
 
-def summarize(path: str, write: bool = False, json_out: str | None = None) -> None:
+def summarize(path: str, write: bool = False, json_out: str | None = None, cache: str | None = None,
+              pytest_s: float | None = None) -> None:
     per_file: dict = collections.defaultdict(collections.Counter)
     for name in glob.glob(path + ".gw*") + glob.glob(path + ".main"):
         for line in open(name):
@@ -82,9 +83,11 @@ def summarize(path: str, write: bool = False, json_out: str | None = None) -> No
           f"{total['lower_s']:7.1f} {total['compiles']:6d} {total['cache_hits']:6d}")
     if json_out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        rounded = lambda c: {k: round(v, 2) if isinstance(v, float) else v for k, v in c.items()}  # noqa: E731
         result = {"bench": "test_suite", "machine": f"cpu:{platform.machine()} x{os.cpu_count()} ({platform.node()})",
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "commit": commit, "total": dict(total), "files": {n: dict(c) for n, c in per_file.items()}}
+                  "commit": commit, "cache": cache, "pytest_wall_s": pytest_s, "total": rounded(total),
+                  "files": {n: rounded(c) for n, c in sorted(per_file.items(), key=lambda kv: -kv[1]["wall_s"])}}
         with open(json_out, "w") as f:
             f.write(json.dumps(result, indent=1) + "\n")
     if write:
@@ -95,5 +98,11 @@ def summarize(path: str, write: bool = False, json_out: str | None = None) -> No
 
 
 if __name__ == "__main__":
-    args = sys.argv[2:]
-    summarize(sys.argv[1], write="--write" in args, json_out=args[args.index("--json") + 1] if "--json" in args else None)
+    ap = argparse.ArgumentParser(description="Sum a STRATA_TEST_COMPILE_REPORT run per test file.")
+    ap.add_argument("report", help="the FILE given as STRATA_TEST_COMPILE_REPORT (its FILE.gw* parts are read)")
+    ap.add_argument("--write", action="store_true", help="record each file's seconds in tests/file_seconds.json")
+    ap.add_argument("--json", metavar="OUT", help="write the sums as a bench/results file")
+    ap.add_argument("--cache", choices=("empty", "warm"), help="with --json: the compile cache the run started with")
+    ap.add_argument("--pytest-s", type=float, help="with --json: pytest's own wall time for the run, in seconds")
+    a = ap.parse_args()
+    summarize(a.report, write=a.write, json_out=a.json, cache=a.cache, pytest_s=a.pytest_s)

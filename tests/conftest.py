@@ -55,9 +55,9 @@ def pytest_collection_modifyitems(config, items):
     """Longest files first: with --dist loadfile a worker takes whole files in collection order (pyproject's
     --no-loadscope-reorder), and a long file taken last would keep one worker busy alone at the end."""
     if config.getoption("--quick"):
-        keep = [i for i in items if file_seconds(i) < QUICK_S and not i.get_closest_marker("heavy")]
-        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
-        items[:] = keep
+        quick = [file_seconds(i) < QUICK_S and not i.get_closest_marker("heavy") for i in items]
+        config.hook.pytest_deselected(items=[i for i, q in zip(items, quick) if not q])
+        items[:] = [i for i, q in zip(items, quick) if q]
     items.sort(key=lambda item: -file_seconds(item))
 
 
