@@ -100,7 +100,7 @@ class Backend(Protocol):
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv: dict, start, n_valid,
                         rope: Rope) -> tuple[Array, dict]: ...
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
-                    n_k_heads) -> tuple[Array, Array, Array]: ...
+                    n_k_heads, gate_act: str = "silu") -> tuple[Array, Array, Array]: ...
 
     # --- mixture of experts: the one expert op, over a pool of expert blobs (strata/weights/quant.py formats)
     def topk(self, x: Array, k: int) -> tuple[Array, Array]: ...                        # values, indices over last axis
@@ -390,17 +390,18 @@ class ComposedOps:
         return out
 
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
-                    n_k_heads):
+                    n_k_heads, gate_act="silu"):
         """The Gated DeltaNet mixer from its projections to the gated output (before out_proj): causal conv + SiLU
         over [q|k|v], l2-normed q (times dk^-0.5) and k shared by r = Hv / Hk value heads, beta = sigmoid(b),
         g = -exp(A_log) * softplus(a + dt_bias) (both 0 on padded rows, which leaves the state unchanged), the gated
-        delta rule, then a gated RMSNorm per head with z. A sequence at start 0 starts from empty states.
+        delta rule, then a gated RMSNorm per head with gate_act(z) (silu; qwen4_exp: sigmoid). A sequence at start 0
+        starts from empty states.
         qkv [T, C]; z [T, Hv * dv]; b, a [T, Hv]; conv_state [K-1, C]; ssm [Hv, dk, dv] fp32
         -> (o [T, Hv * dv], conv_state, ssm)."""
         if is_rows(start):
             def one(qkv, z, b, a, conv_state, ssm, s, n):
                 o, conv_state, ssm = self.delta_block(qkv[None], z[None], b[None], a[None], conv_state, conv_w, ssm,
-                                                      a_log, dt_bias, gnorm, eps, s, n, n_k_heads)
+                                                      a_log, dt_bias, gnorm, eps, s, n, n_k_heads, gate_act)
                 return o[0], conv_state, ssm
             return self.vmap(one)(qkv, z, b, a, conv_state, ssm, start, n_valid)
         xp = self.xp
@@ -425,9 +426,10 @@ class ComposedOps:
         g = xp.where(vmask, -xp.exp(a_log) * self.softplus(a.astype(f32) + dt_bias), 0.0)      # [T, Hv], <= 0
         rule = self.gated_delta_step if t == 1 else self.gated_delta_chunked
         o, ssm = rule(q, k, v, g, beta, ssm)                                                   # [T, Hv, dv]
-        # gated RMSNorm per head: w * x_hat (in the activation dtype), times silu(z) in fp32
+        # gated RMSNorm per head: w * x_hat (in the activation dtype), times gate_act(z) in fp32
         o = self.rms_norm(o.astype(z.dtype), gnorm, eps)
-        o = (o.astype(f32) * self.silu(z.reshape(t, hv, dv).astype(f32))).astype(z.dtype).reshape(t, hv * dv)
+        act = self.sigmoid if gate_act == "sigmoid" else self.silu
+        o = (o.astype(f32) * act(z.reshape(t, hv, dv).astype(f32))).astype(z.dtype).reshape(t, hv * dv)
         return o, conv_state, ssm
 
 

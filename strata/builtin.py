@@ -1,4 +1,5 @@
-"""The models Strata knows by name, in one table: `demo` (random weights, written on first use), `tiny` (trained
+"""The models Strata knows by name, in one table: `demo` and `demo-flash` (random weights at the Qwen3-Next and
+Qwen3.8-Flash-Next architectures, written on first use), `tiny` (trained
 weights shipped inside the package) and `random:<shape>` (random weights at a real model's shapes, drawn on the device
 at load: for measuring speed). Everything that takes a model path or name asks `builtin_dir` what a name is,
 and logs `builtin_note` when one is loaded.
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from strata.demo import DEMO_NOTE, RANDOM_SHAPES
+from strata.demo import DEMO_FLASH_NOTE, DEMO_NOTE, RANDOM_SHAPES
 from strata.errors import ModelLoadError
 
 TINY_DIR = Path(__file__).parent / "models" / "tiny"
@@ -26,6 +27,11 @@ class Builtin:
 def _demo_dir() -> Path:
     from strata.demo import demo_model_dir
     return demo_model_dir()
+
+
+def _demo_flash_dir() -> Path:
+    from strata.demo import demo_flash_model_dir
+    return demo_flash_model_dir()
 
 
 def _tiny_dir() -> Path:
@@ -45,7 +51,8 @@ def _random(shape: str) -> Builtin:
     return Builtin(RANDOM_NOTE.format(shape=shape), lambda: random_model_dir(shape))
 
 
-BUILTIN_MODELS = {"demo": Builtin(DEMO_NOTE, _demo_dir), "tiny": Builtin(TINY_NOTE, _tiny_dir),
+BUILTIN_MODELS = {"demo": Builtin(DEMO_NOTE, _demo_dir), "demo-flash": Builtin(DEMO_FLASH_NOTE, _demo_flash_dir),
+                  "tiny": Builtin(TINY_NOTE, _tiny_dir),
                   **{RANDOM_PREFIX + shape: _random(shape) for shape in RANDOM_SHAPES}}
 
 

@@ -1,5 +1,6 @@
 """The built-in `demo` model: a tiny Qwen3-Next-architecture MoE with an MTP head, a byte-level tokenizer and a chat
-template, written as an ordinary Hugging Face checkpoint directory on first use.
+template, written as an ordinary Hugging Face checkpoint directory on first use; `demo-flash` likewise at
+Qwen3.8-Flash-Next's architecture (qwen4_exp, in its published image-text layout; no MTP head, no vision weights).
 
 Its weights are RANDOM (seeded, so the same bytes every time): it exercises every code path of the real model with no
 download, and its text is gibberish by design.
@@ -51,6 +52,32 @@ DEMO_CONFIG = {
 }
 
 
+DEMO_FLASH_NAME = "demo-flash"
+DEMO_FLASH_NOTE = "the demo-flash model has random weights: its text is gibberish by design"
+# qwen4_exp's published form: the language model in text_config, weights under model.language_model.; four streams,
+# a PLE layer whose table (8 heads of ~1000 rows) is stored in shards, QSA keeping 16 blocks of 4 (64 tokens)
+DEMO_FLASH_TEXT = {
+    "model_type": "qwen4_exp_text", "vocab_size": 624, "hidden_size": 96, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4, "output_gate_type": "sigmoid", "num_experts": 16, "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "hc_count": 4, "hc_lowrank": 32,
+    "ple_layer_ids": [2], "ple_embed_dim": 96, "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 4,
+    "ngram_vocab_size_base": 1000, "make_ngram_vocab_size_divisible_by": 128, "split_ngram_parts": 4,
+    "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 64,
+    "indexer_compress_ratio": 4, "eos_token_id": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "hidden_act": "silu", "max_position_embeddings": 262144,
+}
+DEMO_FLASH_CONFIG = {
+    "architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp", "text_config": DEMO_FLASH_TEXT,
+    "vision_config": {"model_type": "qwen4_exp_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
+                      "out_hidden_size": 96},
+    "tie_word_embeddings": False,
+}
+
 # Qwen3-Next-80B-A3B's shapes (its config.json's values that matter to Strata)
 QWEN3_NEXT_80B = {
     "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_attention_heads": 16,
@@ -96,6 +123,24 @@ def demo_model_dir() -> Path:
     return target
 
 
+def demo_flash_model_dir() -> Path:
+    """The demo-flash checkpoint directory, written on first use (as demo_model_dir)."""
+    target = cache_root() / f"{DEMO_FLASH_NAME}-{demo_fingerprint()}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-flash-", dir=target.parent))
+    try:
+        write_demo_flash_model(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process got there first; theirs is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def random_model_dir(shape: str) -> Path:
     """A directory holding the config and tokenizer of the random-weights model at RANDOM_SHAPES[shape] (no weights:
     Engine.load draws them on the device), written on first use."""
@@ -128,6 +173,102 @@ def write_demo_model(out: Path) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "README.txt").write_text(f"Strata's built-in demo model: {DEMO_NOTE}.\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def write_demo_flash_model(out: Path) -> None:
+    from safetensors.numpy import save_file
+
+    from strata.demo_tokenizer import ENDOFTEXT_ID, write_demo_tokenizer
+    vocab = write_demo_tokenizer(out)
+    text = dict(DEMO_FLASH_TEXT, vocab_size=vocab, eos_token_id=ENDOFTEXT_ID)
+    cfg = dict(DEMO_FLASH_CONFIG, text_config=text)
+    save_file(demo_flash_tensors(text, seed=20261207), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "README.txt").write_text(f"Strata's built-in demo-flash model: {DEMO_FLASH_NOTE}.\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def demo_flash_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random tensors of a qwen4_exp text model in the published names and layout (model.language_model.*, the PLE
+    table in split_ngram_parts shards), drawn in a fixed order from one seeded generator."""
+    from strata.ngram import ngram_spec
+    rng = np.random.default_rng(seed)
+    H, V, n = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_count"]
+    hd, hq, hkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    E, I, Is = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+    R, D = cfg["hc_lowrank"], cfg["ple_embed_dim"]
+    t: dict[str, np.ndarray] = {}
+
+    def mat(name, out_dim, in_dim):
+        t[name] = (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm(name, dim, base=0.0):
+        t[name] = (base + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+
+    def hyper(p, inject=True):
+        norm(p + "hc_norm.weight", n * H)
+        mat(p + "input_mix_weight_down.weight", R, n * H)
+        mat(p + "input_mix_weight_up.weight", n * H, R)
+        if inject:
+            mat(p + "block_inject_weight.weight", n, n * H)
+
+    m = "model.language_model."
+    t[m + "embed_tokens.weight"] = rng.standard_normal((V, H)).astype(np.float32)
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"{m}layers.{i}."
+        hyper(p + "attn_hyper_connection.")
+        hyper(p + "mlp_hyper_connection.")
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            mat(a + "in_proj_qkv.weight", 2 * hk * dk + hv * dv, H)
+            mat(a + "in_proj_z.weight", hv * dv, H)
+            mat(a + "in_proj_b.weight", hv, H)
+            mat(a + "in_proj_a.weight", hv, H)
+            t[a + "conv1d.weight"] = (rng.standard_normal((2 * hk * dk + hv * dv, 1, K)) / np.sqrt(K)).astype(np.float32)
+            t[a + "dt_bias"] = np.ones(hv, np.float32)
+            t[a + "A_log"] = np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32)
+            norm(a + "norm.weight", dv, base=1.0)
+            mat(a + "out_proj.weight", H, hv * dv)
+        else:
+            a = p + "self_attn."
+            mat(a + "q_proj.weight", hq * hd * 2, H)
+            mat(a + "k_proj.weight", hkv * hd, H)
+            mat(a + "v_proj.weight", hkv * hd, H)
+            mat(a + "o_proj.weight", H, hq * hd)
+            norm(a + "q_norm.weight", hd)
+            norm(a + "k_norm.weight", hd)
+            di = cfg["indexer_head_dim"]
+            mat(a + "indexer.index_qk_proj.weight", (cfg["indexer_n_heads"] + 1) * di, H)
+            norm(a + "indexer.q_layernorm.weight", di)
+            norm(a + "indexer.k_layernorm.weight", di)
+        if i + 1 in cfg["ple_layer_ids"]:
+            e = p + "ple."
+            spec = ngram_spec(V, cfg["ngram_size"], cfg["heads_per_ngram"], cfg["ngram_vocab_size_base"],
+                              cfg["make_ngram_vocab_size_divisible_by"], 1234, cfg["ple_layer_ids"].index(i + 1),
+                              cfg["eos_token_id"])
+            table = rng.standard_normal((spec.table_rows, D // spec.heads)).astype(np.float32)
+            for j, shard in enumerate(np.split(table, cfg["split_ngram_parts"])):
+                t[f"{e}ple_embedding.ngram_embedding.shard_{j}.weight"] = shard
+            mat(e + "key_proj.weight", n * H, D)
+            mat(e + "value_proj.weight", H, D)
+            for k in ("norm_key", "norm_query", "norm_conv"):
+                norm(f"{e}{k}.weight", n * H)
+            t[e + "conv1d.weight"] = (rng.standard_normal((n * H, 1, cfg["ple_conv_kernel_size"])) / 2).astype(
+                np.float32)
+        q = p + "mlp."
+        mat(q + "gate.weight", E, H)
+        for x in range(E):
+            mat(f"{q}experts.{x}.gate_proj.weight", I, H)
+            mat(f"{q}experts.{x}.up_proj.weight", I, H)
+            mat(f"{q}experts.{x}.down_proj.weight", H, I)
+        mat(q + "shared_expert.gate_proj.weight", Is, H)
+        mat(q + "shared_expert.up_proj.weight", Is, H)
+        mat(q + "shared_expert.down_proj.weight", H, Is)
+        mat(q + "shared_expert_gate.weight", 1, H)
+    hyper(m + "hyper_connection_mixer.", inject=False)
+    mat("lm_head.weight", V, H)
+    return t
 
 
 def demo_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:

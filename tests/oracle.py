@@ -1,4 +1,4 @@
-"""The transformers oracle: tiny random Qwen3-Next / Qwen3-MoE models, every parameter re-randomised, saved as a
+"""The transformers oracle: tiny random Qwen3-Next / Qwen3-MoE / qwen4_exp (text) models, every parameter re-randomised, saved as a
 Hugging Face checkpoint directory that Strata loads like any other."""
 from __future__ import annotations
 
@@ -28,6 +28,24 @@ def build_hf_model(arch: str, seed: int, **overrides):
         kw.update(overrides)
         cfg = transformers.Qwen3MoeConfig(**kw)
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif arch == "qwen4_exp":
+        # hyper-connections, one PLE layer with a small table, and QSA whose budget (2 blocks of 4) a 70-token
+        # prompt exceeds, so the sparse selection runs
+        kw = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                  num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
+                  max_position_embeddings=4096, eos_token_id=2, bos_token_id=None, pad_token_id=None, hc_count=4,
+                  hc_lowrank=16, ple_layer_ids=[2], ple_embed_dim=32, heads_per_ngram=2, ngram_vocab_size_base=50,
+                  split_ngram_parts=2, indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                  indexer_compress_ratio=4, output_gate_type="sigmoid",
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                   "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        kw.update(overrides)
+        cfg = transformers.Qwen4ExpTextConfig(**kw)
+        model = transformers.Qwen4ExpForCausalLM(cfg)
+        model.generation_config.eos_token_id = None      # greedy runs to its length: PLE needs an eos, generate not
     else:
         raise ValueError(arch)
     gen = torch.Generator().manual_seed(seed)
@@ -40,6 +58,8 @@ def build_hf_model(arch: str, seed: int, **overrides):
             elif p.ndim == 1:   # norms: random around their neutral value, so a wrong (1 + w) convention shows
                 base = 1.0 if name.endswith("linear_attn.norm.weight") or arch == "qwen3_moe" else 0.0
                 p.copy_(base + torch.randn(p.shape, generator=gen) * 0.3)
+            elif name.endswith("ngram_embedding.weight"):       # table rows are embeddings: O(1) values
+                p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(fan_in) * 1.5)

@@ -1,13 +1,11 @@
-"""The forward pass of Qwen3-Next (hybrid Gated DeltaNet + gated attention, sparse MoE) and Qwen3-MoE, written once
-against the Backend ops (strata/backend.py), with ONE layer loop (run_layers) whose routed experts are a function the
-caller passes. Equations: ../shared/notes/qwen3-next-reference.md.
-
+"""The forward pass of Qwen3-Next (hybrid Gated DeltaNet + gated attention, sparse MoE), Qwen3-MoE and qwen4_exp
+(its own layer parts: strata/model/qwen4_exp.py), written once against the Backend ops, with ONE layer loop
+(run_layers) whose routed experts are a function the caller passes. Equations: ../shared/notes/qwen3-next-reference.md.
 Padded rows are harmless by construction: their keys land beyond the real ones (overwritten before any real query
 can see them), their delta-rule gates are zeroed (g = beta = 0 leaves the recurrent state unchanged), and the conv
 state is taken at n_valid.
-
 State per layer: FULL {"k", "v": [Cap, Hkv, hd]} (int8 KV: plus {"k_scale", "v_scale": [Cap, Hkv] fp32}; two
-tiers: see kv_state); LINEAR {"conv": [K-1, C], "ssm": [Hv, dk, dv] fp32}.
+tiers: see kv_state); LINEAR {"conv": [K-1, C], "ssm": [Hv, dk, dv] fp32}; qwen4_exp adds to both.
 """
 from __future__ import annotations
 
@@ -19,7 +17,8 @@ import numpy as np
 
 from strata.backend import HOST, SLOTS, TIER_BASE, TIER_ROW
 from strata.model.config import LINEAR, ModelConfig
-from strata.model.params import is_sparse, projections
+from strata.model.params import is_sparse, ngram_spec_for, projections
+from strata.model.qwen4_exp import hyper_enter, hyper_exit, ple_layer, qsa_attention
 
 
 def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None, resident: int = 0) -> list[dict]:
@@ -28,15 +27,23 @@ def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None, resident: 
     resident: the device window's rows of a two-tier cache (kv_state), 0 for one tier."""
     kv_dtype = np.dtype(dtype if kv_dtype is None else kv_dtype)
     state = []
-    for kind in cfg.layer_types:
+    for i, kind in enumerate(cfg.layer_types):
         if kind == LINEAR:
             state.append({
                 "conv": np.zeros((cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), dtype),
                 "ssm": np.zeros((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
                                 np.float32),
             })
+            if cfg.ple is not None and cfg.first_layer + i in cfg.ple.layers:
+                state[-1].update(ple_ctx=np.zeros(cfg.ple.ngram_size - 1, np.int32),
+                                 ple_conv=np.zeros((cfg.ple.conv_rows, cfg.residual_width), dtype))
         else:
             state.append(kv_state(cfg, capacity, kv_dtype, resident))
+            if cfg.qsa is not None:
+                if resident:
+                    raise NotImplementedError("QSA attention layers keep every position on the device "
+                                              "(kv_resident is not supported for qwen4_exp yet)")
+                state[-1]["ik"] = np.zeros((capacity, cfg.qsa.head_dim), dtype)
     return state
 
 
@@ -113,7 +120,7 @@ def row_positions(xp, t: int, start, n_valid):
 
 def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, back, tap: Tapping | None = None):
     """THE layer loop, for prompt parts and decode rows on every expert path. x [T, H]; for each layer
-    front(lp, st, x, kind) -> layer_front's tuple; for a sparse layer y = experts(p, h, w, idx) (p: the MoE layer's
+    front(lp, st, x, kind, ple) -> layer_front's tuple (ple: the layer's index among the PLE layers, or None); for a sparse layer y = experts(p, h, w, idx) (p: the MoE layer's
     position, counted from 0) and x = back(lp, x, shared, y). -> (x, new states). tap: Taps' hooks, when on.
     Traced inside one compiled window (front/back/experts traced), or driven from the host with each half compiled
     on its own and the routed experts resolved between them (LayerByLayer; strata/experts/path.py)."""
@@ -121,7 +128,8 @@ def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, 
     p = 0
     for i, (kind, lp) in enumerate(zip(cfg.layer_types, params["layers"])):
         layer = cfg.first_layer + i     # the whole model's index, which the taps name (a split's stage: past 0)
-        x, h, w, idx, shared, states[i] = front(lp, states[i], x, kind)
+        ple = cfg.ple.layers.index(layer) if cfg.ple is not None and layer in cfg.ple.layers else None
+        x, h, w, idx, shared, states[i] = front(lp, states[i], x, kind, ple)
         if h is not None:
             if tap is not None:
                 x = tap.after(layer, "gated delta rule" if kind == LINEAR else "attention", x)
@@ -160,14 +168,14 @@ def forward_hidden(ops, cfg: ModelConfig, params: dict, state: list, tokens, sta
     x: the rows' hidden state from the stage before (a layer split's later stage), in place of tokens' embedding.
     slots: as forward's."""
     if x is None:
-        x = embed(params, tokens)                                                 # [T, H]
+        x = embed_rows(cfg, params, tokens)                                       # [T, residual_width]
 
-    def front(lp, st, x, kind):
+    def front(lp, st, x, kind, ple):
         if slots is None:
-            return layer_front(ops, cfg, kind, lp, st, x, start, n_valid, mix)
+            return layer_front(ops, cfg, kind, lp, st, x, start, n_valid, mix, tokens, ple)
         # the recurrent states of the window's rows gathered and put back; attention reads the bank in place
         rows = {**st, SLOTS: slots} if kind != LINEAR else {k: ops.take_rows(v, slots) for k, v in st.items()}
-        x, h, w, idx, shared, rows = layer_front(ops, cfg, kind, lp, rows, x, start, n_valid, mix)
+        x, h, w, idx, shared, rows = layer_front(ops, cfg, kind, lp, rows, x, start, n_valid, mix, tokens, ple)
         if kind == LINEAR:
             rows = {k: ops.put_rows(st[k], slots, v) for k, v in rows.items()}
         return x, h, w, idx, shared, rows
@@ -189,11 +197,11 @@ class LayerByLayer:
     def __init__(self, ops, cfg: ModelConfig, compiled, taps: Taps = NO_TAPS):
         self.ops, self.cfg, self.taps = ops, cfg, taps
         c = ops.compile
-        self._embed = compiled("st_embed", lambda: c(embed))
+        self._embed = compiled("st_embed", lambda: c(partial(embed_rows, cfg)))
         self._front = compiled("st_front", lambda: c(partial(_front, ops, cfg), donate_argnums=(1,),
-                                                     static_argnames=("kind",)))
+                                                     static_argnames=("kind", "ple")))
         self._front_slot = compiled("st_front_slot", lambda: c(partial(_front_slot, ops, cfg), donate_argnums=(1,),
-                                                               static_argnames=("kind",)))
+                                                               static_argnames=("kind", "ple")))
         self._back = compiled("st_back", lambda: c(partial(layer_back, ops, cfg)))
         self._head = compiled("st_head", lambda: c(partial(head, ops, cfg), static_argnames=("all_logits",)))
         self._finite = compiled("st_finite", lambda: c(partial(_finite_part, ops)))
@@ -206,8 +214,8 @@ class LayerByLayer:
     def sequence_hidden(self, params, state: list, tokens, start: int, n_valid: int, experts, x=None):
         """sequence()'s last layer output instead of its logits -> (x, new state, finite); x: the hidden rows
         from the stage before (a layer split's later stage) in place of the tokens' embedding."""
-        def front(lp, st, x, kind):
-            return self._front(lp, st, x, np.int32(start), np.int32(n_valid), kind=kind)
+        def front(lp, st, x, kind, ple):
+            return self._front(lp, st, x, np.int32(start), np.int32(n_valid), tokens, kind=kind, ple=ple)
         rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
         return self._hidden(params, state, tokens, front, experts, np.int32(n_valid), rows, x)
 
@@ -220,8 +228,9 @@ class LayerByLayer:
     def slot_part_hidden(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts, x=None):
         """slot_part's last layer output x [T, H] (before the final norm) instead of its logits -> (x, new bank,
         finite); x: as sequence_hidden's."""
-        def front(lp, st, x, kind):
-            return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), kind=kind)
+        def front(lp, st, x, kind, ple):
+            return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), tokens, kind=kind,
+                                    ple=ple)
         rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
         return self._hidden(params, bank, tokens, front, experts, np.int32(n_valid), rows, x)
 
@@ -237,8 +246,8 @@ class LayerByLayer:
     def rows_hidden(self, params, bank: list, tokens, pos, active, experts, x=None):
         """rows()'s last layer output instead of its logits -> (x [S, H], new bank, finite); x: as
         sequence_hidden's."""
-        def front(lp, st, x, kind):
-            return self._front(lp, st, x, pos, active, kind=kind)
+        def front(lp, st, x, kind, ple):
+            return self._front(lp, st, x, pos, active, tokens, kind=kind, ple=ple)
         rows = (np.asarray(pos), np.asarray(active) > 0)
         return self._hidden(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), rows, x)
 
@@ -256,13 +265,13 @@ def _finite_part(ops, x, n_valid):
     return finite_rows(ops.xp, x, ops.valid_mask(x.shape[0], n_valid))
 
 
-def _front(ops, cfg, lp, st, x, start, n_valid, kind):
-    return layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+def _front(ops, cfg, lp, st, x, start, n_valid, tokens, kind, ple):
+    return layer_front(ops, cfg, kind, lp, st, x, start, n_valid, tokens=tokens, ple=ple)
 
 
-def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, kind):
+def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, tokens, kind, ple):
     st = slot_layer(ops, bank, slot)
-    x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid)
+    x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid, tokens=tokens, ple=ple)
     return x, h, w, idx, shared, put_slot_layer(ops, bank, slot, st)
 
 
@@ -288,18 +297,29 @@ def embed(params: dict, tokens):
     return params["embed"][tokens]
 
 
-def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, n_valid, mix=None):
+def embed_rows(cfg: ModelConfig, params: dict, tokens):
+    """The residual rows the layer loop starts from: the tokens' embeddings [T, H], in each of the hc_count
+    streams for a hyper-connected model ([T, hc * H])."""
+    x = embed(params, tokens)
+    return x if not cfg.hyper else x.reshape(x.shape[0], 1, -1).repeat(cfg.hc_count, axis=1).reshape(x.shape[0], -1)
+
+
+def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, n_valid, mix=None, tokens=None,
+                ple: int | None = None):
     """One layer up to its routed experts: the mixer and, for a dense layer, its MLP. x [T, H]: T tokens of one
     sequence (start, n_valid scalars; st its state) or one token of each of T sequences (start, n_valid [T]; st their
     bank).
     -> (x, h, w, idx, shared, st): for a sparse layer h [T, H] is the experts' input, (w, idx) [T, k] the routes and
     shared the shared expert's gate, up and scalar-gate projections of h (or None), and the layer ends with
     layer_back(.., shared, y) once the experts' output y is known; for a dense layer h = w = idx = shared = None.
-    mix: the mixer from the input projections to the output before its projection (None: mix_rows)."""
+    mix: the mixer from the input projections to the output before its projection (None: mix_rows). tokens: the
+    rows' token ids and ple the layer's index among the PLE layers (a PLE layer's n-gram ids come from them)."""
     eps = cfg.rms_norm_eps
     sparse = is_sparse(lp)
     parts = projections(cfg, kind, sparse)
     mix = mix or mix_rows
+    if cfg.hyper:
+        return _hyper_front(ops, cfg, kind, lp, st, x, start, n_valid, mix, tokens, parts, ple)
     if kind == LINEAR:
         with ops.scope("delta_proj"):
             _, ys = project(ops, lp, "in_proj", parts, x, lp["in_norm"], eps)
@@ -325,6 +345,41 @@ def layer_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, 
     return x, h, w, idx, (tuple(ys[1:]) if len(ys) > 1 else None), st
 
 
+def _hyper_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start, n_valid, mix, tokens, parts,
+                 ple):
+    """layer_front for hyper-connected streams (qwen4_exp): the PLE layer's addition, then each sublayer reads
+    its gated residual's mixed input (no norm of its own) and its output is injected into every stream; the
+    shared tuple carries the MLP's injection weights for layer_back."""
+    if ple is not None:
+        with ops.scope("ple"):
+            y, st = ple_layer(ops, cfg, lp, st, x, tokens, start, n_valid, ngram_spec_for(cfg, ple))
+            x = x + y
+    with ops.scope("delta_proj" if kind == LINEAR else "attn_proj"):
+        h, inject = hyper_enter(ops, cfg, lp, "hca_", x)
+        ys = _split(ops, lp, "in_proj", parts, h)
+    with ops.scope("delta_rule" if kind == LINEAR else "attn"):
+        o, st = mix(ops, cfg, kind, lp, st, ys, start, n_valid)
+    with ops.scope("delta_out" if kind == LINEAR else "attn_out"):
+        x = hyper_exit(cfg, x, ops.linear(o, lp["out" if kind == LINEAR else "o"]), inject)
+    with ops.scope("router"):
+        h, inject = hyper_enter(ops, cfg, lp, "hcm_", x)
+        ys = _split(ops, lp, "post_proj", parts, h)
+        w, idx = route(ops, cfg, lp, ys[0])
+    return x, h, w, idx, (*ys[1:], inject), st
+
+
+def _split(ops, lp: dict, joined: str, parts: dict, h):
+    """The projections of h by the matrices of parts[joined] (joined into one matrix or not) -> [y, ...]."""
+    if joined not in lp:
+        return ops.linears(h, [lp[name] for name, _ in parts[joined]])
+    (y,) = ops.linears(h, [lp[joined]])
+    out, at = [], 0
+    for _, n in parts[joined]:
+        out.append(y[:, at:at + n])
+        at += n
+    return out
+
+
 def mix_rows(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, ys: list, start, n_valid):
     """A layer's mixer from its input projections ys to its output before the output projection -> (o, state):
     the gated delta rule (LINEAR; ys = qkv, z, b, a) or attention over the KV cache (ys = q, k, v and, Qwen3-Next's
@@ -333,8 +388,10 @@ def mix_rows(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, ys: list, sta
     if kind == LINEAR:
         qkv, z, b, a = ys
         o, conv, ssm = ops.delta_block(qkv, z, b, a, st["conv"], lp["conv"], st["ssm"], lp["A_log"], lp["dt_bias"],
-                                       lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads)
-        return o, {"conv": conv, "ssm": ssm}
+                                       lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads, cfg.linear_gate)
+        return o, {**st, "conv": conv, "ssm": ssm}
+    if cfg.qsa is not None:
+        return qsa_attention(ops, cfg, lp, st, ys, start, n_valid)
     return ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
                                lp["k_norm"], eps, st, start, n_valid, cfg.rope)
 
@@ -345,6 +402,9 @@ def layer_back(ops, cfg: ModelConfig, lp: dict, x, shared, y):
     with ops.scope("shared_expert"):
         if shared is None:
             return x + y
+        if cfg.hyper:                  # the MLP's output injected into every stream (layer_front's weights)
+            g, u, s, inject = shared
+            return hyper_exit(cfg, x, ops.swiglu_out(g, u, lp["sh_down"], 0, add=y, gate=s), inject)
         g, u, s = shared
         return ops.swiglu_out(g, u, lp["sh_down"], x, add=y, gate=s)
 
@@ -366,7 +426,10 @@ def head(ops, cfg: ModelConfig, params: dict, x, n_valid, all_logits: bool):
     with ops.scope("head"):
         if not all_logits:
             x = ops.take_row(x, n_valid - 1)[None]
-        x = ops.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        if cfg.hyper:                  # the final mixer contracts the streams (its norm is the model's last)
+            x, _ = hyper_enter(ops, cfg, params, "hcf_", x)
+        else:
+            x = ops.rms_norm(x, params["norm"], cfg.rms_norm_eps)
         return ops.linear(x, params["lm_head"]).astype(ops.xp.float32)
 
 

@@ -1,11 +1,11 @@
 """Checkpoint tensors (Hugging Face names and layout) -> the model's parameter tree (numpy, host).
-
 Every tensor is checked against the shape the config implies; a missing or misshapen tensor is a ModelLoadError
 naming the tensor, its file, and the expected and found shapes. Load-time rearrangements (done once, here):
 - zero-centred norm weights w become scales (1 + w), so every norm on every backend is `x_hat * scale`;
 - Gated DeltaNet's in_proj_qkvz rows [q|k|v|z] per key-head group become [all q|all k|all v|all z] (the conv's
   channel order), in_proj_ba [b|a] per group [all b|all a]; gated attention's q_proj [query|gate] per head: 2 matrices;
 - with join_projections, the projections that read the same input are joined into one matrix (`projections`);
+- qwen4_exp: hyper-connections ("hca_*", "hcm_*", "hcf_*") in place of norms; the PLE table's shards joined;
 - routed experts are not in the tree: they live in an expert pool (strata/experts/); `read_experts` stacks a
   checkpoint's experts per sparse layer as gate, up [E, I, H], down [E, H, I] for encoding into blobs.
 """
@@ -59,6 +59,8 @@ def projections(cfg: ModelConfig, kind: str, sparse: bool) -> dict[str, tuple[tu
         q = cfg.num_heads * cfg.head_dim
         kv = cfg.num_kv_heads * cfg.head_dim
         ins = (("q", q), ("k", kv), ("v", kv)) + ((("gate", q),) if cfg.gated_attention else ())
+        if cfg.qsa is not None:     # the indexer's queries and its one key head read the layer's input too
+            ins += (("idx_qk", (cfg.qsa.heads + 1) * cfg.qsa.head_dim),)
     if sparse:
         post = (("router", cfg.num_experts),)
         if cfg.shared_expert_intermediate_size:
@@ -79,9 +81,16 @@ def build_params(cfg: ModelConfig, src: TensorSource, dtype=np.float32, join_pro
     return params_from_reader(cfg, TensorReader(src, dtype), join_projections)
 
 
+def text_prefix(has) -> str:
+    """The language model's tensor prefix: "model.language_model." in a published image-text checkpoint
+    (qwen4_exp's Qwen4ExpForConditionalGeneration), else "model."; has(name) -> bool."""
+    return "model.language_model." if has("model.language_model.embed_tokens.weight") else "model."
+
+
 def params_from_reader(cfg: ModelConfig, r: TensorReader, join_projections: bool = True) -> dict:
     H, V = cfg.hidden_size, cfg.vocab_size
-    embed = r.get("model.embed_tokens.weight", (V, H))
+    m = text_prefix(r.has)
+    embed = r.get(m + "embed_tokens.weight", (V, H))
     if cfg.tie_word_embeddings and not r.has("lm_head.weight"):
         lm_head = embed
     else:
@@ -89,10 +98,14 @@ def params_from_reader(cfg: ModelConfig, r: TensorReader, join_projections: bool
     params = {
         "embed": embed,
         "lm_head": lm_head,
-        "norm": r.norm("model.norm.weight", H, cfg.zero_centred_norms),
-        "layers": [_layer(cfg, r, f"model.layers.{i}.", cfg.layer_types[i], cfg.is_sparse_layer(i), join_projections)
+        "layers": [_layer(cfg, r, f"{m}layers.{i}.", cfg.layer_types[i], cfg.is_sparse_layer(i), join_projections,
+                          _ple_index(cfg, i))
                    for i in range(cfg.num_layers)],
     }
+    if cfg.hyper:
+        params.update(_hyper(cfg, r, m + "hyper_connection_mixer.", "hcf_", inject=False))
+    else:
+        params["norm"] = r.norm(m + "norm.weight", H, cfg.zero_centred_norms)
     if r.has("mtp.fc.weight"):
         params["mtp"] = {
             "fc": r.get("mtp.fc.weight", (H, 2 * H)),
@@ -104,12 +117,32 @@ def params_from_reader(cfg: ModelConfig, r: TensorReader, join_projections: bool
     return params
 
 
-def _layer(cfg: ModelConfig, r: TensorReader, p: str, kind: str, sparse: bool, join: bool) -> dict:
+def _ple_index(cfg: ModelConfig, i: int) -> int | None:
+    """Layer i's place among the PLE layers (its hash multipliers and table sizes depend on it), or None."""
+    return cfg.ple.layers.index(i) if cfg.ple is not None and i in cfg.ple.layers else None
+
+
+def ngram_spec_for(cfg: ModelConfig, ple_index: int):
+    """The n-gram hashing of the ple_index-th PLE layer (strata/model/ngram.py)."""
+    from strata.ngram import ngram_spec
+    p = cfg.ple
+    return ngram_spec(cfg.vocab_size, p.ngram_size, p.heads_per_ngram, p.vocab_size_base, p.divisible_by, p.seed,
+                      ple_index, p.eos_token_id)
+
+
+def _layer(cfg: ModelConfig, r: TensorReader, p: str, kind: str, sparse: bool, join: bool,
+           ple_index: int | None = None) -> dict:
     H, zc = cfg.hidden_size, cfg.zero_centred_norms
-    lp = {
-        "in_norm": r.norm(p + "input_layernorm.weight", H, zc),
-        "post_norm": r.norm(p + "post_attention_layernorm.weight", H, zc),
-    }
+    if cfg.hyper:
+        lp = {**_hyper(cfg, r, p + "attn_hyper_connection.", "hca_"), **_hyper(cfg, r, p + "mlp_hyper_connection.",
+                                                                                "hcm_")}
+        if ple_index is not None:
+            lp.update(_ple(cfg, r, p + "ple.", ple_index))
+    else:
+        lp = {
+            "in_norm": r.norm(p + "input_layernorm.weight", H, zc),
+            "post_norm": r.norm(p + "post_attention_layernorm.weight", H, zc),
+        }
     lp.update(_linear_attention(cfg, r, p + "linear_attn.") if kind == LINEAR else _attention(cfg, r, p + "self_attn."))
     lp.update(_moe(cfg, r, p + "mlp.") if sparse else _dense_mlp(cfg, r, p + "mlp.", cfg.intermediate_size))
     for joined, parts in projections(cfg, kind, sparse).items() if join else ():
@@ -132,13 +165,64 @@ def _attention(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
         out["gate"] = q[:, 1].reshape(hq * hd, H)
     else:
         out["q"] = r.get(p + "q_proj.weight", (hq * hd, H))
+    if cfg.qsa is not None:
+        di = cfg.qsa.head_dim
+        out.update({"idx_qk": r.get(p + "indexer.index_qk_proj.weight", ((cfg.qsa.heads + 1) * di, H)),
+                    "idx_q_norm": r.norm(p + "indexer.q_layernorm.weight", di, True),
+                    "idx_k_norm": r.norm(p + "indexer.k_layernorm.weight", di, True)})
     return out
+
+
+def _hyper(cfg: ModelConfig, r: TensorReader, p: str, name: str, inject: bool = True) -> dict:
+    """A gated-residual hyper-connection: the streams' norm, the low-rank input mixer and (a layer's, not the final
+    mixer's) the per-stream injection weights."""
+    n, R = cfg.residual_width, cfg.hc_lowrank
+    out = {name + "norm": r.norm(p + "hc_norm.weight", n, True),
+           name + "down": r.get(p + "input_mix_weight_down.weight", (R, n)),
+           name + "up": r.get(p + "input_mix_weight_up.weight", (n, R))}
+    if inject:
+        out[name + "inject"] = r.get(p + "block_inject_weight.weight", (cfg.hc_count, n))
+    return out
+
+
+def _ple(cfg: ModelConfig, r: TensorReader, p: str, ple_index: int) -> dict:
+    """A PLE layer: its n-gram table (shards concatenated), projections, norms and the dilated conv's weights."""
+    ple, n, H = cfg.ple, cfg.residual_width, cfg.hidden_size
+    spec = ngram_spec_for(cfg, ple_index)
+    dh = ple.embed_dim // ple.heads
+    e = p + "ple_embedding.ngram_embedding."
+    if r.has(e + "weight"):
+        table = r.get(e + "weight", (spec.table_rows, dh))
+    else:
+        shards, at = [], 0
+        while r.has(f"{e}shard_{len(shards)}.weight"):
+            shards.append(r.src.get(f"{e}shard_{len(shards)}.weight"))
+            at += shards[-1].shape[0]
+        if not shards or at != spec.table_rows or any(tuple(a.shape[1:]) != (dh,) for a in shards):
+            raise ModelLoadError(f"tensor {e}weight (or its shards {e}shard_N.weight) is missing or misshapen: "
+                                 f"expected {spec.table_rows} rows of {dh} in all, found "
+                                 f"{[list(a.shape) for a in shards]}")
+        table = np.concatenate([np.asarray(a, r.dtype) for a in shards])
+    return {"ple_table": table,
+            "ple_key": r.get(p + "key_proj.weight", (n, ple.embed_dim)),
+            "ple_value": r.get(p + "value_proj.weight", (H, ple.embed_dim)),
+            "ple_norm_key": r.norm(p + "norm_key.weight", n, True),
+            "ple_norm_query": r.norm(p + "norm_query.weight", n, True),
+            "ple_norm_conv": r.norm(p + "norm_conv.weight", n, True),
+            "ple_conv": r.get(p + "conv1d.weight", (n, 1, ple.conv_kernel))[:, 0, :]}          # [n*H, K]
 
 
 def _linear_attention(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
     H, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     rv = hv // hk
+    if r.has(p + "in_proj_qkv.weight"):
+        # qwen4_exp (Qwen3.5's layout): q, k, v, z, b, a each a matrix of its own, heads in order
+        return {"qkv": r.get(p + "in_proj_qkv.weight", (cfg.linear_conv_dim, H)),
+                "z": r.get(p + "in_proj_z.weight", (hv * dv, H)),
+                "b": r.get(p + "in_proj_b.weight", (hv, H)),
+                "a": r.get(p + "in_proj_a.weight", (hv, H)),
+                **_delta_rest(cfg, r, p)}
     qkvz = r.get(p + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, H)).reshape(hk, 2 * dk + 2 * rv * dv, H)
     q, k = qkvz[:, :dk], qkvz[:, dk:2 * dk]
     v, z = qkvz[:, 2 * dk:2 * dk + rv * dv], qkvz[:, 2 * dk + rv * dv:]
@@ -149,6 +233,13 @@ def _linear_attention(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
         "z": z.reshape(-1, H),
         "b": ba[:, :rv].reshape(hv, H),
         "a": ba[:, rv:].reshape(hv, H),
+        **_delta_rest(cfg, r, p),
+    }
+
+
+def _delta_rest(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
+    H, hv, dv, K = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    return {
         "conv": r.get(p + "conv1d.weight", (cfg.linear_conv_dim, 1, K))[:, 0, :],    # [C, K]
         "dt_bias": r.get(p + "dt_bias", (hv,), np.float32),
         "A_log": r.get(p + "A_log", (hv,), np.float32),
@@ -180,16 +271,18 @@ def _moe(cfg: ModelConfig, r: TensorReader, p: str) -> dict:
     return out
 
 
-def expert_layer_prefixes(cfg: ModelConfig) -> list[str]:
-    """The tensor-name prefix of every sparse layer's MLP, in order (MoE layer position p = index here)."""
-    return [f"model.layers.{i}.mlp." for i in range(cfg.num_layers) if cfg.is_sparse_layer(i)]
+def expert_layer_prefixes(cfg: ModelConfig, model: str = "model.") -> list[str]:
+    """The tensor-name prefix of every sparse layer's MLP, in order (MoE layer position p = index here); model:
+    the language model's prefix (text_prefix)."""
+    return [f"{model}layers.{i}.mlp." for i in range(cfg.num_layers) if cfg.is_sparse_layer(i)]
 
 
 def read_experts(cfg: ModelConfig, src: TensorSource, dtype=np.float32, prefix: str | None = None):
     """One sparse layer's routed experts (or, with prefix None, every sparse layer's): (gate [E, I, H],
     up [E, I, H], down [E, H, I]) from either the per-expert names or transformers' fused layout."""
     if prefix is None:
-        return [read_experts(cfg, src, dtype, p) for p in expert_layer_prefixes(cfg)]
+        names = set(src.names())
+        return [read_experts(cfg, src, dtype, p) for p in expert_layer_prefixes(cfg, text_prefix(names.__contains__))]
     r = TensorReader(src, dtype)
     H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     p = prefix

@@ -631,11 +631,12 @@ class SyclBackend(ComposedOps):
         return out, kv
 
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
-                    n_k_heads):
+                    n_k_heads, gate_act="silu"):
         self._op()
-        if not (_is_host(start) and _is_host(n_valid)):
+        # the kernels' gated norm is silu's; a sigmoid gate (qwen4_exp) takes the composed form
+        if not (_is_host(start) and _is_host(n_valid)) or gate_act != "silu":
             return super().delta_block(qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start,
-                                       n_valid, n_k_heads)
+                                       n_valid, n_k_heads, gate_act)
         t = qkv.shape[0]
         conv_state, ssm = self._state(conv_state), self._state(ssm)
         hv, dk, dv = ssm.shape[-3:]

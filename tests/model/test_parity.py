@@ -35,6 +35,15 @@ CONFIGS = {
                                                 num_hidden_layers=4)),
     "moe-mlp-only-gqa4": ("qwen3_moe", dict(mlp_only_layers=[1], num_attention_heads=8, num_key_value_heads=2,
                                             hidden_size=40, head_dim=8, num_experts=6, num_experts_per_tok=3)),
+    # qwen4_exp: 4 hyper-connection streams, a PLE layer, QSA keeping 2 blocks of 4 (the prompt runs far past it)
+    "q4-ple-qsa-sigmoid": ("qwen4_exp", dict()),
+    # two PLE layers (their own hash multipliers and table sizes), 2 streams, QSA in two layers, tied, silu gate.
+    # (With 2 indexer heads, blocks whose every head's score is negative tie at 0 after relu, and torch.topk's
+    # order among ties is unspecified: tests/model/test_qsa.py holds the tie rule; these configs use 4 heads.)
+    "q4-two-ple-tied-silu": ("qwen4_exp", dict(
+        layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+        ple_layer_ids=[1, 3], hc_count=2, hc_lowrank=8, tie_word_embeddings=True, output_gate_type="silu",
+        indexer_budget=16, indexer_compress_ratio=8, indexer_n_heads=4)),
 }
 
 
@@ -73,6 +82,8 @@ def case(request, tmp_path_factory):
         model = build_hf_model(arch, seed, **overrides)
         rng = np.random.default_rng(seed)
         prompt = rng.integers(0, model.config.vocab_size, PROMPT_LEN).tolist()
+        if arch == "qwen4_exp":         # an end token mid-prompt: the PLE n-gram history restarts after it
+            prompt[PROMPT_LEN // 2] = model.config.eos_token_id
         gen, full, logits, routers = _oracle_run(model, prompt)
         why = _near_tie(model.config.num_experts_per_tok, logits, routers, len(prompt))
         if why is None:

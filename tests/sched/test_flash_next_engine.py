@@ -1,0 +1,73 @@
+"""Qwen3.8-Flash-Next (qwen4_exp) through the engine's features, on the built-in demo-flash model (hyper-connection
+streams, a PLE layer, QSA past 64 tokens): a slot's PLE n-gram context and conv state and its QSA index keys travel
+with it. The prompt cache's turns, interleaved conversations on three slots (row buckets) and parked conversations
+give the cold engine's greedy text; concurrent requests through a real server give what each got alone, with
+prompt parts of 16 and 64 tokens."""
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+from servers import running_server
+from test_prompt_cache import converse
+
+from strata import Engine
+
+pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load("demo-flash", max_context=4096, prefill=64)
+
+
+def test_the_state_holds_the_ple_context_and_conv_and_the_qsa_keys(engine):
+    state = engine.init_state()
+    ple = engine.cfg.ple.layers[0]
+    assert set(state[ple]) == {"conv", "ssm", "ple_ctx", "ple_conv"}
+    attention = engine.cfg.layer_types.index("full_attention")
+    assert state[attention]["ik"].shape == (engine.capacity, engine.cfg.qsa.head_dim)
+
+
+def test_turns_give_the_cold_engines_text(engine):
+    sched, rows = converse(engine, 1, 4, parallel=1)
+    assert all(reused > 0 for _, reused, _ in rows[1:])
+    assert max(len(prompt) for prompt, _, _ in rows) > engine.cfg.qsa.budget     # the selection ran
+    assert sched.metrics()["prompt_cache_hits"] == 3
+
+
+def test_three_interleaved_conversations_on_three_slots(engine):
+    sched, _ = converse(engine, 3, 3, parallel=3)
+    assert sched.metrics()["prompt_cache_hits"] == 6
+
+
+def test_conversations_parked_and_resumed(engine):
+    sched, _ = converse(engine, 2, 3, parallel=1, together=False)
+    m = sched.metrics()
+    assert m["conversations_parked"] == 5 and m["conversations_resumed"] == 4
+
+
+def _ask(url, prompt):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="demo-flash", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=16, temperature=0)
+    return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+
+
+@pytest.mark.parametrize("prefill", [16, 64])
+def test_concurrent_requests_equal_alone(engine, prefill):
+    prompts = [f"note {n}: " + "the kettle is on and the window is open. " * n for n in (1, 5, 14)]
+    with running_server(engine, parallel=3, prefill=prefill, max_context=4096) as srv:
+        alone = [_ask(srv.url, p) for p in prompts]
+        together: list = [None] * len(prompts)
+
+        def worker(i):
+            together[i] = _ask(srv.url, prompts[i])
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert together == alone
+    assert all(n > 0 for _, _, n in alone)
