@@ -190,6 +190,7 @@ class Engine:
             config, tensors, tok_dir = load_source(path_or_name)
         cfg = ModelConfig.from_hf(config, source=f"{path_or_name} config").with_rope_settings(
             settings.model.rope_scaling, settings.model.rope_scale)
+        _refuse_unsupported(cfg, settings)
         dtype = settings.model.dtype
         if dtype == "auto":
             dtype = "float32" if ops.device.platform == "cpu" else "bfloat16"
@@ -607,6 +608,20 @@ def _kv_window(settings: Settings, ops) -> int:
                f"the {ops.name} backend has no host tier: use the jax backend")
         raise ConfigError(f"kv_resident {n} needs host memory that compiled windows read: {why} (or kv_resident = 0)")
     return rows
+
+
+def _refuse_unsupported(cfg: ModelConfig, settings: Settings) -> None:
+    """Settings a qwen4_exp model cannot run with yet (docs/qwen4-exp.md), refused before anything is loaded."""
+    if not cfg.hyper:
+        return
+    missing = [name for name, on in (("mtp (its MTP head)", settings.sched.mtp),
+                                     ("layer_split", settings.backend.layer_split is not None),
+                                     ("kv_resident (QSA's index keys have no host tier)",
+                                      bool(settings.model.kv_resident)))
+               if on]
+    if missing:
+        raise ConfigError(f"{cfg.model_type} models do not support {', '.join(missing)} yet (docs/qwen4-exp.md); "
+                          f"leave them unset")
 
 
 def _max_context(cfg: ModelConfig, settings: Settings, ops, dtype, say) -> int:

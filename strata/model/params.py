@@ -194,14 +194,24 @@ def _ple(cfg: ModelConfig, r: TensorReader, p: str, ple_index: int) -> dict:
     if r.has(e + "weight"):
         table = r.get(e + "weight", (spec.table_rows, dh))
     else:
-        shards, at = [], 0
-        while r.has(f"{e}shard_{len(shards)}.weight"):
-            shards.append(r.src.get(f"{e}shard_{len(shards)}.weight"))
-            at += shards[-1].shape[0]
-        if not shards or at != spec.table_rows or any(tuple(a.shape[1:]) != (dh,) for a in shards):
-            raise ModelLoadError(f"tensor {e}weight (or its shards {e}shard_N.weight) is missing or misshapen: "
-                                 f"expected {spec.table_rows} rows of {dh} in all, found "
-                                 f"{[list(a.shape) for a in shards]}")
+        names = []
+        while r.has(f"{e}shard_{len(names)}.weight"):
+            names.append(f"{e}shard_{len(names)}.weight")
+        if not names:
+            raise ModelLoadError(f"tensor {e}weight (or its shards {e}shard_0.weight, ...) is missing; expected "
+                                 f"shape [{spec.table_rows}, {dh}]")
+        shards = [r.src.get(n) for n in names]
+        rows = sum(int(a.shape[0]) for a in shards)
+        for name, a in zip(names, shards):
+            if a.ndim != 2 or a.shape[1] != dh:
+                raise ModelLoadError(f"tensor {name} in {r.src.where(name)} has shape {list(a.shape)}, expected [rows, {dh}]"
+                                     f" (ple_embed_dim / n-gram heads = {ple.embed_dim} / {ple.heads})")
+        if rows != spec.table_rows:
+            raise ModelLoadError(f"the PLE table {e}shard_0..{len(names) - 1} (in {r.src.where(names[0])}) has {rows} "
+                                 f"rows, expected {spec.table_rows} (the config's {ple.heads} n-gram heads' prime sizes "
+                                 f"from ngram_vocab_size_base {ple.vocab_size_base}, padded to "
+                                 f"{ple.divisible_by}): a shard is missing or truncated, or the config is not this "
+                                 f"checkpoint's")
         table = np.concatenate([np.asarray(a, r.dtype) for a in shards])
     return {"ple_table": table,
             "ple_key": r.get(p + "key_proj.weight", (n, ple.embed_dim)),

@@ -50,7 +50,7 @@ def test_conversations_parked_and_resumed(engine):
 
 def _ask(url, prompt):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    r = client.chat.completions.create(model="demo-flash", messages=[{"role": "user", "content": prompt}],
+    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
                                        max_tokens=16, temperature=0)
     return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
 
