@@ -71,10 +71,11 @@ class _Plan:
 
     def __init__(self, config: dict, names: set[str], source: str):
         from strata.model.config import ModelConfig
+        from strata.model.params import expert_layer_prefixes, text_prefix
         cfg = ModelConfig.from_hf(config, source=f"{source} config")
         self.E, self.I, self.H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.layers: list[int] = [i for i in range(cfg.num_layers) if cfg.is_sparse_layer(i)]
-        self.prefixes = [f"model.layers.{i}.mlp." for i in self.layers]
+        self.prefixes = expert_layer_prefixes(cfg, text_prefix(names.__contains__))
         self.mtp_layer = None
         mtp = "mtp.layers.0.mlp."
         if self.E and (mtp + "experts.gate_up_proj" in names or mtp + "experts.0.gate_proj.weight" in names):

@@ -404,7 +404,7 @@ def layer_back(ops, cfg: ModelConfig, lp: dict, x, shared, y):
             return x + y
         if cfg.hyper:                  # the MLP's output injected into every stream (layer_front's weights)
             g, u, s, inject = shared
-            return hyper_exit(cfg, x, ops.swiglu_out(g, u, lp["sh_down"], 0, add=y, gate=s), inject)
+            return hyper_exit(cfg, x, ops.swiglu_out(g, u, lp["sh_down"], y, gate=s), inject)
         g, u, s = shared
         return ops.swiglu_out(g, u, lp["sh_down"], x, add=y, gate=s)
 

@@ -15,10 +15,13 @@ from strata.model.qsa import qsa_block_keys, qsa_select
 
 
 def grouped_norm(ops, cfg: ModelConfig, x, scale):
-    """RMSNorm of each stream of x [T, hc * H] on its own, scaled by scale [hc * H]."""
-    n, H = cfg.hc_count, cfg.hidden_size
+    """RMSNorm of each stream of x [T, hc * H] on its own, scaled by scale [hc * H] (fp32 inside, as transformers;
+    in xp, since a backend's rms_norm takes one scale for every row)."""
+    xp, n, H = ops.xp, cfg.hc_count, cfg.hidden_size
     t = x.shape[0]
-    return ops.rms_norm(x.reshape(t, n, H), scale.reshape(n, H), cfg.rms_norm_eps).reshape(t, n * H)
+    xf = x.reshape(t, n, H).astype(xp.float32)
+    y = xf / xp.sqrt(xp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    return (y * scale.reshape(n, H).astype(xp.float32)).astype(x.dtype).reshape(t, n * H)
 
 
 def hyper_enter(ops, cfg: ModelConfig, lp: dict, name: str, x):

@@ -71,3 +71,20 @@ def test_concurrent_requests_equal_alone(engine, prefill):
             t.join(300)
     assert together == alone
     assert all(n > 0 for _, _, n in alone)
+
+
+def test_expert_paths_and_a_pack_give_the_resident_engines_tokens(tmp_path):
+    """A small expert cache (misses copied in the window, run layer by layer, or computed on the CPU) and a pack of
+    its experts (f32, so bit-equal values) give the all-resident engine's logits and greedy tokens."""
+    from strata.experts.pack import write_pack
+    prompt = [5, 80, 256, 17, 300, 42, 42, 9] * 11                      # 88 tokens: past QSA's 64
+    full = Engine.load("demo-flash", max_context=512)
+    want, want_gen = full.logits(prompt), full.generate(prompt, 8, temperature=0.0)
+    span = float(want.max() - want.min())
+    pack = write_pack("demo-flash", tmp_path / "pack", "f32")
+    for model, kw in (("demo-flash", dict(expert_cache=24)), ("demo-flash", dict(expert_cache=24, window_fetch=False)),
+                      ("demo-flash", dict(expert_cache=24, miss_policy="cpu")), (pack, dict(expert_cache=24))):
+        e = Engine.load(model, max_context=512, **kw)
+        got = e.logits(prompt)
+        assert float(abs(got - want).max()) <= 1e-5 * span, kw
+        assert e.generate(prompt, 8, temperature=0.0) == want_gen, kw
