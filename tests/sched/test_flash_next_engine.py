@@ -2,11 +2,16 @@
 streams, a PLE layer, QSA past 64 tokens): a slot's PLE n-gram context and conv state and its QSA index keys travel
 with it. The prompt cache's turns, interleaved conversations on three slots (row buckets) and parked conversations
 give the cold engine's greedy text; concurrent requests through a real server give what each got alone, with
-prompt parts of 16 and 64 tokens."""
+prompt parts of 16 and 64 tokens; the seed-000 interleaving (../shared/clients/two_clients.py) with a small expert
+cache; the expert paths and a pack equal the all-resident engine."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from servers import running_server
@@ -15,6 +20,8 @@ from test_prompt_cache import converse
 from strata import Engine
 
 pytestmark = pytest.mark.heavy      # minutes on 2 CPU cores: started first (tests/conftest.py)
+
+TWO_CLIENTS = Path(__file__).resolve().parents[2].parent / "shared" / "clients" / "two_clients.py"
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +95,19 @@ def test_expert_paths_and_a_pack_give_the_resident_engines_tokens(tmp_path):
         got = e.logits(prompt)
         assert float(abs(got - want).max()) <= 1e-5 * span, kw
         assert e.generate(prompt, 8, temperature=0.0) == want_gen, kw
+
+
+def test_the_seed_000_interleaving_with_a_small_expert_cache():
+    """Client A decodes while client B's long prompt (past QSA's budget, several parts) is read, on 8 of the 64
+    expert slots (parts borrow slots while A decodes; every slot read is checked against its source): twice, each
+    run leaving every slot free."""
+    assert TWO_CLIENTS.exists(), f"{TWO_CLIENTS} is missing (../shared/clients beside the checkout)"
+    e = Engine.load("demo-flash", max_context=16384, prefill=1024, expert_cache=8, debug_slots=True,
+                    stream_parts=False, say=lambda line: None)
+    with running_server(e, parallel=2, prefill=1024, max_context=16384) as srv:
+        for run in range(2):
+            r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "40", "--lines", "100",
+                                "--delay", "0.5", "--stall", "120"], capture_output=True, text=True, timeout=600)
+            assert r.returncode == 0, f"run {run}: {r.stdout}{r.stderr}"
+            assert all(s["state"] == "free" for s in httpx.get(srv.url + "/slots").json())
+            srv.scheduler.cache.clear()
