@@ -105,15 +105,16 @@ def demo_fingerprint() -> str:
     return h.hexdigest()[:12]
 
 
-def demo_model_dir() -> Path:
-    """The demo checkpoint directory, written on first use (atomically: concurrent first uses are safe)."""
-    target = cache_root() / f"{DEMO_NAME}-{demo_fingerprint()}"
+def _written_once(name: str, write) -> Path:
+    """The cached directory `name` (fingerprinted), written by write(dir) on first use, atomically: concurrent first
+    uses are safe."""
+    target = cache_root() / f"{name}-{demo_fingerprint()}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        write_demo_model(tmp)
+        write(tmp)
         try:
             os.replace(tmp, target)
         except OSError:  # another process got there first; theirs is identical
@@ -121,24 +122,16 @@ def demo_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def demo_model_dir() -> Path:
+    """The demo checkpoint directory, written on first use."""
+    return _written_once(DEMO_NAME, write_demo_model)
 
 
 def demo_flash_model_dir() -> Path:
-    """The demo-flash checkpoint directory, written on first use (as demo_model_dir)."""
-    target = cache_root() / f"{DEMO_FLASH_NAME}-{demo_fingerprint()}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-flash-", dir=target.parent))
-    try:
-        write_demo_flash_model(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process got there first; theirs is identical
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """The demo-flash checkpoint directory, written on first use."""
+    return _written_once(DEMO_FLASH_NAME, write_demo_flash_model)
 
 
 def random_model_dir(shape: str) -> Path:
@@ -146,20 +139,11 @@ def random_model_dir(shape: str) -> Path:
     Engine.load draws them on the device), written on first use."""
     from strata.demo_tokenizer import write_filler_tokenizer
     cfg = RANDOM_SHAPES[shape]
-    target = cache_root() / f"random-{shape}-{demo_fingerprint()}"
-    if not (target / "config.json").exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".random-", dir=target.parent))
-        try:
-            write_filler_tokenizer(tmp, cfg["vocab_size"])
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-            try:
-                os.replace(tmp, target)
-            except OSError:  # another process got there first; theirs is identical
-                pass
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    def write(out: Path) -> None:
+        write_filler_tokenizer(out, cfg["vocab_size"])
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return _written_once(f"random-{shape}", write)
 
 
 def write_demo_model(out: Path) -> None:
@@ -187,149 +171,141 @@ def write_demo_flash_model(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+class _Draw:
+    """Random tensors in Hugging Face names and layout for a config dict, drawn in call order from one seeded
+    generator (so a writer's order fixes its bytes): the pieces the demo models share."""
+
+    def __init__(self, cfg: dict, seed: int):
+        self.cfg, self.rng, self.t = cfg, np.random.default_rng(seed), {}
+
+    def mat(self, name, out_dim, in_dim):
+        self.t[name] = (self.rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm(self, name, dim, base=0.0):
+        self.t[name] = (base + 0.1 * self.rng.standard_normal(dim)).astype(np.float32)
+
+    def embed(self, name):
+        c = self.cfg
+        self.t[name] = self.rng.standard_normal((c["vocab_size"], c["hidden_size"])).astype(np.float32)
+
+    def delta(self, a, joined: bool):
+        """A Gated DeltaNet mixer under prefix a: Qwen3-Next's joined in_proj_qkvz/ba, or Qwen3.5's four matrices."""
+        c, H = self.cfg, self.cfg["hidden_size"]
+        hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        dk, dv, K = c["linear_key_head_dim"], c["linear_value_head_dim"], c["linear_conv_kernel_dim"]
+        if joined:
+            self.mat(a + "in_proj_qkvz.weight", 2 * hk * dk + 2 * hv * dv, H)
+            self.mat(a + "in_proj_ba.weight", 2 * hv, H)
+        else:
+            self.mat(a + "in_proj_qkv.weight", 2 * hk * dk + hv * dv, H)
+            self.mat(a + "in_proj_z.weight", hv * dv, H)
+            self.mat(a + "in_proj_b.weight", hv, H)
+            self.mat(a + "in_proj_a.weight", hv, H)
+        self.t[a + "conv1d.weight"] = (self.rng.standard_normal((2 * hk * dk + hv * dv, 1, K)) / np.sqrt(K)).astype(
+            np.float32)
+        self.t[a + "dt_bias"] = np.ones(hv, np.float32)
+        self.t[a + "A_log"] = np.log(self.rng.uniform(1.0, 16.0, hv)).astype(np.float32)
+        self.norm(a + "norm.weight", dv, base=1.0)
+        self.mat(a + "out_proj.weight", H, hv * dv)
+
+    def attention(self, a):
+        """Gated attention under prefix a (q_proj holds each head's query and gate)."""
+        c, H = self.cfg, self.cfg["hidden_size"]
+        hd, hq, hkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+        self.mat(a + "q_proj.weight", hq * hd * 2, H)
+        self.mat(a + "k_proj.weight", hkv * hd, H)
+        self.mat(a + "v_proj.weight", hkv * hd, H)
+        self.mat(a + "o_proj.weight", H, hq * hd)
+        self.norm(a + "q_norm.weight", hd)
+        self.norm(a + "k_norm.weight", hd)
+
+    def moe(self, q):
+        """Routed experts (one tensor per expert and matrix) and the gated shared expert under prefix q."""
+        c, H = self.cfg, self.cfg["hidden_size"]
+        E, I, Is = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+        self.mat(q + "gate.weight", E, H)
+        for e in range(E):
+            self.mat(f"{q}experts.{e}.gate_proj.weight", I, H)
+            self.mat(f"{q}experts.{e}.up_proj.weight", I, H)
+            self.mat(f"{q}experts.{e}.down_proj.weight", H, I)
+        self.mat(q + "shared_expert.gate_proj.weight", Is, H)
+        self.mat(q + "shared_expert.up_proj.weight", Is, H)
+        self.mat(q + "shared_expert.down_proj.weight", H, Is)
+        self.mat(q + "shared_expert_gate.weight", 1, H)
+
+
 def demo_flash_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
     """Random tensors of a qwen4_exp text model in the published names and layout (model.language_model.*, the PLE
     table in split_ngram_parts shards), drawn in a fixed order from one seeded generator."""
     from strata.ngram import ngram_spec
-    rng = np.random.default_rng(seed)
+    d = _Draw(cfg, seed)
     H, V, n = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_count"]
-    hd, hq, hkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
-    E, I, Is = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
     R, D = cfg["hc_lowrank"], cfg["ple_embed_dim"]
-    t: dict[str, np.ndarray] = {}
-
-    def mat(name, out_dim, in_dim):
-        t[name] = (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
-
-    def norm(name, dim, base=0.0):
-        t[name] = (base + 0.1 * rng.standard_normal(dim)).astype(np.float32)
 
     def hyper(p, inject=True):
-        norm(p + "hc_norm.weight", n * H)
-        mat(p + "input_mix_weight_down.weight", R, n * H)
-        mat(p + "input_mix_weight_up.weight", n * H, R)
+        d.norm(p + "hc_norm.weight", n * H)
+        d.mat(p + "input_mix_weight_down.weight", R, n * H)
+        d.mat(p + "input_mix_weight_up.weight", n * H, R)
         if inject:
-            mat(p + "block_inject_weight.weight", n, n * H)
+            d.mat(p + "block_inject_weight.weight", n, n * H)
 
     m = "model.language_model."
-    t[m + "embed_tokens.weight"] = rng.standard_normal((V, H)).astype(np.float32)
+    d.embed(m + "embed_tokens.weight")
     for i, kind in enumerate(cfg["layer_types"]):
         p = f"{m}layers.{i}."
         hyper(p + "attn_hyper_connection.")
         hyper(p + "mlp_hyper_connection.")
         if kind == "linear_attention":
-            a = p + "linear_attn."
-            mat(a + "in_proj_qkv.weight", 2 * hk * dk + hv * dv, H)
-            mat(a + "in_proj_z.weight", hv * dv, H)
-            mat(a + "in_proj_b.weight", hv, H)
-            mat(a + "in_proj_a.weight", hv, H)
-            t[a + "conv1d.weight"] = (rng.standard_normal((2 * hk * dk + hv * dv, 1, K)) / np.sqrt(K)).astype(np.float32)
-            t[a + "dt_bias"] = np.ones(hv, np.float32)
-            t[a + "A_log"] = np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32)
-            norm(a + "norm.weight", dv, base=1.0)
-            mat(a + "out_proj.weight", H, hv * dv)
+            d.delta(p + "linear_attn.", joined=False)
         else:
             a = p + "self_attn."
-            mat(a + "q_proj.weight", hq * hd * 2, H)
-            mat(a + "k_proj.weight", hkv * hd, H)
-            mat(a + "v_proj.weight", hkv * hd, H)
-            mat(a + "o_proj.weight", H, hq * hd)
-            norm(a + "q_norm.weight", hd)
-            norm(a + "k_norm.weight", hd)
+            d.attention(a)
             di = cfg["indexer_head_dim"]
-            mat(a + "indexer.index_qk_proj.weight", (cfg["indexer_n_heads"] + 1) * di, H)
-            norm(a + "indexer.q_layernorm.weight", di)
-            norm(a + "indexer.k_layernorm.weight", di)
+            d.mat(a + "indexer.index_qk_proj.weight", (cfg["indexer_n_heads"] + 1) * di, H)
+            d.norm(a + "indexer.q_layernorm.weight", di)
+            d.norm(a + "indexer.k_layernorm.weight", di)
         if i + 1 in cfg["ple_layer_ids"]:
             e = p + "ple."
             spec = ngram_spec(V, cfg["ngram_size"], cfg["heads_per_ngram"], cfg["ngram_vocab_size_base"],
                               cfg["make_ngram_vocab_size_divisible_by"], 1234, cfg["ple_layer_ids"].index(i + 1),
                               cfg["eos_token_id"])
-            table = rng.standard_normal((spec.table_rows, D // spec.heads)).astype(np.float32)
+            table = d.rng.standard_normal((spec.table_rows, D // spec.heads)).astype(np.float32)
             for j, shard in enumerate(np.split(table, cfg["split_ngram_parts"])):
-                t[f"{e}ple_embedding.ngram_embedding.shard_{j}.weight"] = shard
-            mat(e + "key_proj.weight", n * H, D)
-            mat(e + "value_proj.weight", H, D)
+                d.t[f"{e}ple_embedding.ngram_embedding.shard_{j}.weight"] = shard
+            d.mat(e + "key_proj.weight", n * H, D)
+            d.mat(e + "value_proj.weight", H, D)
             for k in ("norm_key", "norm_query", "norm_conv"):
-                norm(f"{e}{k}.weight", n * H)
-            t[e + "conv1d.weight"] = (rng.standard_normal((n * H, 1, cfg["ple_conv_kernel_size"])) / 2).astype(
+                d.norm(f"{e}{k}.weight", n * H)
+            d.t[e + "conv1d.weight"] = (d.rng.standard_normal((n * H, 1, cfg["ple_conv_kernel_size"])) / 2).astype(
                 np.float32)
-        q = p + "mlp."
-        mat(q + "gate.weight", E, H)
-        for x in range(E):
-            mat(f"{q}experts.{x}.gate_proj.weight", I, H)
-            mat(f"{q}experts.{x}.up_proj.weight", I, H)
-            mat(f"{q}experts.{x}.down_proj.weight", H, I)
-        mat(q + "shared_expert.gate_proj.weight", Is, H)
-        mat(q + "shared_expert.up_proj.weight", Is, H)
-        mat(q + "shared_expert.down_proj.weight", H, Is)
-        mat(q + "shared_expert_gate.weight", 1, H)
+        d.moe(p + "mlp.")
     hyper(m + "hyper_connection_mixer.", inject=False)
-    mat("lm_head.weight", V, H)
-    return t
+    d.mat("lm_head.weight", V, H)
+    return d.t
 
 
 def demo_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
     """Random tensors in Hugging Face names and layout, drawn in a fixed order from one seeded generator."""
-    rng = np.random.default_rng(seed)
-    H, V = cfg["hidden_size"], cfg["vocab_size"]
-    hd, hq, hkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
-    E, I, Is = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
-    t: dict[str, np.ndarray] = {}
-
-    def mat(name, out_dim, in_dim):
-        t[name] = (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
-
-    def norm(name, dim, base=0.0):
-        t[name] = (base + 0.1 * rng.standard_normal(dim)).astype(np.float32)
-
-    def moe(p):
-        mat(p + "mlp.gate.weight", E, H)
-        for e in range(E):
-            mat(f"{p}mlp.experts.{e}.gate_proj.weight", I, H)
-            mat(f"{p}mlp.experts.{e}.up_proj.weight", I, H)
-            mat(f"{p}mlp.experts.{e}.down_proj.weight", H, I)
-        mat(p + "mlp.shared_expert.gate_proj.weight", Is, H)
-        mat(p + "mlp.shared_expert.up_proj.weight", Is, H)
-        mat(p + "mlp.shared_expert.down_proj.weight", H, Is)
-        mat(p + "mlp.shared_expert_gate.weight", 1, H)
-
-    def full_attention(p):
-        mat(p + "self_attn.q_proj.weight", hq * hd * 2, H)
-        mat(p + "self_attn.k_proj.weight", hkv * hd, H)
-        mat(p + "self_attn.v_proj.weight", hkv * hd, H)
-        mat(p + "self_attn.o_proj.weight", H, hq * hd)
-        norm(p + "self_attn.q_norm.weight", hd)
-        norm(p + "self_attn.k_norm.weight", hd)
+    d = _Draw(cfg, seed)
+    H = cfg["hidden_size"]
 
     def layer(p, kind):
-        norm(p + "input_layernorm.weight", H)
-        norm(p + "post_attention_layernorm.weight", H)
+        d.norm(p + "input_layernorm.weight", H)
+        d.norm(p + "post_attention_layernorm.weight", H)
         if kind == "linear_attention":
-            a = p + "linear_attn."
-            mat(a + "in_proj_qkvz.weight", 2 * hk * dk + 2 * hv * dv, H)
-            mat(a + "in_proj_ba.weight", 2 * hv, H)
-            t[a + "conv1d.weight"] = (rng.standard_normal((2 * hk * dk + hv * dv, 1, K)) / np.sqrt(K)).astype(np.float32)
-            t[a + "dt_bias"] = np.ones(hv, np.float32)
-            t[a + "A_log"] = np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32)
-            norm(a + "norm.weight", dv, base=1.0)
-            mat(a + "out_proj.weight", H, hv * dv)
+            d.delta(p + "linear_attn.", joined=True)
         else:
-            full_attention(p)
-        moe(p)
+            d.attention(p + "self_attn.")
+        d.moe(p + "mlp.")
 
-    t["model.embed_tokens.weight"] = rng.standard_normal((V, H)).astype(np.float32)
+    d.embed("model.embed_tokens.weight")
     for i, kind in enumerate(cfg["layer_types"]):
         layer(f"model.layers.{i}.", kind)
-    norm("model.norm.weight", H)
-    mat("lm_head.weight", V, H)
-    mat("mtp.fc.weight", H, 2 * H)
-    norm("mtp.pre_fc_norm_embedding.weight", H)
-    norm("mtp.pre_fc_norm_hidden.weight", H)
-    norm("mtp.norm.weight", H)
+    d.norm("model.norm.weight", H)
+    d.mat("lm_head.weight", cfg["vocab_size"], H)
+    d.mat("mtp.fc.weight", H, 2 * H)
+    d.norm("mtp.pre_fc_norm_embedding.weight", H)
+    d.norm("mtp.pre_fc_norm_hidden.weight", H)
+    d.norm("mtp.norm.weight", H)
     layer("mtp.layers.0.", "full_attention")
-    return t
+    return d.t

@@ -40,7 +40,7 @@ def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None, resident: 
         else:
             state.append(kv_state(cfg, capacity, kv_dtype, resident))
             if cfg.qsa is not None:
-                if resident:
+                if resident:      # Engine.load refuses kv_resident for these first (core._refuse_unsupported)
                     raise NotImplementedError("QSA attention layers keep every position on the device "
                                               "(kv_resident is not supported for qwen4_exp yet)")
                 state[-1]["ik"] = np.zeros((capacity, cfg.qsa.head_dim), dtype)
@@ -369,12 +369,17 @@ def _hyper_front(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, x, start,
 
 
 def _split(ops, lp: dict, joined: str, parts: dict, h):
-    """The projections of h by the matrices of parts[joined] (joined into one matrix or not) -> [y, ...]."""
+    """project's projections of an input h that is already normed (a gated residual's mixed rows) -> [y, ...]."""
     if joined not in lp:
         return ops.linears(h, [lp[name] for name, _ in parts[joined]])
     (y,) = ops.linears(h, [lp[joined]])
+    return _columns(y, parts[joined])
+
+
+def _columns(y, parts):
+    """A joined projection's product y split into its parts' columns ((name, rows) pairs, in order)."""
     out, at = [], 0
-    for _, n in parts[joined]:
+    for _, n in parts:
         out.append(y[:, at:at + n])
         at += n
     return out
@@ -414,11 +419,7 @@ def project(ops, lp: dict, joined: str, parts: dict, x, scale, eps):
     joined matrix, its columns split (a tree built with join_projections), or one per matrix. -> (h, [y, ...])."""
     if joined in lp:
         h, (y,) = ops.norm_linears(x, scale, eps, [lp[joined]])
-        out, at = [], 0
-        for _, n in parts[joined]:
-            out.append(y[:, at:at + n])
-            at += n
-        return h, out
+        return h, _columns(y, parts[joined])
     return ops.norm_linears(x, scale, eps, [lp[name] for name, _ in parts[joined]])
 
 
