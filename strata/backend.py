@@ -88,6 +88,9 @@ class Backend(Protocol):
 
     def scope(self, name: str) -> Any: ...                 # a context naming the ops inside it (profiles), or nothing
     def report(self, fn, *xs: Array) -> None: ...          # fn(*host values of xs) once computed (in a window too)
+    # fn(*host values of xs) -> host arrays of the (shape, dtype)s in results, back on the device (in a window too;
+    # under vmap fn gets every row at once, with a leading axis)
+    def host_call(self, fn, results: list, *xs: Array) -> list: ...
 
     # --- fused ops (defined in strata/backend.py as compositions of the ops above; a backend inherits
     # ComposedOps or overrides an op with device code that matches the composition)
@@ -271,6 +274,11 @@ class ComposedOps:
     def report(self, fn, *xs):
         """fn(*the values of xs on the host); an eager backend's are computed already (JAX: jax.debug.callback)."""
         fn(*(np.asarray(self.to_host(x)) for x in xs))
+
+    def host_call(self, fn, results, *xs):
+        """fn(*the values of xs on the host), its arrays moved to the device (an eager backend's xs are computed)."""
+        return [self.to_device(np.asarray(a, dtype)) for a, (_, dtype) in zip(fn(*(np.asarray(self.to_host(x))
+                                                                                   for x in xs)), results)]
 
     def norm_linears(self, x, scale, eps, ws):
         """-> (h = rms_norm(x) [T, H], [h @ w.T for w in ws])."""

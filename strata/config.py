@@ -163,6 +163,18 @@ class ModelSettings(_Group):
         "written back; with no row free its KV is copied within checkpoint_ram_gib). Each row is pinned host RAM "
         "for max_context positions. auto: one per slot (parallel), at most half the available RAM that the slots' "
         "own rows leave; the plan line says how many.")
+    ple_table: str = setting(
+        "auto", _choice("auto", "device", "host", "disk"),
+        "Where a qwen4_exp model's PLE n-gram table lives (Qwen3.8-Flash-Next's is 47.7 GiB in float8): device; host "
+        "(RAM: each window's rows, heads x 160 values a token, are gathered on the host and copied in); disk (the "
+        "checkpoint's files memory-mapped, read through the page cache: its own format only). auto: the device when "
+        "the table takes at most a quarter of its free memory, else host when it takes at most half the available "
+        "RAM, else disk. The plan's log line says where and how big.")
+    ple_format: str = setting(
+        "auto", _choice("auto", "bfloat16", "float8", "int8"),
+        "The PLE table's format: auto keeps the checkpoint's (float8 e4m3 as shipped, with its scale; bfloat16; "
+        "another float dtype becomes the weights' dtype); float8 (one scale for the table), int8 (one scale a row) "
+        "and bfloat16 convert it at load.")
     rope_scaling: str = setting(
         "auto", _choice("auto", "none", "linear", "dynamic", "yarn"),
         "RoPE scaling, to serve contexts past the model's max_position_embeddings: auto is what the checkpoint's "

@@ -28,6 +28,7 @@ from strata.experts.path import ExpertPath
 from strata.engine.stages import LayerSlice, Stage, split_points, stage_config, stage_params
 from strata.model.forward import LayerByLayer, Taps, forward, forward_hidden, head, init_state
 from strata.model.params import build_params, params_from_reader
+from strata.model.ple_table import PleTablePlace
 from strata.weights.source import load_source
 
 log = logging.getLogger("strata")
@@ -201,11 +202,12 @@ class Engine:
         split = opts.layer_split is not None
         if opts.prefill_help and not split:
             raise ConfigError("prefill_help needs layer_split: the peer that helps is the second stage's device")
+        ple = _place_ple(cfg, settings, ops, tensors, np_dtype, say) if cfg.ple is not None else None
         if random:
             from strata.jax_backend.random_weights import RandomDeviceReader
-            params = params_from_reader(cfg, RandomDeviceReader(np_dtype), ops.joins_projections)
+            params = ops.to_device(params_from_reader(cfg, RandomDeviceReader(np_dtype), ops.joins_projections, ple))
         else:
-            params = build_params(cfg, tensors, np_dtype, ops.joins_projections)
+            params = build_params(cfg, tensors, np_dtype, ops.joins_projections, ple)
             params = params if split else ops.to_device(params)      # split: each stage places its own share
         tokenizer = None
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
@@ -622,6 +624,35 @@ def _refuse_unsupported(cfg: ModelConfig, settings: Settings) -> None:
     if missing:
         raise ConfigError(f"{cfg.model_type} models do not support {', '.join(missing)} yet (docs/qwen4-exp.md); "
                           f"leave them unset")
+
+
+def _place_ple(cfg: ModelConfig, settings: Settings, ops, tensors, dtype, say) -> PleTablePlace:
+    """Where the PLE tables live and in which format (settings ple_table, ple_format; strata/model/ple_table.py),
+    said in one plan line. tensors: the checkpoint (None: weights drawn at load, their table float8)."""
+    from strata.experts.planner import GIB, available_ram_bytes, place_ple_table
+    from strata.model.params import ngram_spec_for, text_prefix
+    from strata.model.ple_table import table_bytes
+    p = cfg.ple
+    dim = p.embed_dim // p.heads
+    rows = sum(ngram_spec_for(cfg, i).table_rows for i in range(len(p.layers)))
+    fmt = settings.model.ple_format
+    if fmt == "auto":
+        fmt = "float8"
+        if tensors is not None:
+            names = set(tensors.names())
+            e = f"{text_prefix(names.__contains__)}layers.{p.layers[0]}.ple.ple_embedding.ngram_embedding."
+            first = next((n for n in (e + "weight", e + "shard_0.weight") if n in names), None)
+            stored = np.dtype(tensors.get(first).dtype) if first else np.dtype(dtype)
+            fmt = {np.dtype(ml_dtypes.float8_e4m3fn): "float8", np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(
+                stored, "float")
+    nbytes = table_bytes(rows, dim, fmt, dtype)
+    place, why = place_ple_table(nbytes, settings.model.ple_table, ops.free_memory_bytes(), available_ram_bytes(),
+                                 from_file=tensors is not None)
+    shown = np.dtype(dtype).name if fmt == "float" else fmt
+    where = {"device": str(ops.device), "host": "host RAM", "disk": "the checkpoint's files (page cache)"}[place]
+    say(f"strata plan: PLE table{'s' if len(p.layers) > 1 else ''} {rows:,} rows of {dim} {shown} = "
+        f"{nbytes / GIB:.2f} GiB in {where} ({why}); a token reads {p.heads * len(p.layers)} rows")
+    return PleTablePlace(place, settings.model.ple_format)
 
 
 def _max_context(cfg: ModelConfig, settings: Settings, ops, dtype, say) -> int:

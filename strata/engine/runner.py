@@ -12,7 +12,6 @@ token (merged on the device). Shaped plans sample by Shaping.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -27,6 +26,7 @@ from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
 from strata.errors import ConfigError
 from strata.experts.path import PathKind
+from strata.experts.planner import available_ram_bytes
 from strata.model.config import LINEAR
 from strata.model.forward import finite_rows, forward, forward_hidden, head, row_positions
 from strata.plan import DEFAULT, Capacity, Logprobs, PromptPart, Repair, Saved, WindowPlan, WindowResult, idle_plan
@@ -1029,9 +1029,8 @@ def _host_rows(row_bytes: int, resident: int, slots: int, parked: int | str, fre
     """The KV host tier's rows (slots' own + parked) against the RAM the machine has available (free: that figure;
     None: the kernel's MemAvailable, when it reports one): logged, or refused naming what to lower. -> the parked
     rows (auto: one per slot, within half the RAM that the slots' rows leave)."""
-    if free is None and os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo") as f:
-            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    if free is None:
+        free = available_ram_bytes()
     if parked == "auto":          # a row a slot, within half the RAM the slots' own rows leave
         parked = slots if free is None else max(0, min(slots, (free - slots * row_bytes) // 2 // row_bytes))
     rows = slots + parked

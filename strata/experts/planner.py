@@ -128,3 +128,41 @@ def plan_memory(free_bytes: int | None, *, slot_bytes: int, total_experts: int, 
                       slot_bytes=slot_bytes, slots=slots, staging=staging if slots > staging else 0,
                       total_experts=total_experts, mirrored=mirrored, mirror_bytes=mirrored * slot_bytes,
                       device=device)
+
+
+def available_ram_bytes() -> int | None:
+    """The kernel's MemAvailable (None where it reports none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+
+
+def place_ple_table(nbytes: int, setting: str, device_free: int | None, ram_free: int | None,
+                    from_file: bool) -> tuple[str, str]:
+    """Where the PLE tables (nbytes in their format) live -> (place, why): the setting when not auto; auto: the
+    device when they take at most a quarter of its free memory (or it does not report it), else host RAM when they
+    take at most half the available RAM, else the checkpoint's files (disk). A place that cannot hold them: a
+    ConfigError naming the figures and the setting."""
+    if setting != "auto":
+        place, why = setting, "ple_table"
+    elif device_free is None or nbytes <= device_free // 4:
+        place, why = "device", "auto: " + ("the device does not report its free memory" if device_free is None else
+                                           f"at most a quarter of the device's {device_free / GIB:.1f} GiB free")
+    elif ram_free is None or nbytes <= ram_free // 2 or not from_file:
+        place, why = "host", (f"auto: more than a quarter of the device's {device_free / GIB:.1f} GiB free" +
+                              ("" if ram_free is None else f", {ram_free / GIB:.1f} GiB of RAM available"))
+    else:
+        place, why = "disk", (f"auto: more than a quarter of the device's {device_free / GIB:.1f} GiB free and half "
+                              f"the {ram_free / GIB:.1f} GiB of RAM available")
+    if place == "disk" and not from_file:
+        raise ConfigError("ple_table = disk maps the checkpoint's files, and this model's weights are drawn at load: "
+                          "set ple_table to host or device")
+    if place == "host" and ram_free is not None and nbytes > ram_free:
+        raise ConfigError(f"the PLE tables take {nbytes / GIB:.2f} GiB, more than the {ram_free / GIB:.2f} GiB of RAM "
+                          f"available: set ple_table = disk (read through the page cache) or ple_format = float8")
+    if place == "device" and device_free is not None and nbytes > device_free:
+        raise ConfigError(f"the PLE tables take {nbytes / GIB:.2f} GiB, more than the {device_free / GIB:.2f} GiB free "
+                          f"on the device: set ple_table = host or disk, or ple_format = float8")
+    return place, why

@@ -31,6 +31,7 @@ from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop
 from strata.jax_backend.kernels.host_rows import copy_host_rows
 from strata.jax_backend.xla_flags import pinned_host_usable
 from strata.backend import HOST, KV_NAMES, SLOTS, TIER_BASE, TIER_ROW, ComposedOps, is_rows, quantize_kv
+from strata.host_rows import HostRows
 
 KV_BLOCK = 512      # keys per step of the attention's online softmax
 ATTN_ONE_PASS_ROWS = 8   # query rows up to which attention reads the whole cache in one pass
@@ -40,6 +41,10 @@ KERNELS = ("auto", "xla", "pallas")
 # and "pallas" everywhere: attention (decode rows and prompt parts), the expert op's grouped (prompt) and int4 decode
 # forms, the routing.
 PALLAS_AUTO = frozenset({"attention", "experts_grouped", "experts_decode", "route"})
+
+
+# a HostRows in a parameter tree is static to compiled functions: they read it through host_call
+jax.tree_util.register_pytree_node(HostRows, lambda t: ((), t), lambda t, _: t)
 
 
 class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses them in the jitted window
@@ -93,6 +98,13 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
     def report(self, fn, *xs):
         """fn(*host values of xs) once they are computed, from inside a compiled window too."""
         jax.debug.callback(fn, *xs)
+
+    @staticmethod
+    def host_call(fn, results, *xs):
+        """fn on the host from inside a compiled window: the device waits for its arrays (under vmap fn gets the
+        rows stacked, as the host function of a gather wants)."""
+        specs = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in results)
+        return jax.pure_callback(lambda *a: tuple(fn(*a)), specs, *xs, vmap_method="expand_dims")
 
     # --- placement and memory
     def to_device(self, tree):

@@ -8,6 +8,7 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 
@@ -32,6 +33,16 @@ class RandomDeviceReader:
         if len(shape) == 1:                                    # norms
             return (0.05 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
         return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[-1])).astype(dtype)
+
+    def table_blocks(self, e, rows, dim, why):
+        """A PLE table as shipped: float8 e4m3 values in host RAM (where the plan converts and places it), one block
+        of random rows repeated (a table of tens of GB is filled at copy speed) and the scale 1."""
+        rng = np.random.default_rng(zlib.crc32(e.encode()))
+        block = rng.standard_normal((min(rows, 1 << 16), dim), np.float32).astype(ml_dtypes.float8_e4m3fn)
+        table = np.empty((rows, dim), ml_dtypes.float8_e4m3fn)
+        for lo in range(0, rows, block.shape[0]):
+            table[lo:lo + block.shape[0]] = block[:rows - lo]
+        return [table], [np.ones(1, np.float32)]
 
     def norm(self, name, dim, zero_centred):
         w = self.get(name, (dim,), np.float32)

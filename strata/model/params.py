@@ -11,10 +11,15 @@ naming the tensor, its file, and the expected and found shapes. Load-time rearra
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import ml_dtypes
 import numpy as np
 
+from strata.host_rows import HostRows
 from strata.errors import ModelLoadError
 from strata.model.config import FULL, LINEAR, ModelConfig
+from strata.model.ple_table import PleTablePlace, mapped_table, stored_table
 from strata.weights.source import TensorSource
 
 
@@ -44,6 +49,43 @@ class TensorReader:
     def norm(self, name: str, dim: int, zero_centred: bool) -> np.ndarray:
         w = self.get(name, (dim,), np.float32)
         return (1.0 + w).astype(np.float32) if zero_centred else w
+
+    def table_blocks(self, e: str, rows: int, dim: int, why: str) -> tuple[list, list | None]:
+        """A row table stored whole (`{e}weight`) or in shards (`{e}shard_N.weight`), as the files hold it (memory-
+        mapped, not copied) -> (row blocks, their float8 scales `weight_scale_inv` or None); checked: `rows` rows
+        (as `why` derives them) of `dim`."""
+        names = [e + "weight"] if self.has(e + "weight") else []
+        while not self.has(e + "weight") and self.has(f"{e}shard_{len(names)}.weight"):
+            names.append(f"{e}shard_{len(names)}.weight")
+        if not names:
+            raise ModelLoadError(f"tensor {e}weight (or its shards {e}shard_0.weight, ...) is missing; expected "
+                                 f"shape [{rows}, {dim}]")
+        blocks = [self.src.get(name) for name in names]
+        for name, a in zip(names, blocks):
+            if a.ndim != 2 or a.shape[1] != dim:
+                raise ModelLoadError(f"tensor {name} in {self.src.where(name)} has shape {list(a.shape)}, expected "
+                                     f"[rows, {dim}] (ple_embed_dim / n-gram heads)")
+        found = sum(int(a.shape[0]) for a in blocks)
+        if found != rows:
+            what = f"{e}weight" if len(names) == 1 else f"{e}shard_0..{len(names) - 1}"
+            raise ModelLoadError(f"the PLE table {what} (in {self.src.where(names[0])}) has {found} rows, expected "
+                                 f"{rows} ({why}): a shard is missing or truncated, or the config is not this "
+                                 f"checkpoint's")
+        if np.dtype(blocks[0].dtype) != np.dtype(ml_dtypes.float8_e4m3fn):
+            return blocks, None
+        scales = []
+        for name in names:
+            base = name.removesuffix("weight")
+            found = [s for s in (base + "weight_scale_inv", base + "weight_scale") if self.has(s)]
+            if not found:
+                raise ModelLoadError(f"tensor {name} in {self.src.where(name)} is float8 but has no scale "
+                                     f"({base}weight_scale_inv)")
+            sc = np.asarray(self.src.get(found[0]), np.float32)
+            if sc.size != 1:
+                raise ModelLoadError(f"tensor {found[0]} in {self.src.where(found[0])} has shape {list(sc.shape)}: "
+                                     f"a PLE table's float8 scale is one value per tensor")
+            scales.append(sc)
+        return blocks, scales
 
 
 def projections(cfg: ModelConfig, kind: str, sparse: bool) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -76,9 +118,10 @@ def is_sparse(lp: dict) -> bool:
     return "mlp_down" not in lp
 
 
-def build_params(cfg: ModelConfig, src: TensorSource, dtype=np.float32, join_projections: bool = True) -> dict:
+def build_params(cfg: ModelConfig, src: TensorSource, dtype=np.float32, join_projections: bool = True,
+                 ple: PleTablePlace | None = None) -> dict:
     """The parameter tree: {embed, lm_head, norm, layers: [...], mtp: {...} | absent}."""
-    return params_from_reader(cfg, TensorReader(src, dtype), join_projections)
+    return params_from_reader(cfg, TensorReader(src, dtype), join_projections, ple)
 
 
 def text_prefix(has) -> str:
@@ -87,7 +130,9 @@ def text_prefix(has) -> str:
     return "model.language_model." if has("model.language_model.embed_tokens.weight") else "model."
 
 
-def params_from_reader(cfg: ModelConfig, r: TensorReader, join_projections: bool = True) -> dict:
+def params_from_reader(cfg: ModelConfig, r: TensorReader, join_projections: bool = True,
+                       ple: PleTablePlace | None = None) -> dict:
+    """ple: where and in which format the PLE tables are kept (None: on the device, as the checkpoint has them)."""
     H, V = cfg.hidden_size, cfg.vocab_size
     m = text_prefix(r.has)
     embed = r.get(m + "embed_tokens.weight", (V, H))
@@ -99,7 +144,7 @@ def params_from_reader(cfg: ModelConfig, r: TensorReader, join_projections: bool
         "embed": embed,
         "lm_head": lm_head,
         "layers": [_layer(cfg, r, f"{m}layers.{i}.", cfg.layer_types[i], cfg.is_sparse_layer(i), join_projections,
-                          _ple_index(cfg, i))
+                          _ple_index(cfg, i), ple)
                    for i in range(cfg.num_layers)],
     }
     if cfg.hyper:
@@ -131,13 +176,13 @@ def ngram_spec_for(cfg: ModelConfig, ple_index: int):
 
 
 def _layer(cfg: ModelConfig, r: TensorReader, p: str, kind: str, sparse: bool, join: bool,
-           ple_index: int | None = None) -> dict:
+           ple_index: int | None = None, ple: PleTablePlace | None = None) -> dict:
     H, zc = cfg.hidden_size, cfg.zero_centred_norms
     if cfg.hyper:
         lp = {**_hyper(cfg, r, p + "attn_hyper_connection.", "hca_"), **_hyper(cfg, r, p + "mlp_hyper_connection.",
                                                                                 "hcm_")}
         if ple_index is not None:
-            lp.update(_ple(cfg, r, p + "ple.", ple_index))
+            lp.update(_ple(cfg, r, p + "ple.", ple_index, ple))
     else:
         lp = {
             "in_norm": r.norm(p + "input_layernorm.weight", H, zc),
@@ -185,35 +230,24 @@ def _hyper(cfg: ModelConfig, r: TensorReader, p: str, name: str, inject: bool = 
     return out
 
 
-def _ple(cfg: ModelConfig, r: TensorReader, p: str, ple_index: int) -> dict:
-    """A PLE layer: its n-gram table (shards concatenated), projections, norms and the dilated conv's weights."""
+def _ple(cfg: ModelConfig, r: TensorReader, p: str, ple_index: int, place: PleTablePlace | None) -> dict:
+    """A PLE layer: its n-gram table (in the place and format `place` says; None: on the device as the checkpoint
+    has it, float8 kept), projections, norms and the dilated conv's weights."""
     ple, n, H = cfg.ple, cfg.residual_width, cfg.hidden_size
     spec = ngram_spec_for(cfg, ple_index)
     dh = ple.embed_dim // ple.heads
-    e = p + "ple_embedding.ngram_embedding."
-    if r.has(e + "weight"):
-        table = r.get(e + "weight", (spec.table_rows, dh))
+    blocks, scales = r.table_blocks(p + "ple_embedding.ngram_embedding.", spec.table_rows, dh,
+                                    f"the config's {ple.heads} n-gram heads' prime sizes from ngram_vocab_size_base "
+                                    f"{ple.vocab_size_base}, padded to {ple.divisible_by}")
+    place = place or PleTablePlace("device", "auto")
+    if place.where == "disk":
+        stored = {"ple_table": mapped_table(blocks, scales, place.fmt)}
     else:
-        names = []
-        while r.has(f"{e}shard_{len(names)}.weight"):
-            names.append(f"{e}shard_{len(names)}.weight")
-        if not names:
-            raise ModelLoadError(f"tensor {e}weight (or its shards {e}shard_0.weight, ...) is missing; expected "
-                                 f"shape [{spec.table_rows}, {dh}]")
-        shards = [r.src.get(n) for n in names]
-        rows = sum(int(a.shape[0]) for a in shards)
-        for name, a in zip(names, shards):
-            if a.ndim != 2 or a.shape[1] != dh:
-                raise ModelLoadError(f"tensor {name} in {r.src.where(name)} has shape {list(a.shape)}, expected [rows, {dh}]"
-                                     f" (ple_embed_dim / n-gram heads = {ple.embed_dim} / {ple.heads})")
-        if rows != spec.table_rows:
-            raise ModelLoadError(f"the PLE table {e}shard_0..{len(names) - 1} (in {r.src.where(names[0])}) has {rows} "
-                                 f"rows, expected {spec.table_rows} (the config's {ple.heads} n-gram heads' prime sizes "
-                                 f"from ngram_vocab_size_base {ple.vocab_size_base}, padded to "
-                                 f"{ple.divisible_by}): a shard is missing or truncated, or the config is not this "
-                                 f"checkpoint's")
-        table = np.concatenate([np.asarray(a, r.dtype) for a in shards])
-    return {"ple_table": table,
+        values, scale = stored_table(blocks, scales, place.fmt, r.dtype)
+        stored = {"ple_table": values if place.where == "device" else HostRows([values], scale, "host")}
+        if place.where == "device" and scale is not None:
+            stored["ple_scale"] = scale
+    return {**stored,
             "ple_key": r.get(p + "key_proj.weight", (n, ple.embed_dim)),
             "ple_value": r.get(p + "value_proj.weight", (H, ple.embed_dim)),
             "ple_norm_key": r.norm(p + "norm_key.weight", n, True),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from strata.backend import SLOTS, is_rows
 from strata.model.config import ModelConfig
 from strata.ngram import ngram_ids
+from strata.model.ple_table import table_rows
 from strata.model.qsa import qsa_block_keys, qsa_select
 
 
@@ -56,7 +57,7 @@ def ple_layer(ops, cfg: ModelConfig, lp: dict, st: dict, x, tokens, start, n_val
     n, H = cfg.hc_count, cfg.hidden_size
     t = x.shape[0]
     ids, ctx = ngram_ids(xp, spec, st["ple_ctx"], tokens, start, n_valid)              # [T, heads]
-    emb = lp["ple_table"][ids].reshape(t, p.embed_dim)
+    emb = table_rows(ops, lp, ids, x.dtype).reshape(t, p.embed_dim)
     key = grouped_norm(ops, cfg, ops.linear(emb, lp["ple_key"]), lp["ple_norm_key"]).reshape(t, n, H)
     value = ops.linear(emb, lp["ple_value"])                                           # [T, H]
     query = grouped_norm(ops, cfg, x, lp["ple_norm_query"]).reshape(t, n, H)

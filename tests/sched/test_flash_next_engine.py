@@ -2,7 +2,7 @@
 streams, a PLE layer, QSA past 64 tokens): a slot's PLE n-gram context and conv state and its QSA index keys travel
 with it. The prompt cache's turns, interleaved conversations on three slots (row buckets) and parked conversations
 give the cold engine's greedy text; concurrent requests through a real server give what each got alone, with
-prompt parts of 16 and 64 tokens; the seed-000 interleaving (../shared/clients/two_clients.py) with a small expert
+prompt parts of 16 and 64 tokens; a table in host RAM gives the device table's text; the seed-000 interleaving (../shared/clients/two_clients.py) with a small expert
 cache; the expert paths and a pack equal the all-resident engine."""
 from __future__ import annotations
 
@@ -47,6 +47,15 @@ def test_turns_give_the_cold_engines_text(engine):
 def test_three_interleaved_conversations_on_three_slots(engine):
     sched, _ = converse(engine, 3, 3, parallel=3)
     assert sched.metrics()["prompt_cache_hits"] == 6
+
+
+def test_a_table_in_host_ram_gives_the_device_tables_text_on_three_slots(engine):
+    # decode rows gather their table rows on the host together (host_call under the rows' vmap), parts and
+    # checkpoints as on the device
+    host = Engine.load("demo-flash", max_context=4096, prefill=64, ple_table="host")
+    assert type(host.params["layers"][engine.cfg.ple.layers[0]]["ple_table"]).__name__ == "HostRows"
+    sched, _ = converse(engine, 3, 2, parallel=3, cached_engine=host)
+    assert sched.metrics()["prompt_cache_hits"] == 3
 
 
 def test_conversations_parked_and_resumed(engine):

@@ -1,4 +1,4 @@
-"""The engine on the SYCL backend: JAX vs SYCL greedy tokens on the demo model, bfloat16 storage, sampling
+"""The engine on the SYCL backend: JAX vs SYCL greedy tokens on the demo model, bfloat16 storage, a PLE table in host RAM, sampling
 (statistics against the reference distribution, reproducibility, batch invariance), and two sub-devices of the CPU
 device standing in for two cards."""
 from __future__ import annotations
@@ -47,6 +47,17 @@ def test_int8_kv_jax_and_sycl_greedy_tokens_identical(sycl_device):
     assert sycl.generate(prompt, 12, stop_token_ids=[]) == jax_.generate(prompt, 12, stop_token_ids=[])
     ours, ref = sycl.logits(prompt), jax_.logits(prompt)
     assert np.abs(ours - ref).max() <= 1e-4 * (ref.max() - ref.min())
+
+
+@pytest.mark.parametrize("fmt", ["auto", "int8"])
+def test_a_ple_table_in_host_ram_gives_the_device_tables_logits(sycl_device, fmt):
+    """demo-flash's PLE table gathered on the host (host_call) equals the table on the device, in its own format
+    and converted to int8."""
+    prompt = [5, 80, 256, 17, 300, 42, 42, 9, 256, 256, 12, 99] * 3
+    runs = [Engine.load("demo-flash", backend="sycl", device=sycl_device, max_context=128, ple_table=place,
+                        ple_format=fmt) for place in ("device", "host")]
+    (a, b), (ta, tb) = ([e.logits(prompt) for e in runs], [e.generate(prompt[:9], 8) for e in runs])
+    assert np.isfinite(a).all() and np.array_equal(a, b) and ta == tb
 
 
 def test_bf16_weights_stored_as_uint16_compute_as_their_fp32_values(sycl_device, sycl_engine, monkeypatch):
