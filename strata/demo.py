@@ -88,8 +88,25 @@ QWEN3_NEXT_80B = {
     "intermediate_size": 5120, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "full_attention_interval": 4,
     "num_hidden_layers": 48, "max_position_embeddings": 262144, "architectures": ["Qwen3NextForCausalLM"],
 }
+# Qwen3.8-Flash-Next's text model (its release's text_config, docs/qwen4-exp.md; the vision tower left out)
+QWEN38_FLASH_NEXT = {
+    "model_type": "qwen4_exp_text", "architectures": ["Qwen4ExpForCausalLM"], "vocab_size": 248320,
+    "hidden_size": 2560, "num_hidden_layers": 48,
+    "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(48)],
+    "num_attention_heads": 24, "num_key_value_heads": 2, "head_dim": 256,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "output_gate_type": "sigmoid", "num_experts": 512,
+    "num_experts_per_tok": 10, "moe_intermediate_size": 640, "shared_expert_intermediate_size": 640, "hc_count": 4,
+    "hc_lowrank": 320, "ple_layer_ids": [2], "ple_embed_dim": 2560, "ple_conv_kernel_size": 4, "ngram_size": 3,
+    "heads_per_ngram": 8, "ngram_vocab_size_base": 20000000, "make_ngram_vocab_size_divisible_by": 128,
+    "split_ngram_parts": 128, "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128,
+    "indexer_budget": 2048, "indexer_compress_ratio": 4, "eos_token_id": 248044, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "hidden_act": "silu", "max_position_embeddings": 262144,
+}
 # the `random:<name>` models: random weights at these shapes (strata/builtin.py)
-RANDOM_SHAPES = {"qwen3-next-80b-a3b": QWEN3_NEXT_80B}
+RANDOM_SHAPES = {"qwen3-next-80b-a3b": QWEN3_NEXT_80B, "qwen3.8-flash-next": QWEN38_FLASH_NEXT}
 
 
 def cache_root() -> Path:
