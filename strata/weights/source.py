@@ -33,9 +33,10 @@ def load_source(path_or_name: str | os.PathLike):
         config, tensors = read_gguf(path)
         return config, tensors, path.parent
     if path.is_dir():
+        from strata.weights.dequant import dequantizing
         from strata.weights.hf_dir import read_hf_dir
         config, tensors = read_hf_dir(path)
-        return config, tensors, path
+        return config, dequantizing(tensors, config), path
     what = "is a file but not a .gguf file" if path.is_file() else "not found"
     raise ModelLoadError(f"model {str(path_or_name)!r} {what}: pass a Hugging Face checkpoint directory, "
                          f"a .gguf file, or a built-in model's name: "

@@ -5,14 +5,13 @@ logits and text, in every format; a checkpoint's float8 table (shards with their
 float table loaded as is."""
 from __future__ import annotations
 
-import json
 import shutil
-import struct
 
 import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from safetensors_writer import save
 
 from strata import Engine
 from strata.demo import write_demo_flash_model
@@ -148,7 +147,7 @@ def test_a_float8_checkpoint_equals_its_dequantized_table(flash, tmp_path):
         fp8[name.removesuffix("weight") + "weight_scale_inv"] = np.array([scale], np.float32)
         deq[name] = q.astype(np.float32) * scale
     save_file(deq, str(as_float / "model.safetensors"), metadata={"format": "pt"})
-    _save(fp8, as_fp8 / "model.safetensors")
+    save(fp8, as_fp8 / "model.safetensors")
     want, text, _ = _run(as_float)
     got, got_text, plan = _run(as_fp8)
     assert "float8" in plan and np.array_equal(got, want) and got_text == text
@@ -162,23 +161,6 @@ def test_a_float8_table_without_its_scale_names_the_tensor(flash, tmp_path):
     shards = sorted(n for n in tensors if n.startswith(PLE + "shard_"))
     for name in shards:
         tensors[name] = tensors[name].astype(ml_dtypes.float8_e4m3fn)
-    _save(tensors, path / "model.safetensors")
+    save(tensors, path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"shard_0.weight in .* is float8 but has no scale"):
         Engine.load(path, max_context=128)
-
-
-_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
-              np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
-
-
-def _save(tensors: dict, path) -> None:
-    """A safetensors file written by hand (safetensors.numpy has no float8: numpy has none)."""
-    header, data = {"__metadata__": {"format": "pt"}}, bytearray()
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [len(data), len(data) + a.nbytes]}
-        data += a.tobytes()
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(data))
