@@ -278,11 +278,9 @@ class Engine:
             moe += sum(cfg.is_sparse_layer(j) for j in range(a, b))
         self.stages = tuple(stages)
         # the whole tree, each stage's arrays on its device; the sampler and the logits live on the last stage's
-        self.params = {"embed": stages[0].params["embed"], "norm": stages[-1].params["norm"],
-                       "lm_head": stages[-1].params["lm_head"],
+        self.params = {**{k: v for k, v in stages[-1].params.items() if k not in ("layers", "embed")},
+                       "embed": stages[0].params["embed"],
                        "layers": [lp for st in stages for lp in st.params["layers"]]}
-        if "mtp" in stages[-1].params:
-            self.params["mtp"] = stages[-1].params["mtp"]
         self.backend, self.by_layer, self.path = stages[-1].ops, None, stages[0].path
         self._sample = self.backend.compile(partial(_sample, self.backend), static_argnames=("greedy",))
         say(f"strata split: {len(stages)} stages: {', '.join(st.describe() for st in stages)}; one hand-off of the "
@@ -617,7 +615,6 @@ def _refuse_unsupported(cfg: ModelConfig, settings: Settings) -> None:
     if not cfg.hyper:
         return
     missing = [name for name, on in (("mtp (its MTP head)", settings.sched.mtp),
-                                     ("layer_split", settings.backend.layer_split is not None),
                                      ("kv_resident (QSA's index keys have no host tier)",
                                       bool(settings.model.kv_resident)))
                if on]

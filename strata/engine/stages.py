@@ -2,7 +2,7 @@
 parameters (the first also the embedding; the last the final norm, the head and, with mtp, the MTP head and a copy of
 the embedding), expert cache and path, and its layers' sequence state. Unsplit: one stage holding everything.
 
-A window runs each stage's compiled function in turn; between stages the hidden rows [T, H] (and the rows' tokens
+A window runs each stage's compiled function in turn; between stages the residual rows [T, residual width] (and the rows' tokens
 and positions, which every stage reads) move to the next device: one hand-off per window per boundary. Every device
 is driven from the same host thread, so stage 0 can start window n+1 while the last stage still runs window n when
 n+1 needs nothing of n (the scheduler's two groups of slots: Capacity.stages).
@@ -26,7 +26,8 @@ class Stage:
     first: int                   # the model's index of its first layer
     ops: object                  # its backend, bound to its device
     cfg: ModelConfig             # the model's config cut to its layers (stage_config)
-    params: dict                 # its layers; "embed" on the first stage, "norm" and "lm_head" on the last
+    params: dict                 # its layers; "embed" on the first stage, the final norm (or mixer) and "lm_head" on
+                                 # the last
     path: object = None          # its ExpertPath (its own cache); set by Engine.attach_experts
     moe_first: int = 0           # the model's index of its first MoE layer (the experts' p)
     by_layer: object = None      # its LayerByLayer (strata/model/forward.py)
@@ -108,7 +109,8 @@ def stage_params(params: dict, first: int, end: int, is_first: bool, is_last: bo
     if is_first:
         out["embed"] = params["embed"]
     if is_last:
-        out.update(norm=params["norm"], lm_head=params["lm_head"])
+        # the head and what precedes it: the final norm, or qwen4_exp's final hyper-connection mixer (hcf_*)
+        out.update({k: v for k, v in params.items() if k not in ("layers", "embed", "mtp")})
         if mtp and "mtp" in params:             # the head drafts on the last stage and embeds its draft tokens
             out.update(mtp=params["mtp"], embed=params["embed"])
     return out

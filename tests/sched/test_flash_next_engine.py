@@ -2,7 +2,7 @@
 streams, a PLE layer, QSA past 64 tokens): a slot's PLE n-gram context and conv state and its QSA index keys travel
 with it. The prompt cache's turns, interleaved conversations on three slots (row buckets) and parked conversations
 give the cold engine's greedy text; concurrent requests through a real server give what each got alone, with
-prompt parts of 16 and 64 tokens; a table in host RAM gives the device table's text; the seed-000 interleaving (../shared/clients/two_clients.py) with a small expert
+prompt parts of 16 and 64 tokens; a table in host RAM gives the device table's text; the layer split gives the unsplit engine's logits and text; the seed-000 interleaving (../shared/clients/two_clients.py) with a small expert
 cache; the expert paths and a pack equal the all-resident engine."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from servers import running_server
@@ -56,6 +57,22 @@ def test_a_table_in_host_ram_gives_the_device_tables_text_on_three_slots(engine)
     assert type(host.params["layers"][engine.cfg.ple.layers[0]]["ple_table"]).__name__ == "HostRows"
     sched, _ = converse(engine, 3, 2, parallel=3, cached_engine=host)
     assert sched.metrics()["prompt_cache_hits"] == 3
+
+
+@pytest.mark.parametrize("split", ["1", "2", "3", "1,3"])
+def test_the_layer_split_gives_the_unsplit_logits_and_text(engine, split):
+    """The streams [T, hc x H] handed between stages; the final mixer and head on the last stage."""
+    prompt = list(np.random.default_rng(3).integers(0, engine.cfg.vocab_size, 100))
+    staged = Engine.load("demo-flash", max_context=4096, prefill=64, layer_split=split)
+    assert len(staged.stages) == split.count(",") + 2 and "hcf_down" in staged.stages[-1].params
+    assert np.array_equal(staged.logits(prompt, part_size=16), engine.logits(prompt, part_size=16))
+    assert staged.generate(prompt, 10) == engine.generate(prompt, 10)
+
+
+def test_two_stages_with_the_table_in_host_ram_give_the_device_tables_text(engine):
+    staged = Engine.load("demo-flash", max_context=4096, prefill=64, layer_split="2", ple_table="host")
+    sched, _ = converse(engine, 2, 2, parallel=2, cached_engine=staged)
+    assert sched.metrics()["prompt_cache_hits"] == 2
 
 
 def test_conversations_parked_and_resumed(engine):
