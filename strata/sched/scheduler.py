@@ -765,8 +765,11 @@ class Scheduler:
             top = tuple(zip(logprobs.top_ids[row, :k].tolist(), logprobs.top[row, :k].tolist()))
             s.logprobs.append(TokenLogprob(token, float(logprobs.sampled[row]), top))
         if s.matcher is not None and not s.matcher.accept(token):
+            # the model's vocabulary cannot write what the grammar asks for here: the request's grammar (a schema,
+            # a forced tool call) is what this model cannot follow, so the client hears it as a 4xx, never a 500
             self._end(s, Failed(f"token {token} broke the request's grammar at generated token {s.generated}: "
-                                f"{s.matcher.error()}", 500))
+                                f"{s.matcher.error()}; this model cannot write a reply that follows the grammar",
+                                422, "grammar_unfollowable"))
             return
         d = s.output.push(token)
         if d.content or d.reasoning:

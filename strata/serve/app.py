@@ -598,9 +598,12 @@ async def _constraint(state: ServeState, params, reasoning: bool):
 
 async def _grammar(state: ServeState, param: str, make):
     """make(Grammars) in a worker thread; a grammar that cannot be built is the request's fault (400)."""
-    from strata.serve.grammar import GrammarError
+    from strata.serve.grammar import GrammarError, NoToolCallForm
     try:
         return await anyio.to_thread.run_sync(lambda: make(state.grammars()))
+    except NoToolCallForm as e:
+        raise oa.bad("tool_choice", f"tool_choice 'required' or a named function cannot be served by this model: "
+                                    f"{e}; use tool_choice 'auto' or 'none'", code="unsupported_tool_choice") from None
     except GrammarError as e:
         raise oa.bad(param, f"{param} cannot be turned into a grammar: {e}", code="invalid_schema") from None
 

@@ -1,0 +1,116 @@
+"""The built-in `tiny` model (trained weights, Qwen3's chat template, `<tool_call>` an added token) through a live
+server and the official openai client: forced tool calls (required and named) come back as calls whose arguments
+validate against the tool's schema, and a model whose template writes no tool call refuses to force one by name."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import openai
+import pytest
+
+from strata.builtin import builtin_dir
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+           "required": ["city", "days"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from strata.engine import Engine
+    return Engine.load("tiny", max_context=2048)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine, serve):
+    with serve(tiny_engine, model="tiny", parallel=2, prefill=64, max_context=1024) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _check_calls(calls, names):
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_tool_call_on_tiny_is_a_valid_call(client, stream):
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0.7,
+              seed=5, parallel_tool_calls=False)
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
+        _check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+        return
+    calls: dict = {}
+    finish = None
+    for ch in client.chat.completions.create(**kw, stream=True):
+        for c in ch.choices:
+            assert not c.delta.content
+            for tc in c.delta.tool_calls or ():
+                if tc.id is not None:
+                    calls[tc.index] = [tc.id, tc.function.name, tc.function.arguments or ""]
+                else:
+                    calls[tc.index][2] += tc.function.arguments
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    (cid, name, args), = calls.values()
+    assert cid.startswith("call_") and name in {"get_weather", "get_time"}
+    jsonschema.validate(json.loads(args), next(t["function"]["parameters"] for t in TOOLS
+                                               if t["function"]["name"] == name))
+
+
+def test_a_named_tool_choice_on_tiny_calls_that_function(client):
+    for name in ("get_weather", "get_time"):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200,
+                                           tool_choice={"type": "function", "function": {"name": name}},
+                                           parallel_tool_calls=False, temperature=0)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == [name]
+        _check_calls(calls, {name})
+
+
+@pytest.fixture(scope="module")
+def no_tools_dir(tmp_path_factory):
+    """tiny with a chat template that knows no tools: it renders them nowhere and writes no call."""
+    d = tmp_path_factory.mktemp("tiny-no-tools") / "tiny-no-tools"
+    shutil.copytree(builtin_dir("tiny"), d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                            "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_a_model_whose_template_writes_no_tool_call_refuses_to_force_one(no_tools_dir, serve):
+    """No 500 and no grammar state: a 400 naming tool_choice and what to use instead; auto still answers."""
+    from strata.engine import Engine
+    engine = Engine.load(str(no_tools_dir), max_context=1024)
+    with serve(engine, model=str(no_tools_dir), parallel=1, prefill=64, max_context=512) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model="tiny-no-tools", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                          max_tokens=50)
+            err = e.value.body
+            assert e.value.status_code == 400 and err["param"] == "tool_choice"
+            assert err["code"] == "unsupported_tool_choice"
+            assert "writes no tool call" in err["message"] and "use tool_choice 'auto' or 'none'" in err["message"]
+            assert "\n" not in err["message"]
+        r = c.chat.completions.create(model="tiny-no-tools", messages=ASK, tools=TOOLS, max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason == "length"
