@@ -392,7 +392,7 @@ class Scheduler:
                 slot.choice, slot.lead = i, (None if i == 0 else free[0].id)
                 slot.seed = (seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF)
                 slot.stops = frozenset(stops)
-                slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning)
+                slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning, req.chat)
                 slot.matcher = req.constraint.matcher() if req.constraint is not None else None
                 if self.drafts is not None:
                     self.drafts.reset(slot.id)

@@ -653,7 +653,8 @@ def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning
                   stop=tuple(params.stop), reasoning=reasoning,
                   stop_token_ids=() if params.ignore_eos else None, n=params.choices, logprobs=params.logprob_count,
                   constraint=constraint, cache_prompt=params.cache_prompt is not False,
-                  checkpoints=params.strata_checkpoint is not False, turn_at=turn_at)
+                  checkpoints=params.strata_checkpoint is not False, turn_at=turn_at,
+                  chat=kind == "chat")
     try:
         events = state.scheduler.submit(req)
     except QueueFull as e:

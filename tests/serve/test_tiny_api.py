@@ -114,3 +114,27 @@ def test_a_model_whose_template_writes_no_tool_call_refuses_to_force_one(no_tool
             assert "\n" not in err["message"]
         r = c.chat.completions.create(model="tiny-no-tools", messages=ASK, tools=TOOLS, max_tokens=4, temperature=0)
         assert r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_empty_think_block_leaves_no_reasoning_and_no_leading_blank_lines(client, stream):
+    """tiny opens its replies with `<think>\\n\\n</think>\\n\\n` (its logprobs show the tokens): that is layout, so
+    neither reasoning_content nor the content's first characters carry it."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "What is a list?"}], max_tokens=24,
+              temperature=0, logprobs=True)
+    if stream:
+        chunks = [ch for ch in client.chat.completions.create(**kw, stream=True) if ch.choices]
+        deltas = [ch.choices[0].delta for ch in chunks]
+        reasoning = [(d.model_extra or {}).get("reasoning_content") for d in deltas]
+        content = "".join(d.content or "" for d in deltas)
+        tokens = [t.token for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    else:
+        r = client.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        reasoning = [(msg.model_extra or {}).get("reasoning_content")]
+        content = msg.content
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+    assert tokens[0] == "<think>" and "</think>" in tokens[:4]
+    assert "".join(tokens[1:tokens.index("</think>")]).strip() == ""
+    assert all(x is None for x in reasoning)
+    assert content and content == content.lstrip() and len(content.split()) >= 3
