@@ -84,6 +84,7 @@ class Finished:
     completion_tokens: int
     timings: dict = field(default_factory=dict)   # read_ms, generate_ms, parts, ...
     index: int = 0
+    cached_tokens: int = 0       # prompt tokens the prompt cache gave (not read): usage.prompt_tokens_details
 
 
 @dataclass(frozen=True)

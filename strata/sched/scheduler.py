@@ -809,7 +809,7 @@ class Scheduler:
         timings = {"read_ms": read_ms, "generate_ms": gen_ms, "parts": s.parts, "reused": s.reused}
         if self.drafts is not None:
             timings.update(drafts=s.drafts, drafts_accepted=s.accepted)
-        self._end(s, Finished(reason, n, s.generated, timings, index=s.choice))
+        self._end(s, Finished(reason, n, s.generated, timings, index=s.choice, cached_tokens=reused))
 
     def _end(self, s: Slot, final):
         """Queue the choice's last event and free the slot (its state is garbage until a new sequence starts). A

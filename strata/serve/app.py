@@ -876,7 +876,7 @@ class GenerationResponse:
                                 "finish_reason": c.finished.reason})
         build = oa.chat_response if self.kind == "chat" else oa.completion_response
         return build(self.req.id, self.state.model_name, self.created, choices, last.prompt_tokens, completion,
-                     timings)
+                     timings, last.cached_tokens)
 
     # -- streamed responses
 
@@ -945,7 +945,8 @@ class GenerationResponse:
                 self._finish_log(replace(terminal, completion_tokens=completion))
                 if iu:
                     buf += oa.sse(oa.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else
-                                                 "text_completion", terminal.prompt_tokens, completion))
+                                                 "text_completion", terminal.prompt_tokens, completion,
+                                                 terminal.cached_tokens))
                 buf += oa.sse("[DONE]")
             elif isinstance(terminal, Failed):
                 # each unfinished choice ends with finish_reason "error", then the error object says why

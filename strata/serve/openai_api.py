@@ -830,9 +830,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """cached_tokens: the prompt's tokens the prompt cache reused (OpenAI's and vLLM's prompt_tokens_details)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_message(content: str, reasoning: str, tool_calls: list[dict] | None = None) -> dict:
@@ -857,10 +859,10 @@ def tool_call_delta(index: int, call_id: str | None, name: str | None, arguments
 
 
 def chat_response(rid: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
-                  completion_tokens: int, timings: dict | None = None) -> dict:
+                  completion_tokens: int, timings: dict | None = None, cached_tokens: int = 0) -> dict:
     """choices: {"index", "message", "logprobs", "finish_reason"} each."""
     out = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-           "usage": usage(prompt_tokens, completion_tokens)}
+           "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if timings:
         out["timings"] = timings
     return out
@@ -876,10 +878,10 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
 
 
 def completion_response(rid: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
-                        completion_tokens: int, timings: dict | None = None) -> dict:
+                        completion_tokens: int, timings: dict | None = None, cached_tokens: int = 0) -> dict:
     """choices: {"index", "text", "logprobs", "finish_reason"} each."""
     out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-           "usage": usage(prompt_tokens, completion_tokens)}
+           "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if timings:
         out["timings"] = timings
     return out
@@ -925,9 +927,10 @@ def completion_logprobs(entries, token_bytes, offset: int) -> dict:
             "text_offset": offsets}
 
 
-def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def models_list(names: list[str], created: int, max_context: int) -> dict:

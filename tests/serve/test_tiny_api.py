@@ -138,3 +138,30 @@ def test_an_empty_think_block_leaves_no_reasoning_and_no_leading_blank_lines(cli
     assert "".join(tokens[1:tokens.index("</think>")]).strip() == ""
     assert all(x is None for x in reasoning)
     assert content and content == content.lstrip() and len(content.split()) >= 3
+
+
+def test_cached_tokens_report_what_the_prompt_cache_reused(client, server):
+    """usage.prompt_tokens_details.cached_tokens: 0 on a conversation's first turn; on the next turn the prompt
+    tokens the prompt cache gave (what its counter adds), whole and in the streamed usage chunk."""
+    history = [{"role": "user", "content": "How does a dictionary store its keys, and which keys are allowed?"}]
+    reused = server.scheduler.metrics()["prompt_cache_tokens_reused"]
+    first = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert server.scheduler.metrics()["prompt_cache_tokens_reused"] == reused
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And a set?"}]
+    second = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= second.usage.prompt_tokens
+    assert server.scheduler.metrics()["prompt_cache_tokens_reused"] == reused + cached
+    chunks = list(client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(ch.usage is None for ch in chunks[:-1]) and not chunks[-1].choices
+    streamed = chunks[-1].usage
+    assert streamed.prompt_tokens == second.usage.prompt_tokens
+    assert 0 < streamed.prompt_tokens_details.cached_tokens <= streamed.prompt_tokens
+    cold = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0,
+                                          extra_body={"cache_prompt": False})
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    text = client.completions.create(model="tiny", prompt="A tuple is an immutable", max_tokens=4, temperature=0)
+    assert text.usage.prompt_tokens_details.cached_tokens == 0
