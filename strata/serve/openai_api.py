@@ -358,6 +358,11 @@ def _best_of_refused(v):
     return None if v == 1 else f"best_of={v} is not supported; send best_of=1 or leave it out"
 
 
+# the fields a model's generation_config.json may set defaults for (as vLLM reads it): a request's own value wins
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty")
+
+
 class Sampling(NamedTuple):
     temperature: float = 1.0
     top_p: float = 1.0
@@ -430,16 +435,14 @@ class _Body(Body):
                           sub="ignore_eos")
         return self
 
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(temperature=1.0 if self.temperature is None else self.temperature,
-                        top_p=1.0 if self.top_p is None else self.top_p,
-                        top_k=0 if self.top_k in (None, -1) else self.top_k,
-                        min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed,
-                        presence_penalty=self.presence_penalty or 0.0,
-                        frequency_penalty=self.frequency_penalty or 0.0,
-                        repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                        logit_bias=self.logit_bias)
+    def sampling(self, defaults: dict | None = None) -> Sampling:
+        """The sampling settings: each field the body left out from `defaults` (the model's, generation_defaults),
+        else the API's own default."""
+        given = {k: getattr(self, k) for k in SAMPLING_DEFAULTS if getattr(self, k) is not None}
+        values = {**Sampling()._asdict(), **(defaults or {}), **given}
+        if values["top_k"] == -1:
+            values["top_k"] = 0
+        return Sampling(**{**values, "seed": self.seed, "logit_bias": self.logit_bias})
 
     @property
     def choices(self) -> int:
@@ -822,6 +825,19 @@ def openapi(title: str, version: str, routes: list[tuple[str, str, str, str | No
         "code": {"type": ["string", "null"]}}}}}
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
             "components": {"schemas": schemas}}
+
+
+def generation_defaults(config: dict, limits: Limits) -> tuple[dict, list[str]]:
+    """A model's generation_config.json (as a dict) -> (the sampling defaults it sets, each checked as a request's
+    field is, the reasons for the ones left out)."""
+    out, refused = {}, []
+    for key in SAMPLING_DEFAULTS:
+        if key in config:
+            try:
+                out[key] = getattr(_Body.parse({key: config[key]}, limits), key)
+            except ApiError as e:
+                refused.append(e.message)
+    return out, refused
 
 
 # --- responses -------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -165,3 +166,39 @@ def test_cached_tokens_report_what_the_prompt_cache_reused(client, server):
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     text = client.completions.create(model="tiny", prompt="A tuple is an immutable", max_tokens=4, temperature=0)
     assert text.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_sampling_defaults_come_from_the_models_generation_config(client, server):
+    """tiny's generation_config.json sets temperature, top_p and top_k: a request that leaves them out samples
+    exactly as one that sends them (same seed, same tokens), in words, and not as the API's own defaults would;
+    a request's own value wins; /props shows them."""
+    from strata.train_tiny import real_word_fraction, training_words
+    config = json.loads((builtin_dir("tiny") / "generation_config.json").read_text())
+    given = {k: config[k] for k in ("temperature", "top_p", "top_k")}
+    assert server.app.state.strata.sampling_defaults == given
+    params = httpx.get(server.url + "/props").json()["default_generation_settings"]["params"]
+    assert {k: params[k] for k in given} == given and params["min_p"] == 0.0
+    words = training_words()
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "What is a generator?"}], max_tokens=24)
+    differs = []
+    for seed in (1, 2, 3):
+        left_out = client.chat.completions.create(**ask, seed=seed).choices[0].message.content
+        sent = client.chat.completions.create(**ask, seed=seed, temperature=given["temperature"],
+                                              top_p=given["top_p"], extra_body={"top_k": given["top_k"]})
+        assert left_out == sent.choices[0].message.content
+        assert len(left_out.split()) >= 5 and real_word_fraction(left_out, words) >= 0.8, left_out
+        api = client.chat.completions.create(**ask, seed=seed, temperature=1.0, top_p=1.0, extra_body={"top_k": 0})
+        differs.append(api.choices[0].message.content != left_out)
+    assert any(differs)
+    greedy = client.chat.completions.create(**ask, temperature=0).choices[0].message.content
+    assert client.chat.completions.create(**ask, temperature=0, seed=9).choices[0].message.content == greedy
+
+
+def test_generation_config_values_a_request_could_not_send_are_left_out():
+    from strata.serve.openai_api import Limits, generation_defaults
+    got, refused = generation_defaults({"temperature": "warm", "top_p": 0, "top_k": 20, "min_p": 0.05,
+                                        "repetition_penalty": 1.05, "do_sample": True, "max_new_tokens": 9},
+                                       Limits(vocab_size=6144))
+    assert got == {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05}
+    assert len(refused) == 2 and "temperature" in refused[0] and "top_p" in refused[1]
+    assert generation_defaults({"top_k": 7000}, Limits(vocab_size=6144))[0] == {}
