@@ -63,8 +63,6 @@ class Constraint:
             raise GrammarError(str(e).split("\n")[0]) from None
         if self._start.is_error():
             raise GrammarError(self._start.get_error().split("\n")[0])
-        if not self.matcher().mask().any():
-            raise GrammarError("no token of the model's vocabulary can begin a reply that follows it")
 
     def matcher(self) -> Matcher:
         return Matcher(self._start.deep_copy(), self.vocab)

@@ -86,6 +86,21 @@ def test_a_named_tool_choice_on_tiny_calls_that_function(client):
         _check_calls(calls, {name})
 
 
+def test_a_forced_call_no_reply_can_follow_is_a_400_that_says_why(client):
+    """A tool whose parameters no value satisfies: the grammar cannot be followed, so the request is refused before
+    it runs, in one line naming the field, never a 500 with the grammar library's state."""
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 3}}, "required": ["n"]}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice=choice, max_tokens=50)
+        err = e.value.body
+        assert e.value.status_code == 400 and err["param"] == "tools" and err["code"] == "invalid_schema"
+        assert "cannot be turned into a grammar" in err["message"] and "Unsatisfiable" in err["message"]
+        assert "property 'n' is unsatisfiable" in err["message"]
+        assert "\n" not in err["message"] and "<state>" not in err["message"]
+
+
 @pytest.fixture(scope="module")
 def no_tools_dir(tmp_path_factory):
     """tiny with a chat template that knows no tools: it renders them nowhere and writes no call."""
