@@ -394,7 +394,8 @@ class _Body(Body):
     model: Str(256) = Field(None, description="A name this server serves (GET /v1/models); unset: the default.")
     max_tokens: Int(1, None, TOKENS_WHAT) = Field(
         None, description="Tokens to generate at most; unset: what is left of the context.")
-    temperature: Num(0.0, 100.0, what="(0 = greedy)") = Field(None, description="0 = greedy; default 1.")
+    temperature: Num(0.0, 100.0, what="(0 = greedy)") = Field(
+        None, description="0 = greedy; default: the model's generation_config.json, else 1.")
     top_p: Num(0.0, 1.0, lo_open=True, what="(1 = off)") = Field(None, description="Nucleus sampling; 1 = off.")
     top_k: Int(-1, lambda lim: lim.vocab_size, "(0 or -1 = off)") = Field(
         None, description="Keep the K likeliest tokens; 0 or -1 = off; at most the vocabulary's size.")
