@@ -177,13 +177,20 @@ class Tokenizer:
         """tokenizer.json as this tokenizer holds it (with the added tokens of tokenizer_config.json)."""
         return self._backend.to_str()
 
-    def tool_call_form(self) -> str:
-        """How the chat template for tools writes a call: "xml" (`<function=NAME>`, Qwen3-Coder) or "json"."""
+    def added_tokens(self) -> dict[str, int]:
+        """The added tokens (special or not, e.g. Qwen3's `<tool_call>`): their text -> their id."""
+        return {t.content: i for i, t in self._backend.get_added_tokens_decoder().items() if t.content}
+
+    def tool_call_form(self) -> str | None:
+        """How the chat template for tools writes a call: "xml" (`<function=NAME>`, Qwen3-Coder), "json"
+        (`<tool_call>` JSON, Qwen3), or None when it writes neither (or the model has no chat template)."""
         try:
             text = self._pick_template([]).text
         except ChatTemplateError:
-            return "json"
-        return "xml" if "<function=" in text else "json"
+            return None
+        if "<function=" in text:
+            return "xml"
+        return "json" if "<tool_call>" in text else None
 
     def decode_stream(self, skip_special_tokens: bool = False, prompt_ids: Iterable[int] = ()) -> StreamDecoder:
         """A decoder for generated ids one at a time; see StreamDecoder."""

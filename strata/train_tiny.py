@@ -295,9 +295,14 @@ def training_words() -> set[str]:
 
 # --- tokenizer ----------------------------------------------------------------------------------------------------
 
+# the sampling a server uses for what a request leaves out (generation_config.json): Qwen3-Next-Instruct's recommended
+# settings, under which tiny writes words where temperature 1 alone wanders into fragments
+TINY_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+
 def train_tokenizer(corpus: Corpus, vocab_size: int, out: Path) -> None:
     """Byte-level BPE learnt from the training text; writes tokenizer.json, tokenizer_config.json and
-    generation_config.json (Qwen3's chat template, the im_end and endoftext end ids) into `out`."""
+    generation_config.json (Qwen3's chat template, the im_end and endoftext end ids, TINY_SAMPLING) into `out`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from strata.demo_tokenizer import CHAT_TEMPLATE
@@ -333,7 +338,7 @@ def train_tokenizer(corpus: Corpus, vocab_size: int, out: Path) -> None:
         "unk_token": None,
     })
     _write_json(out / "generation_config.json", {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-                                                 "pad_token_id": ids["<|endoftext|>"]})
+                                                 "pad_token_id": ids["<|endoftext|>"], **TINY_SAMPLING})
 
 
 def _write_json(path: Path, value: dict) -> None:

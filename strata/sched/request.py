@@ -55,6 +55,7 @@ class Request:
     cache_prompt: bool = True                    # reuse a stored conversation's prefix (prompt cache)
     checkpoints: bool = True                     # store this request's conversation with checkpoints
     turn_at: int | None = None                   # where the last assistant header starts (a checkpoint there)
+    chat: bool = False                           # a chat reply: reasoning blocks' layout whitespace is trimmed
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Finished:
     completion_tokens: int
     timings: dict = field(default_factory=dict)   # read_ms, generate_ms, parts, ...
     index: int = 0
+    cached_tokens: int = 0       # prompt tokens the prompt cache gave (not read): usage.prompt_tokens_details
 
 
 @dataclass(frozen=True)

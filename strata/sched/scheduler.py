@@ -392,7 +392,7 @@ class Scheduler:
                 slot.choice, slot.lead = i, (None if i == 0 else free[0].id)
                 slot.seed = (seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF)
                 slot.stops = frozenset(stops)
-                slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning)
+                slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning, req.chat)
                 slot.matcher = req.constraint.matcher() if req.constraint is not None else None
                 if self.drafts is not None:
                     self.drafts.reset(slot.id)
@@ -765,8 +765,11 @@ class Scheduler:
             top = tuple(zip(logprobs.top_ids[row, :k].tolist(), logprobs.top[row, :k].tolist()))
             s.logprobs.append(TokenLogprob(token, float(logprobs.sampled[row]), top))
         if s.matcher is not None and not s.matcher.accept(token):
+            # the model's vocabulary cannot write what the grammar asks for here: the request's grammar (a schema,
+            # a forced tool call) is what this model cannot follow, so the client hears it as a 4xx, never a 500
             self._end(s, Failed(f"token {token} broke the request's grammar at generated token {s.generated}: "
-                                f"{s.matcher.error()}", 500))
+                                f"{s.matcher.error()}; this model cannot write a reply that follows the grammar",
+                                422, "grammar_unfollowable"))
             return
         d = s.output.push(token)
         if d.content or d.reasoning:
@@ -806,7 +809,7 @@ class Scheduler:
         timings = {"read_ms": read_ms, "generate_ms": gen_ms, "parts": s.parts, "reused": s.reused}
         if self.drafts is not None:
             timings.update(drafts=s.drafts, drafts_accepted=s.accepted)
-        self._end(s, Finished(reason, n, s.generated, timings, index=s.choice))
+        self._end(s, Finished(reason, n, s.generated, timings, index=s.choice, cached_tokens=reused))
 
     def _end(self, s: Slot, final):
         """Queue the choice's last event and free the slot (its state is garbage until a new sequence starts). A

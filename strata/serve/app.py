@@ -272,6 +272,7 @@ class ServeState:
         self.slot_count: int | None = None
         self.response_headers: Callable[[str], dict] | None = None
         self.done_after_error = False
+        self.sampling_defaults: dict = {}          # the model's generation_config.json's, for fields a body omits
         if engine is not None:
             self.attach(engine, scheduler)
 
@@ -279,6 +280,25 @@ class ServeState:
         if engine.tokenizer is None:
             raise StrataError("strata serve needs the model's tokenizer (tokenizer.json beside the weights)")
         self.engine, self.scheduler, self.tokenizer = engine, scheduler, engine.tokenizer
+        self.sampling_defaults = self._model_sampling_defaults()
+
+    def _model_sampling_defaults(self) -> dict:
+        """The sampling defaults of generation_config.json beside the tokenizer (vLLM's reading of it), logged."""
+        path = self.tokenizer.source / "generation_config.json"
+        try:
+            config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except (OSError, ValueError) as e:
+            log.warning("%s is not readable JSON (%s): the API's own sampling defaults apply", path, e)
+            return {}
+        if not isinstance(config, dict):
+            return {}
+        defaults, refused = oa.generation_defaults(config, oa.Limits(vocab_size=self.vocab_size))
+        for reason in refused:
+            log.warning("%s: %s; that field keeps the API's default", path, reason)
+        if defaults:
+            log.info("sampling defaults from %s for the fields a request leaves out: %s", path,
+                     ", ".join(f"{k} {v}" for k, v in defaults.items()))
+        return defaults
 
     @property
     def ready(self) -> bool:
@@ -598,9 +618,12 @@ async def _constraint(state: ServeState, params, reasoning: bool):
 
 async def _grammar(state: ServeState, param: str, make):
     """make(Grammars) in a worker thread; a grammar that cannot be built is the request's fault (400)."""
-    from strata.serve.grammar import GrammarError
+    from strata.serve.grammar import GrammarError, NoToolCallForm
     try:
         return await anyio.to_thread.run_sync(lambda: make(state.grammars()))
+    except NoToolCallForm as e:
+        raise oa.bad("tool_choice", f"tool_choice 'required' or a named function cannot be served by this model: "
+                                    f"{e}; use tool_choice 'auto' or 'none'", code="unsupported_tool_choice") from None
     except GrammarError as e:
         raise oa.bad(param, f"{param} cannot be turned into a grammar: {e}", code="invalid_schema") from None
 
@@ -640,7 +663,7 @@ def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning
                                f"exceed max_context {limit}; the largest {mt_param} for this prompt is {limit - n}",
                      code="context_length_exceeded")
     state.check_admitting()                         # again: the server may have begun to drain while this tokenized
-    s = params.sampling
+    s = params.sampling(state.sampling_defaults)
     rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
     req = Request(id=rid, prompt_ids=tuple(int(i) for i in ids), max_tokens=int(max_tokens),
                   sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
@@ -650,7 +673,8 @@ def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning
                   stop=tuple(params.stop), reasoning=reasoning,
                   stop_token_ids=() if params.ignore_eos else None, n=params.choices, logprobs=params.logprob_count,
                   constraint=constraint, cache_prompt=params.cache_prompt is not False,
-                  checkpoints=params.strata_checkpoint is not False, turn_at=turn_at)
+                  checkpoints=params.strata_checkpoint is not False, turn_at=turn_at,
+                  chat=kind == "chat")
     try:
         events = state.scheduler.submit(req)
     except QueueFull as e:
@@ -872,7 +896,7 @@ class GenerationResponse:
                                 "finish_reason": c.finished.reason})
         build = oa.chat_response if self.kind == "chat" else oa.completion_response
         return build(self.req.id, self.state.model_name, self.created, choices, last.prompt_tokens, completion,
-                     timings)
+                     timings, last.cached_tokens)
 
     # -- streamed responses
 
@@ -941,7 +965,8 @@ class GenerationResponse:
                 self._finish_log(replace(terminal, completion_tokens=completion))
                 if iu:
                     buf += oa.sse(oa.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else
-                                                 "text_completion", terminal.prompt_tokens, completion))
+                                                 "text_completion", terminal.prompt_tokens, completion,
+                                                 terminal.cached_tokens))
                 buf += oa.sse("[DONE]")
             elif isinstance(terminal, Failed):
                 # each unfinished choice ends with finish_reason "error", then the error object says why
@@ -1118,9 +1143,11 @@ async def props(request: HttpRequest):
     stages)."""
     s: ServeState = request.app.state.strata
     c = s.config
+    d = oa.Sampling()._replace(**s.sampling_defaults)
     out = {"default_generation_settings": {"n_ctx": s.max_context, "params": {
-                "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": -1, "stop": [],
-                "ignore_eos": False}},
+                "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
+                "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
+                "repetition_penalty": d.repetition_penalty, "max_tokens": -1, "stop": [], "ignore_eos": False}},
            "total_slots": c.sched.parallel, "model_path": str(c.model.model), "model_alias": s.model_name,
            "served_model_names": list(s.names), "max_context": s.max_context, "status": s.phase,
            "modalities": {"vision": False, "audio": False}, "build_info": f"strata {_version()}"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import llguidance
 import llguidance.numpy
@@ -23,6 +24,10 @@ _SCHEMA, _SCHEMA_MAP, _SCHEMA_LIST = (("additionalProperties", "items", "not", "
 
 class GrammarError(ValueError):
     """A schema or tool list that cannot be compiled into a grammar: the message says why."""
+
+
+class NoToolCallForm(GrammarError):
+    """The model's chat template writes no tool call, so none can be forced."""
 
 
 class Matcher:
@@ -43,7 +48,8 @@ class Matcher:
         return self.m.is_stopped()
 
     def error(self) -> str:
-        return self.m.get_error()
+        """Why the last token was refused: llguidance's first line (the lines after it are its parser's state)."""
+        return self.m.get_error().split("\n")[0]
 
 
 class Constraint:
@@ -71,6 +77,12 @@ class Grammars:
         self.tok = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.think_end = tokenizer.token_to_id("</think>")
         self.form = form or tokenizer.tool_call_form()
+        # llguidance reads every added token (Qwen3's <tool_call> too) as a special token, which no text literal
+        # matches: a literal holding one must name its id
+        self.specials = {text: i for text, i in tokenizer.added_tokens().items()
+                         if i < vocab_size and self.tok.is_special_token(i)}
+        self._split = (re.compile("|".join(map(re.escape, sorted(self.specials, key=len, reverse=True))))
+                       if self.specials else None)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a piece of a UTF-8 character possibly; a special token's text)."""
@@ -85,6 +97,9 @@ class Grammars:
         """A reply of one to max_calls tool calls, each to one of `tools` (OpenAI function tools)."""
         if max_calls < 1:
             raise GrammarError(f"a forced reply holds at least one tool call, not {max_calls}")
+        if self.form is None:
+            raise NoToolCallForm("the model's chat template writes no tool call (neither Qwen3's <tool_call> JSON "
+                                 "nor Qwen3-Coder's <function=...> XML), so a call cannot be forced")
         rules, names = [], []
         for i, tool in enumerate(tools):
             fn = tool.get("function") if isinstance(tool, dict) else None
@@ -98,14 +113,12 @@ class Grammars:
         more = f' ("\\n" call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
         return self._compile("call" + more, rules, reasoning)
 
-    @staticmethod
-    def _json_call(i: int, name: str, params: dict) -> list[str]:
+    def _json_call(self, i: int, name: str, params: dict) -> list[str]:
         head = '<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-        return [f"call_{i}: {_lit(head)} args_{i} {_lit('}' + chr(10) + '</tool_call>')}",
+        return [f"call_{i}: {self._text(head)} args_{i} {self._text('}' + chr(10) + '</tool_call>')}",
                 f"args_{i}: %json {_schema_json(params)}"]
 
-    @staticmethod
-    def _xml_call(i: int, name: str, params: dict) -> list[str]:
+    def _xml_call(self, i: int, name: str, params: dict) -> list[str]:
         """`<function=NAME>` and its parameters in the schema's order (the required ones always): a string's text
         up to its closing tag (within its minLength and maxLength), any other type as JSON of its schema."""
         props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
@@ -120,11 +133,23 @@ class Grammars:
                 close = ""
             else:
                 rules.append(f"{value}: %json {_schema_json(spec)}")
-                close = _lit("\n</parameter>")
-            rules.append(f"param_{i}_{j}: {_lit(f'<parameter={key}>' + chr(10))} {value} {close} {_lit(chr(10))}")
+                close = self._text("\n</parameter>")
+            rules.append(f"param_{i}_{j}: {self._text(f'<parameter={key}>' + chr(10))} {value} {close} "
+                         f"{self._text(chr(10))}")
             parts.append(f"param_{i}_{j}" + ("" if key in required else "?"))
         head = f"<tool_call>\n<function={name}>\n"
-        return [f"call_{i}: {_lit(head)} {' '.join(parts)} {_lit('</function>' + chr(10) + '</tool_call>')}"] + rules
+        tail = self._text('</function>' + chr(10) + '</tool_call>')
+        return [f"call_{i}: {self._text(head)} {' '.join(parts)} {tail}"] + rules
+
+    def _text(self, text: str) -> str:
+        """A Lark sequence that writes `text`: its special tokens by id, the rest as string literals."""
+        if self._split is None:
+            return _lit(text)
+        out, at = [], 0
+        for m in self._split.finditer(text):
+            out += ([_lit(text[at:m.start()])] if m.start() > at else []) + [f"<[{self.specials[m.group()]}]>"]
+            at = m.end()
+        return " ".join(out + ([_lit(text[at:])] if at < len(text) else []))
 
     def _compile(self, body: str, rules: list[str], reasoning: bool) -> Constraint:
         prefix = ""

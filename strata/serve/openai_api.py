@@ -358,6 +358,11 @@ def _best_of_refused(v):
     return None if v == 1 else f"best_of={v} is not supported; send best_of=1 or leave it out"
 
 
+# the fields a model's generation_config.json may set defaults for (as vLLM reads it): a request's own value wins
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty")
+
+
 class Sampling(NamedTuple):
     temperature: float = 1.0
     top_p: float = 1.0
@@ -389,7 +394,8 @@ class _Body(Body):
     model: Str(256) = Field(None, description="A name this server serves (GET /v1/models); unset: the default.")
     max_tokens: Int(1, None, TOKENS_WHAT) = Field(
         None, description="Tokens to generate at most; unset: what is left of the context.")
-    temperature: Num(0.0, 100.0, what="(0 = greedy)") = Field(None, description="0 = greedy; default 1.")
+    temperature: Num(0.0, 100.0, what="(0 = greedy)") = Field(
+        None, description="0 = greedy; default: the model's generation_config.json, else 1.")
     top_p: Num(0.0, 1.0, lo_open=True, what="(1 = off)") = Field(None, description="Nucleus sampling; 1 = off.")
     top_k: Int(-1, lambda lim: lim.vocab_size, "(0 or -1 = off)") = Field(
         None, description="Keep the K likeliest tokens; 0 or -1 = off; at most the vocabulary's size.")
@@ -430,16 +436,14 @@ class _Body(Body):
                           sub="ignore_eos")
         return self
 
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(temperature=1.0 if self.temperature is None else self.temperature,
-                        top_p=1.0 if self.top_p is None else self.top_p,
-                        top_k=0 if self.top_k in (None, -1) else self.top_k,
-                        min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed,
-                        presence_penalty=self.presence_penalty or 0.0,
-                        frequency_penalty=self.frequency_penalty or 0.0,
-                        repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                        logit_bias=self.logit_bias)
+    def sampling(self, defaults: dict | None = None) -> Sampling:
+        """The sampling settings: each field the body left out from `defaults` (the model's, generation_defaults),
+        else the API's own default."""
+        given = {k: getattr(self, k) for k in SAMPLING_DEFAULTS if getattr(self, k) is not None}
+        values = {**Sampling()._asdict(), **(defaults or {}), **given}
+        if values["top_k"] == -1:
+            values["top_k"] = 0
+        return Sampling(**{**values, "seed": self.seed, "logit_bias": self.logit_bias})
 
     @property
     def choices(self) -> int:
@@ -824,15 +828,30 @@ def openapi(title: str, version: str, routes: list[tuple[str, str, str, str | No
             "components": {"schemas": schemas}}
 
 
+def generation_defaults(config: dict, limits: Limits) -> tuple[dict, list[str]]:
+    """A model's generation_config.json (as a dict) -> (the sampling defaults it sets, each checked as a request's
+    field is, the reasons for the ones left out)."""
+    out, refused = {}, []
+    for key in SAMPLING_DEFAULTS:
+        if key in config:
+            try:
+                out[key] = getattr(_Body.parse({key: config[key]}, limits), key)
+            except ApiError as e:
+                refused.append(e.message)
+    return out, refused
+
+
 # --- responses -------------------------------------------------------------------------------------------------------
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """cached_tokens: the prompt's tokens the prompt cache reused (OpenAI's and vLLM's prompt_tokens_details)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_message(content: str, reasoning: str, tool_calls: list[dict] | None = None) -> dict:
@@ -857,10 +876,10 @@ def tool_call_delta(index: int, call_id: str | None, name: str | None, arguments
 
 
 def chat_response(rid: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
-                  completion_tokens: int, timings: dict | None = None) -> dict:
+                  completion_tokens: int, timings: dict | None = None, cached_tokens: int = 0) -> dict:
     """choices: {"index", "message", "logprobs", "finish_reason"} each."""
     out = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-           "usage": usage(prompt_tokens, completion_tokens)}
+           "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if timings:
         out["timings"] = timings
     return out
@@ -876,10 +895,10 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
 
 
 def completion_response(rid: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
-                        completion_tokens: int, timings: dict | None = None) -> dict:
+                        completion_tokens: int, timings: dict | None = None, cached_tokens: int = 0) -> dict:
     """choices: {"index", "text", "logprobs", "finish_reason"} each."""
     out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-           "usage": usage(prompt_tokens, completion_tokens)}
+           "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if timings:
         out["timings"] = timings
     return out
@@ -925,9 +944,10 @@ def completion_logprobs(entries, token_bytes, offset: int) -> dict:
             "text_offset": offsets}
 
 
-def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def models_list(names: list[str], created: int, max_context: int) -> dict:

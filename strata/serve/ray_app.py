@@ -79,6 +79,10 @@ class EngineReplica:
             if not ready.done():
                 ready.set_exception(e)
 
+    def max_context(self) -> int:
+        """The context this replica's engine holds: the setting, or what its memory plan made of "auto"."""
+        return int(self.scheduler.max_context)
+
     def check_health(self):
         """Serve's health check: a replica whose scheduler stopped is restarted."""
         if self.error is not None:
@@ -135,9 +139,10 @@ class RemoteScheduler:
     """What app.py asks of a scheduler (submit, cancel, run, drain, abort, slots, metrics, max_context), carried out
     by the engine deployment through a streaming handle."""
 
-    def __init__(self, handle, max_context: int, routing: str):
+    def __init__(self, handle, max_context: int | str, routing: str):
+        self.engine = handle
         self.handle = handle.options(stream=True)
-        self.max_context, self.routing = max_context, routing
+        self.max_context, self.routing = max_context, routing     # "auto" until resolve_context()
         self.served: OrderedDict[str, str] = OrderedDict()      # request id -> replica
         self.replicas: dict[str, dict] = {}                      # replica -> its last head (pid, node, slots)
         self.per_replica: dict[str, int] = defaultdict(int)
@@ -169,6 +174,13 @@ class RemoteScheduler:
         for scope in self._live.values():
             scope.cancel()
         return len(self._live)
+
+    def resolve_context(self) -> int:
+        """max_context as a number (app.py counts with it): the setting, or for "auto" what an engine replica's
+        memory plan made of it. Blocks until a replica answers: call it from a worker thread."""
+        if self.max_context == "auto":
+            self.max_context = int(self.engine.max_context.remote().result())
+        return self.max_context
 
     def slots(self) -> list[dict]:
         return [{**s, "replica": name, "pid": h["pid"], "node": h["node"]}
@@ -271,6 +283,7 @@ class Ingress:
 
         def load():
             from strata.engine.facts import model_facts
+            remote.resolve_context()
             return model_facts(config), remote
 
         app = create_app(None, None, config, load=load)

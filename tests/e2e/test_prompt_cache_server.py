@@ -69,3 +69,5 @@ def test_a_follow_up_turn_equals_a_cold_servers(server):
     assert server.scheduler.metrics()["prompt_cache_hits"] == hits + 1
     assert warm.choices[0].message.content == cold.choices[0].message.content
     assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
+    assert 0 < warm.usage.prompt_tokens_details.cached_tokens <= warm.usage.prompt_tokens
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0

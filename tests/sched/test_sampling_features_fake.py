@@ -234,6 +234,9 @@ def test_a_token_the_grammar_rejects_fails_the_request(tokenizer):
     sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
     ev = run(sched, [Request(id="G", prompt_ids=P("x"), max_tokens=9, constraint=Liar([1, 2, 3]))])["G"]
     assert isinstance(ev[-1], Failed) and "broke the request's grammar at generated token 1" in ev[-1].message
+    # a grammar this model cannot follow is the request's to change: a 4xx that says so, never a 500
+    assert (ev[-1].status, ev[-1].code) == (422, "grammar_unfollowable")
+    assert "is not 1;" in ev[-1].message and "cannot write a reply that follows the grammar" in ev[-1].message
 
 
 def test_optional_arrays_only_when_a_request_uses_them(tokenizer):

@@ -10,8 +10,9 @@ import jsonschema
 import numpy as np
 import pytest
 
+from strata.builtin import builtin_dir
 from strata.demo import demo_model_dir
-from strata.serve.grammar import GrammarError, Grammars
+from strata.serve.grammar import GrammarError, Grammars, NoToolCallForm
 from strata.serve.tool_calls import Parsed, ToolCallParser
 from strata.tokenizer import Tokenizer
 
@@ -38,13 +39,13 @@ def grammars(tokenizer):
     return Grammars(tokenizer, VOCAB, tokenizer.eos_token_ids)
 
 
-def walk(constraint, seed, limit=400, eos=(256, 258)) -> tuple[list[int], bool]:
+def walk(constraint, seed, limit=400, eos=(256, 258), vocab=VOCAB) -> tuple[list[int], bool]:
     """Tokens drawn uniformly from each mask until the grammar is complete or an end token is drawn -> (tokens,
     whether it ended within `limit`)."""
     rng = np.random.default_rng(seed)
     m, out = constraint.matcher(), []
     for _ in range(limit):
-        allowed = np.flatnonzero(np.unpackbits(m.mask().view(np.uint8), bitorder="little")[:VOCAB])
+        allowed = np.flatnonzero(np.unpackbits(m.mask().view(np.uint8), bitorder="little")[:vocab])
         assert len(allowed), "a mask allowed nothing"
         tok = int(rng.choice(allowed))
         if tok in eos:
@@ -130,3 +131,42 @@ def test_parallel_calls_stop_at_max_calls(grammars, tokenizer):
     assert not allowed[newline] and not m.accept(newline)
     with pytest.raises(GrammarError, match="at least one tool call"):
         grammars.tool_calls(TOOLS, max_calls=0)
+
+
+@pytest.mark.parametrize("form", ["json", "xml"])
+def test_a_tokenizer_whose_call_markers_are_added_tokens_writes_them_as_those_tokens(form):
+    """tiny's (and Qwen3's) `<tool_call>` and `</tool_call>` are added tokens, which llguidance reads only as
+    themselves: the grammar names them by id, so random walks end in calls the parser reads and the schema admits,
+    and the model's own encoding of a call (the tokenizer makes <tool_call> one token) is accepted."""
+    tok = Tokenizer.from_dir(builtin_dir("tiny"))
+    grammars = Grammars(tok, tok.vocab_size, tok.eos_token_ids, form=form)
+    opened, closed = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+    c = grammars.tool_calls(TOOLS[:1])
+    for seed in range(4):
+        toks, ended = walk(c, seed, vocab=tok.vocab_size, eos=tuple(tok.eos_token_ids))
+        assert ended and toks[0] == opened and toks[-1] == closed
+        out = Parsed()
+        p = ToolCallParser(TOOLS)
+        out.add(p.push(tok.decode(toks)))
+        out.add(p.finish())
+        assert out.content == "" and {d.name for d in out.calls if d.id} == {"get_weather"}
+        jsonschema.validate(json.loads("".join(d.arguments for d in out.calls)), WEATHER)
+    if form == "json":
+        m = c.matcher()
+        call = tok.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>')
+        assert call[0] == opened and all(m.accept(t) for t in call) and m.done()
+
+
+def test_a_refused_token_says_why_in_one_line():
+    tok = Tokenizer.from_dir(builtin_dir("tiny"))
+    m = Grammars(tok, tok.vocab_size, tok.eos_token_ids).tool_calls(TOOLS[:1]).matcher()
+    assert not m.accept(tok.encode("<")[0])
+    assert m.error() and "\n" not in m.error()
+
+
+def test_a_template_without_a_tool_call_form_cannot_force_one(tokenizer):
+    """Forcing a call needs the template's call form; a template that writes none is refused by name."""
+    grammars = Grammars(tokenizer, VOCAB, tokenizer.eos_token_ids)
+    grammars.form = None
+    with pytest.raises(NoToolCallForm, match="writes no tool call"):
+        grammars.tool_calls(TOOLS)

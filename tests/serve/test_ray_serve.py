@@ -58,11 +58,12 @@ def jax_cache():
 # --- `strata serve --replicas N`: its own local Ray instance (this test runs before the module's instance starts) ----
 
 def test_strata_serve_replicas_serves_and_stops_on_sigint(jax_cache, tmp_path):
+    """max_context left at its default, "auto": the ingress takes the number the replica's memory plan made of it."""
     port = _free_port()
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "strata.cli", "serve", "--model", "demo", "--replicas", "1", "--cpus-per-replica",
+    cmd = [sys.executable, "-m", "strata.cli", "serve", "--model", "tiny", "--replicas", "1", "--cpus-per-replica",
            "0.5", "--gpus-per-replica", "0", "--port", str(port), "--parallel", "2", "--prefill", "32",
-           "--max-context", "512", "--compile-cache", jax_cache]
+           "--compile-cache", jax_cache]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     base = f"http://127.0.0.1:{port}"
@@ -77,6 +78,10 @@ def test_strata_serve_replicas_serves_and_stops_on_sigint(jax_cache, tmp_path):
         _wait(up, 400, "strata serve --replicas 1 to become healthy")
         r = httpx.post(base + "/v1/chat/completions", json={"messages": HI, "max_tokens": 4}, timeout=120)
         assert r.status_code == 200 and r.headers[HEADER] and r.json()["usage"]["completion_tokens"] >= 1
+        # tiny's 4096 positions fit a CPU's memory: auto is all of them, and the ingress counts with that
+        assert httpx.get(base + "/v1/models").json()["data"][0]["max_context"] == 4096
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": HI, "max_tokens": 4096}, timeout=120)
+        assert r.status_code == 400 and "exceed max_context 4096" in r.json()["error"]["message"]
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(120)
