@@ -1,6 +1,5 @@
-"""Quantized checkpoints read as float: a TensorSource over another that dequantizes, when asked for, the weights the
-published quantized forms store, and hides the scales it consumed.
-
+"""Quantized checkpoints read as float: a TensorSource over another that dequantizes the weights of the published
+quantized forms when asked for, and hides the scales it consumed.
 - Block FP8 (Qwen's and DeepSeek's `-FP8` releases): `W.weight` float8_e4m3fn [N, K] and `W.weight_scale_inv`
   float32 [ceil(N / bn), ceil(K / bk)] (the config's quantization_config.weight_block_size, default 128 x 128):
   w = fp8 x the scale of its block.
