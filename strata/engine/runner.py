@@ -477,7 +477,8 @@ class CompiledRows:
         # of their own that each window donates back (_decode_hidden's buf)
         self._hidden = [e._compile("decode_hidden_into", _decode_hidden, stage=st, donate_argnums=(2, 6))
                         for st in self.before]
-        self._handoff = [st.ops.zeros_like(np.zeros((r.n_slots, e.cfg.hidden_size), e.dtype)) for st in self.before]
+        self._handoff = [st.ops.zeros_like(np.zeros((r.n_slots, e.cfg.residual_width), e.dtype))
+                         for st in self.before]
         # a window's result rows, copied out of the rows it hands its successor (a fresh [2, S] array)
         self._peel = e.compiled("peel_result", lambda: ops.compile(_result_rows))
         # a continuing window's rows: the predecessor's (donated) with the host's rows where given
@@ -850,10 +851,11 @@ def _result_rows(rows):
 
 
 def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x, buf=None, taps=None, slots=None):
-    """A split's stage before the last on a window's decode rows (rows [ROWS, S]: tokens and positions; x [S, H]
-    from the stage before, None on the first) -> (its layers' states, x after them); window fetch: (states, x,
-    routing counts [Lp, E], experts copied [Lp]). buf [S, H]: x is written into it (donated, the hand-off keeps one
-    address window to window, as a command buffer must not see its addresses change). slots [B]: as _decode_rows'
+    """A split's stage before the last on a window's decode rows (rows [ROWS, S]: tokens and positions; x [S, W]
+    (W: the residual's width) from the stage before, None on the first) -> (its layers' states, x after them);
+    window fetch: (states, x, routing counts [Lp, E], experts copied [Lp]). buf [S, W]: x is written into it
+    (donated, the hand-off keeps one address window to window, as a command buffer must not see its addresses
+    change). slots [B]: as _decode_rows'
     (x: its first B rows in and out)."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
