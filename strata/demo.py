@@ -253,7 +253,7 @@ class _Draw:
 
 def demo_flash_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
     """Random tensors of a qwen4_exp text model in the published names and layout (model.language_model.*, the PLE
-    table in split_ngram_parts shards), drawn in a fixed order from one seeded generator."""
+    table in split_ngram_parts shards, the MTP head under mtp.), drawn in a fixed order from one seeded generator."""
     from strata.ngram import ngram_spec
     d = _Draw(cfg, seed)
     H, V, n = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_count"]
@@ -266,6 +266,13 @@ def demo_flash_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         if inject:
             d.mat(p + "block_inject_weight.weight", n, n * H)
 
+    def qsa(a):
+        d.attention(a)
+        di = cfg["indexer_head_dim"]
+        d.mat(a + "indexer.index_qk_proj.weight", (cfg["indexer_n_heads"] + 1) * di, H)
+        d.norm(a + "indexer.q_layernorm.weight", di)
+        d.norm(a + "indexer.k_layernorm.weight", di)
+
     m = "model.language_model."
     d.embed(m + "embed_tokens.weight")
     for i, kind in enumerate(cfg["layer_types"]):
@@ -275,12 +282,7 @@ def demo_flash_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         if kind == "linear_attention":
             d.delta(p + "linear_attn.", joined=False)
         else:
-            a = p + "self_attn."
-            d.attention(a)
-            di = cfg["indexer_head_dim"]
-            d.mat(a + "indexer.index_qk_proj.weight", (cfg["indexer_n_heads"] + 1) * di, H)
-            d.norm(a + "indexer.q_layernorm.weight", di)
-            d.norm(a + "indexer.k_layernorm.weight", di)
+            qsa(p + "self_attn.")
         if i + 1 in cfg["ple_layer_ids"]:
             e = p + "ple."
             spec = ngram_spec(V, cfg["ngram_size"], cfg["heads_per_ngram"], cfg["ngram_vocab_size_base"],
@@ -298,6 +300,16 @@ def demo_flash_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         d.moe(p + "mlp.")
     hyper(m + "hyper_connection_mixer.", inject=False)
     d.mat("lm_head.weight", V, H)
+    # the MTP head: per-stream projections, one QSA layer with its hyper-connections, a mixer of its own
+    d.norm("mtp.pre_fc_norm_embedding.weight", H)
+    d.norm("mtp.pre_fc_norm_hidden.weight", n * H)
+    d.mat("mtp.fc_embedding.weight", H, H)
+    d.mat("mtp.fc_hidden.weight", H, H)
+    hyper("mtp.layers.0.attn_hyper_connection.")
+    hyper("mtp.layers.0.mlp_hyper_connection.")
+    qsa("mtp.layers.0.self_attn.")
+    d.moe("mtp.layers.0.mlp.")
+    hyper("mtp.hyper_connection_mixer.", inject=False)
     return d.t
 
 

@@ -113,6 +113,52 @@ def build_mtp_head(model, seed: int):
     return head
 
 
+def build_qwen4_exp_mtp_head(model, seed: int):
+    """qwen4_exp's MTP head built from transformers' own pieces (its decoder layer at an indexed-attention index,
+    gated residuals, norms; transformers does not load mtp.*) in the published tensor layout: each stream of the
+    main model's pre-mixer streams (normed as one row of hc x H) projected by fc_hidden, plus fc_embedding of the
+    normed next-token embedding; the layer; the head's own mixer; the model's lm_head. Parameters re-randomised as
+    build_hf_model's. forward(model, streams [B, T, hc x H], next_ids [B, T], position_ids [B, T]) -> logits."""
+    import torch
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import (Qwen4ExpTextDecoderLayer,
+                                                                   Qwen4ExpTextGatedResidual, Qwen4ExpTextRMSNorm)
+
+    class MTPHead(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            H, n, eps = config.hidden_size, config.hc_count, config.rms_norm_eps
+            self.hc, self.hidden = n, H
+            self.fc_embedding = torch.nn.Linear(H, H, bias=False)
+            self.fc_hidden = torch.nn.Linear(H, H, bias=False)
+            self.pre_fc_norm_embedding = Qwen4ExpTextRMSNorm(H, eps=eps)
+            self.pre_fc_norm_hidden = Qwen4ExpTextRMSNorm(n * H, eps=eps)
+            self.layers = torch.nn.ModuleList([Qwen4ExpTextDecoderLayer(config, config.layer_types.index(
+                "indexed_attention"))])
+            self.hyper_connection_mixer = Qwen4ExpTextGatedResidual(config, use_combine=False)
+
+        def forward(self, model, streams, next_ids, position_ids):
+            e = self.pre_fc_norm_embedding(model.model.embed_tokens(next_ids))
+            h = self.pre_fc_norm_hidden(streams).unflatten(-1, (self.hc, self.hidden))
+            x = (self.fc_hidden(h) + self.fc_embedding(e).unsqueeze(-2)).flatten(-2)
+            mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                      position_ids=position_ids, allow_is_causal_skip=False)
+            rope = model.model.rotary_emb(x, position_ids[None].expand(3, -1, -1))
+            x = self.layers[0](x, position_embeddings=rope, attention_mask=mask, position_ids=position_ids)
+            return model.lm_head(self.hyper_connection_mixer(x))
+
+    head = MTPHead(model.config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, p in head.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(p.shape[-1]) * 1.5)
+    head.eval()
+    return head
+
+
 def save_mtp_head(head, path: Path) -> Path:
     """head's tensors as mtp.* in Hugging Face's on-disk names (routed experts one by one) -> path/mtp.safetensors,
     beside the model's own file."""

@@ -20,8 +20,8 @@ from strata.engine.runner import _padded
 from strata.errors import ConfigError
 from strata.experts.path import PathKind
 from strata.model.config import LINEAR
-from strata.model.forward import forward_hidden, kv_state, mix_rows
-from strata.model.mtp import draft_logits, final_hidden, mtp_hidden
+from strata.model.forward import attention_state, forward_hidden, mix_rows
+from strata.model.mtp import draft_logits, final_hidden, hidden_logits, mtp_hidden
 from strata.plan import WindowPlan
 
 MTP_PREFIX = "mtp.layers.0.mlp."
@@ -50,7 +50,8 @@ def load_mtp(engine, tensors=None, pack=None) -> tuple[MtpHead, object]:
     routed experts from the checkpoint's tensors or the pack."""
     cfg, ops = engine.cfg, engine.backend
     if "mtp" not in engine.params:
-        raise ConfigError("mtp is on but the model has no MTP head (no mtp.fc.weight among its tensors)")
+        raise ConfigError("mtp is on but the model has no MTP head (no mtp.fc.weight or mtp.fc_hidden.weight among "
+                          "its tensors)")
     if cfg.num_experts == 0:
         return MtpHead(None, 0), engine.backend.pool_alloc(1, 1)
     layout = engine.layout
@@ -78,8 +79,8 @@ def stepwise(steps: int):
                              start[j], n_valid[j])
             outs.append(o)
             kept.append(st)
-        if kind == LINEAR:
-            st = {k: ops.xp.stack([s[k] for s in kept]) for k in st}
+        if kind == LINEAR:        # the mixer's own state at every step (a PLE layer's came kept per step already)
+            st = {**st, **{k: ops.xp.stack([s[k] for s in kept]) for k in ("conv", "ssm")}}
         return ops.xp.concatenate(outs, axis=0), st
     return mix
 
@@ -151,7 +152,7 @@ def _drafts(ops, cfg, geo: Geometry, params, head: MtpHead, pool, kv, g, at, on)
     xp = ops.xp
     drafts, probs = [], []
     for i in range(geo.k):
-        lg = draft_logits(ops, params, g)
+        lg = draft_logits(ops, cfg, params, g)
         d = xp.argmax(lg, axis=-1).astype(xp.int32)
         drafts.append(d)
         if geo.min_p > 0:               # a softmax over the vocabulary per draft, only when a floor asks for it
@@ -239,8 +240,8 @@ def _verify_rows(ops, cfg, path, layout, geo: Geometry, head: MtpHead, params, a
     flat_valid = valid.reshape(-1).astype(i32)
     x, states = forward_hidden(ops, cfg, params, states, tokens, pos, valid.astype(i32),
                                path.traced(layout, args, flat_valid, counts, copied), mix=stepwise(T), taps=taps, x=x)
-    hn = final_hidden(ops, cfg, params, x)                                             # [T*S, H]
-    L = ops.linear(hn, params["lm_head"]).astype(xp.float32).reshape(T, S, -1)
+    hn = final_hidden(ops, cfg, params, x)                                             # [T*S, W]
+    L = hidden_logits(ops, cfg, params, hn).reshape(T, S, -1)
     finite = xp.all(xp.isfinite(L) | ~valid[..., None], axis=(0, 2))
     a, nxt = _accept(ops, L, drafts, n, temperature, top_k, top_p, min_p, seeds, rows[2], greedy)
     every = xp.arange(S)
@@ -342,9 +343,9 @@ class Spec:
         self.geo = Geometry(k, r.scratch_pos, e.settings.model.max_context, e.settings.sched.spec_min_p)
         s, cfg = r.n_slots, e.cfg
         *self.before, self.last = e.stages
-        kv = kv_state(cfg, e.capacity, e.kv_dtype)
+        kv = attention_state(cfg, e.capacity, e.dtype, e.kv_dtype)
         self.bank = ops.zeros_like({"kv": {n: np.broadcast_to(v, (s,) + v.shape) for n, v in kv.items()},
-                                    "h": np.zeros((s, cfg.hidden_size), e.dtype),
+                                    "h": np.zeros((s, cfg.residual_width), e.dtype),
                                     "drafted": np.zeros((k + 1, s), np.int32)})
         self.fresh = np.zeros(s, bool)
         geo, (head, self.pool) = self.geo, e.mtp
@@ -462,7 +463,7 @@ def sequence_draft_logits(engine, token_ids) -> np.ndarray:
     f = engine.compiled(("sequence_draft", engine.layout), lambda: ops.compile(
         partial(_sequence_draft, ops, cfg, engine.path, engine.layout, head)))
     state = ops.zeros_like(engine.init_state())
-    kv = ops.zeros_like(kv_state(cfg, engine.capacity, engine.kv_dtype))
+    kv = ops.zeros_like(attention_state(cfg, engine.capacity, engine.dtype, engine.kv_dtype))
     out = f(engine.params, engine.path.args(), pool, state, kv, np.asarray(token_ids, np.int32))
     return np.asarray(ops.to_host(out))
 
@@ -474,4 +475,4 @@ def _sequence_draft(ops, cfg, path, layout, head: MtpHead, params, args, pool, s
     hn = final_hidden(ops, cfg, params, x)
     g, _ = mtp_hidden(ops, cfg, params, kv, tokens[1:], hn[:-1], np.int32(0), np.int32(n - 1),
                       head.experts(ops, pool, np.int32(n - 1)))
-    return draft_logits(ops, params, g)
+    return draft_logits(ops, cfg, params, g)

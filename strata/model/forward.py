@@ -38,12 +38,19 @@ def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None, resident: 
                 state[-1].update(ple_ctx=np.zeros(cfg.ple.ngram_size - 1, np.int32),
                                  ple_conv=np.zeros((cfg.ple.conv_rows, cfg.residual_width), dtype))
         else:
-            state.append(kv_state(cfg, capacity, kv_dtype, resident))
-            if cfg.qsa is not None:
-                if resident:      # Engine.load refuses kv_resident for these first (core._refuse_unsupported)
-                    raise NotImplementedError("QSA attention layers keep every position on the device "
-                                              "(kv_resident is not supported for qwen4_exp yet)")
-                state[-1]["ik"] = np.zeros((capacity, cfg.qsa.head_dim), dtype)
+            state.append(attention_state(cfg, capacity, dtype, kv_dtype, resident))
+    return state
+
+
+def attention_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype, resident: int = 0) -> dict:
+    """An empty attention layer's state (host): its cache (kv_state) and, for QSA, the raw index keys "ik"
+    [capacity, indexer_head_dim] in dtype."""
+    state = kv_state(cfg, capacity, kv_dtype, resident)
+    if cfg.qsa is not None:
+        if resident:      # Engine.load refuses kv_resident for these first (core._refuse_unsupported)
+            raise NotImplementedError("QSA attention layers keep every position on the device "
+                                      "(kv_resident is not supported for qwen4_exp yet)")
+        state["ik"] = np.zeros((capacity, cfg.qsa.head_dim), dtype)
     return state
 
 

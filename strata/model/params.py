@@ -151,7 +151,16 @@ def params_from_reader(cfg: ModelConfig, r: TensorReader, join_projections: bool
         params.update(_hyper(cfg, r, m + "hyper_connection_mixer.", "hcf_", inject=False))
     else:
         params["norm"] = r.norm(m + "norm.weight", H, cfg.zero_centred_norms)
-    if r.has("mtp.fc.weight"):
+    if r.has("mtp.fc_hidden.weight"):            # qwen4_exp's head: per-stream projections, its own final mixer
+        params["mtp"] = {
+            "fc_embedding": r.get("mtp.fc_embedding.weight", (H, H)),
+            "fc_hidden": r.get("mtp.fc_hidden.weight", (H, H)),
+            "pre_fc_norm_embedding": r.norm("mtp.pre_fc_norm_embedding.weight", H, True),
+            "pre_fc_norm_hidden": r.norm("mtp.pre_fc_norm_hidden.weight", cfg.residual_width, True),
+            **_hyper(cfg, r, "mtp.hyper_connection_mixer.", "hcf_", inject=False),
+            "layer": _layer(cfg, r, "mtp.layers.0.", FULL, cfg.num_experts > 0, join_projections),
+        }
+    elif r.has("mtp.fc.weight"):
         params["mtp"] = {
             "fc": r.get("mtp.fc.weight", (H, 2 * H)),
             "pre_fc_norm_embedding": r.norm("mtp.pre_fc_norm_embedding.weight", H, cfg.zero_centred_norms),

@@ -46,7 +46,18 @@ def hyper_exit(cfg: ModelConfig, x, out, inject):
 
 def ple_layer(ops, cfg: ModelConfig, lp: dict, st: dict, x, tokens, start, n_valid, spec):
     """The PLE layer's addition to the streams x [T, hc * H] for tokens [T] -> (y [T, hc * H], st). Rows mode
-    (start [S]): one token of each of S sequences, st their bank."""
+    (start [S]): one token of each of S sequences, st their bank; a verify window's (start [steps, S]): steps of
+    rows mode, the state after each step kept ([steps, S, ...], for the rollback)."""
+    if ops.xp.ndim(start) == 2:      # a verify window's steps [steps, S] (rows step-major): each step's state kept
+        steps, rows = start.shape
+        ys, kept = [], []
+        for j in range(steps):
+            at = slice(j * rows, (j + 1) * rows)
+            y, st = ple_layer(ops, cfg, lp, st, x[at], tokens[at], start[j], n_valid[j], spec)
+            ys.append(y)
+            kept.append(st)
+        return ops.xp.concatenate(ys), {**st, **{k: ops.xp.stack([s[k] for s in kept]) for k in ("ple_ctx",
+                                                                                              "ple_conv")}}
     if is_rows(start):
         def one(x, tok, ctx, conv, s, n):
             y, out = ple_layer(ops, cfg, lp, {"ple_ctx": ctx, "ple_conv": conv}, x[None], tok[None], s, n, spec)

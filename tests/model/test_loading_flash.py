@@ -112,7 +112,7 @@ def test_a_bad_config_is_one_clear_error(flash, tmp_path, edit, words):
     assert str(path) in msg and all(w in msg for w in words), msg
 
 
-@pytest.mark.parametrize("setting, words", [(dict(mtp=True), "mtp"), (dict(kv_resident=1024), "kv_resident")])
+@pytest.mark.parametrize("setting, words", [(dict(kv_resident=1024), "kv_resident")])
 def test_settings_it_cannot_run_with_yet_are_refused_by_name(flash, setting, words):
     from strata.errors import ConfigError
     with pytest.raises(ConfigError) as ei:

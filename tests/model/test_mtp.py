@@ -1,5 +1,7 @@
-"""The MTP head against an oracle built from transformers' own Qwen3-Next decoder layer and norms (float32, CPU):
-draft logits at every position of a sequence, from the main model's final hidden states and the next tokens."""
+"""The MTP head against an oracle built from transformers' own decoder layers and norms (float32, CPU): draft logits
+at every position of a sequence, from the main model's final hidden states (qwen4_exp: its streams before the final
+mixer) and the next tokens. Qwen3-Next's, and qwen4_exp's in its published layout (transformers has no MTP forward
+for it: the oracle composes its pieces as the published tensors and the public ports do, docs/qwen4-exp.md)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from oracle import build_hf_model, build_mtp_head, save_mtp_head  # noqa: E402
+from oracle import build_hf_model, build_mtp_head, build_qwen4_exp_mtp_head, save_mtp_head  # noqa: E402
 from strata import Engine  # noqa: E402
 from strata.engine.spec import sequence_draft_logits  # noqa: E402
 
@@ -63,3 +65,26 @@ def test_mtp_needs_a_head(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(Exception, match="no MTP head"):
         Engine.load(tmp_path, max_context=64, mtp=True)
+
+
+def test_qwen4_exp_draft_logits_match_transformers_pieces(tmp_path):
+    """The head over the main model's streams; its QSA layer selects blocks (39 positions past a budget of 8)."""
+    model = build_hf_model("qwen4_exp", 3)
+    head = build_qwen4_exp_mtp_head(model, 3)
+    tokens = np.random.default_rng(3).integers(3, model.config.vocab_size, N).tolist()
+    seen = {}
+    hook = model.model.hyper_connection_mixer.register_forward_pre_hook(lambda m, args: seen.update(x=args[0]))
+    with torch.no_grad():
+        ids = torch.tensor(tokens)[None]
+        model.model(input_ids=ids)
+        ref = head(model, seen["x"][:, :-1], ids[:, 1:], torch.arange(N - 1)[None])[0].numpy()
+    hook.remove()
+    path = tmp_path / "model"
+    model.save_pretrained(path)
+    save_mtp_head(head, path)
+    engine = Engine.load(path, max_context=256, mtp=True)
+    ours = sequence_draft_logits(engine, tokens)
+    span = float(ref.max() - ref.min())
+    err = float(np.abs(ours - ref).max())
+    assert np.isfinite(ours).all()
+    assert err <= TOL * span, f"max |diff| {err:.3e} > {TOL} x logit range {span:.3f}"

@@ -2,7 +2,8 @@
 streams, a PLE layer, QSA past 64 tokens): a slot's PLE n-gram context and conv state and its QSA index keys travel
 with it. The prompt cache's turns, interleaved conversations on three slots (row buckets) and parked conversations
 give the cold engine's greedy text; concurrent requests through a real server give what each got alone, with
-prompt parts of 16 and 64 tokens; a table in host RAM gives the device table's text; the layer split gives the unsplit engine's logits and text; the seed-000 interleaving (../shared/clients/two_clients.py) with a small expert
+prompt parts of 16 and 64 tokens; a table in host RAM gives the device table's text; the layer split gives the unsplit engine's logits and text; speculative decoding with its MTP head gives the
+plain text; the seed-000 interleaving (../shared/clients/two_clients.py) with a small expert
 cache; the expert paths and a pack equal the all-resident engine."""
 from __future__ import annotations
 
@@ -73,6 +74,54 @@ def test_two_stages_with_the_table_in_host_ram_give_the_device_tables_text(engin
     staged = Engine.load("demo-flash", max_context=4096, prefill=64, layer_split="2", ple_table="host")
     sched, _ = converse(engine, 2, 2, parallel=2, cached_engine=staged)
     assert sched.metrics()["prompt_cache_hits"] == 2
+
+
+@pytest.fixture(scope="module")
+def spec_pair():
+    from tests.sched.test_spec import CTX, PART
+    return (Engine.load("demo-flash", max_context=CTX, prefill=PART),
+            Engine.load("demo-flash", max_context=CTX, prefill=PART, spec=4, mtp=True))
+
+
+def test_speculative_decoding_with_its_mtp_head_gives_the_plain_text(spec_pair):
+    """--spec 4 --mtp on demo-flash: four requests on three slots, rows verifying 4, 2 and 3 of the head's own
+    drafts (its QSA layer and the streams through verify windows and rollback): the spec-off greedy text."""
+    from tests.sched.test_spec import Lengths, _requests, _serve
+    plain, spec = spec_pair
+    want, _ = _serve(plain, _requests(plain), 3)
+    got, sched = _serve(spec, _requests(spec), 3, Lengths([4, 2, 3]))
+    assert {r: v[0] for r, v in got.items()} == {r: v[0] for r, v in want.items()}
+    assert sched.metrics()["drafts_verified"] > 0
+
+
+@pytest.mark.parametrize("right", [3, 1])
+def test_accepted_drafts_roll_the_ple_state_back_to_the_last_accepted_position(spec_pair, right):
+    """Drafts injected from the model's own greedy continuation, the first `right` of 3 right: each window accepts
+    them and rolls back to that position (a PLE layer's n-gram context and conv rows included); the text is the
+    spec-off text."""
+    from tests.sched.test_spec import DraftPolicy, _inject, _reference_ids, _requests, _serve
+    plain, spec = spec_pair
+    k, n = 3, 20
+    req = _requests(spec, 1, max_tokens=n)[0]
+    ref = list(req.prompt_ids) + _reference_ids(plain, req.prompt_ids, n + k)
+
+    def wrap(runner):
+        dispatch = runner.spec.dispatch
+
+        def patched(plan):
+            drafts = np.zeros((k, runner.n_slots), np.int64)
+            for s in np.flatnonzero(plan.decode_active):
+                pos = int(plan.decode_pos[s])
+                nxt = np.array(ref[pos + 1:pos + 1 + k])
+                drafts[:, s] = np.where(np.arange(k) < right, nxt, (nxt + 1) % spec.cfg.vocab_size)
+            _inject(runner, drafts)
+            return dispatch(plan)
+        runner.spec.dispatch = patched
+
+    got, sched = _serve(spec, [req], 3, DraftPolicy(k, adaptive=False), wrap)
+    text, final = got[req.id]
+    assert final.completion_tokens == n and text == spec.tokenizer.decode(ref[len(req.prompt_ids):][:n])
+    assert sched.metrics()["drafts_accepted"] >= 3 * right
 
 
 def test_conversations_parked_and_resumed(engine):
