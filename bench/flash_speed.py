@@ -88,11 +88,13 @@ def main() -> int:
     ap.add_argument("--ple-table", default="auto", choices=("auto", "device", "host"))
     ap.add_argument("--mirror-gib", type=float, default=40.0,
                     help="host RAM for experts the device cannot hold (resident_budget_gib), beside the PLE table")
+    ap.add_argument("--command-buffer-update", default=None, choices=("skip_temp", "xla_default"),
+                    help="the server's command_buffer_update setting (default: the server's), before JAX starts")
     ap.add_argument("--smoke", action="store_true", help="a small shape on the CPU: checks the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     say = engine_speed.say
-    say(results_file.server_xla_flags())
+    say(results_file.server_xla_flags(args.command_buffer_update))
     stamp = results_file.stamp()
     model = MODEL
     if args.smoke:
@@ -101,11 +103,13 @@ def main() -> int:
         builtin.BUILTIN_MODELS["random:smoke-flash"] = builtin._random("smoke-flash")
         model, args.prompt = "random:smoke-flash", min(args.prompt, 512)
     name = "flash_speed" + ("_smoke" if args.smoke else "")
-    out = {"bench": name, **stamp, "model": model, "experts": "int4", "prompt_tokens": args.prompt}
+    out = {"bench": name, **stamp, "model": model, "experts": "int4", "prompt_tokens": args.prompt,
+           "command_buffer_update": args.command_buffer_update or "server default"}
 
     def record():
         results_file.write(out, args.out, name)
     from strata import Engine
+    hbm, flops = engine_speed.hbm_bandwidth(), matmul_rate()      # before the engine takes the device's memory
     lines = []
     t = time.perf_counter()
     engine = Engine.load(model, max_context=args.prompt + 2 * args.decode + 64, prefill=args.prompt, parallel=16,
@@ -114,7 +118,7 @@ def main() -> int:
     out.update(load_s=time.perf_counter() - t, plan=lines, expert_slots=plan.slots - plan.staging,
                experts_total=plan.total_experts)
     say(f"loaded in {out['load_s']:.0f} s")
-    out.update(floors(engine, args.prompt, args.prompt, engine_speed.hbm_bandwidth(), matmul_rate()))
+    out.update(floors(engine, args.prompt, args.prompt, hbm, flops))
     record()
     out.update(engine_speed.measure(engine, args.prompt, args.decode, 3))
     out["q38_prompt_tok_s_4k"] = out["prompt_tok_s"]
