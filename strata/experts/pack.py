@@ -28,6 +28,7 @@ import numpy as np
 from strata.builtin import builtin_dir
 from strata.errors import ConfigError, ModelLoadError, StrataError
 from strata.weights import quant
+from strata.weights.dequant import Dequantized
 from strata.weights.hf_dir import SafetensorsFile
 
 PACK_FORMAT = "strata-pack"
@@ -136,6 +137,14 @@ class _LayerExperts:
             up = self._get(q + "up_proj.weight", (I, H))
             down = self._get(q + "down_proj.weight", (H, I))
         return tuple(np.asarray(w, np.float32) for w in (gate, up, down))
+
+    def stored_nvfp4(self, e: int) -> list | None:
+        """Expert e's three matrices as an NVFP4 checkpoint stores them (quant.nvfp4_blob's parts), or None."""
+        if self.gate_up is not None or not isinstance(self.src, Dequantized):
+            return None
+        q = f"{self.p}experts.{e}."
+        parts = [self.src.nvfp4_parts(q + f"{m}_proj.weight") for m in quant.MATRICES]
+        return None if any(part is None for part in parts) else parts
 
 
 def _source_identity(model) -> dict:
@@ -377,7 +386,9 @@ def _write_experts(out: Path, src, plan: _Plan, lay, state: dict, progress: Prog
                     experts = _LayerExperts(src, prefix, fused, plan)
 
                     def encode(e, experts=experts):
-                        blob = quant.encode_expert(lay, *experts.expert(e))
+                        stored = experts.stored_nvfp4(e) if lay.fmt == "nvfp4" else None
+                        blob = quant.nvfp4_blob(lay, stored) if stored is not None else \
+                            quant.encode_expert(lay, *experts.expert(e))
                         return blob, zlib.crc32(blob)
 
                     try:

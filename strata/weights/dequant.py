@@ -75,6 +75,15 @@ class Dequantized:
     def where(self, name: str) -> str:
         return self.src.where(name)
 
+    def nvfp4_parts(self, name: str) -> tuple | None:
+        """An NVFP4 weight as stored (packed codes, block scales, global scale), or None for any other tensor."""
+        if self.kinds.get(name) != "nvfp4":
+            return None
+        base = name.removesuffix("weight")
+        nvfp4(self.src, name, base + "weight_scale", base + "weight_scale_2")        # checks the three
+        return (np.asarray(self.src.get(name)), np.asarray(self.src.get(base + "weight_scale")),
+                np.asarray(self.src.get(base + "weight_scale_2"), np.float32))
+
     def get(self, name: str) -> np.ndarray:
         kind = self.kinds.get(name)
         if kind is None:

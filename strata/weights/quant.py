@@ -287,6 +287,22 @@ def encode_expert(lay: BlobLayout, gate, up, down) -> np.ndarray:
     return blob
 
 
+def nvfp4_blob(lay: BlobLayout, parts) -> np.ndarray:
+    """An expert already in NVFP4 (a checkpoint's: per matrix, in MATRICES order, its packed e2m1 codes [rows,
+    cols/2], float8 block scales [rows, cols/16] and global scale) as its blob, bytes as they are: decode_expert
+    gives exactly the checkpoint's dequantized values, where encode_expert of them would quantise again."""
+    if lay.fmt != "nvfp4":
+        raise ValueError(f"nvfp4_blob needs the nvfp4 layout, not {lay.fmt}")
+    blob = np.zeros(lay.nbytes, np.uint8)
+    tail = np.zeros(4, np.float32)
+    for i, (m, (q, bs, g)) in enumerate(zip(MATRICES, parts)):
+        _put(blob, lay.field(f"{m}.q"), np.asarray(q, np.uint8))
+        _put(blob, lay.field(f"{m}.s"), np.asarray(bs).view(np.uint8).view(ml_dtypes.float8_e4m3fn))
+        tail[i] = np.float32(np.asarray(g, np.float32).reshape(()))
+    _put(blob, lay.field("tail"), tail)
+    return blob
+
+
 def decode_expert(lay: BlobLayout, blob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Dequantise one blob (uint8 [>= nbytes]) into float32 (gate [I, H], up [I, H], down [H, I])."""
     blob = np.ascontiguousarray(blob, dtype=np.uint8).reshape(-1)

@@ -154,3 +154,25 @@ def test_a_float8_weight_without_its_scale_names_it(demo, tmp_path):
     save(tensors, path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=rf"{name} in .* is float8 but has no scale"):
         Engine.load(path, max_context=128)
+
+
+def test_a_pack_of_nvfp4_experts_keeps_their_bytes(demo, tmp_path):
+    """strata pack --experts nvfp4 of an NVFP4 checkpoint: each blob holds the checkpoint's codes, block scales and
+    global scale as they are, so it decodes to exactly the checkpoint's dequantized values (quantising those again
+    would not in general give them back); other formats quantise the dequantized values."""
+    from strata.experts.pack import PackReader, write_pack
+    from strata.weights.quant import decode_expert
+    qdir, pdir, _ = _quantized_pair(demo, tmp_path, (16, 32))
+    pack = PackReader(write_pack(qdir, tmp_path / "pack", "nvfp4"))
+    plain = dict(load_file(str(pdir / "model.safetensors")))
+    again = PackReader(write_pack(pdir, tmp_path / "again", "nvfp4"))      # the same values, quantised anew
+    differs = 0
+    for p, layer in enumerate(pack.expert_layers):
+        for e in (0, pack.n_experts - 1):
+            got = decode_expert(pack.layout, pack.blob(p, e))
+            q = ("mtp.layers.0" if layer == pack.mtp_layer else f"model.layers.{layer}") + f".mlp.experts.{e}."
+            for m, w in zip(("gate", "up", "down"), got):
+                assert np.array_equal(w, plain[q + f"{m}_proj.weight"]), (p, e, m)
+            differs += not all(np.array_equal(a, b) for a, b in zip(got, decode_expert(again.layout,
+                                                                                         again.blob(p, e))))
+    assert differs > 0
