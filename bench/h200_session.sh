@@ -45,6 +45,7 @@
 #   bash bench/h200_session.sh prompts   # the prompt path's kernel tests compiled on the GPU, then bench/prompt_speed.py:
 #                                        # 4K, 32K and 128K prompts in 4K parts (48 layers, int4), each part's time and
 #                                        # floor, and VARIANTS (KernelConfig comparisons) at 4K and 32K
+#   bash bench/h200_session.sh flash     # bench/flash_speed.py: Qwen3.8-Flash-Next at real shapes (random weights)
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -223,6 +224,12 @@ case "${1:-}" in
               # part and decode windows of 1 and 4 rows
     timeout 330 python3 bench/prompt_probe.py --layers 48 --out "$OUT/prompt_probe_h200_48_layers.json" 2>&1 \
       | grep -E "^\||^prompt|^decode|^stream|unmatched|wrote|Error"
+    ;;
+  flash)      # bench/flash_speed.py: random:qwen3.8-flash-next, the PLE table in host RAM, a 4K prompt and decode
+              # b1/b16 beside their floors. XLA's default command-buffer mode: under skip_temp the load's slot check
+              # (pool_read) asked the VMM allocator for a second pool-sized buffer on an H100 (docs/qwen4-exp.md)
+    timeout 570 python3 bench/flash_speed.py --command-buffer-update xla_default --out "$OUT/flash_speed.json" 2>&1 \
+      | grep -vE "^W1207" | tee "$OUT/flash_speed.log" | tail -30
     ;;
   *)
     echo "usage: bash bench/h200_session.sh kernels|gdn|decode-kernels|decode-experts|trace-experts|kernel-tests|engine|engine48|engine-gdn|engine-nocb|probe48|copies|engine-xla|probe|offload|prompts|scopes|..." >&2

@@ -110,6 +110,15 @@ KEYS = (
         "unsplit one", "x", (Source("split_speed", ("split_over_unsplit_decode_b1",),
                                     require=(("model", "random:qwen3-next-80b-a3b"), ("one_device", True)),
                                     skip=(("default_xla_flags", ""),)),)),
+    # Qwen3.8-Flash-Next at real shapes (bench/flash_speed.py: random weights, int4 experts as many as the device
+    # holds, the PLE table in host RAM)
+    Key("q38_decode_tok_s_b1", "Qwen3.8-Flash-Next: decode, batch 1, 4K context, windows dispatched ahead", "tok/s",
+        (Source("flash_speed", ("q38_decode_tok_s_b1",), require=(("model", "random:qwen3.8-flash-next"),)),)),
+    Key("q38_decode_tok_s_b16", "Qwen3.8-Flash-Next: decode, batch 16, 4K context, windows dispatched ahead",
+        "tok/s", (Source("flash_speed", ("q38_decode_tok_s_b16",),
+                         require=(("model", "random:qwen3.8-flash-next"),)),)),
+    Key("q38_prompt_tok_s_4k", "Qwen3.8-Flash-Next: prompt of 4K tokens", "tok/s",
+        (Source("flash_speed", ("q38_prompt_tok_s_4k",), require=(("model", "random:qwen3.8-flash-next"),)),)),
     # `make test` on the 2-core CPU machine (tests/compile_report.py --json after a run with the report on)
     Key("make_test_s_cold", "`make test` on the 2-core CPU machine, empty compile cache (pytest's time)", "s",
         (Source("test_suite", ("pytest_wall_s",), require=(("cache", "empty"),)),)),
