@@ -84,6 +84,28 @@ def test_formats_and_shapes_it_cannot_read_are_refused():
                          jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2)), interpret=True)
 
 
+def test_flash_next_shapes_go_through_xlas_form_on_the_gpu():
+    """Qwen3.8-Flash-Next's experts (H 2560, I 640: 20 and 5 int4 groups a row) are no power of two of groups, which
+    Triton cannot lower (an H100 run failed there): the kernel refuses them when traced, and the backend's expert op
+    then lowers for CUDA without it."""
+    from jax import export
+
+    from strata.backend import get_backend
+    lay = Q.layout("int4", 2560, 640)
+    with pytest.raises(ValueError, match="groups of 128 a row"):
+        K.experts_decode(lay, jnp.zeros((2, lay.nbytes), jnp.uint8), jnp.zeros((1, 2560)),
+                         jnp.zeros((1, 10), jnp.int32), jnp.zeros((1, 10)), interpret=True)
+    be = get_backend("jax", kernels="pallas")
+    assert "experts_decode" in be.pallas_ops
+    spec = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda p, x, s, w: be.experts_pool(x, s, w, p, lay, 10))
+    exp = export.export(fn, platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        spec((64, lay.nbytes), jnp.uint8), spec((1, 2560), jnp.bfloat16), spec((1, 10), jnp.int32),
+        spec((1, 10), jnp.float32))
+    assert exp.mlir_module().count("@__gpu$xla.gpu.triton") == 0
+
+
 @pytest.mark.parametrize("chunks,dtype", [(1, "float32"), (2, "bfloat16"), (3, "float32")])
 def test_pool_at_the_limit_is_read_through_compacted_chunks(chunks, dtype, interpret, monkeypatch, fresh_jit):
     """The limit monkeypatched so that the 14-slot pool is over it and the blobs of the 12 routes (3 tokens x 4: at

@@ -105,7 +105,8 @@ def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: boo
     """The expert op (experts.experts_from_pool's contract) for few routes over int4 blobs, by two kernels.
 
     pool uint8 [N, >= nbytes], any size; x [T, H]; slots int32 [T, k] in [-1, N) (-1: skipped, contributes 0);
-    weight [T, k]. -> [T, H] in x.dtype (computed in float32). Groups must be powers of two dividing the columns. A
+    weight [T, k]. -> [T, H] in x.dtype (computed in float32). Groups must be powers of two dividing the columns into
+a power of two of them (Qwen3.8-Flash-Next's 640 = 20 x 32 does not: a ValueError, the backend then takes XLA's). A
     pool of MAX_KERNEL_POOL_BYTES .. INT32_OFFSETS_MAX_BYTES is read through compacted copies of the routes' blobs (at
     most T*k of them; expert_grouped.pool_chunks), one run of the kernels per chunk, the chunks' outputs summed.
     block: gate/up rows of a weight matrix per program, a power of two (smaller: more programs of fewer bytes); the
@@ -117,9 +118,12 @@ def experts_decode(layout: BlobLayout, pool, x, slots, weight, *, interpret: boo
     t, k = slots.shape
     inter, hidden = layout.shape_of("gate")
     for m in quant.MATRICES:
-        g = layout.group_of(m)
-        if g & (g - 1) or layout.shape_of(m)[1] % g:
-            raise ValueError(f"{m}: group {g} must be a power of two dividing {layout.shape_of(m)[1]} columns")
+        g, cols = layout.group_of(m), layout.shape_of(m)[1]
+        if g & (g - 1) or cols % g:
+            raise ValueError(f"{m}: group {g} must be a power of two dividing {cols} columns")
+        if (cols // g) & (cols // g - 1):     # Triton lowers power-of-two shapes only: [groups, G/2] slabs
+            raise ValueError(f"{m}: {cols // g} groups of {g} a row; the kernel reads a power of two (Triton's "
+                             f"blocks), so {cols} columns go through XLA's form")
     if block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of two, not {block}")
     if warps < 1 or warps & (warps - 1):
