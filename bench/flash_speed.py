@@ -123,19 +123,24 @@ def main() -> int:
     out.update(engine_speed.measure(engine, args.prompt, args.decode, 3))
     out["q38_prompt_tok_s_4k"] = out["prompt_tok_s"]
     record()
+    # windows dispatched ahead where the runner chains them (every expert on the device, or window fetch); a
+    # layer-by-layer decode (misses copied between layers) runs its windows one by one, and is then no headline
+    chains = engine.path.compiled_rows
+    out["decode_windows_ahead"] = chains
     for b in (1, 16):
-        s, host = engine_speed.measure_batched(engine, b, args.prompt, args.decode, ahead=True)
+        s, host = engine_speed.measure_batched(engine, b, args.prompt, args.decode, ahead=chains)
         out[f"decode_ahead_s_per_window_b{b}"], out[f"decode_ahead_host_s_b{b}"] = s, host
-        out[f"q38_decode_tok_s_b{b}"] = b / s
-        out[f"decode_fraction_of_floor_b{b}"] = out[f"q38_decode_tok_s_b{b}"] / out[f"decode_floor_tok_s_b{b}"]
+        out[f"q38_decode_tok_s_b{b}" if chains else f"decode_tok_s_b{b}_one_by_one"] = b / s
+        out[f"decode_fraction_of_floor_b{b}"] = b / s / out[f"decode_floor_tok_s_b{b}"]
         record()
     out["prompt_fraction_of_floor"] = out["prompt_tok_s"] / out["prompt_floor_tok_s"]
     path = results_file.write(out, args.out, name)
     print(f"\n| figure | measured | floor |\n|---|---|---|\n"
           f"| prompt {args.prompt} tokens | {out['prompt_tok_s']:.0f} tok/s | {out['prompt_floor_tok_s']:.0f} |\n"
           f"| decode b1 (engine API) | {out['decode_tok_s_b1']:.1f} tok/s | {out['decode_floor_tok_s_b1']:.0f} |\n"
-          + "".join(f"| decode b{b}, dispatched ahead | {out[f'q38_decode_tok_s_b{b}']:.1f} tok/s | "
-                    f"{out[f'decode_floor_tok_s_b{b}']:.0f} |\n" for b in (1, 16)))
+          + "".join(f"| decode b{b}{', dispatched ahead' if chains else ', one window at a time'} | "
+                    f"{b / out[f'decode_ahead_s_per_window_b{b}']:.1f} tok/s | {out[f'decode_floor_tok_s_b{b}']:.0f} |\n"
+                    for b in (1, 16)))
     if path.parent == summary.RESULTS and not args.smoke:
         summary.refresh()
     return 0
