@@ -102,15 +102,7 @@ def build_mtp_head(model, seed: int):
             return model.lm_head(self.norm(x))
 
     head = MTPHead(model.config)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for _, p in head.named_parameters():
-            if p.ndim == 1:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(p.shape[-1]) * 1.5)
-    head.eval()
-    return head
+    return _rerandomised(head, seed + 1)
 
 
 def build_qwen4_exp_mtp_head(model, seed: int):
@@ -148,7 +140,14 @@ def build_qwen4_exp_mtp_head(model, seed: int):
             return model.lm_head(self.hyper_connection_mixer(x))
 
     head = MTPHead(model.config)
-    gen = torch.Generator().manual_seed(seed + 1)
+    return _rerandomised(head, seed + 1)
+
+
+def _rerandomised(head, seed: int):
+    """head with every parameter drawn again (norms around 0 for the 1 + w convention, matrices scaled by fan-in)
+    from seed, in eval mode."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in head.named_parameters():
             if p.ndim == 1:

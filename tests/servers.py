@@ -143,3 +143,19 @@ def serve_command(args: list, timeout_s: float = 300.0, until: str = "ready"):
             p.kill()
             raise
         sp.rest = "".join(sp.seen) + "".join(iter(lambda: lines.get(timeout=5) if not lines.empty() else "", ""))
+
+
+def alone_then_together(ask, prompts: list, timeout: float) -> tuple[list, list]:
+    """ask(prompt) for each prompt one after another, then for all at once from threads (each joined within
+    timeout seconds) -> (the answers alone, the answers together), in the prompts' order."""
+    alone = [ask(p) for p in prompts]
+    together: list = [None] * len(prompts)
+
+    def worker(i):
+        together[i] = ask(prompts[i])
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return alone, together

@@ -623,21 +623,15 @@ def _place_ple(cfg: ModelConfig, settings: Settings, ops, tensors, dtype, say) -
     """Where the PLE tables live and in which format (settings ple_table, ple_format; strata/model/ple_table.py),
     said in one plan line. tensors: the checkpoint (None: weights drawn at load, their table float8)."""
     from strata.experts.planner import GIB, available_ram_bytes, place_ple_table
-    from strata.model.params import ngram_spec_for, text_prefix
-    from strata.model.ple_table import table_bytes
+    from strata.model.params import TensorReader, ngram_spec_for, ple_table_blocks
+    from strata.model.ple_table import source_format, table_bytes
     p = cfg.ple
     dim = p.embed_dim // p.heads
     rows = sum(ngram_spec_for(cfg, i).table_rows for i in range(len(p.layers)))
     fmt = settings.model.ple_format
-    if fmt == "auto":
-        fmt = "float8"
-        if tensors is not None:
-            names = set(tensors.names())
-            e = f"{text_prefix(names.__contains__)}layers.{p.layers[0]}.ple.ple_embedding.ngram_embedding."
-            first = next((n for n in (e + "weight", e + "shard_0.weight") if n in names), None)
-            stored = np.dtype(tensors.get(first).dtype) if first else np.dtype(dtype)
-            fmt = {np.dtype(ml_dtypes.float8_e4m3fn): "float8", np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(
-                stored, "float")
+    if fmt == "auto":            # as stored (weights drawn at load: float8, as shipped)
+        fmt = "float8" if tensors is None else \
+            source_format(ple_table_blocks(cfg, TensorReader(tensors, dtype), 0)[0][0].dtype)
     nbytes = table_bytes(rows, dim, fmt, dtype)
     place, why = place_ple_table(nbytes, settings.model.ple_table, ops.free_memory_bytes(), available_ram_bytes(),
                                  from_file=tensors is not None)

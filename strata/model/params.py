@@ -239,15 +239,23 @@ def _hyper(cfg: ModelConfig, r: TensorReader, p: str, name: str, inject: bool = 
     return out
 
 
+def ple_table_blocks(cfg: ModelConfig, r: TensorReader, ple_index: int, p: str | None = None) -> tuple:
+    """The ple_index-th PLE layer's table as the checkpoint stores it (TensorReader.table_blocks: memory-mapped,
+    checked); p: the layer's "...ple." prefix (default: from the checkpoint's names)."""
+    ple = cfg.ple
+    if p is None:
+        p = f"{text_prefix(r.has)}layers.{ple.layers[ple_index]}.ple."
+    return r.table_blocks(p + "ple_embedding.ngram_embedding.", ngram_spec_for(cfg, ple_index).table_rows,
+                          ple.embed_dim // ple.heads,
+                          f"the config's {ple.heads} n-gram heads' prime sizes from ngram_vocab_size_base "
+                          f"{ple.vocab_size_base}, padded to {ple.divisible_by}")
+
+
 def _ple(cfg: ModelConfig, r: TensorReader, p: str, ple_index: int, place: PleTablePlace | None) -> dict:
     """A PLE layer: its n-gram table (in the place and format `place` says; None: on the device as the checkpoint
     has it, float8 kept), projections, norms and the dilated conv's weights."""
     ple, n, H = cfg.ple, cfg.residual_width, cfg.hidden_size
-    spec = ngram_spec_for(cfg, ple_index)
-    dh = ple.embed_dim // ple.heads
-    blocks, scales = r.table_blocks(p + "ple_embedding.ngram_embedding.", spec.table_rows, dh,
-                                    f"the config's {ple.heads} n-gram heads' prime sizes from ngram_vocab_size_base "
-                                    f"{ple.vocab_size_base}, padded to {ple.divisible_by}")
+    blocks, scales = ple_table_blocks(cfg, r, ple_index, p)
     place = place or PleTablePlace("device", "auto")
     if place.where == "disk":
         stored = {"ple_table": mapped_table(blocks, scales, place.fmt)}

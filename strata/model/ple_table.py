@@ -64,7 +64,7 @@ def stored_table(blocks: list[np.ndarray], scales: list[np.ndarray] | None, fmt:
     """A checkpoint's table (its row blocks as read: float, or float8_e4m3fn with one scale per block in `scales`)
     in format fmt ("auto": as stored when float8 or bfloat16, else float_dtype) -> (values [rows, dim], scale
     [groups] float32 or None), in RAM. Converted a chunk of rows at a time."""
-    src = _source_format(blocks)
+    src = source_format(blocks[0].dtype)
     fmt = src if fmt == "auto" else fmt
     if fmt == src and fmt != "float":          # as stored: read into RAM (an array already there is not copied)
         kept = [np.asarray(b) if not isinstance(b, np.memmap) else np.array(b) for b in blocks]
@@ -94,7 +94,7 @@ def stored_table(blocks: list[np.ndarray], scales: list[np.ndarray] | None, fmt:
 
 def mapped_table(blocks: list[np.ndarray], scales: list[np.ndarray] | None, fmt: str) -> HostRows:
     """The checkpoint's own row blocks, memory-mapped as they are (disk): its format only."""
-    src = _source_format(blocks)
+    src = source_format(blocks[0].dtype)
     if fmt not in ("auto", src):
         raise ConfigError(f"ple_table = disk reads the checkpoint's table as stored ({src}), not converted: set "
                           f"ple_format to auto or {src}, or ple_table to host or device to convert it to {fmt}")
@@ -103,9 +103,9 @@ def mapped_table(blocks: list[np.ndarray], scales: list[np.ndarray] | None, fmt:
     return HostRows(list(blocks), None, "disk")
 
 
-def _source_format(blocks) -> str:
-    """A checkpoint table's format: float8, bfloat16, or another float dtype ("float")."""
-    d = np.dtype(blocks[0].dtype)
+def source_format(dtype) -> str:
+    """A checkpoint table's format by its stored dtype: float8, bfloat16, or another float dtype ("float")."""
+    d = np.dtype(dtype)
     return "float8" if d == np.dtype(ml_dtypes.float8_e4m3fn) else "bfloat16" if d == np.dtype(ml_dtypes.bfloat16) \
         else "float"
 

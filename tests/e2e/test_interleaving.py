@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from servers import running_server
+from servers import alone_then_together, running_server
 
 from strata import Engine
 
@@ -40,16 +40,7 @@ def _concurrent_equals_sequential(engine, parallel, prefill, max_context):
     """Each prompt asked alone, then all at once: every client gets what it got alone."""
     prompts = _prompts()
     with running_server(engine, parallel=parallel, prefill=prefill, max_context=max_context) as srv:
-        alone = [_ask(srv.url, p, 24) for p in prompts]
-        together: list = [None] * len(prompts)
-
-        def worker(i):
-            together[i] = _ask(srv.url, prompts[i], 24)
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        alone, together = alone_then_together(lambda p: _ask(srv.url, p, 24), prompts, 120)
     assert together == alone
     assert any(n > 0 for _, _, n in alone)
 

@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from oracle import build_hf_model  # noqa: E402
+from safetensors_writer import edit_tensors  # noqa: E402
 from strata import Engine  # noqa: E402
 from strata.errors import ConfigError, ModelLoadError, StrataError  # noqa: E402
 from strata.model.config import FULL, LINEAR, ModelConfig  # noqa: E402
@@ -63,14 +64,6 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _rewrite(path: Path, edit) -> None:
-    """Load model.safetensors, apply edit(dict) in place, write it back."""
-    f = path / "model.safetensors"
-    tensors = dict(load_file(str(f)))
-    edit(tensors)
-    save_file(tensors, str(f), metadata={"format": "pt"})
-
-
 # --- bad input: one clear error
 
 
@@ -98,7 +91,7 @@ def test_unknown_model_type(tiny, tmp_path):
 
 def test_missing_tensor_names_tensor_file_and_shape(tiny, tmp_path):
     path = _copy(tiny[1], tmp_path / "m")
-    _rewrite(path, lambda t: t.pop(K_PROJ_1))
+    edit_tensors(path, lambda t: t.pop(K_PROJ_1))
     with pytest.raises(ModelLoadError) as ei:
         Engine.load(path)
     msg = str(ei.value)
@@ -113,7 +106,7 @@ def test_misshapen_tensor_names_tensor_file_and_both_shapes(tiny, tmp_path):
 
     def transpose(t):
         t[EXPERT_DOWN] = np.ascontiguousarray(t[EXPERT_DOWN].T)
-    _rewrite(path, transpose)
+    edit_tensors(path, transpose)
     with pytest.raises(ModelLoadError) as ei:
         Engine.load(path)
     msg = str(ei.value)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors_writer import edit_tensors
 
 from strata import Engine
 from strata.demo import write_demo_flash_model
@@ -26,18 +26,6 @@ def flash(tmp_path_factory) -> Path:
     return path
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _edit_tensors(path: Path, edit) -> None:
-    f = path / "model.safetensors"
-    tensors = dict(load_file(str(f)))
-    edit(tensors)
-    save_file(tensors, str(f), metadata={"format": "pt"})
-
-
 def _edit_config(path: Path, edit) -> None:
     cfg = json.loads((path / "config.json").read_text())
     edit(cfg)
@@ -51,45 +39,45 @@ def _load_error(path: Path) -> str:
 
 
 def test_the_table_whole_or_in_shards_gives_the_same_logits(flash, tmp_path):
-    whole = _copy(flash, tmp_path / "whole")
+    whole = shutil.copytree(flash, tmp_path / "whole")
 
     def join(t):
         names = sorted((n for n in t if n.startswith(PLE + "shard_")), key=lambda n: int(n.split("_")[-1][:-7]))
         assert len(names) == 4
         t[PLE + "weight"] = np.concatenate([t.pop(n) for n in names])
-    _edit_tensors(whole, join)
+    edit_tensors(whole, join)
     a = Engine.load(flash, max_context=128).logits(PROMPT)
     b = Engine.load(whole, max_context=128).logits(PROMPT)
     assert np.isfinite(a).all() and np.array_equal(a, b)
 
 
 def test_a_missing_shard_names_the_table_and_both_row_counts(flash, tmp_path):
-    path = _copy(flash, tmp_path / "m")
-    _edit_tensors(path, lambda t: t.pop(PLE + "shard_3.weight"))
+    path = shutil.copytree(flash, tmp_path / "m")
+    edit_tensors(path, lambda t: t.pop(PLE + "shard_3.weight"))
     msg = _load_error(path)
     assert PLE + "shard_0..2" in msg and str(path / "model.safetensors") in msg
     assert "rows, expected" in msg and "a shard is missing or truncated" in msg
 
 
 def test_a_shard_of_the_wrong_width_names_it_and_the_width(flash, tmp_path):
-    path = _copy(flash, tmp_path / "m")
+    path = shutil.copytree(flash, tmp_path / "m")
 
     def widen(t):
         t[PLE + "shard_1.weight"] = np.zeros((t[PLE + "shard_1.weight"].shape[0], 13), np.float32)
-    _edit_tensors(path, widen)
+    edit_tensors(path, widen)
     msg = _load_error(path)
     assert PLE + "shard_1.weight" in msg and ", 13]" in msg and "expected [rows, 12]" in msg
 
 
 def test_a_missing_table_names_it(flash, tmp_path):
-    path = _copy(flash, tmp_path / "m")
-    _edit_tensors(path, lambda t: [t.pop(n) for n in list(t) if n.startswith(PLE)])
+    path = shutil.copytree(flash, tmp_path / "m")
+    edit_tensors(path, lambda t: [t.pop(n) for n in list(t) if n.startswith(PLE)])
     msg = _load_error(path)
     assert PLE + "weight" in msg and "missing" in msg
 
 
 def test_a_config_for_another_table_size_is_caught_by_the_table(flash, tmp_path):
-    path = _copy(flash, tmp_path / "m")
+    path = shutil.copytree(flash, tmp_path / "m")
     _edit_config(path, lambda c: c["text_config"].update(ngram_vocab_size_base=2000))
     assert "ngram_vocab_size_base 2000" in _load_error(path)
 
@@ -106,7 +94,7 @@ def test_a_config_for_another_table_size_is_caught_by_the_table(flash, tmp_path)
     (lambda c: c["text_config"].update(ple_embed_dim=100), ["ple_embed_dim (100)", "(8)"]),
 ])
 def test_a_bad_config_is_one_clear_error(flash, tmp_path, edit, words):
-    path = _copy(flash, tmp_path / "m")
+    path = shutil.copytree(flash, tmp_path / "m")
     _edit_config(path, edit)
     msg = _load_error(path)
     assert str(path) in msg and all(w in msg for w in words), msg

@@ -33,6 +33,19 @@ def _oracle(model, head, tokens):
     return logits, probs
 
 
+def _assert_strata_drafts(tmp_path, model, head, tokens, ref):
+    """The model and head saved as a checkpoint, loaded by Strata: its draft logits equal ref within TOL."""
+    path = tmp_path / "model"
+    model.save_pretrained(path)
+    save_mtp_head(head, path)
+    engine = Engine.load(path, max_context=256, mtp=True)
+    ours = sequence_draft_logits(engine, tokens)
+    span = float(ref.max() - ref.min())
+    err = float(np.abs(ours - ref).max())
+    assert np.isfinite(ours).all()
+    assert err <= TOL * span, f"max |diff| {err:.3e} > {TOL} x logit range {span:.3f}"
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_draft_logits_match_transformers(tmp_path, tied):
     rejected = []
@@ -49,15 +62,7 @@ def test_draft_logits_match_transformers(tmp_path, tied):
         rejected.append(f"seed {seed}: router margin {margin:.2e}")
     else:
         pytest.fail(f"no tie-free head in 20 seeds: {rejected}")
-    path = tmp_path / "model"
-    model.save_pretrained(path)
-    save_mtp_head(head, path)
-    engine = Engine.load(path, max_context=256, mtp=True)
-    ours = sequence_draft_logits(engine, tokens)
-    span = float(ref.max() - ref.min())
-    err = float(np.abs(ours - ref).max())
-    assert np.isfinite(ours).all()
-    assert err <= TOL * span, f"max |diff| {err:.3e} > {TOL} x logit range {span:.3f}"
+    _assert_strata_drafts(tmp_path, model, head, tokens, ref)
 
 
 def test_mtp_needs_a_head(tmp_path):
@@ -79,12 +84,4 @@ def test_qwen4_exp_draft_logits_match_transformers_pieces(tmp_path):
         model.model(input_ids=ids)
         ref = head(model, seen["x"][:, :-1], ids[:, 1:], torch.arange(N - 1)[None])[0].numpy()
     hook.remove()
-    path = tmp_path / "model"
-    model.save_pretrained(path)
-    save_mtp_head(head, path)
-    engine = Engine.load(path, max_context=256, mtp=True)
-    ours = sequence_draft_logits(engine, tokens)
-    span = float(ref.max() - ref.min())
-    err = float(np.abs(ours - ref).max())
-    assert np.isfinite(ours).all()
-    assert err <= TOL * span, f"max |diff| {err:.3e} > {TOL} x logit range {span:.3f}"
+    _assert_strata_drafts(tmp_path, model, head, tokens, ref)

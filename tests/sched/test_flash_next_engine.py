@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from servers import running_server
+from servers import alone_then_together, running_server
 from test_prompt_cache import converse
 
 from strata import Engine
@@ -99,25 +98,12 @@ def test_accepted_drafts_roll_the_ple_state_back_to_the_last_accepted_position(s
     """Drafts injected from the model's own greedy continuation, the first `right` of 3 right: each window accepts
     them and rolls back to that position (a PLE layer's n-gram context and conv rows included); the text is the
     spec-off text."""
-    from tests.sched.test_spec import DraftPolicy, _inject, _reference_ids, _requests, _serve
+    from tests.sched.test_spec import DraftPolicy, _reference_ids, _requests, _serve, reference_drafts
     plain, spec = spec_pair
     k, n = 3, 20
     req = _requests(spec, 1, max_tokens=n)[0]
     ref = list(req.prompt_ids) + _reference_ids(plain, req.prompt_ids, n + k)
-
-    def wrap(runner):
-        dispatch = runner.spec.dispatch
-
-        def patched(plan):
-            drafts = np.zeros((k, runner.n_slots), np.int64)
-            for s in np.flatnonzero(plan.decode_active):
-                pos = int(plan.decode_pos[s])
-                nxt = np.array(ref[pos + 1:pos + 1 + k])
-                drafts[:, s] = np.where(np.arange(k) < right, nxt, (nxt + 1) % spec.cfg.vocab_size)
-            _inject(runner, drafts)
-            return dispatch(plan)
-        runner.spec.dispatch = patched
-
+    wrap = reference_drafts(ref, k, right, spec.cfg.vocab_size)
     got, sched = _serve(spec, [req], 3, DraftPolicy(k, adaptive=False), wrap)
     text, final = got[req.id]
     assert final.completion_tokens == n and text == spec.tokenizer.decode(ref[len(req.prompt_ids):][:n])
@@ -141,16 +127,7 @@ def _ask(url, prompt):
 def test_concurrent_requests_equal_alone(engine, prefill):
     prompts = [f"note {n}: " + "the kettle is on and the window is open. " * n for n in (1, 5, 14)]
     with running_server(engine, parallel=3, prefill=prefill, max_context=4096) as srv:
-        alone = [_ask(srv.url, p) for p in prompts]
-        together: list = [None] * len(prompts)
-
-        def worker(i):
-            together[i] = _ask(srv.url, prompts[i])
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        alone, together = alone_then_together(lambda p: _ask(srv.url, p), prompts, 300)
     assert together == alone
     assert all(n > 0 for _, _, n in alone)
 

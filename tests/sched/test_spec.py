@@ -198,6 +198,25 @@ def _inject(runner, drafts: np.ndarray) -> None:
     s.fresh[:] = True
 
 
+def reference_drafts(ref: list, k: int, right: int, vocab: int):
+    """A _serve wrap that offers, before each verify window, k drafts per row from the greedy sequence ref (the
+    row's next tokens), the first `right` of them right and the rest off by one id."""
+    def wrap(runner):
+        dispatch = runner.spec.dispatch
+
+        def patched(plan):
+            drafts = np.zeros((k, runner.n_slots), np.int64)
+            for s in np.flatnonzero(plan.decode_active):
+                pos = int(plan.decode_pos[s])
+                assert ref[pos] == plan.decode_tokens[s]
+                nxt = np.array(ref[pos + 1:pos + 1 + k])
+                drafts[:, s] = np.where(np.arange(k) < right, nxt, (nxt + 1) % vocab)
+            _inject(runner, drafts)
+            return dispatch(plan)
+        runner.spec.dispatch = patched
+    return wrap
+
+
 @pytest.mark.parametrize("engine, right", [("spec4", True), ("spec4", False), ("spec4_split", True),
                                            ("spec4_split", False)])
 def test_acceptance_counts_by_hand(request, plain, engine, right):
@@ -208,22 +227,7 @@ def test_acceptance_counts_by_hand(request, plain, engine, right):
     k, n = 3, 20
     req = _requests(spec4, 1, max_tokens=n)[0]
     ref = list(req.prompt_ids) + _reference_ids(plain, req.prompt_ids, n + k)
-    vocab = spec4.cfg.vocab_size
-
-    def wrap(runner):
-        dispatch = runner.spec.dispatch
-
-        def patched(plan):
-            drafts = np.zeros((k, runner.n_slots), np.int64)
-            for s in np.flatnonzero(plan.decode_active):
-                pos = int(plan.decode_pos[s])
-                assert ref[pos] == plan.decode_tokens[s]
-                nxt = np.array(ref[pos + 1:pos + 1 + k])
-                drafts[:, s] = nxt if right else (nxt + 1) % vocab
-            _inject(runner, drafts)
-            return dispatch(plan)
-        runner.spec.dispatch = patched
-
+    wrap = reference_drafts(ref, k, k if right else 0, spec4.cfg.vocab_size)
     got, sched = _serve(spec4, [req], 3, DraftPolicy(k, adaptive=False), wrap)
     text, final = got[req.id]
     assert final.completion_tokens == n and text == spec4.tokenizer.decode(ref[len(req.prompt_ids):][:n])

@@ -12,15 +12,7 @@ import openai
 import pytest
 
 from strata.builtin import builtin_dir
-
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 14}},
-           "required": ["city", "days"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}}}]
-ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+from tests.serve.test_sampling_api import ASK, TOOLS
 
 
 @pytest.fixture(scope="module")
