@@ -56,6 +56,8 @@ class Request:
     checkpoints: bool = True                     # store this request's conversation with checkpoints
     turn_at: int | None = None                   # where the last assistant header starts (a checkpoint there)
     chat: bool = False                           # a chat reply: reasoning blocks' layout whitespace is trimmed
+    cache_key: tuple = ()                        # what besides the tokens a stored state depends on: the prompt
+                                                 # cache shares state only between requests of equal keys
 
 
 @dataclass(frozen=True)
