@@ -22,6 +22,8 @@ class PromptPart:
     last: bool                   # the prompt's final part: its last row's sample is the first generated token
     copies: tuple[int, ...] = () # last part only: slots that take a copy of this slot's state after it and sample
                                  # their own first token from its logits (the other choices of an n > 1 request)
+    reused: np.ndarray | None = None   # the first part after a prompt-cache hit of a row with a repetition penalty:
+                                       # the tokens before start, which join its prompt set with the part's
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,8 @@ class Executor(Protocol):
     starts at the checkpoint's position then continues it, the KV beyond it overwritten before it is visible),
     to_host moves a snapshot to host RAM, save_kv/load_kv copy the KV of a sequence's first n positions to host RAM
     and back into a slot (parking a conversation; after load_kv the slot's recurrent state is a restore's to set;
-    with a host tier save_kv may keep the slot's host KV in place instead, nbytes 0: drop_kv frees what it holds).
+    with a host tier save_kv may keep the slot's host KV in place instead, nbytes 0: drop_kv frees what it holds);
+    copy_kv(slot, n, src) sets a slot's first n KV positions to another slot's or a parked KV's (which stays parked).
     None of them is called on a slot that a non-finite row poisoned until repair() has cleared it."""
     capacity: Capacity
     chains: bool
@@ -192,6 +195,7 @@ class Executor(Protocol):
     def save_kv(self, slot: int, n: int) -> Saved: ...                  # on the host
     def load_kv(self, slot: int, saved: Saved) -> None: ...
     def drop_kv(self, saved: Saved) -> None: ...                        # a save_kv's the cache no longer holds
+    def copy_kv(self, slot: int, n: int, src: int | Saved) -> None: ...  # a branch's prefix from a slot or parked KV
     def host_positions(self, slot: int) -> int: ...                     # its KV positions in host RAM (0: one tier)
     # between windows (none in flight): verify the expert slots and rewrite bad ones from the host tier, clear the
     # sequence states of `slots` (non-finite rows': NaN must not linger in their KV) but, per slot, the KV of the

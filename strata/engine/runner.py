@@ -147,6 +147,9 @@ class WindowRunner:
     def drop_kv(self, saved: Saved) -> None:
         self.copies.drop_kv(saved)
 
+    def copy_kv(self, slot: int, n: int, src: int | Saved) -> None:
+        self.copies.copy_kv(slot, n, src)
+
     def host_positions(self, slot: int) -> int:
         return 0 if self.tiers is None else int(self.tiers.base[slot])
 
@@ -191,9 +194,13 @@ class WindowRunner:
             self.tiers.free = []
         for n in self.copies.sizes:
             self.load_kv(0, self.save_kv(0, n))
-        if spare:                                 # then a park in place and its resume
+            self.copy_kv(0, n, 0)                 # a branch's prefix from a slot
+        if spare:                                 # then a park in place, a copy from it and its resume
             self.tiers.free = spare
-            self.load_kv(0, self.save_kv(0, 1))
+            parked = self.save_kv(0, 1)
+            for n in self.copies.sizes:
+                self.copy_kv(0, n, parked)
+            self.load_kv(0, parked)
             self.tiers.parks = 0
         if self.chains and s > 1:                 # a continuing window that a row drops out of (merge_rows)
             full = replace(plan, decode_active=np.ones(s, bool))
@@ -706,12 +713,15 @@ class Shaping:
                                                                        static_argnames=("greedy",)))
 
     def read_part(self, plan: WindowPlan) -> None:
-        """A part's tokens join its slot's prompt set (a row with a repetition penalty); its copies get the set."""
+        """A part's tokens join its slot's prompt set (a row with a repetition penalty; after a prompt-cache hit, with
+        the tokens it reused); its copies get the set."""
         p = plan.part
         if plan.penalties is None or plan.penalties[p.slot, 2] == 1:
             return
-        if p.start == 0:
+        if p.start == 0 or p.reused is not None:
             self.seen[p.slot] = 0
+        if p.reused is not None:
+            self.seen[p.slot, p.reused] = 1
         self.seen[p.slot, np.asarray(p.tokens)] = 1
         for c in p.copies:
             self.seen[c] = self.seen[p.slot]

@@ -1,13 +1,12 @@
-"""Copies of one slot's sequence state for the prompt cache (the Executor's snapshot, restore, to_host, save_kv and
-load_kv in strata/plan.py), built on the row take/put that copies a slot for an n-choice request (take_slot, put_slot).
+"""Copies of one slot's sequence state for the prompt cache (the Executor's snapshot, restore, to_host, save_kv,
+load_kv and copy_kv in strata/plan.py), built on the row take/put that copies a slot for an n-choice request.
 
 A snapshot is the recurrent state of the linear layers (conv + delta rule) of one slot, a device copy; the attention
 KV is not copied, since a part that continues a restored state overwrites the positions beyond it before any query
-sees them. Parking copies the KV of a sequence's first n positions to host RAM and back in blocks of two sizes (two
-compiled shapes): large ones while they fit in n, then small ones (the last one ending at n or, past the cache's
-rows, at its end); with a host tier it keeps the slot's host row instead while one is free (ParkedRow). Every
-function runs on the bank as the windows dispatched so far leave it (threaded through as a value: device order
-follows data).
+sees them. Parking copies the KV of a sequence's first n positions to host RAM and back (a branch: slot to slot) in
+blocks of two sizes (two compiled shapes): large ones while they fit in n, then small ones; with a host tier it keeps
+the slot's host row instead while one is free (ParkedRow). Every function runs on the bank as the windows dispatched
+so far leave it (threaded through as a value: device order follows data).
 """
 from __future__ import annotations
 
@@ -68,6 +67,12 @@ def _take_host_block(ops, layers, block, states, slot, start):
              for n in KV_NAMES if n in states[i]} for i in layers]
 
 
+def _take_row_block(ops, layers, block, states, row, start):
+    """_take_host_block of host row `row` (a conversation parked by reference)."""
+    return [{n: ops.host_kv.host_window(states[i][n + HOST], row, start, block)
+             for n in KV_NAMES if n in states[i]} for i in layers]
+
+
 def _put_host_block(ops, layers, block, states, slot, start, rows):
     """_put_block of a two-tier cache: into its host arrays (the window read from them after the last block)."""
     states = list(states)
@@ -113,7 +118,9 @@ class SlotCopies:
                                for b in self.sizes},
                               {b: memo(f"put_kv_block_{b}", lambda b=b: c(partial(put_kv, ops, full, b),
                                                                           donate_argnums=(0,)))
-                               for b in self.sizes}))
+                               for b in self.sizes},
+                              {b: memo(f"take_row_kv_block_{b}", lambda b=b: c(partial(_take_row_block, ops, full, b)))
+                               for b in self.sizes} if r.tiers is not None else {}))
 
     def snapshot(self, slot: int) -> Saved:
         states = self.runner.states
@@ -167,7 +174,7 @@ class SlotCopies:
             start, rows = pending.pop(0)
             blocks.append((start, [{k: np.asarray(ops.to_host(v)) for k, v in layer.items()} for layer in rows]))
         for start, size in kv_blocks(n, self.sizes):
-            rows = [row for st, _, full, _, _, take_kv, _ in self._fns if full
+            rows = [row for st, _, full, _, _, take_kv, *_ in self._fns if full
                     for row in take_kv[size](st.of(self.runner.states), np.int32(slot), np.int32(start))]
             for layer in rows:                # the copy to the host queued now, behind the block's copy
                 for v in layer.values():
@@ -186,7 +193,7 @@ class SlotCopies:
             return
         for start, rows in saved.data:
             at = 0
-            for st, _, full, _, _, _, put_kv in self._fns:
+            for st, _, full, _, _, _, put_kv, _ in self._fns:
                 if full:
                     a, z = st.layers.start, st.layers.stop
                     size = next(iter(rows[at].values())).shape[0]
@@ -199,6 +206,25 @@ class SlotCopies:
     def drop_kv(self, saved: Saved) -> None:
         if isinstance(saved.data, ParkedRow):
             self.runner.tiers.release(saved.data.row)
+
+    def copy_kv(self, slot: int, n: int, src) -> None:
+        """Slot's KV positions 0..n-1 set to those of slot `src` or of a parked KV (a Saved, which stays parked),
+        block by block on the device (with a host tier: host row to host row, then the slot's window read)."""
+        r, tiers = self.runner, self.runner.tiers
+        if isinstance(src, Saved) and not isinstance(src.data, ParkedRow):
+            self.load_kv(slot, Saved([(a, rows) for a, rows in src.data if a < n], src.nbytes, True, tokens=n))
+            return
+        if tiers is not None and not isinstance(src, Saved):
+            tiers.move(src, int(tiers.base[src]))    # its window written back: the host row holds every position
+        for start, size in kv_blocks(n, self.sizes):
+            for st, _, full, _, _, take_kv, put_kv, take_row_kv in self._fns:
+                if full:
+                    a, z = st.layers.start, st.layers.stop
+                    rows = take_row_kv[size](st.of(r.states), np.int32(src.data.row), np.int32(start)) \
+                        if isinstance(src, Saved) else take_kv[size](st.of(r.states), np.int32(src), np.int32(start))
+                    r.states[a:z] = put_kv[size](r.states[a:z], np.int32(slot), np.int32(start), rows)
+        if tiers is not None:         # the window read at the newest positions (the next part starts from there)
+            tiers.move(slot, max(0, n - tiers.rows // 2), write_back=False)
 
 
 @dataclass(frozen=True)

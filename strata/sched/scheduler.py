@@ -219,7 +219,7 @@ class Scheduler:
                         "read": s.read - s.reused, "generated": s.generated,
                         "numerics": s.numerics, "attempts": len(s.attempts), "poisoned": s.id in self.poisoned,
                         "conversation_tokens": len(conv.tokens) if conv is not None else 0,
-                        "checkpoints": [c.pos for c in conv.checkpoints] if conv is not None else []})
+                        "checkpoints": self.cache.checkpoints(s.id)})
             if self.drafts is not None:         # only with spec on: the shape is unchanged otherwise
                 out[-1].update(drafts=s.drafts, drafts_accepted=s.accepted)
             if self.executor.capacity.kv_resident:    # only with a host tier for the KV (kv_resident)
@@ -378,12 +378,12 @@ class Scheduler:
             stops = req.stop_token_ids if req.stop_token_ids is not None else self.eos_token_ids
             group = Group(send, req.n)
             ids = [s.id for s in self.slots_ if s.state is SlotState.FREE]
-            reuse = req.cache_prompt and req.sampling.repetition_penalty == 1    # (its prompt set starts at 0)
-            lead, reused = self.cache.start(req.prompt_ids, ids, reuse)
+            shared = tuple(s.id for s in self.slots_ if s.state is not SlotState.FREE and s.id not in self.poisoned)
+            lead, reused = self.cache.start(req.prompt_ids, ids, req.cache_prompt, req.cache_key, shared)
             ids.remove(lead)
             free = [self.slots_[lead]]
             for _ in range(req.n - 1):
-                free.append(self.slots_[self.cache.claim(ids)])
+                free.append(self.slots_[self.cache.claim(ids, req.cache_key)])
                 ids.remove(free[-1].id)
             for i, slot in enumerate(free):
                 seed = choice_seed(base, i)
@@ -452,7 +452,9 @@ class Scheduler:
             chunk = np.asarray(prompt[s.read:s.read + size], np.int32)
             last = s.read + len(chunk) == len(prompt)
             copies = tuple(o.id for o in self.slots_ if o.lead == s.id) if last else ()
-            part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=last, copies=copies)
+            reused = (np.asarray(prompt[:s.read], np.int32) if s.parts == 0 and s.read > 0
+                      and s.req.sampling.repetition_penalty != 1 else None)
+            part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=last, copies=copies, reused=reused)
         sampled = gen + ([self.slots_[i] for i in (part.slot, *part.copies)] if part is not None and part.last else [])
         numerics = tuple(s.numerics for s in self.slots_)
         plan = WindowPlan(decode_active=active, decode_tokens=tokens, decode_pos=pos, temperature=temp, top_k=top_k,
@@ -804,7 +806,7 @@ class Scheduler:
         log.info(f"strata serve: prompt {n} tokens = {reused} reused + {read} read in {read_ms:.0f} ms "
                  f"({read / max(read_ms / 1000, 1e-9):.1f} tok/s), {s.generated} generated in {gen_ms:.0f} ms "
                  f"({max(s.generated - 1, 0) / max(gen_ms / 1000, 1e-9):.1f} tok/s){drafts}, "
-                 f"{self.cache.checkpoints(s.id)} checkpoints, finish {reason} ({s.req.id})"
+                 f"{len(self.cache.checkpoints(s.id))} checkpoints, finish {reason} ({s.req.id})"
                  + (f", attempt {len(s.attempts) + 1} on {s.numerics} numerics" if s.attempts else ""))
         timings = {"read_ms": read_ms, "generate_ms": gen_ms, "parts": s.parts, "reused": s.reused}
         if self.drafts is not None:

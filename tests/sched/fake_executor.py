@@ -272,6 +272,22 @@ class FakeExecutor:
         self.kv[slot] = list(tokens) + self.kv[slot][len(tokens):]
         self.rec[slot] = None
 
+    def copy_kv(self, slot: int, n: int, src) -> None:
+        """Slot's first n positions become slot src's or a parked KV's (which stays parked: its row is kept)."""
+        self._clean(slot, "copying a KV into")
+        if isinstance(src, Saved):
+            kind, tokens = src.data[:2]
+            if kind not in ("kv", "ref") or kind == "ref" and src.data[2] in self.free_rows:
+                raise ValueError("copy_kv takes a slot or a saved KV the cache still holds")
+        else:
+            self._clean(src, "copying a KV from")
+            tokens = tuple(self.kv[src])
+        if n > len(tokens):
+            raise ValueError(f"copying {n} positions of a KV of {len(tokens)}")
+        self.calls.append(("copy_kv", slot, tuple(tokens[:n])))
+        self.kv[slot] = list(tokens[:n]) + self.kv[slot][n:]
+        self.rec[slot] = None
+
     def repair(self, slots: tuple, rebuild: bool = False, keep: tuple | None = None) -> Repair:
         """The corrupt expert slots are found and rewritten (their rows are finite from now on); `slots`' states are
         cleared but the KV of each one's first keep[i] positions (a part on them must start at 0, or at a restored

@@ -60,6 +60,19 @@ def test_conversations_match_the_cold_engine(cold, resident, parallel, together,
         assert m["conversations_parked"] > m["kv_parks_by_reference"] > 0 and m["conversations_resumed"] > 0
 
 
+def test_branches_copy_the_shared_prefix_across_the_tiers(cold):
+    """Three conversations sharing a long system prompt with a 64-row device window and one parked row, on one slot
+    (the prefix's KV copied from a conversation parked by reference to make room: host row to host row) and on two
+    (slot to slot): every reply is the cold engine's."""
+    for parallel in (1, 2):
+        sched, rows = converse(cold, 3, 2, parallel, user_words=40, max_tokens=16, together=False,
+                               system_words=200, cached_engine=tiered(64, kv_parked=1))
+        m = sched.metrics()
+        assert m["prompt_cache_branches"] >= 2 and m["kv_spills"] > 0 and m["kv_parks_by_reference"] > 0
+        by_ref = [c for c in sched.cache.parked if isinstance(c.kv.data, ParkedRow)]
+        assert m["kv_rows_free"] + len(by_ref) == 1
+
+
 @pytest.mark.parametrize("kw", [dict(kv="int8"), dict(kernels="pallas")], ids=["int8", "pallas"])
 def test_int8_and_the_kernels(kw):
     """int8 KV (its scales spill with it), and the Pallas kernels (interpreted: decode rows read the host part

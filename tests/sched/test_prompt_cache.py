@@ -71,10 +71,11 @@ def stored(sched, prompt) -> tuple:
 
 
 def converse(engine, n_convs, turns, parallel, *, every=64, user_words=40, max_tokens=24, lookahead=True,
-             together=True, ram_gib=1.0, cached_engine=None, drafts=None):
+             together=True, ram_gib=1.0, cached_engine=None, drafts=None, system_words=0):
     """n_convs conversations of `turns` turns each, turns of the conversations sent together (or one after
     another) -> (the cached scheduler, [(prompt, reused, tokens the conversation shared before)]). cached_engine:
-    the cached scheduler's engine (default engine, the cold one's); drafts: its DraftPolicy (spec)."""
+    the cached scheduler's engine (default engine, the cold one's); drafts: its DraftPolicy (spec); system_words:
+    a system message every conversation starts with (they branch from the first one's checkpoints)."""
     cached = scheduler(cached_engine or engine, parallel, every, lookahead, ram_gib, drafts)
     cold = scheduler(engine, parallel, every, lookahead)
     rows = []
@@ -84,7 +85,8 @@ def converse(engine, n_convs, turns, parallel, *, every=64, user_words=40, max_t
         prompt, turn_at = render(engine, messages)
         req = Request(id=f"c{c}t{k}", prompt_ids=prompt, max_tokens=max_tokens, turn_at=turn_at)
         got[c] = req, *await ask(cached, req)
-        rows.append((prompt, got[c][2].timings["reused"], common_prefix(before[c], prompt)))
+        shared = max([common_prefix(before[c], prompt)] + [common_prefix(b, prompt) for b in before if system_words])
+        rows.append((prompt, got[c][2].timings["reused"], shared))
         before[c] = stored(cached, prompt)
 
     async def cold_turn(c, messages, got):
@@ -98,7 +100,8 @@ def converse(engine, n_convs, turns, parallel, *, every=64, user_words=40, max_t
         async with anyio.create_task_group() as tg:
             await tg.start(cached.run)
             await tg.start(cold.run)
-            convs, before = [[] for _ in range(n_convs)], [() for _ in range(n_convs)]
+            system = [{"role": "system", "content": text(99, system_words)}] if system_words else []
+            convs, before = [list(system) for _ in range(n_convs)], [() for _ in range(n_convs)]
             for k in range(turns):
                 got = {}
                 for step in (lambda c: cached_turn(c, k, convs[c], before, got), lambda c: cold_turn(c, convs[c], got)):
@@ -132,6 +135,15 @@ def test_conversations_parked_and_resumed(engine):
     sched, rows = converse(engine, 2, 3, parallel=1, together=False)
     m = sched.metrics()
     assert m["conversations_parked"] == 5 and m["conversations_resumed"] == 4 and m["prompt_cache_hits"] == 4
+
+
+def test_conversations_sharing_a_system_prompt_branch_from_each_other(engine):
+    """Three conversations that start with one system message, one after another on two slots: each first turn
+    copies the system prompt's KV from the slot or parked conversation that holds it (the copies are exact: the
+    cold engine's text), and no conversation takes another's history."""
+    sched, rows = converse(engine, 3, 2, 2, together=False, system_words=150)
+    m = sched.metrics()
+    assert m["prompt_cache_branches"] >= 2 and m["prompt_cache_hits"] == 5
 
 
 def test_turns_with_speculative_decoding(engine):

@@ -15,7 +15,7 @@ from test_scheduler_fake import P, drain, ended, sched_over, tokenizer  # noqa: 
 import pytest
 from strata.sched.guard import Guard
 from strata.sched.prompt_cache import common_prefix
-from strata.sched.request import Failed, Finished, Request
+from strata.sched.request import Failed, Finished, Request, SamplingParams
 
 HEADER = P("<A>")              # stands for the assistant header that ends every chat prompt
 
@@ -235,6 +235,86 @@ def test_a_failed_request_leaves_nothing_in_the_cache(tokenizer):
     assert results[2]["c"][1].timings["reused"] == 0        # b's slot kept nothing: read from token 0
     assert sched.metrics()["conversations_dropped"] == 1
     assert fake.prompts[-1] == (0, c.prompt_ids)
+
+
+# --- the tree: conversations that share a prefix
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_new_conversation_branches_and_never_takes_anothers_history(tokenizer, slots):
+    """B shares A's long system prompt and nothing else: it copies the prefix's KV (from A's slot, or from A parked)
+    and reads only its own tokens, and A's next turn still reuses all of A (the issue's 3,584 of 8,050)."""
+    every = 8
+    fake = FakeExecutor(slots=slots, part_size=16, max_context=4096, chains=False)   # (an exact end-of-reply)
+    sched = sched_over(fake, tokenizer, checkpoint_every=every, checkpoint_ram_gib=1.0, lookahead=False)
+    system = P("system: " + "s" * 120)
+    a1 = turn("a1", system + P("user a: " + "a" * 60) + HEADER, 20)
+    b1 = turn("b1", system + P("user b: " + "b" * 30) + HEADER, 10)
+    a_hist = a1.prompt_ids + tuple(reply_of(a1))
+    a2 = turn("a2", a_hist + P("next: " + "n" * 9) + HEADER, 5)
+    watch(fake, sched)
+    results = serve_rounds(sched, [[a1], [b1], [a2]])
+    reused = {r.id: results[i][r.id][1].timings["reused"] for i, r in enumerate([a1, b1, a2])}
+    assert len(system) - every <= reused["b1"] <= len(system)
+    assert reused["a2"] == len(a_hist) - 1               # a's end-of-reply checkpoint: nothing of a re-read
+    check_exact(fake, sched, [a1, b1, a2], results, every)
+    m = sched.metrics()
+    assert m["prompt_cache_branches"] == 1 and m["prompt_cache_hits"] == 2
+    copies = [c for c in fake.calls if c[0] == "copy_kv"]
+    assert len(copies) == 1 and copies[0][2] == system[:reused["b1"]]
+    if slots == 1:                                        # a parked for b, then resumed; b parked for a2
+        assert m["conversations_parked"] == 2 and m["conversations_resumed"] == 1
+
+
+def test_agents_sharing_a_system_prompt_on_fewer_slots(tokenizer):
+    """Six agents share a system prompt on two slots, three turns each, round robin: every first turn reuses the
+    shared prompt (to within a checkpoint's spacing), every later turn its whole history; the shared checkpoints
+    are stored once."""
+    every = 8
+    fake = FakeExecutor(slots=2, part_size=16, max_context=4096, chains=True)
+    sched = sched_over(fake, tokenizer, checkpoint_every=every, checkpoint_ram_gib=1.0)
+    system = P("tools and rules: " + "t" * 100)
+    hist = {c: system for c in "abcdef"}
+    reqs, before = [], {}
+    for k in range(3):
+        for c in "abcdef":
+            prompt = hist[c] + P(f"{c} {k}: " + c * (5 + 3 * k)) + HEADER
+            reqs.append(turn(f"{c}{k}", prompt, 6))
+            before[reqs[-1].id] = hist[c] if k else system
+            hist[c] = prompt + tuple(reply_of(reqs[-1]))
+    watch(fake, sched)
+    results = serve_rounds(sched, [[r] for r in reqs])
+    for r, res in zip(reqs, results):
+        reused = res[r.id][1].timings["reused"]
+        if r.id != "a0":
+            assert reused >= len(before[r.id]) - every, (r.id, reused, len(before[r.id]))
+    check_exact(fake, sched, reqs, results, every)
+    on_system = [n for n in sched.cache._nodes() if n.pos <= len(system)]
+    assert len(on_system) == len({n.pos for n in on_system})     # one node per position of the shared prefix
+    assert sched.metrics()["prompt_cache_branches"] >= 5
+
+
+def test_cache_keys_share_nothing(tokenizer):
+    """Equal tokens under another cache_key (a control vector's scale) read from token 0."""
+    fake = FakeExecutor(slots=2, part_size=16, max_context=4096, chains=True)
+    sched = sched_over(fake, tokenizer, checkpoint_every=8, checkpoint_ram_gib=1.0)
+    prompt = P("the same words " * 4) + HEADER
+    a, b, c = turn("a", prompt, 4), turn("b", prompt, 4, cache_key=(0.5,)), turn("c", prompt, 4, cache_key=(0.5,))
+    results = serve_rounds(sched, [[a], [b], [c]])
+    assert [results[i][r.id][1].timings["reused"] for i, r in enumerate([a, b, c])] == [0, 0, len(prompt) - len(HEADER)]
+
+
+def test_a_repetition_penalty_reuses_the_prompt_and_keeps_its_whole_prompt_set(tokenizer):
+    """A row with a repetition penalty reuses the cache; its first part names the reused tokens, which join the
+    prompt set the penalty reads."""
+    fake = FakeExecutor(slots=1, part_size=16, max_context=4096, chains=True)
+    sched = sched_over(fake, tokenizer, checkpoint_every=8, checkpoint_ram_gib=1.0)
+    a = turn("a", P("a first prompt, long enough") + HEADER, 5)
+    b = turn("b", a.prompt_ids + tuple(reply_of(a)) + P("again") + HEADER, 5,
+             sampling=SamplingParams(repetition_penalty=1.3))
+    results = serve_rounds(sched, [[a], [b]])
+    reused = results[1]["b"][1].timings["reused"]
+    assert reused > len(a.prompt_ids)
+    parts = [w.plan.part for w in fake.windows if w.plan.part is not None and w.plan.part.start >= reused]
+    assert tuple(parts[0].reused) == b.prompt_ids[:reused] and all(p.reused is None for p in parts[1:])
 
 
 # --- random conversation trees
