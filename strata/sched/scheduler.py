@@ -381,6 +381,9 @@ class Scheduler:
             group = Group(send, req.n)
             ids = [s.id for s in self.slots_ if s.state is SlotState.FREE]
             reuse = req.cache_prompt and req.sampling.repetition_penalty == 1    # (its prompt set starts at 0)
+            # the prompt cache does not key its conversations yet: a request whose state depends on more than its
+            # tokens (cache_key, e.g. a control vector's scale) reuses nothing until it does
+            reuse = reuse and not req.cache_key
             lead, reused = self.cache.start(req.prompt_ids, ids, reuse)
             ids.remove(lead)
             free = [self.slots_[lead]]

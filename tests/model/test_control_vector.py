@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import gguf  # noqa: E402
+from gguf_writer import write_control_vector  # noqa: E402
 from oracle import build_hf_model  # noqa: E402
 from strata import Engine  # noqa: E402
 from strata.errors import ConfigError  # noqa: E402
@@ -20,20 +20,6 @@ NEAR_TIE = 1e-4
 PROMPT_LEN = 40
 GEN = 12
 ARCHS = ("qwen3_next", "qwen3_moe", "qwen4_exp")
-
-
-def write_control_vector(path, directions: dict, dtype=np.float32, extra: dict | None = None):
-    """A control vector file as repeng's export_gguf writes it: architecture "controlvector", direction.N tensors."""
-    w = gguf.GGUFWriter(str(path), "controlvector")
-    w.add_string("controlvector.model_hint", "test")
-    w.add_uint32("controlvector.layer_count", len(directions))
-    for n, d in {**{f"direction.{n}": d for n, d in directions.items()}, **(extra or {})}.items():
-        w.add_tensor(n, np.asarray(d, dtype))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def steered(model, directions: dict, scale: float):
