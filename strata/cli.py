@@ -94,7 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # The settings flags of generate and profile: the model and backend groups
-ENGINE_FLAGS = ("model", "dtype", "kv", "max_context", "rope_scaling", "rope_scale", "backend", "device", "kernels")
+ENGINE_FLAGS = ("model", "dtype", "kv", "max_context", "rope_scaling", "rope_scale", "control_vector", "backend", "device",
+                "kernels")
 # generate also takes the expert settings, so a pack can be tried with a small cache before it is served
 GENERATE_FLAGS = ENGINE_FLAGS + tuple(k for k in KEYS if SPECS[k].group == "experts")
 

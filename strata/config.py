@@ -185,6 +185,14 @@ class ModelSettings(_Group):
         None, Rule(lambda v: v is None or (_is_number(v) and 1 <= v <= 1024), "a number in [1, 1024]"),
         "The factor of rope_scaling (linear, dynamic, yarn): the model then supports max_position_embeddings times "
         "this many positions. With rope_scaling auto it replaces the checkpoint's own factor.", example=4.0)
+    control_vector: str | list[str] | None = setting(
+        None, _name_list("FILE or FILE:SCALE, or several (an array; comma-separated on the command line)"),
+        "A control vector in llama.cpp's GGUF format (float32 tensors direction.N, as repeng and llama.cpp's "
+        "cvector-generator write them), loaded at start-up: direction.N times SCALE (default 1) is added to the "
+        "residual after layer N (0-based), as llama.cpp's --control-vector-scaled; several files add up. A request's "
+        "control_vector_scale multiplies the loaded vector (default 1; 0 turns it off for that request), so rows of "
+        "different scales share a window. A file that is not a control vector, or one made for another model (its "
+        "size, its layers), is refused at start-up naming what is wrong.", example="happy.gguf:0.8")
 
 
 @dataclass(frozen=True)

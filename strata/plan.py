@@ -4,7 +4,8 @@ other.
 
 A window has one decode row per slot (S = the number of slots; rows of slots that are not generating are inactive)
 and at most one prompt part. Every slot's sampling parameters ride along in [S] arrays; the part uses its slot's.
-The optional arrays (penalties, logit bias, grammar masks, logprobs) are None in a window whose rows use none of them.
+The optional arrays (penalties, logit bias, grammar masks, logprobs, control vector scales) are None in a window whose
+rows use none of them.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ class WindowPlan:
     numerics: tuple[str, ...] | None = None  # [S]: the numerics path of each slot's rows and part, DEFAULT or one
                                              # of the executor's `numerics` (a guard's retry); never in a continued
                                              # plan
+    control_scale: np.ndarray | None = None  # [S] float32: each slot's scale of the executor's control vector, for
+                                             # its rows and part (1: as loaded, 0: off); None: every slot's is 1
 
     @property
     def sampling(self) -> tuple:

@@ -211,3 +211,18 @@ def _tensor_type(name: str, data: np.ndarray, quant: str) -> GGMLQuantizationTyp
     if data.shape[-1] % 32 != 0:
         return GGMLQuantizationType.F32
     return GGMLQuantizationType.Q8_0
+
+
+def write_control_vector(path, directions: dict, dtype=np.float32, extra: dict | None = None) -> Path:
+    """A control vector file as repeng's export_gguf writes it (architecture "controlvector", one tensor direction.N
+    per layer N in directions); extra: more tensors {name: array}, for files a reader must refuse."""
+    w = gguf.GGUFWriter(str(path), "controlvector")
+    w.add_string("controlvector.model_hint", "test")
+    w.add_uint32("controlvector.layer_count", len(directions))
+    for n, d in {**{f"direction.{n}": d for n, d in directions.items()}, **(extra or {})}.items():
+        w.add_tensor(n, np.asarray(d, dtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

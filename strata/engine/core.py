@@ -24,6 +24,7 @@ from strata.builtin import builtin_dir, is_builtin, is_random
 from strata.config import AUTO_CONTEXT_CAP, KV_DTYPES, Settings, bucket_for
 from strata.errors import ConfigError, StrataError
 from strata.model.config import ModelConfig
+from strata.model.control import ControlVector, load_control_vector, with_control
 from strata.experts.path import ExpertPath
 from strata.engine.stages import LayerSlice, Stage, split_points, stage_config, stage_params
 from strata.model.forward import LayerByLayer, Taps, forward, forward_hidden, head, init_state
@@ -35,8 +36,12 @@ log = logging.getLogger("strata")
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: dict, backend, settings: Settings, tokenizer=None):
+    def __init__(self, cfg: ModelConfig, params: dict, backend, settings: Settings, tokenizer=None,
+                 control: ControlVector | None = None):
         self.cfg, self.params, self.backend, self.settings = cfg, params, backend, settings
+        # the control vector in params (each layer's CONTROL; strata/model/control.py), or None: every window then
+        # takes its rows' scales (cv)
+        self.control = control
         self.tokenizer = tokenizer
         self.dtype = params["embed"].dtype
         self.kv_dtype = np.dtype(KV_DTYPES[settings.model.kv] or self.dtype)
@@ -105,25 +110,38 @@ class Engine:
             x = call(st, x)
         return x
 
-    def read_part(self, state, tokens, start: int, n_valid: int, all_logits: bool):
+    def cv(self, scales, args: "DeviceArgs | None" = None) -> dict:
+        """The keyword a pass takes for its rows' control vector scales (cv=, float32; scales: one a row, or [1] for
+        a part's rows alike): none when the model has no control vector. On the host for a compiled backend (each
+        stage's call places it on its device), else on the device; args: its device copy kept there (DeviceArgs)."""
+        if self.control is None:
+            return {}
+        value = np.asarray(scales, np.float32).reshape(-1)
+        if args is not None:
+            return {"cv": args.get("cv", value, device=True)}
+        return {"cv": self.backend.to_device(value) if self.backend.eager else value}
+
+    def read_part(self, state, tokens, start: int, n_valid: int, all_logits: bool, control_scale: float = 1.0):
         """One part of one sequence -> (logits, new state): one compiled function when every expert is resident, a
-        window-fetch row for one decoded token on that path, else layer by layer; stage by stage when split."""
+        window-fetch row for one decoded token on that path, else layer by layer; stage by stage when split.
+        control_scale: the control vector's scale for its rows (ignored without one)."""
+        cv = self.cv([control_scale])
         if self.split:
-            return self._read_staged(state, tokens, start, n_valid, all_logits)
+            return self._read_staged(state, tokens, start, n_valid, all_logits, cv)
         if self.path.compiled_parts:
             f = self._compile("read", _read, donate_argnums=(2,), static_argnames=("all_logits", "with_counts"))
             record = self.record_routing and self.experts is not None
             logits, state, counts = f(self.params, self.path.args(), state, tokens, np.int32(start),
-                                      np.int32(n_valid), all_logits=all_logits, with_counts=record)
+                                      np.int32(n_valid), all_logits=all_logits, with_counts=record, **cv)
             if record:
                 self.experts.cache.observe_all(np.asarray(self.backend.to_host(counts)))
             return logits, state
         if self.path.compiled_rows and len(tokens) == 1 and not all_logits:
-            return self._read_one_fetching(state, tokens, start)
+            return self._read_one_fetching(state, tokens, start, cv)
         experts = self.path.on_host(np.arange(len(tokens)) < n_valid, part=len(tokens) > 1, owner="sequence")
-        return self.by_layer.sequence(self.params, state, tokens, start, n_valid, all_logits, experts)
+        return self.by_layer.sequence(self.params, state, tokens, start, n_valid, all_logits, experts, **cv)
 
-    def _read_staged(self, state, tokens, start: int, n_valid: int, all_logits: bool):
+    def _read_staged(self, state, tokens, start: int, n_valid: int, all_logits: bool, cv: dict):
         """read_part over the stages: each stage's layers compiled as one function when its experts are all
         resident, else layer by layer; the last stage's head on its output."""
         state = list(state)
@@ -134,23 +152,24 @@ class Engine:
             if st.path.compiled_parts:
                 f = self._compile("read_hidden", _read_hidden, stage=st, donate_argnums=(2,))
                 x, state[a:b] = f(st.params, st.path.args(), state[a:b], tokens, np.int32(start), np.int32(n_valid),
-                                  x)
+                                  x, **cv)
             else:
                 experts = st.path.on_host(valid, part=len(tokens) > 1, owner="sequence")
                 x, state[a:b], _ = st.by_layer.sequence_hidden(st.params, state[a:b], tokens, start, n_valid,
-                                                               experts, x)
+                                                               experts, x, **cv)
             return x
         x = self.hidden(self.stages, None, through)
         last = self.stages[-1]
         f = self._compile("read_head", _read_head, stage=last, static_argnames=("all_logits",))
         return f(last.params, x, np.int32(n_valid), all_logits=all_logits), state
 
-    def _read_one_fetching(self, state, tokens, start: int):
+    def _read_one_fetching(self, state, tokens, start: int, cv: dict):
         """One decoded token of one sequence as a window-fetch decode row over a bank of one: the path a runner's
         decode window takes."""
         f = self._compile("read_one_fetching", _read_one_fetching, donate_argnums=(2,))
         args, table = self.experts.fetch_args()
-        logits, state, counts, copied = f(self.params, args, state, np.asarray(tokens, np.int32), np.int32(start))
+        logits, state, counts, copied = f(self.params, args, state, np.asarray(tokens, np.int32), np.int32(start),
+                                          **cv)
         self.experts.record_window(table, np.asarray(self.backend.to_host(counts)),
                                    np.asarray(self.backend.to_host(copied)))
         return logits, state
@@ -203,17 +222,22 @@ class Engine:
         if opts.prefill_help and not split:
             raise ConfigError("prefill_help needs layer_split: the peer that helps is the second stage's device")
         ple = _place_ple(cfg, settings, ops, tensors, np_dtype, say) if cfg.ple is not None else None
+        control = load_control_vector(settings.model.control_vector, cfg.num_layers, cfg.hidden_size)
+        if control is not None:
+            say(f"strata model: control vector {control.describe()}; a request's control_vector_scale multiplies "
+                f"it (default 1, 0 = off)")
         if random:
             from strata.jax_backend.random_weights import RandomDeviceReader
-            params = ops.to_device(params_from_reader(cfg, RandomDeviceReader(np_dtype), ops.joins_projections, ple))
+            params = ops.to_device(with_control(params_from_reader(cfg, RandomDeviceReader(np_dtype),
+                                                                   ops.joins_projections, ple), control))
         else:
-            params = build_params(cfg, tensors, np_dtype, ops.joins_projections, ple)
+            params = with_control(build_params(cfg, tensors, np_dtype, ops.joins_projections, ple), control)
             params = params if split else ops.to_device(params)      # split: each stage places its own share
         tokenizer = None
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
             from strata.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_dir(Path(tok_dir))
-        engine = cls(cfg, params, ops, settings, tokenizer)
+        engine = cls(cfg, params, ops, settings, tokenizer, control)
         if pack is not None:
             from strata.experts.tiers import PackStore
             store = PackStore(pack, stream=settings.experts.stream_experts)
@@ -342,22 +366,23 @@ class Engine:
                            if k.endswith(HOST))
 
     # --- sequences
-    def sequence(self) -> "Sequence":
-        return Sequence(self)
+    def sequence(self, control_scale: float = 1.0) -> "Sequence":
+        return Sequence(self, control_scale)
 
-    def logits(self, token_ids, part_size: int | None = None) -> np.ndarray:
-        """Logits at every prompt position, [T, vocab] float32, for a fresh sequence."""
-        return self.sequence().read(token_ids, part_size=part_size, all_logits=True)
+    def logits(self, token_ids, part_size: int | None = None, control_scale: float = 1.0) -> np.ndarray:
+        """Logits at every prompt position, [T, vocab] float32, for a fresh sequence (control_scale: its control
+        vector's scale, when the model has one)."""
+        return self.sequence(control_scale).read(token_ids, part_size=part_size, all_logits=True)
 
     def stream(self, token_ids, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-               stop_token_ids=None) -> Iterator[int]:
+               stop_token_ids=None, control_scale: float = 1.0) -> Iterator[int]:
         """Yields generated token ids one at a time; stops after max_tokens or at a stop token (which is yielded)."""
         _check_sampling(max_tokens, temperature, top_k, top_p, min_p, seed)
         if max_tokens == 0:
             return
         stops = set(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        seq = self.sequence()
+        seq = self.sequence(control_scale)
         if len(token_ids) + max_tokens > self.settings.model.max_context:
             raise StrataError(f"prompt of {len(token_ids)} tokens plus max_tokens {max_tokens} exceeds "
                               f"max_context {self.settings.model.max_context}")
@@ -384,10 +409,10 @@ class Engine:
 
 
 class Sequence:
-    """One sequence's state on the device and its position."""
+    """One sequence's state on the device and its position, and its control vector's scale."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, control_scale: float = 1.0):
+        self.engine, self.control_scale = engine, float(control_scale)
         self.pos = 0
         self.state = engine.zeros_state(engine.init_state())     # init_state is zeros (tested)
         self._args = DeviceArgs(engine.backend)
@@ -413,7 +438,7 @@ class Sequence:
             b = bucket_for(len(chunk))
             padded = np.zeros(b, np.int32)
             padded[:len(chunk)] = chunk
-            logits, self.state = e.read_part(self.state, padded, self.pos, len(chunk), all_logits)
+            logits, self.state = e.read_part(self.state, padded, self.pos, len(chunk), all_logits, self.control_scale)
             self.pos += len(chunk)
             if all_logits:
                 out.append(e.backend.to_host(logits)[:len(chunk)])
@@ -433,21 +458,24 @@ class Sequence:
             a = self._args
             stable = [a.get(name, v) for name, v in zip(SAMPLING, sp)]
             nxt, self.state = f(e.params, e.path.args(), self.state, np.array([token, self.pos, step], np.int32),
-                                *stable, a.get("seed", seed_arr), greedy=all_greedy(sp[0]))
+                                *stable, a.get("seed", seed_arr), greedy=all_greedy(sp[0]),
+                                **e.cv([self.control_scale], a))
             self.pos += 1
             return int(nxt)
-        logits, self.state = e.read_part(self.state, np.array([token], np.int32), self.pos, 1, False)
+        logits, self.state = e.read_part(self.state, np.array([token], np.int32), self.pos, 1, False,
+                                         self.control_scale)
         nxt = e._sample(logits, *sp, seed_arr, np.int32(step), greedy=all_greedy(sp[0]))
         self.pos += 1
         return int(nxt[0])
 
 
 def _read(ops, cfg, path, layout, params, args, state, tokens, start, n_valid, all_logits: bool,
-          with_counts: bool = False, taps=None):
-    """One part of one sequence, every expert resident -> (logits, state, routing counts [Lp, E] or None)."""
+          with_counts: bool = False, taps=None, cv=None):
+    """One part of one sequence, every expert resident -> (logits, state, routing counts [Lp, E] or None). cv: its
+    rows' control vector scale [1] (None without one)."""
     counts = [] if with_counts else None
     logits, state = forward(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid, counts),
-                            all_logits, taps)
+                            all_logits, taps, cv=cv)
     if with_counts:
         counts = ops.xp.stack(counts) if counts else ops.xp.zeros((0, path.n_experts), ops.xp.int32)
     return logits, state, counts
@@ -462,11 +490,11 @@ def _leaves(tree):
     return [tree]
 
 
-def _read_hidden(ops, cfg, path, layout, params, args, state, tokens, start, n_valid, x, taps=None):
+def _read_hidden(ops, cfg, path, layout, params, args, state, tokens, start, n_valid, x, taps=None, cv=None):
     """One part of one sequence through one stage's layers, every expert resident: x [T, H] from the stage before
     (None: the first stage, which embeds tokens) -> (x after its layers, its layers' state)."""
     return forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid), x=x,
-                          taps=taps)
+                          taps=taps, cv=cv)
 
 
 def _read_head(ops, cfg, path, layout, params, x, n_valid, all_logits: bool, taps=None):
@@ -474,14 +502,14 @@ def _read_head(ops, cfg, path, layout, params, x, n_valid, all_logits: bool, tap
     return head(ops, cfg, params, x, n_valid, all_logits)
 
 
-def _read_one_fetching(ops, cfg, path, layout, params, args, state, tokens, start, taps=None):
+def _read_one_fetching(ops, cfg, path, layout, params, args, state, tokens, start, taps=None, cv=None):
     """tokens [1] at position start, as a window-fetch decode row over a bank of one -> (logits [1, V], state,
     routing counts [Lp, E], experts copied [Lp])."""
     bank = [{k: v[None] for k, v in layer.items()} for layer in state]
     active = ops.xp.ones((1,), ops.xp.int32)
     counts, copied = [], []
     logits, bank = forward(ops, cfg, params, bank, tokens, start[None], active,
-                           path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps)
+                           path.traced(layout, args, active, counts, copied), all_logits=True, taps=taps, cv=cv)
     return logits, [{k: v[0] for k, v in layer.items()} for layer in bank], ops.xp.stack(counts), ops.xp.stack(copied)
 
 
@@ -524,12 +552,12 @@ class DeviceArgs:
 
 
 def _decode_step(ops, cfg, path, layout, params, args, state, ints, temperature, top_k, top_p, min_p, seed,
-                 greedy: bool = False, taps=None):
+                 greedy: bool = False, taps=None, cv=None):
     """One decoded token of one sequence, every expert resident: ints int32 [3] = (token, position, sampling step)
     -> (the sampled token, int32 scalar; the new state)."""
     n_valid = np.int32(1)
     logits, state = forward(ops, cfg, params, state, ints[0:1], ints[1], n_valid,
-                            path.traced(layout, args, n_valid), all_logits=False, taps=taps)
+                            path.traced(layout, args, n_valid), all_logits=False, taps=taps, cv=cv)
     nxt = _sample(ops, logits, temperature, top_k, top_p, min_p, seed, ints[2], greedy)
     return nxt[0].astype(ops.xp.int32), state
 

@@ -139,7 +139,7 @@ def _compiled_rows(r, plan: WindowPlan, before: list, hidden: list, last, logits
                                        np.asarray(plan.steps, np.int32)]))
     x = rows_before_last(r, before, hidden, plan, rows, [], x=x)
     a, b = last.layers.start, last.layers.stop
-    r.states[a:b], logits = logits_of(last.params, last.path.args(), r.states[a:b], rows, active, x=x)
+    r.states[a:b], logits = logits_of(last.params, last.path.args(), r.states[a:b], rows, active, x=x, **r.cv(plan))
     return _sampled_rows(r, plan, logits, active)
 
 

@@ -222,6 +222,24 @@ class WindowRunner:
                 *(a.get(k, v) for k, v in zip(SAMPLING, plan.sampling)),
                 a.get("seeds", plan.seeds))
 
+    def control_scales(self, plan: WindowPlan) -> np.ndarray | None:
+        """Each slot's control vector scale, float32 [S] (the plan's, else 1); None when the model has none."""
+        if self.engine.control is None:
+            return None
+        if plan.control_scale is None:
+            return np.ones(self.n_slots, np.float32)
+        return np.asarray(plan.control_scale, np.float32)
+
+    def cv(self, plan: WindowPlan, args: DeviceArgs | None = None, part: bool = False) -> dict:
+        """A pass's cv keyword (forward's; none without a control vector): the rows' scales [S], or the part's slot's
+        [1] (part), on the device of args' stage (default: the sampler's), sent when they change."""
+        scales = self.control_scales(plan)
+        if scales is None:
+            return {}
+        if part:
+            scales = scales[plan.part.slot:plan.part.slot + 1]
+        return {"cv": (args or self._args).get("cv_part" if part else "cv", scales, device=True)}
+
     def row_slots(self, plan: WindowPlan) -> np.ndarray | None:
         """The bank rows a compiled decode window computes when that is fewer than all slots: its active rows and
         idle ones up to the smallest bucket holding them, int32 [B] in slot order (an idle row computes nothing
@@ -406,6 +424,7 @@ def rows_before_last(r: WindowRunner, before: list, hidden: list, plan: WindowPl
         f = hidden[st.index]
         buf = () if handoff is None else (handoff[st.index],)
         kw = {} if slots is None else {"slots": r.stage_args[st.index].get("slots", slots)}
+        kw.update(r.cv(plan, r.stage_args[st.index]))
         if st.path.kind is PathKind.WINDOW_FETCH:
             args, table = st.experts.fetch_args()
             r.states[a:b], x, counts, copied = f(st.params, args, r.states[a:b], rows, act, x, *buf, **kw)
@@ -517,6 +536,7 @@ class CompiledRows:
         kw = {} if plan.shaped else {"greedy": greedy}
         if slots is not None:
             kw["slots"] = r._args.get("slots", slots)
+        kw.update(r.cv(plan))
         st = self.last
         a, b = st.layers.start, st.layers.stop
         if self.fetching:
@@ -588,12 +608,13 @@ class HostRows:
         r = self.runner
         e = r.engine
         pos, active = r.decode_rows(plan)
+        scales = r.control_scales(plan)
 
         def through(st, x):
             a, b = st.layers.start, st.layers.stop
             experts = self.experts_of(st, active > 0, False, "decode") if st.experts is not None else None
             x, r.states[a:b], _ = st.by_layer.rows_hidden(st.params, r.states[a:b], plan.decode_tokens, pos, active,
-                                                           experts, x)
+                                                           experts, x, cv=scales)
             return x
         last = e.stages[-1]
         x = self.widen(np.asarray(plan.decode_tokens, np.int32)) if self.widen is not None else None
@@ -640,7 +661,7 @@ class CompiledPart:
         def through(st, x):
             a, b = st.layers.start, st.layers.stop
             r.states[a:b], x = self._hidden[st.index](st.params, st.path.args(), r.states[a:b], np.int32(i), tokens,
-                                                      start, n, x)
+                                                      start, n, x, **r.cv(plan, r.stage_args[st.index], part=True))
             return x
         x = e.hidden(self.before, self.widen(tokens) if self.widen is not None else None, through)
         st = self.last
@@ -648,7 +669,7 @@ class CompiledPart:
         x = st.ops.to_device(x) if x is not None else None
         nxt, fin, r.states[a:b], logits, residual, x = self._part(
             st.params, st.path.args(), r.states[a:b], np.int32(i), tokens, start, n, *_sampling_of(plan, i),
-            plan.seeds[i], plan.steps[i], x=x)
+            plan.seeds[i], plan.steps[i], x=x, **r.cv(plan, part=True))
         return r.part_out(plan, nxt, fin, logits, residual), x
 
 
@@ -670,6 +691,8 @@ class HostPart:
         padded = _padded(p.tokens)
         valid = np.arange(len(padded)) < n
         residual = None
+        scales = r.control_scales(plan)
+        cv = None if scales is None else scales[i:i + 1]
 
         def through(st, x):
             nonlocal residual
@@ -677,7 +700,7 @@ class HostPart:
             experts = (self.experts_of(st, valid, len(padded) > 1, f"prompt part of slot {i}")
                        if st.experts is not None else None)
             x, r.states[a:b], residual = st.by_layer.slot_part_hidden(st.params, r.states[a:b], i, padded, p.start,
-                                                                       n, experts, x)
+                                                                       n, experts, x, cv=cv)
             return x
         last = e.stages[-1]
         x = e.hidden(e.stages, self.widen(padded) if self.widen is not None else None, through)
@@ -860,19 +883,20 @@ def _result_rows(rows):
     return rows[3:] + 0
 
 
-def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x, buf=None, taps=None, slots=None):
+def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x, buf=None, taps=None, slots=None,
+                   cv=None):
     """A split's stage before the last on a window's decode rows (rows [ROWS, S]: tokens and positions; x [S, W]
     (W: the residual's width) from the stage before, None on the first) -> (its layers' states, x after them);
     window fetch: (states, x, routing counts [Lp, E], experts copied [Lp]). buf [S, W]: x is written into it
     (donated, the hand-off keeps one address window to window, as a command buffer must not see its addresses
     change). slots [B]: as _decode_rows'
-    (x: its first B rows in and out)."""
+    (x: its first B rows in and out); cv: as _decode_rows'."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
     rows, active, _ = _own_rows(ops, slots, rows, active)
     x, states = forward_hidden(ops, cfg, params, states, rows[0], rows[1], active,
                                path.traced(layout, args, active, counts, copied), taps=taps,
-                               x=_first_rows(x, slots), slots=slots)
+                               x=_first_rows(x, slots), slots=slots, cv=_own_cv(ops, slots, cv))
     if buf is not None:
         x = ops.kv_write(buf, x, 0)
     if fetching:
@@ -881,19 +905,19 @@ def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x
 
 
 def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, temperature, top_k, top_p, min_p, seeds,
-                 greedy: bool = False, taps=None, x=None, slots=None):
+                 greedy: bool = False, taps=None, x=None, slots=None, cv=None):
     """rows int32 [ROWS, S]: (tokens, positions, steps) of S rows of one token each (rows 3, 4 ignored) -> (states,
     rows [ROWS, S]: the successor's rows, then this window's next tokens and finite flags; an eager backend's: the
     result [2, S] alone); window fetch: (states, routing counts [Lp, E], experts copied [Lp], rows).
     greedy (static): every active row is greedy (ops.sample's all_greedy). x: as _decode_hidden's (a split's last
     stage). slots [B] (WindowRunner.row_slots): only those rows are computed (every active row among them); the
-    others' results are token 0, finite."""
+    others' results are token 0, finite. cv [S]: each row's control vector scale (None: the model has none)."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
     own, on, sampling = _own_rows(ops, slots, rows, active, (temperature, top_k, top_p, min_p, seeds))
     logits, states = forward(ops, cfg, params, states, own[0], own[1], on,
                              path.traced(layout, args, on, counts, copied), all_logits=True, taps=taps,
-                             x=_first_rows(x, slots), slots=slots)  # [B, V]
+                             x=_first_rows(x, slots), slots=slots, cv=_own_cv(ops, slots, cv))  # [B, V]
     out = _at_slots(ops, _sampled(ops, logits, *sampling, own[2], greedy), slots, active)
     rows = _rows_out(ops, rows, out, active)
     if fetching:
@@ -919,12 +943,18 @@ def _at_slots(ops, out, slots, active):
     return ops.put_rows(xp.stack([xp.zeros_like(active), xp.ones_like(active)]).T, slots, out.T).T
 
 
+def _own_cv(ops, slots, cv):
+    """A window's control vector scales [S] as its computed rows see them ([B] of slots; None stays None)."""
+    return cv if cv is None or slots is None else ops.take_rows(cv, slots)
+
+
 def _first_rows(x, slots):
     """The hidden rows [B, H] handed on to a window of B rows, the first of the hand-off buffer's (x [S, H])."""
     return x if x is None or slots is None else x[:slots.shape[0]]
 
 
-def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, taps=None, x=None, slots=None):
+def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, taps=None, x=None, slots=None,
+                   cv=None):
     """_decode_rows's forward pass without its sampler -> (states, logits [S, V], or [B, V] of slots); window fetch:
     (states, routing counts, experts copied, logits). The rows are not donated: the shaped sampler that follows takes
     them."""
@@ -933,7 +963,7 @@ def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, t
     own, on, _ = _own_rows(ops, slots, rows, active)
     logits, states = forward(ops, cfg, params, states, own[0], own[1], on,
                              path.traced(layout, args, on, counts, copied), all_logits=True, taps=taps,
-                             x=_first_rows(x, slots), slots=slots)
+                             x=_first_rows(x, slots), slots=slots, cv=_own_cv(ops, slots, cv))
     if fetching:
         return states, ops.xp.stack(counts), ops.xp.stack(copied), logits
     return states, logits
@@ -1000,24 +1030,24 @@ def _sample_rows(ops, logits, temperature, top_k, top_p, min_p, seeds, steps, gr
     return nxt, ops.xp.all(ops.xp.isfinite(logits), axis=-1)
 
 
-def _part_hidden(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, x, taps=None):
+def _part_hidden(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, x, taps=None, cv=None):
     """A split's stage before the last on a prompt part of one slot: x [T, H] from the stage before (None on the
     first) -> (its layers' states, x after them)."""
     state = slot_state(ops, states, slot)
     x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
-                              taps=taps, x=x)
+                              taps=taps, x=x, cv=cv)
     return put_slot_state(ops, states, slot, state), x
 
 
 def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, temperature, top_k,
-                 top_p, min_p, seed, step, taps=None, x=None):
+                 top_p, min_p, seed, step, taps=None, x=None, cv=None):
     """One prompt part on one slot's state -> (token sampled after its last row, its logits finite, states, its
     last row's logits [1, V] for a shaped sampler, its real rows' residual at the end finite, that residual x [T, H]
-    (the MTP head reads it: strata/engine/spec.py))."""
+    (the MTP head reads it: strata/engine/spec.py)). cv [1]: the slot's control vector scale (None: none)."""
     xp = ops.xp
     state = slot_state(ops, states, slot)
     x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
-                              taps=taps, x=x)
+                              taps=taps, x=x, cv=cv)
     logits = head(ops, cfg, params, x, n_valid, all_logits=False)                          # [1, V]
     states = put_slot_state(ops, states, slot, state)
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))

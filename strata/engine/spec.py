@@ -193,7 +193,7 @@ def accepted_states(xp, kinds, states, a):
 
 
 def _verify_hidden(ops, cfg, path, layout, geo: Geometry, params, args, states, rows, drafted, offer, active, x,
-                   taps=None):
+                   taps=None, cv=None):
     """A split's stage before the last in a verify window (x [T*S, H] from the stage before, None on the first) ->
     (its layers' states with the linear layers' as they were, the linear layers' at every position [T, S, ...]
     (`kept`, for _roll_back), x after its layers); window fetch: and the routing counts and experts copied."""
@@ -203,13 +203,18 @@ def _verify_hidden(ops, cfg, path, layout, geo: Geometry, params, args, states, 
     flat_valid = valid.reshape(-1).astype(ops.xp.int32)
     x, new = forward_hidden(ops, cfg, params, states, tokens, pos, valid.astype(ops.xp.int32),
                             path.traced(layout, args, flat_valid, counts, copied), mix=stepwise(geo.k + 1),
-                            taps=taps, x=x)
+                            taps=taps, x=x, cv=_steps_cv(ops, cv, geo.k + 1))
     kinds = cfg.layer_types
     kept = [st if kind == LINEAR else {} for kind, st in zip(kinds, new)]
     states = [old if kind == LINEAR else st for kind, old, st in zip(kinds, states, new)]
     if fetching:
         return states, kept, x, ops.xp.stack(counts), ops.xp.stack(copied)
     return states, kept, x
+
+
+def _steps_cv(ops, cv, steps: int):
+    """Each row's control vector scale cv [S] for a verify window's rows ([steps * S], step-major); None stays."""
+    return None if cv is None else ops.xp.tile(cv, steps)
 
 
 def _roll_back(ops, states, kept, out, k: int, kinds: tuple):
@@ -221,12 +226,13 @@ def _roll_back(ops, states, kept, out, k: int, kinds: tuple):
 
 
 def _verify_rows(ops, cfg, path, layout, geo: Geometry, head: MtpHead, params, args, pool, states, bank, rows, offer,
-                 active, temperature, top_k, top_p, min_p, seeds, greedy: bool = False, taps=None, x=None):
+                 active, temperature, top_k, top_p, min_p, seeds, greedy: bool = False, taps=None, x=None, cv=None):
     """A verify window (a split's last stage: x [T*S, H] from the stage before). rows int32 [3, S]: each row's
     token, position and step; offer [S]: drafts it may verify (of those bank["drafted"] holds); bank: the head's
     state {kv, h, drafted}. -> (states, bank, out int32 [K + 4, S]: the tokens it emits (the accepted drafts, then
     the next token; a + 1 of them), a, finite (the logits at every position it verified), drafts verified); window
-    fetch: and the routing counts and experts copied."""
+    fetch: and the routing counts and experts copied. cv [S]: each row's control vector scale (None: none); the
+    head reads the steered hidden state and steers nothing of its own (llama.cpp's vector has no entry for it)."""
     xp = ops.xp
     i32 = xp.int32
     K, S = geo.k, rows.shape[1]
@@ -239,7 +245,8 @@ def _verify_rows(ops, cfg, path, layout, geo: Geometry, head: MtpHead, params, a
     counts, copied = ([], []) if fetching else (None, None)
     flat_valid = valid.reshape(-1).astype(i32)
     x, states = forward_hidden(ops, cfg, params, states, tokens, pos, valid.astype(i32),
-                               path.traced(layout, args, flat_valid, counts, copied), mix=stepwise(T), taps=taps, x=x)
+                               path.traced(layout, args, flat_valid, counts, copied), mix=stepwise(T), taps=taps, x=x,
+                               cv=_steps_cv(ops, cv, T))
     hn = final_hidden(ops, cfg, params, x)                                             # [T*S, W]
     L = hidden_logits(ops, cfg, params, hn).reshape(T, S, -1)
     finite = xp.all(xp.isfinite(L) | ~valid[..., None], axis=(0, 2))
@@ -376,7 +383,7 @@ class Spec:
             a, b = st.layers.start, st.layers.stop
             drafted = st.ops.to_device(self.bank["drafted"])
             res = self._hidden[st.index](st.params, self._args(st, fetched), r.states[a:b], st.ops.to_device(rows),
-                                         drafted, offer, active, x)
+                                         drafted, offer, active, x, **r.cv(plan, r.stage_args[st.index]))
             r.states[a:b], kept[st.index], x = res[:3]
             self._counts(st, fetched, res[3:])
             return x
@@ -387,7 +394,7 @@ class Spec:
         sampling = [r._args.get(k, v) for k, v in zip(SAMPLING, plan.sampling)]
         greedy = all_greedy(plan.temperature, plan.decode_active)
         res = self._verify(st.params, self._args(st, fetched), self.pool, r.states[a:b], self.bank, rows, offer,
-                           active, *sampling, r._args.get("seeds", plan.seeds), greedy=greedy, x=x)
+                           active, *sampling, r._args.get("seeds", plan.seeds), greedy=greedy, x=x, **r.cv(plan))
         r.states[a:b], self.bank, out = res[:3]
         self._counts(st, fetched, res[3:])
         # the rollback of the stages before the last: the accepted counts (in out) handed back to their devices
@@ -452,10 +459,10 @@ class Spec:
         return po
 
 
-def sequence_draft_logits(engine, token_ids) -> np.ndarray:
+def sequence_draft_logits(engine, token_ids, control_scale: float = 1.0) -> np.ndarray:
     """The head's draft logits at positions 0..n-2 of a fresh sequence of n tokens (each predicts the token two
     ahead), in the sequence form (every position at once, nothing of verify windows or drafting): the oracle tests'
-    view of the head. Compiled once per n; every expert resident, unsplit."""
+    view of the head. Compiled once per n; every expert resident, unsplit; control_scale: the control vector's."""
     if engine.split:
         raise ValueError("sequence_draft_logits reads an unsplit engine")
     ops, cfg = engine.backend, engine.cfg
@@ -464,14 +471,15 @@ def sequence_draft_logits(engine, token_ids) -> np.ndarray:
         partial(_sequence_draft, ops, cfg, engine.path, engine.layout, head)))
     state = ops.zeros_like(engine.init_state())
     kv = ops.zeros_like(attention_state(cfg, engine.capacity, engine.dtype, engine.kv_dtype))
-    out = f(engine.params, engine.path.args(), pool, state, kv, np.asarray(token_ids, np.int32))
+    out = f(engine.params, engine.path.args(), pool, state, kv, np.asarray(token_ids, np.int32),
+            **engine.cv([control_scale]))
     return np.asarray(ops.to_host(out))
 
 
-def _sequence_draft(ops, cfg, path, layout, head: MtpHead, params, args, pool, state, kv, tokens):
+def _sequence_draft(ops, cfg, path, layout, head: MtpHead, params, args, pool, state, kv, tokens, cv=None):
     n = tokens.shape[0]
     x, _ = forward_hidden(ops, cfg, params, state, tokens, np.int32(0), np.int32(n),
-                          path.traced(layout, args, np.int32(n)))
+                          path.traced(layout, args, np.int32(n)), cv=cv)
     hn = final_hidden(ops, cfg, params, x)
     g, _ = mtp_hidden(ops, cfg, params, kv, tokens[1:], hn[:-1], np.int32(0), np.int32(n - 1),
                       head.experts(ops, pool, np.int32(n - 1)))

@@ -17,6 +17,7 @@ import numpy as np
 
 from strata.backend import HOST, SLOTS, TIER_BASE, TIER_ROW
 from strata.model.config import LINEAR, ModelConfig
+from strata.model.control import CONTROL
 from strata.model.params import is_sparse, ngram_spec_for, projections
 from strata.model.qwen4_exp import hyper_enter, hyper_exit, ple_layer, qsa_attention
 
@@ -125,10 +126,13 @@ def row_positions(xp, t: int, start, n_valid):
     return start.reshape(-1), n_valid.reshape(-1) > 0
 
 
-def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, back, tap: Tapping | None = None):
+def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, back, tap: Tapping | None = None,
+               steer=None):
     """THE layer loop, for prompt parts and decode rows on every expert path. x [T, H]; for each layer
     front(lp, st, x, kind, ple) -> layer_front's tuple (ple: the layer's index among the PLE layers, or None); for a sparse layer y = experts(p, h, w, idx) (p: the MoE layer's
-    position, counted from 0) and x = back(lp, x, shared, y). -> (x, new states). tap: Taps' hooks, when on.
+    position, counted from 0) and x = back(lp, x, shared, y); a layer with a control vector (lp[CONTROL]) then
+    x = steer(x, lp[CONTROL]) (the rows' scales bound in; strata/model/control.py). -> (x, new states). tap: Taps'
+    hooks, when on.
     Traced inside one compiled window (front/back/experts traced), or driven from the host with each half compiled
     on its own and the routed experts resolved between them (LayerByLayer; strata/experts/path.py)."""
     states = list(states)
@@ -145,6 +149,10 @@ def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, 
                 y = tap.after(layer, "routed experts", y)
             x = back(lp, x, shared, y)
             p += 1
+        if CONTROL in lp:
+            if steer is None:
+                raise ValueError(f"layer {layer} has a control vector but this pass was given no rows' scales")
+            x = steer(x, lp[CONTROL])
         if tap is not None:
             x = tap.after(layer, "output", x)
     if tap is not None:
@@ -153,7 +161,7 @@ def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, 
 
 
 def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, all_logits: bool,
-            taps: Taps | None = None, x=None, slots=None):
+            taps: Taps | None = None, x=None, slots=None, cv=None):
     """Traced: one part of one sequence, or a decode window, through run_layers -> (logits, new state).
 
     One sequence: tokens [T] int32 at positions start..start+T-1 (start, n_valid int32 scalars: one compilation per
@@ -163,17 +171,19 @@ def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_v
     position given, beyond every real one, and its recurrent state is unchanged.)
     experts(p, h, w, idx) -> y: the routed experts of MoE layer p (strata/experts/path.py). x: the rows' hidden
     state from the stage before (a layer split's last stage), in place of the tokens' embedding. slots [B]: a decode
-    window of B rows over a bank of more, row b on bank row slots[b] (distinct; the other rows left as they are)."""
-    x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, experts, taps=taps, x=x, slots=slots)
+    window of B rows over a bank of more, row b on bank row slots[b] (distinct; the other rows left as they are).
+    cv: the rows' control vector scales (steer's; None when the model has no control vector)."""
+    x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, experts, taps=taps, x=x, slots=slots,
+                              cv=cv)
     return head(ops, cfg, params, x, n_valid, all_logits), state
 
 
 def forward_hidden(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, mix=None,
-                   taps: Taps | None = None, x=None, slots=None):
+                   taps: Taps | None = None, x=None, slots=None, cv=None):
     """forward() up to the final norm -> (x [T, H], new state). mix: the mixers' form (mix_rows's signature; None:
     mix_rows), e.g. the verify form that runs several positions of each row and keeps each position's state.
     x: the rows' hidden state from the stage before (a layer split's later stage), in place of tokens' embedding.
-    slots: as forward's."""
+    slots, cv: as forward's."""
     if x is None:
         x = embed_rows(cfg, params, tokens)                                       # [T, residual_width]
 
@@ -187,7 +197,19 @@ def forward_hidden(ops, cfg: ModelConfig, params: dict, state: list, tokens, sta
             rows = {k: ops.put_rows(st[k], slots, v) for k, v in rows.items()}
         return x, h, w, idx, shared, rows
     tap = taps.on(ops, *row_positions(ops.xp, x.shape[0], start, n_valid)) if taps is not None else None
-    return run_layers(cfg, params, state, x, front, experts, partial(layer_back, ops, cfg), tap)
+    return run_layers(cfg, params, state, x, front, experts, partial(layer_back, ops, cfg), tap,
+                      None if cv is None else partial(steer, ops, cfg, cv))
+
+
+def steer(ops, cfg: ModelConfig, scale, x, direction):
+    """x [T, W] after a layer plus each row's scale times the layer's control vector direction [H] (in every stream
+    of a hyper-connected model), summed in float32 as llama.cpp adds its float32 vector. scale: [T] (a row each) or
+    [1] (a part's rows alike); 0 leaves x as it was."""
+    xp = ops.xp
+    d = direction.astype(xp.float32)
+    if cfg.hyper:
+        d = xp.concatenate([d] * cfg.hc_count)
+    return (x.astype(xp.float32) + scale.astype(xp.float32).reshape(-1, 1) * d).astype(x.dtype)
 
 
 def finite_rows(xp, x, valid):
@@ -212,58 +234,64 @@ class LayerByLayer:
         self._back = compiled("st_back", lambda: c(partial(layer_back, ops, cfg)))
         self._head = compiled("st_head", lambda: c(partial(head, ops, cfg), static_argnames=("all_logits",)))
         self._finite = compiled("st_finite", lambda: c(partial(_finite_part, ops)))
+        self._steer = compiled("st_steer", lambda: c(partial(steer, ops, cfg)))
 
-    def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool, experts):
-        """One sequence's part (T tokens, the first n_valid real) -> (logits, new state)."""
-        x, state, _ = self.sequence_hidden(params, state, tokens, start, n_valid, experts)
+    def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool, experts, cv=None):
+        """One sequence's part (T tokens, the first n_valid real) -> (logits, new state). cv: the control vector's
+        scale for its rows ([1]; None without one)."""
+        x, state, _ = self.sequence_hidden(params, state, tokens, start, n_valid, experts, cv=cv)
         return self.head(params, x, n_valid, all_logits), state
 
-    def sequence_hidden(self, params, state: list, tokens, start: int, n_valid: int, experts, x=None):
+    def sequence_hidden(self, params, state: list, tokens, start: int, n_valid: int, experts, x=None, cv=None):
         """sequence()'s last layer output instead of its logits -> (x, new state, finite); x: the hidden rows
         from the stage before (a layer split's later stage) in place of the tokens' embedding."""
         def front(lp, st, x, kind, ple):
             return self._front(lp, st, x, np.int32(start), np.int32(n_valid), tokens, kind=kind, ple=ple)
         rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
-        return self._hidden(params, state, tokens, front, experts, np.int32(n_valid), rows, x)
+        return self._hidden(params, state, tokens, front, experts, np.int32(n_valid), rows, x, cv)
 
-    def slot_part(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts):
+    def slot_part(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts, cv=None):
         """A prompt part on one slot of a bank -> (logits [1, V] of its last real row, new bank, whether its real
-        rows' residual at the end is finite (a device scalar))."""
-        x, bank, finite = self.slot_part_hidden(params, bank, slot, tokens, start, n_valid, experts)
+        rows' residual at the end is finite (a device scalar)); cv: as sequence's."""
+        x, bank, finite = self.slot_part_hidden(params, bank, slot, tokens, start, n_valid, experts, cv=cv)
         return self.head(params, x, n_valid), bank, finite
 
-    def slot_part_hidden(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts, x=None):
+    def slot_part_hidden(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts, x=None,
+                         cv=None):
         """slot_part's last layer output x [T, H] (before the final norm) instead of its logits -> (x, new bank,
         finite); x: as sequence_hidden's."""
         def front(lp, st, x, kind, ple):
             return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), tokens, kind=kind,
                                     ple=ple)
         rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
-        return self._hidden(params, bank, tokens, front, experts, np.int32(n_valid), rows, x)
+        return self._hidden(params, bank, tokens, front, experts, np.int32(n_valid), rows, x, cv)
 
     def head(self, params, x, n_valid: int, all_logits: bool = False):
         """The logits of a last layer output x: of row n_valid - 1 [1, V], or of every row."""
         return self._head(params, x, np.int32(n_valid), all_logits=all_logits)
 
-    def rows(self, params, bank: list, tokens, pos, active, experts):
-        """One token for each slot of the bank (tokens, pos, active [S]) -> (logits [S, V], new bank)."""
-        x, bank, _ = self.rows_hidden(params, bank, tokens, pos, active, experts)
+    def rows(self, params, bank: list, tokens, pos, active, experts, cv=None):
+        """One token for each slot of the bank (tokens, pos, active [S]) -> (logits [S, V], new bank). cv: each
+        row's control vector scale [S] (None without one)."""
+        x, bank, _ = self.rows_hidden(params, bank, tokens, pos, active, experts, cv=cv)
         return self.head(params, x, len(tokens), all_logits=True), bank
 
-    def rows_hidden(self, params, bank: list, tokens, pos, active, experts, x=None):
+    def rows_hidden(self, params, bank: list, tokens, pos, active, experts, x=None, cv=None):
         """rows()'s last layer output instead of its logits -> (x [S, H], new bank, finite); x: as
         sequence_hidden's."""
         def front(lp, st, x, kind, ple):
             return self._front(lp, st, x, pos, active, tokens, kind=kind, ple=ple)
         rows = (np.asarray(pos), np.asarray(active) > 0)
-        return self._hidden(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), rows, x)
+        return self._hidden(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), rows, x, cv)
 
-    def _hidden(self, params, states, tokens, front, experts, n_valid, rows, x=None):
+    def _hidden(self, params, states, tokens, front, experts, n_valid, rows, x=None, cv=None):
         """run_layers under the taps -> (x, states, whether x's first n_valid rows are finite)."""
         tap = self.taps.on(self.ops, *(self.ops.to_device(r) for r in rows)) if self.taps.debug_nan or \
             self.taps.nonfinite is not None else None
         x = self._embed(params, tokens) if x is None else x
-        x, states = run_layers(self.cfg, params, states, x, front, experts, self._back, tap)
+        scale = None if cv is None else self.ops.to_device(np.asarray(cv, np.float32))
+        x, states = run_layers(self.cfg, params, states, x, front, experts, self._back, tap,
+                               None if cv is None else (lambda x, d: self._steer(scale, x, d)))
         return x, states, self._finite(x, n_valid)
 
 

@@ -58,6 +58,8 @@ class Request:
     chat: bool = False                           # a chat reply: reasoning blocks' layout whitespace is trimmed
     cache_key: tuple = ()                        # what besides the tokens a stored state depends on: the prompt
                                                  # cache shares state only between requests of equal keys
+    control_scale: float = 1.0                   # the executor's control vector times this for every row of this
+                                                 # request (1: as loaded; 0: off; part of cache_key)
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,8 @@ class Scheduler:
         if not (0 <= sp.top_k < 2 ** 31 and math.isfinite(sp.temperature) and sp.temperature >= 0
                 and 0 < sp.top_p <= 1 and 0 <= sp.min_p <= 1 and (sp.seed is None or 0 <= sp.seed < 2 ** 63)):
             raise ValueError(f"request {req.id}: sampling values out of range: {sp}")
+        if not math.isfinite(req.control_scale):
+            raise ValueError(f"request {req.id}: control_scale must be a finite number, got {req.control_scale}")
         if len(self.queue) >= self.queue_limit:
             raise QueueFull(len(self.queue))
         send, receive = anyio.create_memory_object_stream(max_buffer_size=math.inf)
@@ -484,8 +486,8 @@ class Scheduler:
         return replace(plan, draft_len=k)
 
     def _shaping(self, live: list[Slot], sampled: list[Slot]) -> dict:
-        """The plan's optional arrays, each only when some slot needs it: every live slot's penalties, logit bias
-        and logprobs; the grammar masks of the slots this window samples for."""
+        """The plan's optional arrays, each only when some slot needs it: every live slot's penalties, logit bias,
+        control vector scale and logprobs; the grammar masks of the slots this window samples for."""
         n, out = len(self.slots_), {}
         if any(s.req.sampling.penalized for s in live):
             pen = np.tile(np.array([0.0, 0.0, 1.0], np.float32), (n, 1))
@@ -500,6 +502,11 @@ class Scheduler:
                 for j, (token, bias) in enumerate(s.req.sampling.logit_bias):
                     ids[s.id, j], values[s.id, j] = token, bias
             out["bias_ids"], out["bias_values"] = ids, values
+        if any(s.req.control_scale != 1 for s in live):
+            scale = np.ones(n, np.float32)
+            for s in live:
+                scale[s.id] = s.req.control_scale
+            out["control_scale"] = scale
         if any(s.req.logprobs is not None for s in live):
             lp = np.full(n, -1, np.int32)
             for s in live:

@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from strata.config import Settings
 from strata.errors import StrataError
+from strata.model.control import entries as cv_entries
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, SamplingParams
 from strata.serve import openai_api as oa
 from strata.serve.openai_api import ApiError
@@ -315,7 +316,13 @@ class ServeState:
 
     def limits(self) -> oa.Limits:
         slots = self.slot_count if self.slot_count is not None else len(self.scheduler.slots())
-        return oa.Limits(vocab_size=self.vocab_size, max_context=self.max_context, slots=slots)
+        return oa.Limits(vocab_size=self.vocab_size, max_context=self.max_context, slots=slots,
+                         control_vector=self.control_vector)
+
+    @property
+    def control_vector(self) -> bool:
+        """Whether the engine loads a control vector (the setting; a remote front end has no engine of its own)."""
+        return self.config.model.control_vector is not None
 
     def headers_for(self, request_id: str) -> dict:
         return self.response_headers(request_id) if self.response_headers is not None else {}
@@ -665,6 +672,9 @@ def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning
     state.check_admitting()                         # again: the server may have begun to drain while this tokenized
     s = params.sampling(state.sampling_defaults)
     rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    scale = 1.0 if params.control_vector_scale is None else params.control_vector_scale
+    # a stored state depends on the scale its tokens were read with: the prompt cache keeps scales apart
+    key = (("control_vector_scale", scale),) if state.control_vector else ()
     req = Request(id=rid, prompt_ids=tuple(int(i) for i in ids), max_tokens=int(max_tokens),
                   sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                                           seed=s.seed, presence_penalty=s.presence_penalty,
@@ -674,7 +684,7 @@ def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning
                   stop_token_ids=() if params.ignore_eos else None, n=params.choices, logprobs=params.logprob_count,
                   constraint=constraint, cache_prompt=params.cache_prompt is not False,
                   checkpoints=params.strata_checkpoint is not False, turn_at=turn_at,
-                  chat=kind == "chat")
+                  chat=kind == "chat", cache_key=key, control_scale=scale)
     try:
         events = state.scheduler.submit(req)
     except QueueFull as e:
@@ -1151,6 +1161,9 @@ async def props(request: HttpRequest):
            "total_slots": c.sched.parallel, "model_path": str(c.model.model), "model_alias": s.model_name,
            "served_model_names": list(s.names), "max_context": s.max_context, "status": s.phase,
            "modalities": {"vision": False, "audio": False}, "build_info": f"strata {_version()}"}
+    if s.control_vector:          # --control-vector: its files; a request's control_vector_scale multiplies it
+        out["control_vector"] = {"files": [{"path": p, "scale": k} for p, k in cv_entries(c.model.control_vector)],
+                                 "default_scale": 1.0}
     if s.scheduler is not None and (stages := s.scheduler.metrics().get("stages")):
         out["stages"] = stages           # a layer split: each stage's device, layers, cache counters, hand-off time
     tok = s.tokenizer

@@ -170,6 +170,7 @@ class Limits:
     vocab_size: int = 1 << 31
     max_context: int = 1 << 31
     slots: int = 1 << 31
+    control_vector: bool = True          # a control vector is loaded (a request may scale it)
 
 
 def _limits(info: ValidationInfo) -> Limits:
@@ -323,6 +324,7 @@ def _check_response_format(v):
 
 MAX_LOGIT_BIAS = 1024           # entries of one request's logit_bias
 MAX_TOP_LOGPROBS = 20
+MAX_CONTROL_SCALE = 100.0      # |control_vector_scale| (llama.cpp sets no bound; past this a vector drowns the residual)
 TOOL_CHOICES = ("none", "auto", "required")
 
 
@@ -388,6 +390,13 @@ class Body(BaseModel):
             raise _api_error(e) from None
 
 
+def _check_control_scale(v, info: ValidationInfo):
+    if v is not None and not _limits(info).control_vector:
+        raise _refuse(lambda p: f"{p} scales the server's control vector, and this server loaded none: start it with "
+                                f"--control-vector FILE[:SCALE], or leave {p} out", "unsupported")
+    return v
+
+
 class _Body(Body):
     """The fields every generation body shares."""
 
@@ -423,6 +432,10 @@ class _Body(Body):
     strata_checkpoint: Bool = Field(
         None, description="Store this request's conversation with checkpoints for later prompts to reuse; default "
                           "true. false: none are taken (a prompt that will not come back).")
+    control_vector_scale: Annotated[Num(-MAX_CONTROL_SCALE, MAX_CONTROL_SCALE, what="(1 = as loaded, 0 = off)"),
+                                    BeforeValidator(_check_control_scale)] = Field(
+        None, description="The server's control vector (--control-vector) times this for this request: 1 (default) "
+                          "as loaded, 0 off, negative steers the other way.")
     n: Int(1, lambda lim: lim.slots, "(choices: one slot each)") = Field(
         None, description="Choices to sample (the prompt is read once); at most the server's slots.")
     response_format: Annotated[Optional[dict], BeforeValidator(_check_response_format)] = Field(
