@@ -97,6 +97,11 @@ KEYS = (
                                                                          "tok_s")),)),
     Key("followup_ttft_ms_64k", "time to first token of a follow-up turn on a 64K conversation", "ms",
         (Source("followup_ttft", ("ttft_ms_64k",)),)),
+    # agents sharing a prompt (bench/agents.py: 8 agents on 4 slots, an 8K system prompt with tools, 10 turns each)
+    Key("agents_reuse_fraction", "8 agents on 4 slots sharing an 8K system prompt: prompt tokens reused of the most "
+        "that could be", "x", (Source("agents", ("agents_reuse_fraction",), require=(("agents", 8), ("slots", 4))),)),
+    Key("agents_followup_ttft_ratio", "the same: a follow-up turn's TTFT alone over a cold prompt of its new tokens",
+        "x", (Source("agents", ("agents_followup_ttft_ratio",), require=(("agents", 8), ("slots", 4))),)),
     # speculative decoding (bench/spec_speed.py at real shapes, 4 drafts + 1, random weights)
     Key("spec_verify_cost_ratio_b1", "speculative decoding: a verify window of 4 drafts + 1 over a 1-token window, "
         "batch 1", "x", (Source("spec_speed", ("spec_verify_cost_ratio_b1",),

@@ -3,11 +3,11 @@ tokens; conversations that share a prefix share its nodes), the conversations wh
 of them a new prompt continues or branches from, and what is parked when a slot is needed. Plain bookkeeping over the
 Executor's state copies (strata/plan.py); the scheduler calls take() only where a slot's state is exact.
 
-A prompt restarts from the deepest node on its path before its last token. It continues the conversation holding that
-prefix when it loses at most checkpoint_every of its tokens (a reply that the chat template renders anew), else the
-prefix's KV is copied from a holder (a slot, or a parked KV, which stays parked): no other history is taken. A node
-lives while a conversation covers it; each slot's newest node stays on the device, the others and parked KVs in host
-RAM within a byte budget, least recently used out first, node by node.
+A prompt restarts from the deepest node on its path before its last token. It continues the conversation holding
+that prefix when it holds that conversation's last prompt whole (the reply may differ: the chat template renders it
+anew), else the prefix's KV is copied from a holder (a slot, or a parked KV, which stays parked): no other history is
+taken. A node lives while a conversation covers it; each slot's newest node stays on the device, the others and
+parked KVs in host RAM within a byte budget, least recently used out first, node by node.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ class Conversation:
     tokens: list = field(default_factory=list)       # the tokens whose KV it holds, in order (node.pos <= len)
     kv: Saved | None = None      # parked: its KV in host RAM (else in its slot)
     used: int = 0
+    prompt: int = 0              # the length of the last prompt read into it (what follows was generated)
 
     @property
     def checkpoints(self) -> list[Node]:
@@ -160,10 +161,11 @@ class PromptCache:
             holders = [(c, i) for i, c in enumerate(self.live) if c is not None and (i in free or i in shared)]
             holders = [(c, i) for c, i in holders + [(c, None) for c in self.parked]
                        if c.key == key and common_prefix(c.tokens, prompt) >= pos]
-            # the prompt continues a conversation that loses at most `every` tokens by it (its last reply as the
-            # chat template renders it again), in its slot or resumed; else it branches
+            # it continues a conversation whose last prompt it holds whole (the reply may differ: the chat template
+            # renders it anew), in its slot or resumed; else it branches
             lost = {id(c): len(c.tokens) - common_prefix(c.tokens, prompt) for c, _ in holders}
-            own = sorted([(c, i) for c, i in holders if lost[id(c)] <= self.every and (i is None or i in free)],
+            own = sorted([(c, i) for c, i in holders if (i is None or i in free)
+                          and common_prefix(c.tokens, prompt) >= min(c.prompt, len(c.tokens))],
                          key=lambda h: (lost[id(h[0])], h[1] is None))
             own = own[0] if own else None
             if own is not None:
@@ -196,7 +198,7 @@ class PromptCache:
             self.stats["prompt_cache_tokens_reused"] += pos
         self._point(conv, node)
         node.holders -= 1
-        conv.tokens = list(prompt[:pos])
+        conv.tokens, conv.prompt = list(prompt[:pos]), len(prompt)
         conv.used = self._tick()
         self.live[slot] = conv
         return slot, pos

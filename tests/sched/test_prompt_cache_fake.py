@@ -264,6 +264,27 @@ def test_a_new_conversation_branches_and_never_takes_anothers_history(tokenizer,
         assert m["conversations_parked"] == 2 and m["conversations_resumed"] == 1
 
 
+def test_a_turn_whose_reply_is_rendered_anew_continues_its_conversation_and_another_does_not(tokenizer):
+    """a's next turn holds a's prompt whole but renders its reply otherwise (a chat template's re-rendering): it
+    continues a in its slot, nothing copied. b shares only the system prompt with a, and a loses fewer than
+    checkpoint_every tokens if b took it over: b branches all the same (from a, parked for it), and a's next turn
+    resumes a whole."""
+    every = 40
+    fake = FakeExecutor(slots=1, part_size=16, max_context=4096, chains=False)
+    sched = sched_over(fake, tokenizer, checkpoint_every=every, checkpoint_ram_gib=1.0, lookahead=False)
+    system = P("system: " + "s" * 40)
+    a1 = turn("a1", system + P("user a") + HEADER, 8)
+    a2 = turn("a2", a1.prompt_ids + P("the reply, rendered anew") + P("more") + HEADER, 4)
+    b1 = turn("b1", system + P("user b") + HEADER, 4)
+    a3 = turn("a3", a2.prompt_ids + tuple(reply_of(a2)) + P("again") + HEADER, 4)
+    assert len(a2.prompt_ids) + len(reply_of(a2)) - 1 - common_prefix(a2.prompt_ids, b1.prompt_ids) < every
+    results = serve_rounds(sched, [[a1], [a2], [b1], [a3]])
+    reused = [results[i][r.id][1].timings["reused"] for i, r in enumerate([a1, a2, b1, a3])]
+    assert reused == [0, len(a1.prompt_ids) - len(HEADER), every, len(a2.prompt_ids) + len(reply_of(a2)) - 1]
+    m = sched.metrics()
+    assert m["prompt_cache_branches"] == 1 and m["conversations_parked"] == 2 and m["conversations_resumed"] == 1
+
+
 def test_agents_sharing_a_system_prompt_on_fewer_slots(tokenizer):
     """Six agents share a system prompt on two slots, three turns each, round robin: every first turn reuses the
     shared prompt (to within a checkpoint's spacing), every later turn its whole history; the shared checkpoints
