@@ -215,10 +215,7 @@ class RemoteScheduler:
         listed: set[str] | None = None
         targets: list = sorted(self.known) or [None]        # None: any replica (nothing known yet)
         for _ in range(2):
-            answers: list = [None] * len(targets)
-            async with anyio.create_task_group() as tg:
-                for i, target in enumerate(targets):
-                    tg.start_soon(self._ask, target, answers, i)
+            answers = await self._ask_all(targets)
             for target, snap in zip(targets, answers):
                 if snap is not None:
                     listed = set(snap["replicas"])
@@ -233,16 +230,33 @@ class RemoteScheduler:
             self.known = set(got)
         self.surveyed = got
 
-    async def _ask(self, target: str | None, answers: list, i: int) -> None:
-        response = self.engine.snapshot.remote(replica=target, replicas=None)
-        with anyio.move_on_after(SURVEY_TIMEOUT_S):
-            try:
-                answers[i] = await response
-            except Exception as e:  # noqa: BLE001 - a replica that died or failed is reported, not raised
-                log.warning("replica %s did not answer the ingress's survey: %s: %s", target, type(e).__name__, e)
-            return
-        response.cancel()
-        log.warning("replica %s did not answer the ingress's survey within %.0f s", target, SURVEY_TIMEOUT_S)
+    async def _ask_all(self, targets: list) -> list:
+        """The targets' snapshots (None: no answer), asked at once from this scheduler's own task group, as _pump's
+        calls are: a call made in an HTTP request's task carries that request's Serve id, and Serve's router files
+        pending calls by it, so concurrent calls of one request would collide there (one of them never sent)."""
+        send, receive = anyio.create_memory_object_stream(len(targets))
+        for i, target in enumerate(targets):
+            self._tg.start_soon(self._ask, target, i, send.clone())
+        send.close()
+        answers: list = [None] * len(targets)
+        async with receive:
+            async for i, snap in receive:
+                answers[i] = snap
+        return answers
+
+    async def _ask(self, target: str | None, i: int, send) -> None:
+        async with send:
+            snap = None
+            response = self.engine.snapshot.remote(replica=target, replicas=None)
+            with anyio.move_on_after(SURVEY_TIMEOUT_S) as scope:
+                try:
+                    snap = await response
+                except Exception as e:  # noqa: BLE001 - a replica that died or failed is reported, not raised
+                    log.warning("replica %s did not answer the ingress's survey: %s: %s", target, type(e).__name__, e)
+            if scope.cancelled_caught:
+                response.cancel()
+                log.warning("replica %s did not answer the ingress's survey within %.0f s", target, SURVEY_TIMEOUT_S)
+            await send.send((i, snap))
 
     def metrics(self) -> dict:
         return {}
