@@ -12,6 +12,7 @@ request's first token: the request is retried on another; mid-stream: an error c
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import signal
@@ -231,32 +232,24 @@ class RemoteScheduler:
         self.surveyed = got
 
     async def _ask_all(self, targets: list) -> list:
-        """The targets' snapshots (None: no answer), asked at once from this scheduler's own task group, as _pump's
-        calls are: a call made in an HTTP request's task carries that request's Serve id, and Serve's router files
-        pending calls by it, so concurrent calls of one request would collide there (one of them never sent)."""
-        send, receive = anyio.create_memory_object_stream(len(targets))
-        for i, target in enumerate(targets):
-            self._tg.start_soon(self._ask, target, i, send.clone())
-        send.close()
-        answers: list = [None] * len(targets)
-        async with receive:
-            async for i, snap in receive:
-                answers[i] = snap
-        return answers
+        """The targets' snapshots (None: no answer), asked at once, each call in an empty context: a call made in an
+        HTTP request's context carries that request's Serve id, under which Serve's router files pending calls, so
+        concurrent calls of one request collide there (one of them is never sent)."""
+        loop = asyncio.get_running_loop()
+        return list(await asyncio.gather(*(loop.create_task(self._ask(t), context=contextvars.Context())
+                                           for t in targets)))
 
-    async def _ask(self, target: str | None, i: int, send) -> None:
-        async with send:
-            snap = None
-            response = self.engine.snapshot.remote(replica=target, replicas=None)
-            with anyio.move_on_after(SURVEY_TIMEOUT_S) as scope:
-                try:
-                    snap = await response
-                except Exception as e:  # noqa: BLE001 - a replica that died or failed is reported, not raised
-                    log.warning("replica %s did not answer the ingress's survey: %s: %s", target, type(e).__name__, e)
-            if scope.cancelled_caught:
-                response.cancel()
-                log.warning("replica %s did not answer the ingress's survey within %.0f s", target, SURVEY_TIMEOUT_S)
-            await send.send((i, snap))
+    async def _ask(self, target: str | None) -> dict | None:
+        response = self.engine.snapshot.remote(replica=target, replicas=None)
+        with anyio.move_on_after(SURVEY_TIMEOUT_S):
+            try:
+                return await response
+            except Exception as e:  # noqa: BLE001 - a replica that died or failed is reported, not raised
+                log.warning("replica %s did not answer the ingress's survey: %s: %s", target, type(e).__name__, e)
+                return None
+        response.cancel()
+        log.warning("replica %s did not answer the ingress's survey within %.0f s", target, SURVEY_TIMEOUT_S)
+        return None
 
     def metrics(self) -> dict:
         return {}
