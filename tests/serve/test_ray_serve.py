@@ -61,11 +61,11 @@ def jax_cache():
 # --- `strata serve --replicas N`: its own local Ray instance (this test runs before the module's instance starts) ----
 
 def test_strata_serve_replicas_serves_and_stops_on_sigint(jax_cache, tmp_path):
-    """max_context left at its default, "auto": the ingress takes the number the replica's memory plan made of it."""
+    """Every setting but the model, the port and the compile cache at its default (warm-up on, parallel, prefill, a
+    CPU a replica, max_context "auto": the ingress takes the number the replicas' memory plan made of it)."""
     port = _free_port()
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "strata.cli", "serve", "--model", "tiny", "--replicas", "1", "--cpus-per-replica",
-           "0.5", "--gpus-per-replica", "0", "--port", str(port), "--parallel", "2", "--prefill", "32",
+    cmd = [sys.executable, "-m", "strata.cli", "serve", "--model", "tiny", "--replicas", "2", "--port", str(port),
            "--compile-cache", jax_cache]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -78,9 +78,14 @@ def test_strata_serve_replicas_serves_and_stops_on_sigint(jax_cache, tmp_path):
         except httpx.HTTPError:
             return False
     try:
-        _wait(up, 400, "strata serve --replicas 1 to become healthy")
+        _wait(up, 500, "strata serve --replicas 2 to become healthy")
         r = httpx.post(base + "/v1/chat/completions", json={"messages": HI, "max_tokens": 4}, timeout=120)
         assert r.status_code == 200 and r.headers[HEADER] and r.json()["usage"]["completion_tokens"] >= 1
+        # /slots and /metrics cover both replicas: parallel's default of 2 slots each, both answering
+        slots = Counter(s["replica"] for s in httpx.get(base + "/slots", timeout=60).json())
+        assert len(slots) == 2 and set(slots.values()) == {2} and r.headers[HEADER] in slots
+        answering = re.findall(r'^strata_replica_up\{replica="(\w+)"\} 1\.0$', httpx.get(base + "/metrics").text, re.M)
+        assert sorted(answering) == sorted(slots)
         # tiny's 4096 positions fit a CPU's memory: auto is all of them, and the ingress counts with that
         assert httpx.get(base + "/v1/models").json()["data"][0]["max_context"] == 4096
         r = httpx.post(base + "/v1/chat/completions", json={"messages": HI, "max_tokens": 4096}, timeout=120)
@@ -89,7 +94,7 @@ def test_strata_serve_replicas_serves_and_stops_on_sigint(jax_cache, tmp_path):
         proc.send_signal(signal.SIGINT)
         code = proc.wait(120)
     assert code == 0, log.read_text()[-3000:]
-    assert "through Ray Serve: 1 engine replicas" in log.read_text()
+    assert "through Ray Serve: 2 engine replicas" in log.read_text()
 
 
 @pytest.fixture(scope="module")
