@@ -81,9 +81,13 @@ def test_strata_serve_replicas_serves_and_stops_on_sigint(jax_cache, tmp_path):
         _wait(up, 500, "strata serve --replicas 2 to become healthy")
         r = httpx.post(base + "/v1/chat/completions", json={"messages": HI, "max_tokens": 4}, timeout=120)
         assert r.status_code == 200 and r.headers[HEADER] and r.json()["usage"]["completion_tokens"] >= 1
-        # /slots and /metrics cover both replicas: parallel's default of 2 slots each, both answering
-        slots = Counter(s["replica"] for s in httpx.get(base + "/slots", timeout=60).json())
-        assert len(slots) == 2 and set(slots.values()) == {2} and r.headers[HEADER] in slots
+        # the ingress serves once a replica does; the other may still be warming up. Then /slots and /metrics cover
+        # both: parallel's default of 2 slots each, both answering
+        def listed():
+            return Counter(s["replica"] for s in httpx.get(base + "/slots", timeout=60).json())
+        _wait(lambda: len(listed()) == 2, 400, "the second replica to start")
+        slots = listed()
+        assert set(slots.values()) == {2} and r.headers[HEADER] in slots
         answering = re.findall(r'^strata_replica_up\{replica="(\w+)"\} 1\.0$', httpx.get(base + "/metrics").text, re.M)
         assert sorted(answering) == sorted(slots)
         # tiny's 4096 positions fit a CPU's memory: auto is all of them, and the ingress counts with that
