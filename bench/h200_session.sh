@@ -46,6 +46,8 @@
 #                                        # 4K, 32K and 128K prompts in 4K parts (48 layers, int4), each part's time and
 #                                        # floor, and VARIANTS (KernelConfig comparisons) at 4K and 32K
 #   bash bench/h200_session.sh flash     # bench/flash_speed.py: Qwen3.8-Flash-Next at real shapes (random weights)
+#   bash bench/h200_session.sh agents    # bench/agents.py: `strata serve --model random:qwen3-next-80b-a3b`, 8 agents on
+#                                        # 4 slots sharing an 8K system prompt, 10 turns each (carry .wheels/, as serve)
 #   bash bench/h200_session.sh scopes    # bench/prompt_probe.py: a prompt part's and a decode window's kernels by
 #                                        # part of the layer, against each part's floor (8 layers, ~40 s warm)
 # Copy what comes back into bench/results/ and run python bench/summary.py.
@@ -124,6 +126,11 @@ case "${1:-}" in
     timeout 560 python3 bench/serve_load.py --model random:qwen3-next-80b-a3b --clients 1,4,16 --tokens "${TOKENS:-256}" \
       --prompt-words 8 --serve-args "--max-context 4096 --prefill 64" --server-log "$OUT/serve_server.log" \
       --out "$OUT/serve_load_h200_random_80b.json" 2>&1 | grep -vE "^INFO|^\s*$" | tail -40
+    ;;
+  agents)     # the server's packages from .wheels/ (as serve); the agents' prompts need 16K positions
+    python3 -m pip install -q --no-deps --no-index --target .pylib .wheels/*.whl && export PYTHONPATH="$PWD/.pylib"
+    timeout 560 python3 bench/agents.py --model random:qwen3-next-80b-a3b --out "$OUT/agents_random_80b.json" 2>&1 \
+      | grep -vE "^INFO|^W1207|^\s*$" | tee "$OUT/agents.log" | grep -vE "strata serve: (prompt|parked|resumed)" | tail -40
     ;;
   routes48)
     timeout 560 python3 bench/engine_speed.py --real-shapes --experts int4 --layers 48 --prompt 4096 --repeat 3 \
