@@ -103,6 +103,7 @@ class SlotCopies:
         self.sizes = (large, min(KV_BLOCK_MIN, large))
         take_kv, put_kv = (_take_host_block, _put_host_block) if r.tiers is not None else (_take_block, _put_block)
         self._copying: list[list[dict]] = []     # to_host's snapshots whose copies are under way
+        self._head_fns = None                     # the MTP head's copies (runner.spec), compiled at first use
         self._fns = []
         for st in e.stages:
             ops, c = st.ops, st.ops.compile
@@ -126,6 +127,9 @@ class SlotCopies:
         states = self.runner.states
         rows = [row for st, linear, _, take, *_ in self._fns if linear
                 for row in take(st.of(states), np.int32(slot))]
+        head = self._head()
+        if head is not None:                      # the MTP head's hidden state that the next part starts from
+            rows.append({"h": head["take_h"](self.runner.spec.bank["h"], np.int32(slot))})
         return Saved(rows, _nbytes(rows), on_host=False)
 
     def restore(self, slot: int, saved: Saved) -> None:
@@ -137,6 +141,37 @@ class SlotCopies:
                     saved.data[at:at + len(linear)]
                 r.states[a:b] = put(r.states[a:b], np.int32(slot), rows=rows)
                 at += len(linear)
+        head = self._head()
+        if head is not None and at < len(saved.data):
+            bank = r.spec.bank
+            r.spec.bank = {**bank, "h": head["put_h"](bank["h"], np.int32(slot), self.ops.to_device(saved.data[at]["h"]))}
+
+    def _head(self) -> dict | None:
+        """The MTP head's copies (None without speculative decoding): its hidden-state row, and its KV in blocks."""
+        if self.runner.spec is None:
+            return None
+        if self._head_fns is None:
+            e, ops = self.runner.engine, self.ops
+            c = ops.compile
+            self._head_fns = {
+                "take_h": e.compiled("take_head_h", lambda: c(lambda h, slot: ops.take_row(h, slot) + 0)),
+                "put_h": e.compiled("put_head_h", lambda: c(lambda h, slot, x: ops.set_row(h, slot, x),
+                                                          donate_argnums=(0,))),
+                "take": {b: e.compiled(f"take_head_kv_{b}", lambda b=b: c(partial(_take_block, ops, (0,), b)))
+                         for b in self.sizes},
+                "put": {b: e.compiled(f"put_head_kv_{b}", lambda b=b: c(partial(_put_block, ops, (0,), b),
+                                                                         donate_argnums=(0,))) for b in self.sizes}}
+        return self._head_fns
+
+    def _head_block(self, size: int, slot: int, start: int) -> list[dict]:
+        """The head's KV rows start .. start + size - 1 of a slot ([one layer's dict], on the device)."""
+        return self._head()["take"][size]([self.runner.spec.bank["kv"]], np.int32(slot), np.int32(start))
+
+    def _put_head_block(self, slot: int, start: int, rows: list[dict]) -> None:
+        spec = self.runner.spec
+        size = next(iter(rows[0].values())).shape[0]
+        kv = self._head()["put"][size]([spec.bank["kv"]], np.int32(slot), np.int32(start), rows)[0]
+        spec.bank = {**spec.bank, "kv": kv}
 
     def to_host(self, saved: Saved) -> Saved:
         """The snapshot's copy to host RAM started, not waited for: its arrays are read into host memory (in place
@@ -163,20 +198,34 @@ class SlotCopies:
 
     def save_kv(self, slot: int, n: int) -> Saved:
         ops, tiers = self.ops, self.runner.tiers
+        head = self._head() is not None
         if tiers is not None:         # by reference: the slot's host row stays the conversation's
             row = tiers.park(slot)
             if row is not None:
-                return Saved(ParkedRow(row), 0, on_host=True, tokens=n)
+                blocks = self._to_host_blocks(n, lambda size, start: self._head_block(size, slot, start)) \
+                    if head else []
+                return Saved(ParkedRow(row, tuple(blocks)), sum(_nbytes(rows) for _, rows in blocks), on_host=True,
+                             tokens=n)
             tiers.move(slot, int(tiers.base[slot]))   # else the window written back: the host row holds every position
-        blocks, pending = [], []
+
+        def take(size, start):
+            rows = [row for st, _, full, _, _, take_kv, *_ in self._fns if full
+                    for row in take_kv[size](st.of(self.runner.states), np.int32(slot), np.int32(start))]
+            return rows + (self._head_block(size, slot, start) if head else [])
+        blocks = self._to_host_blocks(n, take)
+        return Saved(blocks, sum(_nbytes(rows) for _, rows in blocks), on_host=True, tokens=n)
+
+    def _to_host_blocks(self, n: int, take) -> list[tuple[int, list[dict]]]:
+        """[(start, rows)] of take(size, start) over the blocks of n positions, in host memory: each block's copy to
+        the host queued behind its take, read KV_BLOCKS_IN_FLIGHT blocks later."""
+        ops, blocks, pending = self.ops, [], []
 
         def read_oldest():
             start, rows = pending.pop(0)
             blocks.append((start, [{k: np.asarray(ops.to_host(v)) for k, v in layer.items()} for layer in rows]))
         for start, size in kv_blocks(n, self.sizes):
-            rows = [row for st, _, full, _, _, take_kv, *_ in self._fns if full
-                    for row in take_kv[size](st.of(self.runner.states), np.int32(slot), np.int32(start))]
-            for layer in rows:                # the copy to the host queued now, behind the block's copy
+            rows = take(size, start)
+            for layer in rows:
                 for v in layer.values():
                     ops.start_to_host(v)
             pending.append((start, rows))
@@ -184,12 +233,13 @@ class SlotCopies:
                 read_oldest()
         while pending:
             read_oldest()
-        return Saved(blocks, sum(_nbytes(rows) for _, rows in blocks), on_host=True, tokens=n)
+        return blocks
 
     def load_kv(self, slot: int, saved: Saved) -> None:
         r = self.runner
         if isinstance(saved.data, ParkedRow):
             r.tiers.resume(slot, saved.data.row, saved.tokens)
+            self._load_head(slot, saved.data.head)
             return
         for start, rows in saved.data:
             at = 0
@@ -200,8 +250,15 @@ class SlotCopies:
                     r.states[a:z] = put_kv[size](r.states[a:z], np.int32(slot), np.int32(start),
                                                  rows[at:at + len(full)])
                     at += len(full)
+            if at < len(rows) and self._head() is not None:
+                self._put_head_block(slot, start, rows[at:])
         if r.tiers is not None:       # the window read at the newest positions (the next part starts from there)
             r.tiers.move(slot, max(0, saved.tokens - r.tiers.rows // 2), write_back=False)
+
+    def _load_head(self, slot: int, blocks) -> None:
+        if self._head() is not None:
+            for start, rows in blocks:
+                self._put_head_block(slot, start, rows)
 
     def drop_kv(self, saved: Saved) -> None:
         if isinstance(saved.data, ParkedRow):
@@ -223,14 +280,20 @@ class SlotCopies:
                     rows = take_row_kv[size](st.of(r.states), np.int32(src.data.row), np.int32(start)) \
                         if isinstance(src, Saved) else take_kv[size](st.of(r.states), np.int32(src), np.int32(start))
                     r.states[a:z] = put_kv[size](r.states[a:z], np.int32(slot), np.int32(start), rows)
+            if self._head() is not None and not isinstance(src, Saved):
+                self._put_head_block(slot, start, self._head_block(size, src, start))
+        if isinstance(src, Saved):
+            self._load_head(slot, [(a, rows) for a, rows in src.data.head if a < n])
         if tiers is not None:         # the window read at the newest positions (the next part starts from there)
             tiers.move(slot, max(0, n - tiers.rows // 2), write_back=False)
 
 
 @dataclass(frozen=True)
 class ParkedRow:
-    """A conversation parked by reference: the host-tier row (of every two-tier layer's banks) holding its KV."""
+    """A conversation parked by reference: the host-tier row (of every two-tier layer's banks) holding its KV, and
+    the MTP head's KV blocks (copied: the head has no host tier)."""
     row: int
+    head: tuple = ()
 
 
 def _nbytes(rows) -> int:

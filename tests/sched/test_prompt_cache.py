@@ -190,6 +190,44 @@ def test_snapshots_restore_exactly_on_both_backends():
             np.testing.assert_allclose(got.top, whole.top, rtol=1e-5, atol=1e-5)
 
 
+def test_the_mtp_heads_state_travels_with_checkpoints_and_kv_copies():
+    """With spec on, a checkpoint holds the MTP head's hidden state and a KV copy (parked, loaded, or slot to slot)
+    the head's KV too: a prompt continued in another slot leaves the head's state as the prompt read whole leaves
+    it, so drafting after a cache hit is what it would be cold; the logits are the whole read's."""
+    import numpy as np
+    from strata.plan import PromptPart, idle_plan
+    e = Engine.load("demo", max_context=512, prefill=64, spec=2, mtp=True)
+    r = WindowRunner(e, 3, 64)
+    toks = (np.arange(100) * 37 % 600).astype(np.int32)
+
+    def part(slot, start, tk):
+        plan = replace(idle_plan(3), logprobs=np.zeros(3, np.int32),
+                       part=PromptPart(slot=slot, tokens=np.asarray(tk, np.int32), start=start, last=True))
+        return r.run(plan).part_logprobs
+
+    def head(slot):
+        bank = r.spec.bank
+        return {k: np.asarray(v[slot][:len(toks)]) for k, v in bank["kv"].items()}, np.asarray(bank["h"][slot])
+    whole = part(0, 0, toks)
+    part(1, 0, toks[:40])
+    snap, kv = r.to_host(r.snapshot(1)), r.save_kv(1, 40)
+    part(2, 0, toks[::-1])                              # slot 2 holds something else, its head too
+    r.load_kv(2, kv)
+    r.restore(2, snap)
+    from_parked = part(2, 40, toks[40:])
+    part(1, 0, toks[::-1])
+    r.copy_kv(1, 40, 2)                                 # a branch: slot 2's prefix into slot 1
+    r.restore(1, snap)
+    from_slot = part(1, 40, toks[40:])
+    want_kv, want_h = head(0)
+    for slot, got in ((2, from_parked), (1, from_slot)):
+        np.testing.assert_array_equal(got.top_ids, whole.top_ids)
+        got_kv, got_h = head(slot)
+        np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-5)
+        for k in want_kv:
+            np.testing.assert_allclose(got_kv[k], want_kv[k], rtol=1e-5, atol=1e-5, err_msg=f"slot {slot} {k}")
+
+
 @pytest.mark.parametrize("backend", ["sycl"])
 def test_turns_on_the_eager_backend(backend):
     e = Engine.load("demo", max_context=2048, prefill=64, backend=backend)
