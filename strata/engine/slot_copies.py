@@ -4,9 +4,9 @@ load_kv and copy_kv in strata/plan.py), built on the row take/put that copies a 
 A snapshot is the recurrent state of the linear layers (conv + delta rule) of one slot, a device copy; the attention
 KV is not copied, since a part that continues a restored state overwrites the positions beyond it before any query
 sees them. Parking copies the KV of a sequence's first n positions to host RAM and back (a branch: slot to slot) in
-blocks of two sizes (two compiled shapes): large ones while they fit in n, then small ones; with a host tier it keeps
-the slot's host row instead while one is free (ParkedRow). Every function runs on the bank as the windows dispatched
-so far leave it (threaded through as a value: device order follows data).
+blocks of two sizes (two compiled shapes); with a host tier it keeps the slot's host row instead while one is free
+(ParkedRow). With speculative decoding the MTP head's hidden state and KV go along. Every function runs on the bank
+as the windows dispatched so far leave it (threaded through as a value: device order follows data).
 """
 from __future__ import annotations
 
