@@ -71,3 +71,28 @@ def test_a_follow_up_turn_equals_a_cold_servers(server):
     assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
     assert 0 < warm.usage.prompt_tokens_details.cached_tokens <= warm.usage.prompt_tokens
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_conversations_sharing_a_system_prompt_branch_and_keep_their_histories(server):
+    """The issue's case through the openai client on two slots: B and C share A's long system prompt; each reuses it
+    (copied from A's slot), A's next turn reuses all of A's history (before the tree, B took A over and cut it), and
+    a reply after a branch is a cold server's."""
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    system = {"role": "system", "content": "You review code. " + "Read the file, then the tests, then answer. " * 40}
+
+    def ask(messages, **kw):
+        return client.chat.completions.create(model="demo", messages=messages, max_tokens=12, temperature=0, **kw)
+    a = [system, {"role": "user", "content": "What does module a do?"}]
+    first = ask(a)
+    branches = server.scheduler.metrics()["prompt_cache_branches"]
+    others = [ask([system, {"role": "user", "content": f"What does module {m} do?"}]) for m in "bc"]
+    assert server.scheduler.metrics()["prompt_cache_branches"] >= branches + 2
+    shared = first.usage.prompt_tokens - 16                  # the system prompt and the chat markers before "What"
+    for r in others:
+        assert shared - 32 <= r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens - 1
+    a += [{"role": "assistant", "content": first.choices[0].message.content},
+          {"role": "user", "content": "And module b?"}]
+    again = ask(a)
+    cold = ask(a, extra_body={"cache_prompt": False, "strata_checkpoint": False})
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 3 - 32
+    assert again.choices[0].message.content == cold.choices[0].message.content
