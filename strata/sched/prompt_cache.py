@@ -203,6 +203,11 @@ class PromptCache:
         self.live[slot] = conv
         return slot, pos
 
+    def reusable(self, prompt, key: tuple = ()) -> int:
+        """The tokens of a prompt that start() would reuse now (the deepest node before its last token)."""
+        root = self.roots.get(key)
+        return self._deepest(key, prompt, len(prompt) - 1).pos if root is not None else 0
+
     def _resume(self, conv: Conversation, free: list[int]) -> int:
         """A parked conversation back into a free slot (its KV loaded) -> the slot."""
         slot = self._victim(free)

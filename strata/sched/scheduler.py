@@ -26,7 +26,7 @@ from strata.plan import DEFAULT, Capacity, Executor, Logprobs, PromptPart, Repai
 from strata.sched.drafts import DraftPolicy
 from strata.sched.guard import Attempt, GiveUp, Guard, Retry
 from strata.sched.output import TextOutput
-from strata.sched.prompt_cache import PromptCache
+from strata.sched.prompt_cache import PromptCache, common_prefix
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, TokenLogprob
 
 log = logging.getLogger("strata.sched")
@@ -368,37 +368,61 @@ class Scheduler:
 
     # --- admission and cancellation
     def _admit(self):
-        """Queue order into FREE slots; a request of n choices waits at the head until n slots are free."""
-        while self.queue:
-            req, send = self.queue[0]
-            free = [s for s in self.slots_ if s.state is SlotState.FREE][:req.n]
-            if len(free) < req.n:
-                return
-            self.queue.popleft()
-            self._admissions += 1
-            base = secrets.randbits(63) if req.sampling.seed is None else req.sampling.seed
-            stops = req.stop_token_ids if req.stop_token_ids is not None else self.eos_token_ids
-            group = Group(send, req.n)
-            ids = [s.id for s in self.slots_ if s.state is SlotState.FREE]
-            shared = tuple(s.id for s in self.slots_ if s.state is not SlotState.FREE and s.id not in self.poisoned)
-            lead, reused = self.cache.start(req.prompt_ids, ids, req.cache_prompt, req.cache_key, shared)
-            ids.remove(lead)
-            free = [self.slots_[lead]]
-            for _ in range(req.n - 1):
-                free.append(self.slots_[self.cache.claim(ids, req.cache_key)])
-                ids.remove(free[-1].id)
-            for i, slot in enumerate(free):
-                seed = choice_seed(base, i)
-                slot.reset()
-                slot.state, slot.req, slot.group, slot.admitted = SlotState.READING, req, group, self._admissions
-                slot.choice, slot.lead = i, (None if i == 0 else free[0].id)
-                slot.seed = (seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF)
-                slot.stops = frozenset(stops)
-                slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning, req.chat)
-                slot.matcher = req.constraint.matcher() if req.constraint is not None else None
-                if self.drafts is not None:
-                    self.drafts.reset(slot.id)
-            free[0].read = free[0].pos = free[0].reused = reused
+        """Queue order into FREE slots; a request of n choices waits at the head until n slots are free, and one
+        whose prompt another slot is reading further than the cache holds waits for that slot's checkpoints."""
+        behind = []
+        try:
+            while self.queue:
+                req, send = self.queue[0]
+                if self._behind_a_reader(req):
+                    behind.append(self.queue.popleft())
+                    continue
+                free = [s for s in self.slots_ if s.state is SlotState.FREE][:req.n]
+                if len(free) < req.n:
+                    return
+                self.queue.popleft()
+                self._admit_one(req, send)
+        finally:
+            self.queue.extendleft(reversed(behind))
+
+    def _behind_a_reader(self, req: Request) -> bool:
+        """Whether a slot reads a prompt that shares at least checkpoint_every more of req's prompt than the cache
+        holds: agents sent together with one system prompt read it once, the others restart from its checkpoints."""
+        if not req.cache_prompt:
+            return False
+        prompt = np.asarray(req.prompt_ids)
+        held = self.cache.reusable(prompt, req.cache_key)
+        return any(s.state is SlotState.READING and s.req.checkpoints and s.numerics == DEFAULT
+                   and s.req.cache_key == req.cache_key
+                   and min(common_prefix(s.req.prompt_ids, prompt), len(prompt) - 1) - held >= self.cache.every
+                   for s in self.slots_)
+
+    def _admit_one(self, req: Request, send) -> None:
+        """Give a request its slots (n choices: n), prepared by the prompt cache."""
+        self._admissions += 1
+        base = secrets.randbits(63) if req.sampling.seed is None else req.sampling.seed
+        stops = req.stop_token_ids if req.stop_token_ids is not None else self.eos_token_ids
+        group = Group(send, req.n)
+        ids = [s.id for s in self.slots_ if s.state is SlotState.FREE]
+        shared = tuple(s.id for s in self.slots_ if s.state is not SlotState.FREE and s.id not in self.poisoned)
+        lead, reused = self.cache.start(req.prompt_ids, ids, req.cache_prompt, req.cache_key, shared)
+        ids.remove(lead)
+        free = [self.slots_[lead]]
+        for _ in range(req.n - 1):
+            free.append(self.slots_[self.cache.claim(ids, req.cache_key)])
+            ids.remove(free[-1].id)
+        for i, slot in enumerate(free):
+            seed = choice_seed(base, i)
+            slot.reset()
+            slot.state, slot.req, slot.group, slot.admitted = SlotState.READING, req, group, self._admissions
+            slot.choice, slot.lead = i, (None if i == 0 else free[0].id)
+            slot.seed = (seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF)
+            slot.stops = frozenset(stops)
+            slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning, req.chat)
+            slot.matcher = req.constraint.matcher() if req.constraint is not None else None
+            if self.drafts is not None:
+                self.drafts.reset(slot.id)
+        free[0].read = free[0].pos = free[0].reused = reused
 
     def _drop_cancelled(self):
         if not self.cancelled:

@@ -313,6 +313,32 @@ def test_agents_sharing_a_system_prompt_on_fewer_slots(tokenizer):
     assert sched.metrics()["prompt_cache_branches"] >= 5
 
 
+def test_agents_sent_together_read_their_shared_prompt_once(tokenizer):
+    """Three agents with one long system prompt sent at once on four slots: one reads it, the others wait for its
+    checkpoints and then read only their own tokens (plus at most checkpoint_every); a request beside them that shares
+    nothing starts at once."""
+    every = 8
+    fake = FakeExecutor(slots=4, part_size=16, max_context=4096, chains=True)
+    sched = sched_over(fake, tokenizer, checkpoint_every=every, checkpoint_ram_gib=1.0)
+    system = P("system: " + "s" * 150)
+    agents = [turn(f"a{i}", system + P(f"agent {i}") + HEADER, 6) for i in range(3)]
+    other = turn("u", P("unrelated " * 3) + HEADER, 6)
+    watch(fake, sched)
+    results = serve_rounds(sched, [agents + [other]])[0]
+    reused = {r.id: results[r.id][1].timings["reused"] for r in agents + [other]}
+    parts = [(i, w.plan.part) for i, w in enumerate(fake.windows) if w.plan.part is not None]
+
+    def first(r):
+        return next(i for i, p in parts if p.start == reused[r.id]
+                    and tuple(p.tokens) == r.prompt_ids[p.start:p.start + len(p.tokens)])
+    assert first(other) < first(agents[1])        # the unrelated request did not wait behind the agents
+    assert reused["a0"] == 0 and reused["u"] == 0
+    assert all(len(system) - every <= reused[f"a{i}"] <= len(system) + len("agent ") for i in (1, 2)), reused
+    check_exact(fake, sched, agents + [other], [results], every)
+    read = sum(len(r.prompt_ids) - reused[r.id] for r in agents)
+    assert read <= len(agents[0].prompt_ids) + 2 * (len("agent 1") + len(HEADER) + every)
+
+
 def test_cache_keys_share_nothing(tokenizer):
     """Equal tokens under another cache_key (a control vector's scale) read from token 0."""
     fake = FakeExecutor(slots=2, part_size=16, max_context=4096, chains=True)
