@@ -2,8 +2,8 @@
 conversation of T turns (a forced tool call, then its result; every third turn a user message) on fewer slots than
 agents, all at once, through `strata serve` and the openai client. Reports the prompt tokens reused
 (usage.prompt_tokens_details.cached_tokens) against the most that could be (each prompt's longest prefix shared
-with an earlier request's prompt and reply, as the chat template renders them), TTFT by turn, the total time, and a
-follow-up turn's TTFT alone against a cold prompt of its new tokens alone.
+with an earlier request's prompt, and up to its reply's length more where it continues that prompt whole), TTFT by
+turn, the total time, and a follow-up turn's TTFT alone against a cold prompt of its new tokens alone.
 
     python bench/agents.py                                   # tiny on the CPU: 8 agents, 4 slots, 8K system, 10 turns
     python bench/agents.py --model random:qwen3-next-80b-a3b --serve-args "--experts int4"       # a GPU
@@ -82,7 +82,7 @@ class Agents:
     def __init__(self, base: str, tok: Tokenizer, args):
         self.client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=3600)
         self.tok, self.args = tok, args
-        self.seen: list[list[int]] = []          # what earlier requests showed the server: prompt + reply, rendered
+        self.seen: list[list] = []               # what earlier requests showed the server: [prompt ids, reply tokens]
         self.rows: list[dict] = []
 
     def render(self, messages: list[dict], prompt: bool = True) -> list[int]:
@@ -92,9 +92,10 @@ class Agents:
     async def ask(self, messages: list[dict], agent: int, turn: int, record: bool = True, tools=True,
                   **kw) -> tuple[dict, dict]:
         ids = self.render(messages)
-        reusable = min(max([common_prefix(s, ids) for s in self.seen], default=0), len(ids) - 1)
-        if record:                               # the server sees the prompt from now on
-            self.seen.append(ids)
+        reusable = min(max([self._shared(s, ids) for s in self.seen], default=0), len(ids) - 1)
+        seen = [ids, 0]
+        if record:                               # the server sees the prompt from now on, its reply later
+            self.seen.append(seen)
         t0 = time.perf_counter()
         ttft, content, calls, usage = None, "", {}, None
         stream = await self.client.chat.completions.create(
@@ -124,8 +125,16 @@ class Agents:
                    cached=cached, completion_tokens=usage.completion_tokens, ttft_s=ttft or total, total_s=total)
         if record:
             self.rows.append(row)
-            self.seen.append(self.render(messages + [reply], prompt=False))
+            seen[1] = usage.completion_tokens
         return reply, row
+
+    @staticmethod
+    def _shared(seen: list, ids: list[int]) -> int:
+        """The most of ids a server that saw a prompt and its reply of n tokens can hold: their shared prefix, and
+        when ids continue the whole prompt, up to n tokens more (the reply's tokens, where ids repeat them)."""
+        prompt, n = seen
+        shared = common_prefix(prompt, ids)
+        return shared + n if shared == len(prompt) else shared
 
     async def agent(self, a: int, system: str, turns: int) -> list[dict]:
         messages = [{"role": "system", "content": system},
