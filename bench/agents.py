@@ -29,7 +29,7 @@ from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import results_file  # noqa: E402  (bench/, beside this script)
-from serve_load import free_port  # noqa: E402
+from serve_load import free_port, wait_healthy  # noqa: E402
 
 from strata.builtin import builtin_dir  # noqa: E402
 from strata.sched.prompt_cache import common_prefix  # noqa: E402
@@ -214,16 +214,8 @@ def main() -> int:
                "--max-context", str(args.max_context), "--port", str(port), *shlex.split(args.serve_args)]
         say("starting: " + " ".join(cmd))
         proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, env=dict(os.environ))
-        deadline = time.time() + 1800
-        while time.time() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}")
-            time.sleep(1)
+        if not wait_healthy(base, proc, 1800):
+            raise SystemExit(f"the server exited with {proc.returncode}")
     stamp = results_file.stamp()
     try:
         out = asyncio.run(run(base, tok, args))

@@ -34,6 +34,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base: str, proc: subprocess.Popen, seconds: float) -> bool:
+    """Wait until a started server's /health answers 200 (or `seconds` pass) -> False if the process exited first."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def metric_sums(text: str) -> dict[str, float]:
     """Every sample of the Prometheus text, by name (labels summed)."""
     out: dict[str, float] = {}
@@ -144,17 +159,9 @@ def main() -> int:
         log = open(args.server_log, "w") if args.server_log else subprocess.PIPE      # a pipe nobody reads fills up
         proc = subprocess.Popen(cmd, cwd=ROOT, stderr=log, text=True)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                print(proc.stderr.read() if proc.stderr else open(args.server_log).read(), file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        if not wait_healthy(base, proc, 600):
+            print(proc.stderr.read() if proc.stderr else open(args.server_log).read(), file=sys.stderr)
+            return 1
     results: list = []
     try:
         asyncio.run(load(base, 1, 8, 4))                          # warm every path once

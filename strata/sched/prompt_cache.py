@@ -158,15 +158,16 @@ class PromptCache:
         node.holders += 1                            # held from here: nothing prunes or evicts it meanwhile
         self._held = [node]
         if pos:
-            holders = [(c, i) for i, c in enumerate(self.live) if c is not None and (i in free or i in shared)]
-            holders = [(c, i) for c, i in holders + [(c, None) for c in self.parked]
-                       if c.key == key and common_prefix(c.tokens, prompt) >= pos]
+            candidates = [(c, i) for i, c in enumerate(self.live) if c is not None and (i in free or i in shared)]
+            shares = {id(c): common_prefix(c.tokens, prompt) for c, _ in candidates + [(c, None) for c in self.parked]
+                      if c.key == key}
+            holders = [(c, i) for c, i in candidates + [(c, None) for c in self.parked]
+                       if shares.get(id(c), 0) >= pos]
             # it continues a conversation whose last prompt it holds whole (the reply may differ: the chat template
             # renders it anew), in its slot or resumed; else it branches
-            lost = {id(c): len(c.tokens) - common_prefix(c.tokens, prompt) for c, _ in holders}
             own = sorted([(c, i) for c, i in holders if (i is None or i in free)
-                          and common_prefix(c.tokens, prompt) >= min(c.prompt, len(c.tokens))],
-                         key=lambda h: (lost[id(h[0])], h[1] is None))
+                          and shares[id(c)] >= min(c.prompt, len(c.tokens))],
+                         key=lambda h: (len(h[0].tokens) - shares[id(h[0])], h[1] is None))
             own = own[0] if own else None
             if own is not None:
                 conv, slot = own
