@@ -27,8 +27,9 @@ class AffinityRouter(RequestRouter):
         self.chosen: dict[str, ReplicaID] = {}
 
     def _load(self, rid: ReplicaID) -> int:
-        cached = self.replica_queue_len_cache.get(rid)
-        return max(self.in_flight.get(rid, 0), cached or 0)
+        # this router's own count (the ingress is one replica): Serve's queue-length cache keeps a replica's reported
+        # count until it times out, after the replica finished, and a stale 1 sent every new conversation elsewhere
+        return self.in_flight.get(rid, 0)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
