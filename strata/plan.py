@@ -56,6 +56,9 @@ class WindowPlan:
                                              # plan
     control_scale: np.ndarray | None = None  # [S] float32: each slot's scale of the executor's control vector, for
                                              # its rows and part (1: as loaded, 0: off); None: every slot's is 1
+    mask_late: np.ndarray | None = None      # [S] bool: continuing rows (token -1) whose grammar mask follows the
+                                             # token before it, given by Executor.give_masks after dispatch (an
+                                             # executor whose capacity has late_masks)
 
     @property
     def sampling(self) -> tuple:
@@ -66,7 +69,7 @@ class WindowPlan:
     def shaped(self) -> bool:
         """Whether any row uses penalties, a logit bias, a grammar mask or logprobs: the window then samples from
         logits it gets back from the forward pass (strata/engine/sampling.py) instead of inside it."""
-        return any(x is not None for x in (self.penalties, self.bias_ids, self.mask, self.logprobs))
+        return any(x is not None for x in (self.penalties, self.bias_ids, self.mask, self.logprobs, self.mask_late))
 
     @property
     def n_decode(self) -> int:
@@ -84,7 +87,8 @@ class WindowPlan:
         on = self.decode_active
         return replace(self, decode_tokens=np.where(on, -1, 0).astype(np.int32),
                        decode_pos=np.where(on, self.decode_pos + 1, self.decode_pos).astype(np.int32),
-                       steps=np.where(on, self.steps + 1, self.steps).astype(np.int32), part=None, mask=None)
+                       steps=np.where(on, self.steps + 1, self.steps).astype(np.int32), part=None, mask=None,
+                       mask_late=None)
 
 
 DEFAULT = "default"              # the executor's own numerics path (WindowPlan.numerics)
@@ -151,6 +155,8 @@ class Capacity:
                                          # alternate between two groups of slots, so that the next window does not
                                          # wait for this one and the first stage runs it while the last runs this
     row_buckets: tuple[int, ...] = ()    # decode windows are compiled for these fewer rows too (row_buckets)
+    late_masks: bool = False             # a continuing plan's grammar rows may take their masks after dispatch
+                                         # (WindowPlan.mask_late, Executor.give_masks): they decode every window
 
     def padded(self, n: int) -> int:
         """The tokens a part of n tokens costs: the smallest compiled part size that holds it."""
@@ -173,7 +179,9 @@ class Executor(Protocol):
     WindowResult. Windows are collected in the order they were dispatched. When `chains` is true, a decode-only plan
     that continues the last dispatched window may be dispatched before that window is collected: dispatch(plan,
     after=handle). Its rows with token -1 continue rows of that window (plan.continued()); it may leave out rows of
-    that window and add rows inactive in it, with their tokens (and masks) given.
+    that window and add rows inactive in it, with their tokens (and masks) given. With capacity.late_masks its
+    grammar rows may continue too (mask_late): the window samples them once give_masks(handle, mask) gives their
+    masks, which the scheduler computes from the tokens of the window before while this one runs.
 
     The prompt cache's copies act on a slot as every window dispatched so far leaves it: snapshot(slot) copies its
     recurrent state (conv + delta rule; the KV stays in the slot), restore(slot, saved) puts one back (a part that
@@ -191,6 +199,8 @@ class Executor(Protocol):
     def warm_up(self) -> float: ...                                     # compile every shape; -> seconds
     def dispatch(self, plan: WindowPlan, after: Any = None) -> Any: ...
     def collect(self, handle: Any) -> WindowResult: ...
+    def give_masks(self, handle: Any, mask: np.ndarray | None) -> None: ...  # [S, W] for its mask_late rows
+                                                        # (None: all allowed), before it is collected or continued
     def metrics(self) -> dict: ...                                      # counters for /metrics (flat, numeric)
     def snapshot(self, slot: int) -> Saved: ...                         # on the device
     def restore(self, slot: int, saved: Saved) -> None: ...

@@ -71,6 +71,8 @@ class WindowRunner:
         # is one compiled function taking the pool and the slot table by value, so the cache's work between
         # windows, which may then run while two windows are queued, cannot change what a dispatched window reads
         self.chains = isinstance(self.rows, CompiledRows) and not ops.eager
+        # such a window may also take its grammar rows' masks after dispatch (give_masks)
+        self.capacity = replace(self.capacity, late_masks=self.chains)
         # compiled decode windows of fewer rows than slots (row_slots): 1, 2, 4, ... up to all of them
         if engine.settings.sched.row_buckets and self.chains:
             self.capacity = replace(self.capacity, row_buckets=tuple(1 << i for i in range((n_slots - 1).bit_length())))
@@ -265,6 +267,9 @@ class WindowRunner:
         computes on the device, so it is dispatched before `after`'s tokens reach the host; others join with their
         token given, or drop out (_check_continues). Windows are collected in order."""
         w = Window(plan, time.perf_counter())
+        if plan.mask_late is not None and not self.capacity.late_masks:
+            raise ValueError("mask_late: this runner samples a window's rows with its forward pass (not a compiled "
+                             "decode window that can be continued), so every mask is given at dispatch")
         if after is not None:
             _check_continues(after, plan, self.chains)
         if self.tiers is not None:
@@ -312,6 +317,12 @@ class WindowRunner:
             self._pending_between = True
         w.continues = after is not None
         return w
+
+    def give_masks(self, w: "Window", mask: np.ndarray | None) -> None:
+        """Executor.give_masks: the grammar masks [S, W] of a dispatched window's mask_late rows."""
+        if w.plan.mask_late is None or not isinstance(w.decode, DeviceRows):
+            raise ValueError("give_masks: the window's plan has no mask_late rows")
+        self.rows.give_masks(w.decode, None if mask is None else np.asarray(mask, np.int32))
 
     def collect(self, w: "Window") -> WindowResult:
         """Wait for a dispatched window and read its result (the decode rows' first, then the part's)."""
@@ -480,6 +491,8 @@ class DeviceRows:
     successor: "DeviceRows | None" = None
     logprobs: tuple | None = None        # device (sampled [S], top ids [S, K], top [S, K]) of a plan with logprobs
     given: tuple | None = None           # a continuing window's (rows taken from the host [S] bool, host rows [3, S])
+    late: tuple | None = None            # a plan with mask_late until give_masks: (plan, logits, rows_in, greedy,
+                                         # slots) of the sampling it waits for
 
 
 class CompiledRows:
@@ -547,18 +560,40 @@ class CompiledRows:
         else:
             r.states[a:b], out = decode(st.params, st.path.args(), r.states[a:b], rows_in, stable[0], *extra, x=x,
                                         **kw)
-        rows_out = out
-        if plan.shaped:
-            rows_out, lp = r.shaping().rows(plan, out, rows_in, greedy, kw.get("slots"))
-        out = rows_out if ops.eager else self._peel(rows_out)                               # [2, S]
-        lp = lp if plan.logprobs is not None else None
-        d = DeviceRows(active, rows, out, None if ops.eager else rows_out, fetched or None, logprobs=lp,
-                       given=given)
+        d = DeviceRows(active, rows, None, None, fetched or None, given=given)
         if after is not None:
             after.successor = d
-        for y in (out, *(c for f in fetched for c in f[2:]), *(lp or ())):   # what collect() reads, queued now
+        for y in (c for f in fetched for c in f[2:]):
             ops.start_to_host(y)
+        if plan.mask_late is not None:          # sampled once give_masks gives the masks
+            d.late = (plan, out, rows_in, greedy, kw.get("slots"))
+        else:
+            self._sample(d, plan, out, rows_in, greedy, kw.get("slots"))
         return d
+
+    def _sample(self, d: DeviceRows, plan: WindowPlan, out, rows_in, greedy: bool, slots) -> None:
+        """A dispatched window's rows: sampled in its compiled function (out), or by Shaping from its logits (out)."""
+        ops = self.runner.engine.backend
+        rows_out, lp = out, None
+        if plan.shaped:
+            rows_out, lp = self.runner.shaping().rows(plan, out, rows_in, greedy, slots)
+        d.out = rows_out if ops.eager else self._peel(rows_out)                             # [2, S]
+        d.rows_next = None if ops.eager else rows_out
+        d.logprobs = lp if plan.logprobs is not None else None
+        for y in (d.out, *(d.logprobs or ())):                                 # what collect() reads, queued now
+            ops.start_to_host(y)
+
+    def give_masks(self, d: DeviceRows, mask: np.ndarray | None) -> None:
+        """The grammar masks [S, W] of a window's mask_late rows (its other rows keep the plan's; None: every token
+        allowed, their requests ended): it samples now."""
+        if d.late is None:
+            raise ValueError("give_masks: this window has no rows waiting for masks (mask_late), or got them already")
+        (plan, out, rows_in, greedy, slots), d.late = d.late, None
+        full = np.array(plan.mask if plan.mask is not None else self.runner.shaping().all_allowed)
+        if mask is not None:
+            late = np.asarray(plan.mask_late, bool)
+            full[late] = mask[late]
+        self._sample(d, replace(plan, mask=full), out, rows_in, greedy, slots)
 
     def _before_last(self, plan: WindowPlan, rows_in, fetched: list, slots=None):
         return rows_before_last(self.runner, self.before, self._hidden, plan, rows_in, fetched,
@@ -569,6 +604,8 @@ class CompiledRows:
         e = r.engine
         if d.rows is None:
             raise RuntimeError("a continuing window was collected before the window it continues")
+        if d.late is not None:
+            raise RuntimeError("a window with mask_late rows was collected before give_masks gave their masks")
         out = np.asarray(e.backend.to_host(d.out))                                           # [2, S]
         nxt, finite = out[0], out[1].astype(bool)
         if not e.backend.eager:
@@ -832,6 +869,8 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
         raise ValueError("this runner cannot continue a window before reading it (its decode is layer by layer: "
                          "experts not all resident and no window fetch; or an eager backend)")
     d = prev.decode
+    if isinstance(d, DeviceRows) and d.late is not None:
+        raise ValueError("a window with mask_late rows can be continued only once give_masks gave their masks")
     if (prev.plan.part is not None or plan.part is not None or not plan.n_decode or not isinstance(d, DeviceRows)
             or d.rows_next is None):
         raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
@@ -854,6 +893,9 @@ def _check_continues(prev: Window, plan: WindowPlan, chains: bool) -> None:
     if plan.mask is not None and (plan.mask[~(active & ~device)] != -1).any():
         raise ValueError("a continuing plan may have grammar masks only on rows that join (token given): each mask "
                          "follows the token before it")
+    if plan.mask_late is not None and (np.asarray(plan.mask_late, bool) & ~device).any():
+        raise ValueError("mask_late only on a continuing plan's rows that continue (token -1): a joining row's mask "
+                         "is given with it")
 
 
 def _given(prev_active, plan: WindowPlan) -> np.ndarray:

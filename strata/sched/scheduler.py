@@ -4,10 +4,10 @@ It is given the Executor (strata/plan.py) and the model's values, and builds nei
 row per generating slot (a verify row: sched/drafts.py) and at most one prompt part of the earliest-admitted slot
 still reading (beside decode rows, the rest of the window's token budget; alone, the part size). Executor calls run
 in a worker thread; the next window is dispatched before the previous window's text is sent, and in steady decoding
-(lookahead) before its tokens are read (a row that ended is computed once more, dropped); grammar rows then join every
-other window. Slots go FREE -> READING -> GENERATING -> FREE; n choices hold n slots. Each choice ends with one
-Finished, or its request with one Failed; a non-finite row goes to the guard (sched/guard.py). The prompt cache
-(sched/prompt_cache.py) picks a slot and its checkpoint; one is taken only of exact, finite, default-path state.
+(lookahead) before its tokens are read (a row that ended is computed once more, dropped; a grammar row's mask given
+while its window runs). Slots go FREE -> READING -> GENERATING -> FREE; n choices hold n slots. Each choice ends
+with one Finished, or its request with one Failed; a non-finite row goes to the guard (sched/guard.py). The prompt
+cache (sched/prompt_cache.py) picks a slot and its checkpoint; one is taken only of exact, finite, default-path state.
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ class Scheduler:
         # text) and handoff (to the worker thread and back) are measured apart; the rest is the event loop's other
         # work (HTTP) running before the scheduler resumes.
         self.stats = {"requests_finished": 0, "requests_failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "windows": 0, "windows_ahead": 0, "windows_pipelined": 0, "window_seconds_sum": 0.0,
+                      "windows": 0, "windows_ahead": 0, "windows_pipelined": 0, "windows_late_masks": 0, "window_seconds_sum": 0.0,
                       "device_seconds_sum": 0.0,
                       "plan_seconds_sum": 0.0, "apply_seconds_sum": 0.0, "handoff_seconds_sum": 0.0,
                       # gaps between a stream's tokens, in windows without and with a prompt part
@@ -282,8 +282,9 @@ class Scheduler:
             following = self._continuation(plan)
             box: dict = {}
             t1 = time.perf_counter()
+            masks = self._late_masks(plan) if window is not None and plan.mask_late is not None else None
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._run_window, plan, window, following, box)
+                tg.start_soon(self._run_window, plan, window, following, box, masks)
                 self._send_pending()              # the previous window's text, while this one runs
             t2 = time.perf_counter()
             self._ahead_rows = following.decode_active if box.get("following") is not None else None
@@ -294,12 +295,17 @@ class Scheduler:
             self.stats["plan_seconds_sum"] += t1 - t0
             self.stats["apply_seconds_sum"] += t3 - t2
 
-    async def _run_window(self, plan: WindowPlan, window, following: WindowPlan | None, box: dict):
-        """Run plan (already dispatched when window is given) and, when following is given, dispatch it before
-        reading plan's result: box["following"] is its window, which the next turn of the loop reads."""
+    async def _run_window(self, plan: WindowPlan, window, following: WindowPlan | None, box: dict,
+                          masks: np.ndarray | None = None):
+        """Run plan (already dispatched when window is given; its mask_late rows' masks given first) and, when
+        following is given, dispatch it before reading plan's result: box["following"] is its window, which the next
+        turn of the loop reads."""
         t = time.perf_counter()
 
         def work():
+            if window is not None and plan.mask_late is not None:
+                self.executor.give_masks(window, masks)
+                self.stats["windows_late_masks"] += 1
             w = window if window is not None else self.executor.dispatch(plan)
             if following is not None:
                 # pipelined, a successor with every token known waits for nothing of w's (not even its rows)
@@ -323,8 +329,9 @@ class Scheduler:
         """The window after plan when nothing can change between them but the tokens, which stay on the device:
         no prompt part or prompt to read, no request waiting or cancelled, and every generating slot without a
         grammar in plan and not ending by length after plan's token. Those rows continue on the device. A grammar's
-        next mask needs the token before it, so a slot with one drops out when in plan and joins (its token, mask
-        and position given) when not: it decodes every other window; pipelined (a layer split) with several slots
+        next mask needs the token before it: with late masks its row continues and gets its mask after plan is read
+        (mask_late, _late_masks); else a slot with one drops out when in plan and joins (its token, mask and position
+        given) when not: it decodes every other window; pipelined (a layer split) with several slots
         generating, every slot does, so the window after plan is the other group's. None when no row would be left.
         A row that ends on plan's token (a stop token or string) is computed once more and its result dropped (its
         slot is free by then; a new sequence clears the state), so a slot's state may run one token past its
@@ -339,12 +346,13 @@ class Scheduler:
         keep, joined = np.zeros_like(on), []
         # pipelined with several slots generating, every slot alternates as a grammar's does (_pipeline)
         groups = self.pipelined and sum(s.state is SlotState.GENERATING for s in self.slots_) > 1
+        late = self.executor.capacity.late_masks and not groups
         for s in self.slots_:
             if s.state is SlotState.READING or (on[s.id] and s.state is not SlotState.GENERATING):
                 return None                       # a prompt to read, or a row whose request ended
             if s.state is not SlotState.GENERATING:
                 continue
-            if s.matcher is not None or groups:   # in plan: its token is not known yet; else it was applied
+            if (s.matcher is not None and not late) or groups:  # in plan: its token is not known yet; else applied
                 if not on[s.id]:
                     joined.append(s)
             elif (not on[s.id] or s.generated + 1 >= s.req.max_tokens or s.pos + 2 >= self.max_context
@@ -363,8 +371,10 @@ class Scheduler:
         pos, steps = nxt.decode_pos.copy(), nxt.steps.copy()
         for s in joined:
             active[s.id], tokens[s.id], pos[s.id], steps[s.id] = True, s.last_token, s.pos, s.generated
+        # a grammar row that continues takes its mask once plan's token is read (_late_masks), while this one runs
+        mask_late = keep & np.array([s.matcher is not None for s in self.slots_])
         return replace(nxt, decode_active=active, decode_tokens=tokens, decode_pos=pos, steps=steps,
-                       mask=self._masks(joined))
+                       mask=self._masks(joined), mask_late=mask_late if mask_late.any() else None)
 
     # --- admission and cancellation
     def _admit(self):
@@ -564,6 +574,11 @@ class Scheduler:
         """Whether the slot's device state is the one the windows applied to its request left: no window that
         computes its row was dispatched after the one applied last (lookahead)."""
         return not s.fed_past and (self._ahead_rows is None or not self._ahead_rows[s.id])
+
+    def _late_masks(self, plan: WindowPlan) -> np.ndarray | None:
+        """The masks of a dispatched plan's mask_late rows, now that the window before it is applied (their grammars
+        took its tokens); a row whose request ended since is computed and dropped: None if every one has."""
+        return self._masks([s for s in self.slots_ if plan.mask_late[s.id] and s.state is SlotState.GENERATING])
 
     def _masks(self, sampled: list[Slot]) -> np.ndarray | None:
         """The grammar masks [S, W] of the slots a window samples for (others: every token allowed); None when none

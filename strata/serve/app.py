@@ -115,6 +115,8 @@ class _SchedulerCollector:
              "Decode windows dispatched before the previous window's tokens were read"),
             ("windows_pipelined", "strata_windows_pipelined",
              "Of those, a layer split's windows of the other group of slots, which wait for nothing of the previous"),
+            ("windows_late_masks", "strata_windows_late_masks",
+             "Of those, windows whose grammar rows got their masks after dispatch, computed while the window ran"),
             ("device_seconds_sum", "strata_window_device_seconds", "Device time inside the scheduler's windows"),
             ("plan_seconds_sum", "strata_window_plan_seconds", "Scheduler time planning windows"),
             ("apply_seconds_sum", "strata_window_apply_seconds", "Scheduler time applying window results and text"),

@@ -62,6 +62,7 @@ class Handle:
     result: WindowResult
     after: Handle | None = None
     continued: bool = False      # a later plan was dispatched after this one
+    waiting: bool = False        # its mask_late rows wait for give_masks
 
 
 @dataclass
@@ -93,10 +94,12 @@ class FakeExecutor:
     part_s_at: dict = field(default_factory=dict)     # window index -> the part's seconds instead
     stages: int = 1                                   # the layer split's stages it declares (Capacity.stages)
     parked_rows: int = 0                              # KVs save_kv keeps by reference (nbytes 0) before copying
+    late_masks: bool = False                          # continuing grammar rows take their masks later (give_masks)
 
     def __post_init__(self):
         self.capacity = Capacity(self.slots, self.part_size, self.max_context, tuple(self.part_sizes),
-                                 stages=self.stages)
+                                 stages=self.stages, late_masks=self.late_masks)
+        self.given_masks: list[int] = []              # windows whose masks give_masks gave, in order
         self.windows: list[Dispatched] = []
         self.warmed = 0
         self.collected: list[int] = []
@@ -140,6 +143,9 @@ class FakeExecutor:
             tokens[device] = after.result.decode_next[device]
         elif (tokens[plan.decode_active] < 0).any():
             raise ValueError("a plan with token -1 must be dispatched after the window that samples it")
+        continuing = plan.decode_active & (plan.decode_tokens < 0)
+        if plan.mask_late is not None and (not self.late_masks or after is None or (plan.mask_late & ~continuing).any()):
+            raise ValueError("mask_late: only with late_masks, on a continuing plan's rows that continue")
         nxt = np.zeros(self.slots, np.int32)
         fin = np.ones(self.slots, bool)
         numerics = plan.numerics or (DEFAULT,) * self.slots
@@ -196,13 +202,25 @@ class FakeExecutor:
                            decode_logprobs=fake_logprobs(nxt) if logprobs else None,
                            part_logprobs=fake_logprobs(first) if logprobs and plan.part is not None else None)
         self.windows.append(Dispatched(plan, tokens, after is not None))
-        return Handle(index, plan, res, after)
+        return Handle(index, plan, res, after, waiting=plan.mask_late is not None)
+
+    def give_masks(self, handle: Handle, mask) -> None:
+        """The late rows sample under their masks now (they were computed unmasked at dispatch)."""
+        if not handle.waiting:
+            raise ValueError(f"give_masks: window {handle.index} has no rows waiting for masks")
+        handle.waiting = False
+        self.given_masks.append(handle.index)
+        if mask is not None:
+            for s in np.flatnonzero(handle.plan.mask_late):
+                handle.result.decode_next[s] = obey(mask[s], handle.result.decode_next[s])
 
     def collect(self, handle: Handle) -> WindowResult:
         if self.collected and handle.index <= self.collected[-1]:
             raise ValueError(f"window {handle.index} collected after window {self.collected[-1]}")
         if handle.after is not None and handle.after.index not in self.collected:
             raise ValueError("a continuing window was collected before the window it continues")
+        if handle.waiting:
+            raise ValueError(f"window {handle.index} was collected before give_masks gave its late rows' masks")
         self.collected.append(handle.index)
         if handle.index in self.raise_at:
             raise self.raise_at[handle.index]
@@ -316,6 +334,8 @@ class FakeExecutor:
         were inactive in prev; rows of prev may drop out; masks only on rows that join; decode-only, once."""
         if not self.chains:
             raise ValueError("this executor does not chain windows")
+        if prev.waiting:
+            raise ValueError("a window was continued before give_masks gave its late rows' masks")
         if prev.plan.part is not None or plan.part is not None or prev.continued or not plan.n_decode:
             raise ValueError("only a decode-only window can be continued, by a decode-only plan, once")
         want, on = prev.plan.continued(), prev.plan.decode_active

@@ -162,7 +162,7 @@ def test_a_grammar_request_beside_a_plain_one_changes_nothing_with_lookahead(eng
     """A json_schema request (its matcher from strata/serve/grammar.py; greedy, or sampled with a frequency penalty
     and logprobs, so its penalty counts must survive the windows it sits out) beside a plain greedy one: both get
     exactly what they get with lookahead off, the JSON validates, and windows were dispatched ahead while the grammar
-    request ran, its row joining every other one with its token and mask from the host."""
+    request ran, its row continuing on the device in each, its mask given after dispatch (mask_late)."""
     from strata.serve.grammar import Grammars
     grammars = Grammars(engine.tokenizer, engine.cfg.vocab_size, engine.eos_token_ids)
     schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 4, "maxLength": 12},
@@ -182,12 +182,65 @@ def test_a_grammar_request_beside_a_plain_one_changes_nothing_with_lookahead(eng
     assert on["json"][1].reason == "stop" and on["plain"][1].completion_tokens == 40
     value = json.loads(on["json"][0])
     assert set(value) == {"name", "n"} and 4 <= len(value["name"]) <= 12 and isinstance(value["n"], int)
-    joined = [plan for plan, ahead in seen if ahead and plan.mask is not None]
-    for plan in joined:     # the grammar row's token from the host, the plain row's from the device
-        g = int(np.flatnonzero((plan.mask != -1).any(axis=1))[0])
-        assert plan.decode_active.all() and plan.decode_tokens[g] >= 0 and plan.decode_tokens[1 - g] == -1
-    assert len(joined) >= on["json"][1].completion_tokens // 2 - 3
-    assert sched_on.stats["windows_ahead"] > len(joined) and sched_off.stats["windows_ahead"] == 0
+    late = [plan for plan, ahead in seen if ahead and plan.mask_late is not None]
+    for plan in late:       # both rows' tokens from the device, the grammar row's mask given later
+        assert plan.decode_active.all() and (plan.decode_tokens == -1).all() and plan.mask_late.sum() == 1
+    assert len(late) >= on["json"][1].completion_tokens - 3
+    assert sched_on.stats["windows_ahead"] >= len(late) and sched_off.stats["windows_ahead"] == 0
+
+
+def _late_masked(runner, n: int, chained: bool):
+    """n windows over 2 rows, both in every one: row 0 plain (sampled), row 1 a grammar row (every third token, a
+    frequency penalty, logprobs). chained: each window dispatched before the last one is read, row 1 continuing with
+    mask_late and its mask given (give_masks) once the window before is read; else each run alone, its mask given at
+    dispatch. -> (tokens per row, row 1's logprobs)."""
+    vocab = runner.engine.cfg.vocab_size
+    allowed = np.zeros((1, vocab), bool)
+    allowed[0, ::3] = True
+    mask = np.full((2, mask_words(vocab)), -1, np.int32)
+    mask[1] = pack_mask(allowed)[0]
+    base = replace(idle_plan(2), temperature=np.array([0.9, 0.7], np.float32),
+                   seeds=np.array([[1, 2], [5, 6]], np.uint32),
+                   penalties=np.array([[0.0, 0.0, 1.0], [0.0, 0.8, 1.3]], np.float32), logprobs=np.full(2, 2, np.int32))
+    toks, lps = {0: [11], 1: [12]}, []
+
+    def plan_of(i: int, continuing: bool):
+        tokens = np.array([-1, -1] if continuing else [toks[0][-1], toks[1][-1]], np.int32)
+        pos = np.full(2, i, np.int32)
+        return replace(base, decode_active=np.ones(2, bool), decode_tokens=tokens, decode_pos=pos, steps=pos,
+                       mask=None if continuing else mask, mask_late=np.array([False, True]) if continuing else None)
+
+    def read(res):
+        for r in (0, 1):
+            toks[r].append(int(res.decode_next[r]))
+        lps.append(float(res.decode_logprobs.sampled[1]))
+    if not chained:
+        for i in range(n):
+            read(runner.run(plan_of(i, False)))
+        return toks, lps
+    w = runner.dispatch(plan_of(0, False))
+    for i in range(n):
+        w_next = runner.dispatch(plan_of(i + 1, True), after=w) if i < n - 1 else None
+        if w_next is not None:
+            with pytest.raises(ValueError, match="give_masks"):        # continued before its masks
+                runner.dispatch(plan_of(i + 2, True), after=w_next)
+        read(runner.collect(w))
+        if w_next is not None:
+            with pytest.raises(RuntimeError, match="give_masks"):      # read before its masks
+                runner.collect(w_next)
+            runner.give_masks(w_next, mask)
+        w = w_next
+    return toks, lps
+
+
+def test_masks_given_after_dispatch_give_the_tokens_of_masks_given_with_it(engine):
+    """A grammar row continuing on the device whose mask comes after its window was dispatched (give_masks, as the
+    scheduler gives it once the window before is read) samples what it samples with the mask given at dispatch: the
+    same tokens, logprobs and penalty counts, every one allowed by the mask."""
+    want = _late_masked(WindowRunner(engine, 2, 16), 8, chained=False)
+    got = _late_masked(WindowRunner(engine, 2, 16), 8, chained=True)
+    assert got == want
+    assert all(t % 3 == 0 for t in want[0][1][1:])
 
 
 def test_lookahead_changes_nothing_a_client_sees(engine):

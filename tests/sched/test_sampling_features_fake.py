@@ -1,6 +1,6 @@
 """What the scheduler plans and reports for the sampling features, against a FakeExecutor: n choices read their prompt
 once and end one by one; grammar masks go only to the rows that have a grammar, which decode every other window while
-the others keep lookahead;
+the others keep lookahead (every window, their masks given after dispatch, with an executor that takes late masks);
 penalties, bias and logprobs arrays appear only when some request uses them (a plain plan is the plain plan); each
 token's logprob reaches its choice's events."""
 from __future__ import annotations
@@ -176,8 +176,8 @@ def letters(prompt, n) -> list[int]:
     return out
 
 
-def _grammar_beside_plain(tokenizer, lookahead: bool):
-    fake = FakeExecutor(slots=2, part_size=8)
+def _grammar_beside_plain(tokenizer, lookahead: bool, late_masks: bool = False):
+    fake = FakeExecutor(slots=2, part_size=8, late_masks=late_masks)
     sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4,
                       lookahead=lookahead)
     ev = run(sched, [Request(id="G", prompt_ids=P("json:"), max_tokens=40, constraint=LettersConstraint(13)),
@@ -211,6 +211,40 @@ def test_a_grammar_row_decodes_every_other_window_and_the_others_keep_lookahead(
     assert sched.stats["windows_ahead"] == sum(w.ahead for w in fake.windows) >= len(both) - 1
     assert not any(w.ahead for w in fake_off.windows)
     assert any(w.ahead for w in fake.windows[g_windows[-1] + 1:]), "lookahead goes on once no row has a grammar"
+
+
+def test_with_late_masks_a_grammar_row_decodes_every_window_its_mask_given_while_the_window_runs(tokenizer):
+    """An executor that takes late masks: the grammar row continues on the device in every window dispatched ahead
+    (token -1, mask_late), and each such window gets its masks (give_masks) once the window before is read, before it
+    is continued or read; both clients get what they get without lookahead."""
+    on, fake, sched = _grammar_beside_plain(tokenizer, True, late_masks=True)
+    off, _, _ = _grammar_beside_plain(tokenizer, False)
+    assert on == off
+    assert on["G"] == [(text_of(letters(P("json:"), 13)), "stop", 13)]
+    g_windows = [i for i, w in enumerate(fake.windows) if w.plan.decode_active[0]]
+    first = min(i for i, w in enumerate(fake.windows) if w.plan.decode_active.all())
+    both = fake.windows[first:g_windows[-1] + 1]
+    # G's 1st token from its part, its 2nd beside F's part, one window for each other token, and one computed past
+    # its last token (dropped: ahead, it was dispatched before that token was read)
+    assert len(both) == 13 - 2 + 1 and all(w.plan.decode_active.all() for w in both)
+    assert all(w.ahead for w in both[1:])
+    for w in both[1:]:
+        assert (w.plan.decode_tokens == -1).all() and w.plan.mask is None
+        assert w.plan.mask_late.tolist() == [True, False]
+    late = [i for i, w in enumerate(fake.windows) if w.plan.mask_late is not None]
+    assert fake.given_masks == late and len(late) >= len(both) - 1
+    assert sched.stats["windows_ahead"] == sum(w.ahead for w in fake.windows)
+
+
+def test_with_late_masks_grammar_rows_alone_keep_lookahead(tokenizer):
+    """Two grammar rows and no other: with late masks their windows are dispatched ahead too, the text unchanged."""
+    fake = FakeExecutor(slots=2, part_size=8, late_masks=True)
+    sched = Scheduler(fake, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids, queue_limit=4)
+    ev = run(sched, [Request(id=f"G{i}", prompt_ids=P(f"json{i}:"), max_tokens=40,
+                             constraint=SpellConstraint(list(P('{"b": 2}')))) for i in range(2)])
+    assert all(next(iter(choices(e).values()))[0] == '{"b": 2}' for e in ev.values())
+    assert sched.stats["windows_ahead"] > 0 and fake.given_masks
+    assert all(fake.windows[i].plan.mask_late.all() for i in fake.given_masks)
 
 
 def test_grammar_rows_alone_get_no_lookahead(tokenizer):

@@ -138,6 +138,38 @@ def test_json_schema_output_validates(client, stream):
         jsonschema.validate(json.loads(text), REPORT)
 
 
+def _counter(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_a_json_schema_stream_beside_a_plain_one_gets_its_text_alone_and_its_masks_late(client, server):
+    """A streamed json_schema reply beside a long plain stream: the same text as alone (greedy), valid, and the
+    windows dispatched ahead while both ran gave the grammar row its masks after dispatch (strata_windows_late_masks),
+    so it decoded in them rather than every other one."""
+    from concurrent.futures import ThreadPoolExecutor
+    rf = {"type": "json_schema", "json_schema": {"name": "report", "schema": REPORT, "strict": True}}
+    kw = dict(model="demo", messages=ASK, response_format=rf, max_tokens=300, temperature=0)
+    alone = client.chat.completions.create(**kw).choices[0].message.content
+    before = _counter(server, "strata_windows_late_masks_total")
+
+    def json_stream():
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+
+    def plain_stream():
+        return sum(1 for c in client.chat.completions.create(model="demo", messages=ASK, max_tokens=300, stream=True,
+                                                             temperature=0, extra_body={"ignore_eos": True})
+                   if c.choices and c.choices[0].delta.content)
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(plain_stream)
+        text = pool.submit(json_stream).result()
+        assert plain.result() > 0
+    assert text == alone
+    jsonschema.validate(json.loads(text), REPORT)
+    assert _counter(server, "strata_windows_late_masks_total") > before
+
+
 def test_json_object_and_text_completions_with_a_schema(client):
     r = client.chat.completions.create(model="demo", messages=ASK, response_format={"type": "json_object"},
                                        max_tokens=400, temperature=0)
