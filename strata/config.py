@@ -500,12 +500,17 @@ class Faults:
                                                       # NaN in every float format); the host tier stays good
     nonfinite: tuple[int, int] | None = None          # (layer, position): that layer's output row is NaN there, on
                                                       # every numerics path
+    replica_exit: str | None = None                   # a file's path: the Ray engine replica that removes it (one
+                                                      # replica, once) kills its own process before a reply's first
+                                                      # token, as a crash would
 
 
 FAULT_KEYS = {"fault_corrupt_slot": ("corrupt_slot", Rule(lambda v: _is_int(v) and v >= 0, "a slot index >= 0")),
               "fault_nonfinite": ("nonfinite", Rule(lambda v: isinstance(v, tuple) and len(v) == 2
                                                     and all(_is_int(x) and x >= 0 for x in v),
-                                                    "a (layer, position) pair of integers >= 0"))}
+                                                    "a (layer, position) pair of integers >= 0")),
+              "fault_replica_exit": ("replica_exit", Rule(lambda v: isinstance(v, str) and v != "",
+                                                          "a file's path"))}
 
 
 GROUPS: dict[str, type] = {"model": ModelSettings, "experts": ExpertSettings, "sched": SchedSettings,

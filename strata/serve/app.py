@@ -18,7 +18,7 @@ import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import anyio
 import anyio.abc
@@ -100,120 +100,124 @@ class _SchedulerCollector:
             slots = list(scheduler.slots())
         except Exception:
             slots = []
+        yield from scheduler_families(m, slots)
 
-        def num(key):
-            v = m.get(key)
-            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
-        for key, name, doc in (
-            ("requests_finished", "strata_requests_finished", "Requests that ended with a finish reason"),
-            ("requests_failed", "strata_requests_failed", "Requests that ended with an error"),
-            ("prompt_tokens", "strata_prompt_tokens", "Prompt tokens read"),
-            ("generated_tokens", "strata_generated_tokens", "Tokens generated"),
-            ("windows", "strata_windows", "Scheduler windows run"),
-            ("windows_ahead", "strata_windows_ahead",
-             "Decode windows dispatched before the previous window's tokens were read"),
-            ("windows_pipelined", "strata_windows_pipelined",
-             "Of those, a layer split's windows of the other group of slots, which wait for nothing of the previous"),
-            ("windows_late_masks", "strata_windows_late_masks",
-             "Of those, windows whose grammar rows got their masks after dispatch, computed while the window ran"),
-            ("device_seconds_sum", "strata_window_device_seconds", "Device time inside the scheduler's windows"),
-            ("plan_seconds_sum", "strata_window_plan_seconds", "Scheduler time planning windows"),
-            ("apply_seconds_sum", "strata_window_apply_seconds", "Scheduler time applying window results and text"),
-            ("handoff_seconds_sum", "strata_window_handoff_seconds", "Time handing windows to the worker thread"),
-            ("expert_hits", "strata_expert_hits", "Routes whose expert was in a device slot"),
-            ("expert_misses", "strata_expert_misses", "Routes whose expert was not"),
-            ("expert_fills", "strata_expert_fills", "Experts written into device slots (misses, refills, swaps)"),
-            ("expert_window_copies", "strata_expert_window_copies",
-             "Missing experts a decode window copied from host memory by itself"),
-            ("expert_bytes_copied", "strata_expert_bytes_copied", "Expert bytes copied host to device"),
-            ("expert_copy_seconds", "strata_expert_copy_seconds", "Time spent copying experts to the device"),
-            ("expert_cpu_routes", "strata_expert_cpu_routes", "Routes computed on the CPU"),
-            ("expert_cpu_seconds", "strata_expert_cpu_seconds", "Time spent computing experts on the CPU"),
-            ("expert_loans", "strata_expert_loans", "Device slots lent to prompt parts"),
-            ("expert_layers_streamed", "strata_expert_layers_streamed",
-             "MoE layers whose experts a prompt part copied whole (stream_parts)"),
-            ("expert_peer_routes", "strata_expert_peer_routes",
-             "Prompt parts' routes computed on a peer device (prefill_help)"),
-            ("expert_swaps", "strata_expert_swaps", "Adaptive expert swaps between windows"),
-            ("prompt_cache_hits", "strata_prompt_cache_hits", "Prompts that continued a stored conversation"),
-            ("prompt_cache_tokens_reused", "strata_prompt_cache_tokens_reused",
-             "Prompt tokens reused from the prompt cache instead of read"),
-            ("checkpoints_taken", "strata_checkpoints_taken", "Prompt-cache checkpoints taken"),
-            ("checkpoints_evicted", "strata_checkpoints_evicted",
-             "Checkpoints dropped to keep the checkpoint RAM budget (least recently used first)"),
-            ("conversations_parked", "strata_conversations_parked",
-             "Conversations whose KV and checkpoints moved to host RAM when their slot was needed"),
-            ("conversations_resumed", "strata_conversations_resumed", "Parked conversations resumed into a slot"),
-            ("conversations_dropped", "strata_conversations_dropped",
-             "Stored conversations dropped (the RAM budget, an error in their slot)"),
-            ("windows_verifying", "strata_windows_verifying", "Windows that verified drafts (speculative decoding)"),
-            ("drafts_verified", "strata_drafts_verified", "Drafts verified"),
-            ("drafts_accepted", "strata_drafts_accepted", "Drafts accepted"),
-            ("nonfinite_rows", "strata_nonfinite_rows", "Rows whose logits or residual went non-finite"),
-            ("guard_retries", "strata_guard_retries", "Requests the numerics guard retried on another numerics path"),
-            ("guard_tokens_resumed", "strata_guard_tokens_resumed",
-             "Tokens the guard's retries resumed from a prompt-cache checkpoint instead of reading them again"),
-            ("guard_failed", "strata_guard_failed", "Requests the numerics guard ended with the error non_finite"),
-            ("expert_slots_repaired", "strata_expert_slots_repaired",
-             "Device expert slots that failed their checksum and were rewritten from the host tier"),
-            ("guard_rebuilds", "strata_guard_rebuilds", "Rebuilds of the expert device state after a storm of failures"),
-            ("kv_spills", "strata_kv_spills", "Moves of a slot's attention KV window that sent positions to host RAM"),
-            ("kv_positions_spilled", "strata_kv_positions_spilled", "Positions of attention KV sent to host RAM"),
-            ("kv_reloads", "strata_kv_reloads",
-             "Prompts that resumed below their slot's host part, whose window was read back from host RAM"),
-            ("kv_parks_by_reference", "strata_kv_parks_by_reference",
-             "Conversations parked with their host KV kept in place (kv_parked rows) instead of copied"),
-        ):
-            if (v := num(key)) is not None:
-                c = CounterMetricFamily(name, doc)
-                c.add_metric([], v)
-                yield c
-        yield from _stage_families(m.get("stages") or [])
-        if (v := num("expert_slots_resident")) is not None:
-            yield GaugeMetricFamily("strata_expert_slots_resident", "Device slots holding an expert", value=v)
-        if (v := num("checkpoint_ram_bytes")) is not None:
-            yield GaugeMetricFamily("strata_checkpoint_ram_bytes",
-                                    "Host RAM held by checkpoints and parked conversations", value=v)
-        if (v := num("conversations_parked_now")) is not None:
-            yield GaugeMetricFamily("strata_conversations_parked_now", "Conversations parked in host RAM", value=v)
-        if (v := num("kv_host_positions")) is not None:
-            yield GaugeMetricFamily("strata_kv_host_positions", "Positions of attention KV in host RAM, all slots",
-                                    value=v)
-        if (v := num("kv_rows_free")) is not None:
-            yield GaugeMetricFamily("strata_kv_rows_free", "Host KV rows free for conversations parked in place",
-                                    value=v)
-        if (v := num("queue_depth")) is not None:
-            yield GaugeMetricFamily("strata_queue_depth", "Requests waiting for a slot", value=v)
-        if (v := num("tokens_per_s")) is not None:
-            yield GaugeMetricFamily("strata_tokens_per_second",
-                                    "Generated tokens per second over the recent windows", value=v)
-        windows, wsum = num("windows"), num("window_seconds_sum")
-        if windows is not None and wsum is not None:
-            yield SummaryMetricFamily("strata_window_seconds", "Wall time of the scheduler's windows",
-                                      count_value=windows, sum_value=wsum)
-        gaps = SummaryMetricFamily("strata_inter_token_seconds", "Gaps between a stream's tokens, by whether the "
-                                   "window also read a prompt part", labels=["window"])
-        for label, key in (("decode", ""), ("part", "_beside_parts")):
-            if (n := num(f"inter_tokens{key}")) is not None:
-                gaps.add_metric([label], count_value=n, sum_value=num(f"inter_token_seconds{key}_sum"))
-        yield gaps
-        g = GaugeMetricFamily("strata_slots", "Sequence slots by state", labels=["state"])
-        counts = {"free": 0, "reading": 0, "generating": 0}
-        for s in slots:
-            st = s.get("state") if isinstance(s, dict) else None
-            if isinstance(st, str):
-                counts[st] = counts.get(st, 0) + 1
-        for st, n in counts.items():
-            g.add_metric([st], n)
-        yield g
-        drafting = [s for s in slots if isinstance(s, dict) and "drafts" in s]
-        if drafting:
-            acc = GaugeMetricFamily("strata_slot_draft_acceptance", "Share of the drafts verified for a slot's request "
-                                    "that were accepted", labels=["slot"])
-            for s in drafting:
-                acc.add_metric([str(s["id"])], s["drafts_accepted"] / s["drafts"] if s["drafts"] else 0.0)
-            yield acc
+def scheduler_families(m: dict, slots: list):
+    """The metric families of one scheduler's metrics() and slots() (serve/ray_app.py labels each replica's)."""
+    def num(key):
+        v = m.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    for key, name, doc in (
+        ("requests_finished", "strata_requests_finished", "Requests that ended with a finish reason"),
+        ("requests_failed", "strata_requests_failed", "Requests that ended with an error"),
+        ("prompt_tokens", "strata_prompt_tokens", "Prompt tokens read"),
+        ("generated_tokens", "strata_generated_tokens", "Tokens generated"),
+        ("windows", "strata_windows", "Scheduler windows run"),
+        ("windows_ahead", "strata_windows_ahead",
+         "Decode windows dispatched before the previous window's tokens were read"),
+        ("windows_pipelined", "strata_windows_pipelined",
+         "Of those, a layer split's windows of the other group of slots, which wait for nothing of the previous"),
+        ("windows_late_masks", "strata_windows_late_masks",
+         "Of those, windows whose grammar rows got their masks after dispatch, computed while the window ran"),
+        ("device_seconds_sum", "strata_window_device_seconds", "Device time inside the scheduler's windows"),
+        ("plan_seconds_sum", "strata_window_plan_seconds", "Scheduler time planning windows"),
+        ("apply_seconds_sum", "strata_window_apply_seconds", "Scheduler time applying window results and text"),
+        ("handoff_seconds_sum", "strata_window_handoff_seconds", "Time handing windows to the worker thread"),
+        ("expert_hits", "strata_expert_hits", "Routes whose expert was in a device slot"),
+        ("expert_misses", "strata_expert_misses", "Routes whose expert was not"),
+        ("expert_fills", "strata_expert_fills", "Experts written into device slots (misses, refills, swaps)"),
+        ("expert_window_copies", "strata_expert_window_copies",
+         "Missing experts a decode window copied from host memory by itself"),
+        ("expert_bytes_copied", "strata_expert_bytes_copied", "Expert bytes copied host to device"),
+        ("expert_copy_seconds", "strata_expert_copy_seconds", "Time spent copying experts to the device"),
+        ("expert_cpu_routes", "strata_expert_cpu_routes", "Routes computed on the CPU"),
+        ("expert_cpu_seconds", "strata_expert_cpu_seconds", "Time spent computing experts on the CPU"),
+        ("expert_loans", "strata_expert_loans", "Device slots lent to prompt parts"),
+        ("expert_layers_streamed", "strata_expert_layers_streamed",
+         "MoE layers whose experts a prompt part copied whole (stream_parts)"),
+        ("expert_peer_routes", "strata_expert_peer_routes",
+         "Prompt parts' routes computed on a peer device (prefill_help)"),
+        ("expert_swaps", "strata_expert_swaps", "Adaptive expert swaps between windows"),
+        ("prompt_cache_hits", "strata_prompt_cache_hits", "Prompts that continued a stored conversation"),
+        ("prompt_cache_tokens_reused", "strata_prompt_cache_tokens_reused",
+         "Prompt tokens reused from the prompt cache instead of read"),
+        ("checkpoints_taken", "strata_checkpoints_taken", "Prompt-cache checkpoints taken"),
+        ("checkpoints_evicted", "strata_checkpoints_evicted",
+         "Checkpoints dropped to keep the checkpoint RAM budget (least recently used first)"),
+        ("conversations_parked", "strata_conversations_parked",
+         "Conversations whose KV and checkpoints moved to host RAM when their slot was needed"),
+        ("conversations_resumed", "strata_conversations_resumed", "Parked conversations resumed into a slot"),
+        ("conversations_dropped", "strata_conversations_dropped",
+         "Stored conversations dropped (the RAM budget, an error in their slot)"),
+        ("windows_verifying", "strata_windows_verifying", "Windows that verified drafts (speculative decoding)"),
+        ("drafts_verified", "strata_drafts_verified", "Drafts verified"),
+        ("drafts_accepted", "strata_drafts_accepted", "Drafts accepted"),
+        ("nonfinite_rows", "strata_nonfinite_rows", "Rows whose logits or residual went non-finite"),
+        ("guard_retries", "strata_guard_retries", "Requests the numerics guard retried on another numerics path"),
+        ("guard_tokens_resumed", "strata_guard_tokens_resumed",
+         "Tokens the guard's retries resumed from a prompt-cache checkpoint instead of reading them again"),
+        ("guard_failed", "strata_guard_failed", "Requests the numerics guard ended with the error non_finite"),
+        ("expert_slots_repaired", "strata_expert_slots_repaired",
+         "Device expert slots that failed their checksum and were rewritten from the host tier"),
+        ("guard_rebuilds", "strata_guard_rebuilds", "Rebuilds of the expert device state after a storm of failures"),
+        ("kv_spills", "strata_kv_spills", "Moves of a slot's attention KV window that sent positions to host RAM"),
+        ("kv_positions_spilled", "strata_kv_positions_spilled", "Positions of attention KV sent to host RAM"),
+        ("kv_reloads", "strata_kv_reloads",
+         "Prompts that resumed below their slot's host part, whose window was read back from host RAM"),
+        ("kv_parks_by_reference", "strata_kv_parks_by_reference",
+         "Conversations parked with their host KV kept in place (kv_parked rows) instead of copied"),
+    ):
+        if (v := num(key)) is not None:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], v)
+            yield c
+    yield from _stage_families(m.get("stages") or [])
+    if (v := num("expert_slots_resident")) is not None:
+        yield GaugeMetricFamily("strata_expert_slots_resident", "Device slots holding an expert", value=v)
+    if (v := num("checkpoint_ram_bytes")) is not None:
+        yield GaugeMetricFamily("strata_checkpoint_ram_bytes",
+                                "Host RAM held by checkpoints and parked conversations", value=v)
+    if (v := num("conversations_parked_now")) is not None:
+        yield GaugeMetricFamily("strata_conversations_parked_now", "Conversations parked in host RAM", value=v)
+    if (v := num("kv_host_positions")) is not None:
+        yield GaugeMetricFamily("strata_kv_host_positions", "Positions of attention KV in host RAM, all slots",
+                                value=v)
+    if (v := num("kv_rows_free")) is not None:
+        yield GaugeMetricFamily("strata_kv_rows_free", "Host KV rows free for conversations parked in place",
+                                value=v)
+    if (v := num("queue_depth")) is not None:
+        yield GaugeMetricFamily("strata_queue_depth", "Requests waiting for a slot", value=v)
+    if (v := num("tokens_per_s")) is not None:
+        yield GaugeMetricFamily("strata_tokens_per_second",
+                                "Generated tokens per second over the recent windows", value=v)
+    windows, wsum = num("windows"), num("window_seconds_sum")
+    if windows is not None and wsum is not None:
+        yield SummaryMetricFamily("strata_window_seconds", "Wall time of the scheduler's windows",
+                                  count_value=windows, sum_value=wsum)
+    gaps = SummaryMetricFamily("strata_inter_token_seconds", "Gaps between a stream's tokens, by whether the "
+                               "window also read a prompt part", labels=["window"])
+    for label, key in (("decode", ""), ("part", "_beside_parts")):
+        if (n := num(f"inter_tokens{key}")) is not None:
+            gaps.add_metric([label], count_value=n, sum_value=num(f"inter_token_seconds{key}_sum"))
+    yield gaps
+    g = GaugeMetricFamily("strata_slots", "Sequence slots by state", labels=["state"])
+    counts = {"free": 0, "reading": 0, "generating": 0}
+    for s in slots:
+        st = s.get("state") if isinstance(s, dict) else None
+        if isinstance(st, str):
+            counts[st] = counts.get(st, 0) + 1
+    for st, n in counts.items():
+        g.add_metric([st], n)
+    yield g
+    drafting = [s for s in slots if isinstance(s, dict) and "drafts" in s]
+    if drafting:
+        acc = GaugeMetricFamily("strata_slot_draft_acceptance", "Share of the drafts verified for a slot's request "
+                                "that were accepted", labels=["slot"])
+        for s in drafting:
+            acc.add_metric([str(s["id"])], s["drafts_accepted"] / s["drafts"] if s["drafts"] else 0.0)
+        yield acc
 
 
 class ServeMetrics:
@@ -235,7 +239,9 @@ class ServeMetrics:
                                   buckets=_LATENCY_BUCKETS, registry=r)
         self.completion_tokens = Histogram("strata_completion_tokens", "Tokens generated per request",
                                            buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r)
-        r.register(_SchedulerCollector(state))
+        # a front end whose scheduler is remote puts its own collector in this one's place (serve/ray_app.py)
+        self.scheduler_collector = _SchedulerCollector(state)
+        r.register(self.scheduler_collector)
 
     @staticmethod
     def route_label(path: str) -> str:
@@ -271,9 +277,11 @@ class ServeState:
         self.on_scheduler_exit = on_scheduler_exit
         self._grammars = None
         # set by a front end whose scheduler is remote (serve/ray_app.py): the slots one request may use (default:
-        # the scheduler's), headers naming who served a request, and [DONE] after a stream's error object
+        # the scheduler's), headers naming who served a request, [DONE] after a stream's error object, and what
+        # /slots and /metrics await first (the remote scheduler asks its replicas then: they are not read at a scrape)
         self.slot_count: int | None = None
         self.response_headers: Callable[[str], dict] | None = None
+        self.refresh: Callable[[], Awaitable[None]] | None = None
         self.done_after_error = False
         self.sampling_defaults: dict = {}          # the model's generation_config.json's, for fields a body omits
         if engine is not None:
@@ -1120,11 +1128,15 @@ async def health(request: HttpRequest):
 
 async def slots(request: HttpRequest):
     s: ServeState = request.app.state.strata
+    if s.refresh is not None and s.scheduler is not None:
+        await s.refresh()
     return _JSON(list(s.scheduler.slots()) if s.scheduler is not None else [])
 
 
 async def metrics(request: HttpRequest):
     s: ServeState = request.app.state.strata
+    if s.refresh is not None and s.scheduler is not None:
+        await s.refresh()
     return Response(s.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -3,15 +3,16 @@
 The ingress is serve/app.py's own app (routes, validation, tokenizing, SSE) over a RemoteScheduler: a Request goes
 to the engine deployment through a streaming handle routed by serve/ray_router.py, and its events come back as they
 are made. Each EngineReplica is one engine, scheduler and prompt cache (server.load_model) on its own GPUs.
-Responses name their replica (x-strata-replica); /metrics counts requests per replica and the router's decisions.
-A replica that dies before a request's first token is retried on another; one that dies mid-stream ends the stream
-with an error chunk, the error object and [DONE], and Serve restarts it.
+Responses name their replica (x-strata-replica); /metrics and /slots ask every replica at the scrape (a bounded wait
+each): counters labelled replica="<name>", strata_replica_up, the router's decisions. A replica that dies before a
+request's first token: the request is retried on another; mid-stream: an error chunk, the error object and [DONE].
     serve run configs/ray_serve.yaml          # import_path strata.serve.ray_app:build
     strata serve --replicas 2                 # a local Ray instance: serve_ray(settings)
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import signal
@@ -22,15 +23,15 @@ from typing import Any
 
 import anyio
 import ray
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
-from strata.config import KEYS, SPECS, Settings, load_settings
+from strata.config import KEYS, SPECS, Faults, Settings, load_settings
 from strata.errors import StrataError
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request
-from strata.serve.app import create_app
+from strata.serve.app import create_app, scheduler_families
 from strata.serve.server import configure_logging, load_model
 
 log = logging.getLogger("strata.serve")
@@ -38,6 +39,10 @@ log = logging.getLogger("strata.serve")
 HEADER = "x-strata-replica"
 RETRIES = 2                    # replicas tried in turn for a request that got no token before its replica died
 KNOWN = 4096                   # request ids whose replica is remembered for their response headers
+SURVEY_TIMEOUT_S = 5.0         # how long /metrics and /slots wait for a replica before reporting it as not answering
+# Serve's room for calls beyond parallel + queue_limit, so that a replica whose scheduler queue is full still answers
+# the ingress's survey; a generation that takes it meets the full queue: a 503 queue_full, as from one server
+SURVEY_ROOM = 4
 DEATHS = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
@@ -50,9 +55,9 @@ def flat(settings: Settings, leave: tuple[str, ...] = ()) -> dict[str, Any]:
 class EngineReplica:
     """One engine, its scheduler and its prompt cache; `generate` streams a request's events in batches."""
 
-    async def __init__(self, values: dict):
+    async def __init__(self, values: dict, faults: Faults | None = None):
         configure_logging()
-        self.config = Settings().with_values(values)
+        self.config = replace(Settings().with_values(values), faults=faults or Faults())
         ctx = serve.get_replica_context()
         self.name = ctx.replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
@@ -83,6 +88,20 @@ class EngineReplica:
         """The context this replica's engine holds: the setting, or what its memory plan made of "auto"."""
         return int(self.scheduler.max_context)
 
+    async def snapshot(self, replica: str | None = None, replicas: list | None = None) -> dict:
+        """The ingress's survey (/metrics, /slots): this replica's name, process, scheduler counters and slots now,
+        and `replicas` (every replica's name, which the router wrote in) passed back."""
+        return {"replica": self.name, "pid": os.getpid(), "node": self.node, "replicas": list(replicas or []),
+                "metrics": dict(self.scheduler.metrics()), "slots": list(self.scheduler.slots())}
+
+    def _fault_exit(self, path: str) -> None:
+        try:
+            os.unlink(path)                     # only the replica that removes the file dies, and only once
+        except FileNotFoundError:
+            return
+        log.warning("replica %s: fault_replica_exit: killing this process before the reply's first token", self.name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def check_health(self):
         """Serve's health check: a replica whose scheduler stopped is restarted."""
         if self.error is not None:
@@ -97,13 +116,12 @@ class EngineReplica:
 
     async def generate(self, req: Request, lark: str | None = None, routing: str = "affinity",
                        route: dict | None = None):
-        """Batches of events; the first batch starts with a dict naming this replica, its slots and the route
-        (the router's decision; `routing` is the policy the router was asked for)."""
+        """Batches of events; the first batch starts with a dict naming this replica and the route (the router's
+        decision; `routing` is the policy the router was asked for)."""
         route = dict(route or {})
         if route.get("first", self.name) != self.name:
             route["kind"] = "fallback"          # Serve passed over the router's first choice (its queue was full)
-        head = {"replica": self.name, "pid": os.getpid(), "node": self.node, "route": route.get("kind", ""),
-                "slots": list(self.scheduler.slots())}
+        head = {"replica": self.name, "pid": os.getpid(), "node": self.node, "route": route.get("kind", "")}
         if lark is not None:
             req = replace(req, constraint=await anyio.to_thread.run_sync(lambda: self._constraint(lark)))
         try:
@@ -117,6 +135,8 @@ class EngineReplica:
         finished, ended = 0, False
         try:
             yield [head]
+            if self.config.faults.replica_exit is not None:
+                self._fault_exit(self.config.faults.replica_exit)
             async with events:
                 async for ev in events:
                     batch = [ev]
@@ -144,7 +164,8 @@ class RemoteScheduler:
         self.handle = handle.options(stream=True)
         self.max_context, self.routing = max_context, routing     # "auto" until resolve_context()
         self.served: OrderedDict[str, str] = OrderedDict()      # request id -> replica
-        self.replicas: dict[str, dict] = {}                      # replica -> its last head (pid, node, slots)
+        self.known: set[str] = set()                             # the replicas the next survey asks first
+        self.surveyed: dict[str, dict | None] = {}               # the last survey: replica -> its snapshot or None
         self.per_replica: dict[str, int] = defaultdict(int)
         self.routes: dict[str, int] = defaultdict(int)
         self.deaths = self.retried = 0
@@ -183,8 +204,52 @@ class RemoteScheduler:
         return self.max_context
 
     def slots(self) -> list[dict]:
-        return [{**s, "replica": name, "pid": h["pid"], "node": h["node"]}
-                for name, h in sorted(self.replicas.items()) for s in h["slots"]]
+        """Every slot of the last survey's replicas, each with its replica's name, node and process id."""
+        return [{**s, "replica": name, "pid": snap["pid"], "node": snap["node"]}
+                for name, snap in sorted(self.surveyed.items()) if snap is not None for s in snap["slots"]]
+
+    async def survey(self) -> None:
+        """Ask the replicas for their snapshots, all at once, each within SURVEY_TIMEOUT_S. The router writes the
+        names of the replicas Serve runs into every answer: one not asked yet is asked in a second round, and a known
+        one that is gone is dropped; a listed one that did not answer stays, as None."""
+        got: dict[str, dict | None] = {}
+        listed: set[str] | None = None
+        targets: list = sorted(self.known) or [None]        # None: any replica (nothing known yet)
+        for _ in range(2):
+            answers = await self._ask_all(targets)
+            for target, snap in zip(targets, answers):
+                if snap is not None:
+                    listed = set(snap["replicas"])
+                    got[snap["replica"]] = snap
+                elif target is not None:
+                    got.setdefault(target, None)
+            targets = sorted(listed - got.keys()) if listed is not None else []
+            if not targets:
+                break
+        if listed is not None:              # else none answered: the same replicas are asked next time
+            got = {name: snap for name, snap in got.items() if name in listed}
+            self.known = set(got)
+        self.surveyed = got
+
+    async def _ask_all(self, targets: list) -> list:
+        """The targets' snapshots (None: no answer), asked at once, each call in an empty context: a call made in an
+        HTTP request's context carries that request's Serve id, under which Serve's router files pending calls, so
+        concurrent calls of one request collide there (one of them is never sent)."""
+        loop = asyncio.get_running_loop()
+        return list(await asyncio.gather(*(loop.create_task(self._ask(t), context=contextvars.Context())
+                                           for t in targets)))
+
+    async def _ask(self, target: str | None) -> dict | None:
+        response = self.engine.snapshot.remote(replica=target, replicas=None)
+        with anyio.move_on_after(SURVEY_TIMEOUT_S):
+            try:
+                return await response
+            except Exception as e:  # noqa: BLE001 - a replica that died or failed is reported, not raised
+                log.warning("replica %s did not answer the ingress's survey: %s: %s", target, type(e).__name__, e)
+                return None
+        response.cancel()
+        log.warning("replica %s did not answer the ingress's survey within %.0f s", target, SURVEY_TIMEOUT_S)
+        return None
 
     def metrics(self) -> dict:
         return {}
@@ -195,7 +260,7 @@ class RemoteScheduler:
 
     def _note(self, req: Request, head: dict) -> None:
         name = head["replica"]
-        self.replicas[name] = head
+        self.known.add(name)
         self.served[req.id] = name
         while len(self.served) > KNOWN:
             self.served.popitem(last=False)
@@ -268,6 +333,28 @@ class _RouteCollector:
                                   "before the reply began", value=r.retried)
 
 
+class _ReplicaCollector:
+    """Each replica's scheduler families from the last survey, every sample labelled with its replica, and whether
+    each answered: in place of app.py's collector of a local scheduler."""
+
+    def __init__(self, remote: RemoteScheduler):
+        self.remote = remote
+
+    def collect(self):
+        up = GaugeMetricFamily("strata_replica_up", f"Whether the engine replica answered this scrape within "
+                               f"{SURVEY_TIMEOUT_S:g} s (its other metrics are missing when not)", labels=["replica"])
+        merged: dict[str, Metric] = {}              # one family a name, whatever the number of replicas
+        for name, snap in sorted(self.remote.surveyed.items()):
+            up.add_metric([name], 0.0 if snap is None else 1.0)
+            if snap is None:
+                continue
+            for fam in scheduler_families(snap["metrics"], snap["slots"]):
+                out = merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit))
+                out.samples += [s._replace(labels={"replica": name, **s.labels}) for s in fam.samples]
+        yield up
+        yield from merged.values()
+
+
 @serve.ingress()
 class Ingress:
     """serve/app.py's app over a RemoteScheduler of the engine deployment."""
@@ -291,6 +378,9 @@ class Ingress:
         state.slot_count = config.sched.parallel
         state.response_headers = remote.headers
         state.done_after_error = True
+        state.refresh = remote.survey
+        state.metrics.registry.unregister(state.metrics.scheduler_collector)
+        state.metrics.registry.register(_ReplicaCollector(remote))
         state.metrics.registry.register(_RouteCollector(remote))
         return app
 
@@ -306,14 +396,14 @@ def application(settings: Settings):
                                "margin": r.affinity_margin, "capacity": r.affinity_blocks})
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=max(1, r.replicas),
-        max_ongoing_requests=settings.sched.parallel + settings.sched.queue_limit,
+        max_ongoing_requests=settings.sched.parallel + settings.sched.queue_limit + SURVEY_ROOM,
         ray_actor_options={"num_gpus": r.gpus_per_replica, "num_cpus": r.cpus_per_replica},
         request_router_config=router, health_check_period_s=5, health_check_timeout_s=60,
         graceful_shutdown_timeout_s=settings.serve.drain_timeout)
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
     # the replicas are not given the ray group: a change of routing or replica count does not restart them
-    return ingress.bind(engine.bind(flat(settings, leave=("ray",))), values)
+    return ingress.bind(engine.bind(flat(settings, leave=("ray",)), settings.faults), values)
 
 
 def build(args: dict):

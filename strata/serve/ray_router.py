@@ -5,7 +5,8 @@ Request first; the router hashes the prompt's blocks, ranks the replicas (one re
 past the preferred one when that one's queue is full), records the blocks on the replica the request went to, and
 writes its decision into the request's `route` keyword: the replica echoes it back, and the ingress counts it. The
 ingress names the policy in the `routing` keyword (affinity | round_robin), so changing it restarts no replica.
-Other calls (no prompt) go to the least loaded replica. A replica that dies or leaves is dropped from the tree.
+A survey call (a `replicas` keyword) is told the replicas' names and goes to the one its `replica` keyword names;
+other calls (no prompt) go to the least loaded. A replica that dies or leaves is dropped from the tree.
 """
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ class AffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         loads = {rid: self._load(rid) for rid in by_id}
+        if pending_request is not None and "replicas" in pending_request.kwargs:
+            # the ingress's survey (/metrics, /slots): it learns the replicas Serve runs now, and a call naming one
+            # goes to that one alone (one that is gone: to another, which answers with its own name)
+            pending_request.kwargs["replicas"] = sorted(rid.unique_id for rid in by_id)
+            target = pending_request.kwargs.get("replica")
+            for rid, r in by_id.items():
+                if rid.unique_id == target:
+                    return [[r]]
         prompt = _prompt(pending_request)
         if prompt is None:
             return [sorted(candidate_replicas, key=lambda r: loads[r.replica_id])]
