@@ -59,6 +59,9 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+AUTO_DRAFTS = 4                 # spec = "auto": the drafts a slot may offer (the seeds' users run --spec 4)
+
+
 def _int_range(lo: int, hi: int) -> Rule:
     return Rule(lambda v: _is_int(v) and lo <= v <= hi, f"an integer in [{lo}, {hi}]")
 
@@ -313,14 +316,16 @@ class SchedSettings(_Group):
         "smallest that holds its decoding slots: idle slots are computed only to fill a bucket. Applies where "
         "`lookahead` does (compiled decode windows on the jax backend), not to windows that verify drafts (`spec`), "
         "which run every slot. Off: every window runs all slots, with fewer compilations at start-up.")
-    spec: int = setting(
-        0, _int_range(0, 8),
+    spec: int | str = setting(
+        0, Rule(lambda v: v == "auto" or (_is_int(v) and 0 <= v <= 8), "\"auto\" or an integer in [0, 8]"),
         "Speculative decoding: each generating slot drafts up to this many tokens with the model's MTP head (needs "
         "`mtp`) and the next window verifies them with the slot's next token, K + 1 positions a row; 0: off. Greedy "
         "rows keep the longest matching prefix, sampled rows the speculative-sampling rule, so the output is the "
         "model's own. A slot whose drafts are rejected drafts fewer, and no slot drafts while the measured windows "
         "say verifying costs more than it saves. Needs compiled decode windows (every expert on the device, or "
-        "window_fetch) on the jax backend; windows that verify are not dispatched ahead (lookahead).")
+        "window_fetch) on the jax backend; windows that verify are not dispatched ahead (lookahead). auto: "
+        f"{AUTO_DRAFTS} with the MTP head (mtp on) where the model has one and the windows are compiled, else off; "
+        "the load log says which.")
     mtp: bool = setting(
         False, _BOOL,
         "Load the model's multi-token-prediction head (mtp.* tensors; the demo model has one): the draft model of "

@@ -21,7 +21,7 @@ import numpy as np
 
 from strata.backend import HOST, TIER_BASE, get_backend
 from strata.builtin import builtin_dir, is_builtin, is_random
-from strata.config import AUTO_CONTEXT_CAP, KV_DTYPES, Settings, bucket_for
+from strata.config import AUTO_CONTEXT_CAP, AUTO_DRAFTS, KV_DTYPES, Settings, bucket_for
 from strata.errors import ConfigError, StrataError
 from strata.model.config import ModelConfig
 from strata.model.control import ControlVector, load_control_vector, with_control
@@ -233,6 +233,8 @@ class Engine:
         else:
             params = with_control(build_params(cfg, tensors, np_dtype, ops.joins_projections, ple), control)
             params = params if split else ops.to_device(params)      # split: each stage places its own share
+        if settings.sched.spec == "auto":         # the head's parameters are placed with the rest (stage_params)
+            settings = settings.with_values({"mtp": "mtp" in params and (pack is None or pack.mtp_layer is not None)})
         tokenizer = None
         if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
             from strata.tokenizer import Tokenizer
@@ -255,12 +257,29 @@ class Engine:
         if split:
             engine.split_layers(store, say)
         engine.attach_experts(store, say)
+        if settings.sched.spec == "auto":
+            engine.settings = settings = settings.with_values(engine.auto_spec(say))
         if settings.sched.mtp:
             from strata.engine.spec import load_mtp
             engine.mtp = load_mtp(engine, tensors, pack)
         if settings.faults.corrupt_slot is not None:
             engine._corrupt(settings.faults.corrupt_slot, say)
         return engine
+
+    def auto_spec(self, say) -> dict:
+        """spec = "auto" made a number: AUTO_DRAFTS with the MTP head where the model has one (its parameters
+        loaded: settings.sched.mtp) and the decode windows are compiled, else 0 (and the head's parameters dropped)."""
+        why = ("the model has no MTP head" if not self.settings.sched.mtp else
+               f"decode windows are not compiled here ({self.backend.name} backend, experts {self.path.describe()})"
+               if self.backend.eager or not all(st.path.compiled_rows for st in self.stages) else None)
+        if why is None:
+            say(f"strata spec: auto: each slot drafts up to {AUTO_DRAFTS} tokens with the MTP head, and windows "
+                f"verify while they measure faster than plain ones")
+            return {"spec": AUTO_DRAFTS, "mtp": True}
+        say(f"strata spec: auto: off ({why})")
+        if isinstance(self.params, dict):
+            self.params.pop("mtp", None)
+        return {"spec": 0, "mtp": False}
 
     def _corrupt(self, slot: int, say) -> None:
         """Test-only fault injection: overwrite a device expert slot (the host tier and the pack stay good)."""
