@@ -1,11 +1,12 @@
-"""A llama.cpp GGUF file (qwen3moe / qwen3next) seen as a Hugging Face checkpoint: config.json dict + tensors.
+"""A llama.cpp GGUF file (qwen3moe / qwen3next / qwen4exp) seen as a Hugging Face checkpoint: config + tensors.
 
 llama.cpp's converter (convert_hf_to_gguf.py, classes Qwen3MoeModel / Qwen3NextModel) renames every tensor, stacks the
 experts of a layer into one [E, ...] tensor and, for qwen3next, changes some values. This module undoes all of it, so
 `get()` returns exactly what the Hugging Face safetensors hold (name, layout, values up to the rounding the converter's
 own arithmetic caused). Metadata becomes config.json keys; what GGUF does not record is read off the tensors. Tensors
 are dequantized only when asked for, and a routed expert alone (its rows sliced out of the stacked tensor first). The
-mapping, tensor by tensor: docs/formats.md.
+mapping, tensor by tensor: docs/formats.md. A file named NAME-00001-of-0000N.gguf is read with its other shards
+(llama.cpp's gguf-split): metadata from the first, tensors from all. qwen4exp: weights/gguf_qwen4exp.py.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from gguf.quants import dequantize
 
 from strata.errors import ModelLoadError
 
-SUPPORTED_ARCHS = ("qwen3moe", "qwen3next")
+SUPPORTED_ARCHS = ("qwen3moe", "qwen3next", "qwen4exp")
 _MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen3next": "qwen3_next"}
 # stored as plain numpy arrays that gguf.quants.dequantize does not take; cast them
 _PLAIN_TYPES = {GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32,
@@ -96,7 +97,7 @@ class GGUFTensors:
 
 
 def read_gguf(path: str | Path) -> tuple[dict, GGUFTensors]:
-    """(config.json-style dict, tensors) of a qwen3moe / qwen3next GGUF file."""
+    """(config.json-style dict, tensors) of a qwen3moe / qwen3next / qwen4exp GGUF file (and its shards)."""
     path = Path(path)
     reader = _open(path)
     meta = _Metadata(reader, path)
@@ -104,10 +105,41 @@ def read_gguf(path: str | Path) -> tuple[dict, GGUFTensors]:
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"{path}: GGUF architecture '{arch}' is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHS)}")
-    tensors = {t.name: t for t in reader.tensors}
-    config = _config(arch, meta, tensors, path)
-    recipes, origin = _recipes(arch, config, tensors, path)
+    tensors = _shard_tensors(path, reader, meta)
+    if arch == "qwen4exp":
+        from strata.weights.gguf_qwen4exp import qwen4exp_config, qwen4exp_recipes
+        config = qwen4exp_config(meta, tensors, path)
+        recipes, origin = qwen4exp_recipes(config, tensors, path)
+    else:
+        config = _config(arch, meta, tensors, path)
+        recipes, origin = _recipes(arch, config, tensors, path)
     return config, GGUFTensors(path, recipes, origin)
+
+
+_SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+def _shard_tensors(path: Path, first: GGUFReader, meta: _Metadata) -> dict[str, ReaderTensor]:
+    """Tensors by name of a file, or of every shard of a gguf-split set named by its first shard."""
+    tensors = {t.name: t for t in first.tensors}
+    m = _SHARD_RE.match(path.name)
+    count = meta.get("split.count")
+    if m is None or not count or int(count) < 2:
+        return tensors
+    if int(m.group("i")) != 1:
+        raise ModelLoadError(f"{path} is shard {int(m.group('i'))} of {int(m.group('n'))}: pass the first shard "
+                             f"({m.group('stem')}-00001-of-{m.group('n')}.gguf); the others are read with it")
+    for i in range(2, int(count) + 1):
+        shard = path.with_name(f"{m.group('stem')}-{i:05d}-of-{int(count):05d}.gguf")
+        for t in _open(shard).tensors:
+            if t.name in tensors:
+                raise ModelLoadError(f"{shard}: tensor {t.name} is in another shard too")
+            tensors[t.name] = t
+    want = meta.get("split.tensors.count")
+    if want is not None and int(want) != len(tensors):
+        raise ModelLoadError(f"{path}: the {int(count)} shards hold {len(tensors)} tensors; split.tensors.count "
+                             f"says {int(want)}")
+    return tensors
 
 
 # ---------------------------------------------------------------------------------------------------- file access

@@ -1,0 +1,123 @@
+"""llama.cpp's qwen4exp GGUF (weights/gguf_qwen4exp.py) against the checkpoint it was converted from: the demo-flash
+model written as the converter writes it (tests/gguf_qwen4exp_writer.py), whole and as a gguf-split set. Every tensor
+comes back as the checkpoint holds it, up to the converter's own arithmetic (norms stored as 1 + w, A_log as
+-exp(A_log)), and the engine's logits equal those of the checkpoint with that arithmetic applied, bit for bit. A file
+that cannot be served is one clear error naming the file and what is wrong."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf_qwen4exp_writer import write_qwen4exp_gguf
+from safetensors.numpy import load_file
+from safetensors_writer import edit_tensors
+
+from strata import Engine
+from strata.demo import write_demo_flash_model
+from strata.demo_tokenizer import write_demo_tokenizer
+from strata.errors import ModelLoadError
+from strata.weights.gguf_reader import read_gguf
+
+PROMPT = [5, 80, 256, 17, 300, 42, 42, 9, 256, 256, 12, 99] * 3
+PREFIX = "model.language_model."
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("flash")
+    write_demo_flash_model(path)
+    return path
+
+
+def _text(flash: Path) -> tuple[dict, dict]:
+    cfg = json.loads((flash / "config.json").read_text())["text_config"]
+    return cfg, load_file(str(flash / "model.safetensors"))
+
+
+def _write(flash: Path, out: Path, **kw) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    write_demo_tokenizer(out)
+    cfg, hf = _text(flash)
+    return write_qwen4exp_gguf(out / "flash.gguf", cfg, hf, **kw)[0]
+
+
+def _converted(name: str, w: np.ndarray) -> np.ndarray:
+    """What the checkpoint's tensor is after the converter's arithmetic and the reader's inverse (float32)."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return (w + np.float32(1.0)) - np.float32(1.0)
+    if name.endswith(".A_log"):
+        return np.log(-(-np.exp(w)).astype(np.float64)).astype(np.float32)
+    return w
+
+
+def test_every_tensor_and_the_config_come_back(flash, tmp_path):
+    path = _write(flash, tmp_path / "g")
+    config, tensors = read_gguf(path)
+    cfg, hf = _text(flash)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "hc_count", "hc_lowrank",
+                "ple_layer_ids", "ple_embed_dim", "ngram_size", "heads_per_ngram", "indexer_n_heads",
+                "indexer_head_dim", "indexer_budget", "indexer_compress_ratio", "eos_token_id"):
+        assert config[key] == cfg[key], key
+    assert config["rope_parameters"]["mrope_section"] == cfg["rope_parameters"]["mrope_section"]
+    want = {}
+    for name, w in hf.items():
+        if name.startswith("mtp."):
+            continue
+        short = name.replace(PREFIX, "model.")
+        if ".ngram_embedding.shard_" in name:
+            continue
+        want[short] = _converted(name, w)
+    table = [hf[n] for n in sorted((n for n in hf if ".ngram_embedding.shard_" in n),
+                                   key=lambda n: int(n.rsplit("_", 1)[1].split(".")[0]))]
+    want["model.layers.1.ple.ple_embedding.ngram_embedding.weight"] = np.concatenate(table)
+    assert set(tensors.names()) == set(want)
+    for name, w in want.items():
+        np.testing.assert_array_equal(tensors.get(name), w, err_msg=name)
+
+
+def _expected_checkpoint(flash: Path, out: Path) -> Path:
+    path = shutil.copytree(flash, out)
+
+    def convert(t):
+        for name in list(t):
+            t[name] = _converted(name, t[name])
+    edit_tensors(path, convert)
+    return path
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_the_engine_gives_the_checkpoints_logits(flash, tmp_path, shards):
+    """Shards: metadata in the first, the PLE table alone in the last; the set is named by its first shard."""
+    path = _write(flash, tmp_path / "g", shards=shards)
+    assert path.name == ("flash.gguf" if shards == 1 else "flash-00001-of-00003.gguf")
+    got = Engine.load(path, max_context=128).logits(PROMPT)
+    want = Engine.load(_expected_checkpoint(flash, tmp_path / "hf"), max_context=128).logits(PROMPT)
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(got, want)
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(ModelLoadError) as ei:
+        Engine.load(path, max_context=128)
+    return str(ei.value)
+
+
+def test_files_that_cannot_be_served_are_refused_with_the_reason(flash, tmp_path):
+    three = _write(flash, tmp_path / "s", shards=3)
+    second = three.with_name("flash-00002-of-00003.gguf")
+    assert "pass the first shard (flash-00001-of-00003.gguf)" in _error(second)
+    three.with_name("flash-00003-of-00003.gguf").unlink()
+    assert "flash-00003-of-00003.gguf" in _error(three)
+    bad = _write(flash, tmp_path / "m", metadata={"ple.layer_multipliers": ([3, 5, 7], "u64[]")})
+    msg = _error(bad)
+    assert str(bad) in msg and "qwen4exp.ple.layer_multipliers is [3, 5, 7]" in msg and "not the release's" in msg
+    zero = _write(flash, tmp_path / "z", metadata={"attention.compress_ratios": ([0, 0, 0, 0], "i32[]")})
+    assert "compress_ratios gives the attention layers [0]" in _error(zero)
+    missing = _write(flash, tmp_path / "k", metadata={"hyper_connection.low_rank": None})
+    assert "required GGUF metadata key 'qwen4exp.hyper_connection.low_rank' is missing" in _error(missing)
