@@ -117,11 +117,14 @@ def gguf_tensors(cfg: dict, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def write_qwen4exp_gguf(path: Path, cfg: dict, hf: dict[str, np.ndarray], shards: int = 1,
-                        metadata: dict | None = None) -> list[Path]:
+                        metadata: dict | None = None, table_dtype=np.float32) -> list[Path]:
     """Write cfg (a qwen4_exp text config) and its checkpoint hf; metadata: keys (without the arch prefix) set or,
-    with value None, left out. -> the files written (the first names the set)."""
+    with value None, left out; table_dtype: the PLE table's (float16: an F16 tensor, which a reader dequantizes as it
+    reads rows, as it does a quantized one). -> the files written (the first names the set)."""
     from strata.ngram import ngram_spec
     tensors = gguf_tensors(cfg, hf)
+    if "per_layer_token_embd.weight" in tensors:
+        tensors["per_layer_token_embd.weight"] = tensors["per_layer_token_embd.weight"].astype(table_dtype)
     n = cfg["num_hidden_layers"]
     rope = cfg["rope_parameters"]
     full = [kind != "linear_attention" for kind in cfg["layer_types"]]

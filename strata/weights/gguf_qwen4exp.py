@@ -5,8 +5,8 @@ llama.cpp's converter (conversion/qwen4exp.py over its Qwen3-Next / Qwen3.5 base
 projection as two tensors, the experts stacked per matrix, and the delta rule's value heads reordered from grouped
 (head k * r + j of key head k) to tiled (j * n_key_heads + k). This module undoes each, and turns the metadata into
 the text config (PLE layers 0-based in the file, 1-based in the config), checking that the file's n-gram hash
-constants are the ones the config derives. The PLE table is memory-mapped as stored (F32 or BF16). Not read yet:
-the MTP block (blk.{n_layer}.nextn.*), which published files do not carry. Mapping: docs/formats.md.
+constants are the ones the config derives. The PLE table stays memory-mapped as stored (a quantized one dequantized
+as its rows are read). Not read yet: the MTP block (blk.{n_layer}.nextn.*), which published files do not carry.
 """
 from __future__ import annotations
 
@@ -263,11 +263,32 @@ def _untiled(t: ReaderTensor, hf: str, axis: int, block: int, geo: dict) -> Call
     return read
 
 
-def _table_recipe(t: ReaderTensor, path: Path) -> Callable[[], np.ndarray]:
-    """The PLE table as the file stores it, memory-mapped (rows [R, D]); F32 or BF16."""
+def _table_recipe(t: ReaderTensor, path: Path) -> Callable:
+    """The PLE table as the file stores it, memory-mapped (rows [R, D]): F32 or BF16 as arrays, another type
+    (F16, Q8_0, Q4_0, IQ4_NL, ...) as QuantizedRows."""
     qtype = GGMLQuantizationType(t.tensor_type)
-    if qtype not in _TABLE_TYPES:
-        raise ModelLoadError(f"{path}: per_layer_token_embd.weight is stored as {qtype.name}; Strata reads a GGUF PLE "
-                             f"table stored as {' or '.join(q.name for q in _TABLE_TYPES)} (memory-mapped rows); "
-                             f"a quantized table is not read yet")
-    return lambda: np.asarray(t.data).view(_TABLE_TYPES[qtype]).reshape(_shape(t))
+    if qtype in _TABLE_TYPES:
+        return lambda: np.asarray(t.data).view(_TABLE_TYPES[qtype]).reshape(_shape(t))
+    return lambda: QuantizedRows(t)
+
+
+class QuantizedRows:
+    """A quantized GGUF table's rows, dequantized to float32 as they are read: indexing by rows (an index array or a
+    slice) dequantizes those rows' blocks only, so a gather reads a few KB of the memory-mapped file. Array-like as
+    strata/model/ple_table.py and HostRows use a row block: shape, dtype, nbytes (the file's bytes), ndim."""
+
+    def __init__(self, t: ReaderTensor):
+        self.raw, self.qtype = t.data, GGMLQuantizationType(t.tensor_type)
+        self.shape, self.dtype, self.ndim = _shape(t), np.dtype(np.float32), 2
+        self.nbytes = int(self.raw.nbytes)
+
+    def __getitem__(self, rows) -> np.ndarray:
+        return _dequant_rows(self.raw[rows], self.qtype)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
+def _dequant_rows(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    from gguf.quants import dequantize
+    return np.asarray(dequantize(raw, qtype), np.float32)

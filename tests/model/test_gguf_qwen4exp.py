@@ -1,8 +1,9 @@
 """llama.cpp's qwen4exp GGUF (weights/gguf_qwen4exp.py) against the checkpoint it was converted from: the demo-flash
 model written as the converter writes it (tests/gguf_qwen4exp_writer.py), whole and as a gguf-split set. Every tensor
 comes back as the checkpoint holds it, up to the converter's own arithmetic (norms stored as 1 + w, A_log as
--exp(A_log)), and the engine's logits equal those of the checkpoint with that arithmetic applied, bit for bit. A file
-that cannot be served is one clear error naming the file and what is wrong."""
+-exp(A_log)), and the engine's logits equal those of the checkpoint with that arithmetic applied, bit for bit, with
+the PLE table on the device, in RAM or read from the file (an F16 table dequantized row by row, as a quantized one
+is). A file that cannot be served is one clear error naming the file and what is wrong."""
 from __future__ import annotations
 
 import json
@@ -44,8 +45,10 @@ def _write(flash: Path, out: Path, **kw) -> Path:
     return write_qwen4exp_gguf(out / "flash.gguf", cfg, hf, **kw)[0]
 
 
-def _converted(name: str, w: np.ndarray) -> np.ndarray:
+def _converted(name: str, w: np.ndarray, table_dtype=np.float32) -> np.ndarray:
     """What the checkpoint's tensor is after the converter's arithmetic and the reader's inverse (float32)."""
+    if ".ngram_embedding." in name:
+        return w.astype(table_dtype).astype(np.float32)
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         return (w + np.float32(1.0)) - np.float32(1.0)
     if name.endswith(".A_log"):
@@ -81,23 +84,27 @@ def test_every_tensor_and_the_config_come_back(flash, tmp_path):
         np.testing.assert_array_equal(tensors.get(name), w, err_msg=name)
 
 
-def _expected_checkpoint(flash: Path, out: Path) -> Path:
+def _expected_checkpoint(flash: Path, out: Path, table_dtype=np.float32) -> Path:
     path = shutil.copytree(flash, out)
 
     def convert(t):
         for name in list(t):
-            t[name] = _converted(name, t[name])
+            t[name] = _converted(name, t[name], table_dtype)
     edit_tensors(path, convert)
     return path
 
 
-@pytest.mark.parametrize("shards", [1, 3])
-def test_the_engine_gives_the_checkpoints_logits(flash, tmp_path, shards):
-    """Shards: metadata in the first, the PLE table alone in the last; the set is named by its first shard."""
-    path = _write(flash, tmp_path / "g", shards=shards)
+@pytest.mark.parametrize("shards, table_dtype, place", [(1, np.float32, "device"), (3, np.float32, "disk"),
+                                                        (1, np.float16, "disk"), (1, np.float16, "host")])
+def test_the_engine_gives_the_checkpoints_logits(flash, tmp_path, shards, table_dtype, place):
+    """Shards: metadata in the first, the PLE table alone in the last; the set is named by its first shard. An F16
+    table is read as a quantized one is, each row dequantized when read: gathered from the file (disk) or converted
+    into RAM (host)."""
+    path = _write(flash, tmp_path / "g", shards=shards, table_dtype=table_dtype)
     assert path.name == ("flash.gguf" if shards == 1 else "flash-00001-of-00003.gguf")
-    got = Engine.load(path, max_context=128).logits(PROMPT)
-    want = Engine.load(_expected_checkpoint(flash, tmp_path / "hf"), max_context=128).logits(PROMPT)
+    got = Engine.load(path, max_context=128, ple_table=place).logits(PROMPT)
+    want = Engine.load(_expected_checkpoint(flash, tmp_path / "hf", table_dtype), max_context=128,
+                       ple_table=place).logits(PROMPT)
     assert np.isfinite(want).all()
     np.testing.assert_array_equal(got, want)
 
@@ -121,3 +128,36 @@ def test_files_that_cannot_be_served_are_refused_with_the_reason(flash, tmp_path
     assert "compress_ratios gives the attention layers [0]" in _error(zero)
     missing = _write(flash, tmp_path / "k", metadata={"hyper_connection.low_rank": None})
     assert "required GGUF metadata key 'qwen4exp.hyper_connection.low_rank' is missing" in _error(missing)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "IQ4_NL"])
+def test_a_quantized_tables_rows_are_its_dequantized_rows(tmp_path, qtype):
+    """The published files' table types: rows gathered by index or read as a slice dequantize to the rows of the
+    whole table dequantized (gguf's own dequantize as the reference)."""
+    import gguf
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize, quantize
+
+    from strata.weights.gguf_qwen4exp import QuantizedRows
+    q = GGMLQuantizationType[qtype]
+    table = np.random.default_rng(3).standard_normal((300, 64)).astype(np.float32)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen4exp")
+    if q == GGMLQuantizationType.IQ4_NL:        # gguf dequantizes it but cannot quantize: blocks of random codes
+        blocks = np.random.default_rng(4).integers(0, 256, (300, 2, 18), dtype=np.uint8)
+        blocks[:, :, :2] = np.full((300, 2, 1), 0.05, np.float16).view(np.uint8)      # each block's scale
+        data = blocks.reshape(300, 36)
+    else:
+        data = quantize(table, q)
+    w.add_tensor("per_layer_token_embd.weight", data, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = GGUFReader(tmp_path / "t.gguf").tensors[0]
+    rows = QuantizedRows(t)
+    whole = np.asarray(dequantize(t.data, q), np.float32)
+    assert rows.shape == (300, 64) and rows.dtype == np.float32 and rows.nbytes < table.nbytes
+    ids = np.array([0, 299, 17, 17, 150])
+    np.testing.assert_array_equal(rows[ids], whole[ids])
+    np.testing.assert_array_equal(rows[100:140], whole[100:140])
+    assert q == GGMLQuantizationType.IQ4_NL or np.abs(whole - table).max() < 0.5     # it is the table, quantized
