@@ -133,6 +133,17 @@ class ModelSettings(_Group):
         "built-in model: \"demo\" (random weights: its text is gibberish by design, every code path runs) or "
         "\"tiny\" (trained on Python's documentation: it answers in doc-like English). Responses and /v1/models name "
         "the model by the path's basename.")
+    gguf_parts: str | list[str] | None = setting(
+        None, _name_list("FILE, or several (an array; comma-separated on the command line)"),
+        "More GGUF files whose tensors join those of the .gguf model (its metadata stays the model file's), for "
+        "weights kept in files of their own: a PLE table, the token embedding, the dense weights. A gguf-split set "
+        "needs none (its first shard names it). A tensor in two files, or a file of another architecture, is refused "
+        "at start-up.", example="ple-table.gguf")
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """gguf_parts as a tuple of paths."""
+        return tuple(_names(self.gguf_parts) or ()) if self.gguf_parts is not None else ()
     dtype: str = setting(
         "auto", _choice("auto", "float32", "bfloat16"),
         "The weights' dtype: auto is bfloat16 on a GPU and float32 on a CPU.")

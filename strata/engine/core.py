@@ -196,6 +196,8 @@ class Engine:
         ops = get_backend(opts.backend, **({"device": opts.device} if opts.device else {}),
                           **({"kernels": opts.kernels} if opts.kernels != "auto" else {}))
         pack, random = None, is_random(path_or_name)
+        if settings.model.parts and (random or _is_pack(path_or_name)):
+            raise ConfigError(f"gguf_parts: more GGUF files join a .gguf model, and {path_or_name!r} is not one")
         if _is_pack(path_or_name):
             from strata.experts.pack import PackReader
             pack = PackReader(path_or_name)
@@ -207,7 +209,7 @@ class Engine:
             tok_dir = builtin_dir(path_or_name)
             config, tensors = json.loads((tok_dir / "config.json").read_text()), None
         else:
-            config, tensors, tok_dir = load_source(path_or_name)
+            config, tensors, tok_dir = load_source(path_or_name, settings.model.parts)
         cfg = ModelConfig.from_hf(config, source=f"{path_or_name} config").with_rope_settings(
             settings.model.rope_scaling, settings.model.rope_scale)
         _refuse_unsupported(cfg, settings)

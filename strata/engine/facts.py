@@ -36,7 +36,7 @@ def model_facts(settings: Settings) -> ModelFacts:
         pack = PackReader(path)
         config, tok_dir = pack.config, pack.dir
     else:
-        config, _, tok_dir = load_source(path)
+        config, _, tok_dir = load_source(path, settings.model.parts)
     tokenizer = None
     if tok_dir is not None and (Path(tok_dir) / "tokenizer.json").exists():
         from strata.tokenizer import Tokenizer

@@ -73,7 +73,8 @@ def qwen4exp_config(meta: _Metadata, tensors: dict[str, ReaderTensor], path: Pat
     hidden, heads = int(meta.require(k("embedding_length"))), int(meta.require(k("attention.head_count")))
     head_dim = int(meta.get(k("attention.key_length"), hidden // heads))
     if "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
+        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing (a file of its own joins the model's "
+                             f"through gguf_parts)")
     layer_types = []
     for i in range(n_layers):
         if f"blk.{i}.ssm_a" in tensors:
@@ -161,9 +162,9 @@ def _ple_config(meta: _Metadata, tensors: dict[str, ReaderTensor], cfg: dict, pa
                                  f"the release's")
     table = tensors.get("per_layer_token_embd.weight")
     if table is None:
-        raise ModelLoadError(f"{path}: per_layer_token_embd.weight (the PLE table) is missing; a PLE table kept in "
-                             f"another shard is found when the file's name is that of its first shard "
-                             f"(NAME-00001-of-0000N.gguf)")
+        raise ModelLoadError(f"{path}: per_layer_token_embd.weight (the PLE table) is missing; a table kept in "
+                             f"another shard is found when the model is named by its first shard "
+                             f"(NAME-00001-of-0000N.gguf), one in a file of its own through gguf_parts")
     rows, dim = _shape(table)
     if (rows, dim) != (spec.table_rows, width):
         raise ModelLoadError(f"{path}: per_layer_token_embd.weight is [{rows}, {dim}], expected "

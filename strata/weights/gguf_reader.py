@@ -96,8 +96,9 @@ class GGUFTensors:
         return str(self.path)
 
 
-def read_gguf(path: str | Path) -> tuple[dict, GGUFTensors]:
-    """(config.json-style dict, tensors) of a qwen3moe / qwen3next / qwen4exp GGUF file (and its shards)."""
+def read_gguf(path: str | Path, parts: tuple[str, ...] = ()) -> tuple[dict, GGUFTensors]:
+    """(config.json-style dict, tensors) of a qwen3moe / qwen3next / qwen4exp GGUF file (and its shards), with the
+    tensors of the GGUF files `parts` joined."""
     path = Path(path)
     reader = _open(path)
     meta = _Metadata(reader, path)
@@ -106,6 +107,8 @@ def read_gguf(path: str | Path) -> tuple[dict, GGUFTensors]:
         raise ModelLoadError(f"{path}: GGUF architecture '{arch}' is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHS)}")
     tensors = _shard_tensors(path, reader, meta)
+    for part in parts:
+        _join_part(Path(part), arch, tensors)
     if arch == "qwen4exp":
         from strata.weights.gguf_qwen4exp import qwen4exp_config, qwen4exp_recipes
         config = qwen4exp_config(meta, tensors, path)
@@ -114,6 +117,18 @@ def read_gguf(path: str | Path) -> tuple[dict, GGUFTensors]:
         config = _config(arch, meta, tensors, path)
         recipes, origin = _recipes(arch, config, tensors, path)
     return config, GGUFTensors(path, recipes, origin)
+
+
+def _join_part(part: Path, arch: str, tensors: dict[str, ReaderTensor]) -> None:
+    """A gguf_parts file's tensors added to the model's (its metadata is not read, but its architecture)."""
+    reader = _open(part)
+    other = _Metadata(reader, part).get("general.architecture")
+    if other is not None and other != arch:
+        raise ModelLoadError(f"gguf_parts {part}: its architecture is '{other}', the model's '{arch}'")
+    for t in reader.tensors:
+        if t.name in tensors:
+            raise ModelLoadError(f"gguf_parts {part}: tensor {t.name} is in the model's files too")
+        tensors[t.name] = t
 
 
 _SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")

@@ -9,7 +9,7 @@ from typing import Iterable, Protocol
 import numpy as np
 
 from strata.builtin import BUILTIN_MODELS, builtin_dir
-from strata.errors import ModelLoadError
+from strata.errors import ConfigError, ModelLoadError
 
 
 class TensorSource(Protocol):
@@ -25,13 +25,16 @@ class TensorSource(Protocol):
         """The file that holds `name` (or would hold it), for error messages."""
 
 
-def load_source(path_or_name: str | os.PathLike):
-    """-> (HF config dict, TensorSource, directory holding the tokenizer or None)."""
+def load_source(path_or_name: str | os.PathLike, parts: tuple[str, ...] = ()):
+    """-> (HF config dict, TensorSource, directory holding the tokenizer or None); parts: more GGUF files whose
+    tensors join a .gguf model's (setting gguf_parts)."""
     path = builtin_dir(path_or_name) or Path(path_or_name)
     if path.is_file() and path.suffix == ".gguf":
         from strata.weights.gguf_reader import read_gguf
-        config, tensors = read_gguf(path)
+        config, tensors = read_gguf(path, parts)
         return config, tensors, path.parent
+    if parts:
+        raise ConfigError(f"gguf_parts: more GGUF files join a .gguf model, and {str(path_or_name)!r} is not one")
     if path.is_dir():
         from strata.weights.dequant import dequantizing
         from strata.weights.hf_dir import read_hf_dir

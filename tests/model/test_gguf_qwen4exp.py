@@ -161,3 +161,48 @@ def test_a_quantized_tables_rows_are_its_dequantized_rows(tmp_path, qtype):
     np.testing.assert_array_equal(rows[ids], whole[ids])
     np.testing.assert_array_equal(rows[100:140], whole[100:140])
     assert q == GGMLQuantizationType.IQ4_NL or np.abs(whole - table).max() < 0.5     # it is the table, quantized
+
+
+def test_weights_in_files_of_their_own_join_the_model(flash, tmp_path):
+    """gguf_parts (the seeds' layout: the PLE table and the token embedding each in a file of its own beside the rest):
+    the same logits as one file; a tensor in two files, a part of another architecture, or parts for a model that is
+    not a .gguf file are refused naming the file."""
+    import gguf
+    from gguf import GGUFReader
+
+    from strata.config import ConfigError
+    one = _write(flash, tmp_path / "one")
+    main = _write(flash, tmp_path / "split")
+    reader = GGUFReader(main)
+    own = {"per_layer_token_embd.weight": tmp_path / "split" / "ple.gguf", "token_embd.weight": tmp_path / "split" /
+           "embd.gguf"}
+    for name, path in own.items():       # each tensor moved to a file of its own (no metadata but the architecture)
+        t = next(t for t in reader.tensors if t.name == name)
+        w = gguf.GGUFWriter(str(path), "qwen4exp")
+        w.add_tensor(name, np.array(t.data), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    rest = tmp_path / "split" / "rest.gguf"
+    w = gguf.GGUFWriter(str(rest), "qwen4exp")
+    for field in reader.fields.values():
+        if field.name.startswith("qwen4exp.") or field.name.startswith("tokenizer."):
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        if t.name not in own:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = Engine.load(one, max_context=128).logits(PROMPT)
+    parts = ",".join(str(p) for p in own.values())
+    np.testing.assert_array_equal(Engine.load(rest, max_context=128, gguf_parts=parts).logits(PROMPT), want)
+    assert "token_embd.weight is missing (a file of its own joins the model's through gguf_parts)" in _error(rest)
+    with pytest.raises(ModelLoadError, match=r"gguf_parts .*embd.gguf: tensor token_embd.weight is in the model's"):
+        Engine.load(one, max_context=128, gguf_parts=str(own["token_embd.weight"]))
+    for model in ("demo", "random:qwen3.8-flash-next"):
+        with pytest.raises(ConfigError, match=f"gguf_parts: more GGUF files join a .gguf model, and '{model}' is not"):
+            Engine.load(model, max_context=128, gguf_parts=parts)
