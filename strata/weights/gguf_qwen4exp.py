@@ -289,6 +289,10 @@ class QuantizedRows:
     def __len__(self) -> int:
         return self.shape[0]
 
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The whole table dequantized (strata pack writes it so: float32, 4 bytes a value)."""
+        return self[:] if dtype is None else self[:].astype(dtype)
+
 
 def _dequant_rows(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     from gguf.quants import dequantize

@@ -206,3 +206,13 @@ def test_weights_in_files_of_their_own_join_the_model(flash, tmp_path):
     for model in ("demo", "random:qwen3.8-flash-next"):
         with pytest.raises(ConfigError, match=f"gguf_parts: more GGUF files join a .gguf model, and '{model}' is not"):
             Engine.load(model, max_context=128, gguf_parts=parts)
+
+
+def test_strata_pack_of_a_gguf_serves_its_logits(flash, tmp_path):
+    """strata pack of a qwen4exp GGUF (an F16 table, read as a quantized one is): the pack with f32 experts gives the
+    GGUF's logits exactly (its dense file holds the table dequantized)."""
+    from strata.experts.pack import write_pack
+    path = _write(flash, tmp_path / "g", table_dtype=np.float16)
+    pack = write_pack(path, tmp_path / "pack", "f32")
+    np.testing.assert_array_equal(Engine.load(pack, max_context=128).logits(PROMPT),
+                                  Engine.load(path, max_context=128).logits(PROMPT))
