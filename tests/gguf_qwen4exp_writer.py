@@ -5,7 +5,9 @@ the converter's behaviour: norms stored as 1 + w (all but the delta rule's gated
 squeezed conv kernels, the indexer's q|k projection split, experts stacked per matrix, the delta rule's value heads
 tiled (checkpoint head k * r + j at j * n_key_heads + k), the PLE table joined from its shards, PLE layers 0-based.
 `shards` > 1 writes a gguf-split set (NAME-0000i-of-0000N.gguf, metadata in the first, the PLE table alone in the
-last, as published files keep it). No MTP block: published files carry none.
+last, as published files keep it). `mtp` writes the MTP head as PR 28243's converter does (published files carry
+none): block n_layer, its decoder layer named as a trunk layer's, nextn.eh_proj = [fc_embedding | fc_hidden]
+(columns), nextn.enorm / hnorm, its final mixer as nextn.hc_head_*.
 """
 from __future__ import annotations
 
@@ -56,17 +58,31 @@ def _tiled(w: np.ndarray, nk: int, nv: int, block: int, start: int, axis: int) -
     return np.moveaxis(np.concatenate([w[:start], v, w[start + nv * block:]]), 0, axis)
 
 
-def gguf_tensors(cfg: dict, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """GGUF name -> array (numpy order) of a checkpoint's text model (prefix model.language_model. or model.)."""
+def gguf_tensors(cfg: dict, hf: dict[str, np.ndarray], mtp: bool = False) -> dict[str, np.ndarray]:
+    """GGUF name -> array (numpy order) of a checkpoint's text model (prefix model.language_model. or model.), and
+    its MTP head (mtp.*) with mtp."""
     nk, nv, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
                       cfg["linear_value_head_dim"])
     di, nh = cfg["indexer_head_dim"], cfg["indexer_n_heads"]
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple, dict] = {}
     shards: dict[int, np.ndarray] = {}
+    n = cfg["num_hidden_layers"]
+    if mtp:
+        out[f"blk.{n}.nextn.eh_proj.weight"] = np.concatenate([hf["mtp.fc_embedding.weight"],
+                                                             hf["mtp.fc_hidden.weight"]], axis=1)
+        for src, dst in (("pre_fc_norm_embedding", "enorm"), ("pre_fc_norm_hidden", "hnorm")):
+            out[f"blk.{n}.nextn.{dst}.weight"] = hf[f"mtp.{src}.weight"] + np.float32(1.0)
+        for src, dst in (("hc_norm", "norm"), ("input_mix_weight_down", "down"), ("input_mix_weight_up", "up")):
+            w = hf[f"mtp.hyper_connection_mixer.{src}.weight"]
+            out[f"blk.{n}.nextn.hc_head_{dst}.weight"] = w + np.float32(1.0) if dst == "norm" else w
     for name, w in hf.items():
-        if name.startswith("mtp.") or name.startswith("model.visual."):
+        if name.startswith("model.visual.") or (name.startswith("mtp.") and not name.startswith("mtp.layers.0.")):
             continue
+        if name.startswith("mtp.layers.0."):
+            if not mtp:
+                continue
+            name = name.replace("mtp.layers.0.", f"model.layers.{n}.")
         w = np.asarray(w, np.float32)
         short = re.sub(r"^model\.(language_model\.)?", "", name)
         if short == "embed_tokens.weight":
@@ -91,8 +107,8 @@ def gguf_tensors(cfg: dict, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if rest == "self_attn.indexer.index_qk_proj.weight":
             out[b + "indexer.q_proj.weight"], out[b + "indexer.k_proj.weight"] = w[:nh * di], w[nh * di:]
             continue
-        if rest.endswith("norm.weight") and rest != "linear_attn.norm.weight":
-            w = w + np.float32(1.0)
+        if (rest.endswith("norm.weight") and rest != "linear_attn.norm.weight") or rest.startswith("ple.norm_"):
+            w = w + np.float32(1.0)              # the converter's Qwen3-Next fold, and its own for the PLE norms
         if rest == "linear_attn.A_log":
             w = -np.exp(w)
         if rest.endswith("conv1d.weight"):
@@ -117,18 +133,18 @@ def gguf_tensors(cfg: dict, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def write_qwen4exp_gguf(path: Path, cfg: dict, hf: dict[str, np.ndarray], shards: int = 1,
-                        metadata: dict | None = None, table_dtype=np.float32) -> list[Path]:
+                        metadata: dict | None = None, table_dtype=np.float32, mtp: bool = False) -> list[Path]:
     """Write cfg (a qwen4_exp text config) and its checkpoint hf; metadata: keys (without the arch prefix) set or,
     with value None, left out; table_dtype: the PLE table's (float16: an F16 tensor, which a reader dequantizes as it
     reads rows, as it does a quantized one). -> the files written (the first names the set)."""
     from strata.ngram import ngram_spec
-    tensors = gguf_tensors(cfg, hf)
+    tensors = gguf_tensors(cfg, hf, mtp)
     if "per_layer_token_embd.weight" in tensors:
         tensors["per_layer_token_embd.weight"] = tensors["per_layer_token_embd.weight"].astype(table_dtype)
     n = cfg["num_hidden_layers"]
     rope = cfg["rope_parameters"]
     full = [kind != "linear_attention" for kind in cfg["layer_types"]]
-    keys = {"block_count": (n, GGUFValueType.UINT32), "context_length": (cfg["max_position_embeddings"], "u32"),
+    keys = {"block_count": (n + mtp, GGUFValueType.UINT32), "context_length": (cfg["max_position_embeddings"], "u32"),
             "embedding_length": (cfg["hidden_size"], "u32"),
             "attention.head_count": (cfg["num_attention_heads"], "u32"),
             "attention.head_count_kv": (cfg["num_key_value_heads"], "u32"),
@@ -150,7 +166,10 @@ def write_qwen4exp_gguf(path: Path, cfg: dict, hf: dict[str, np.ndarray], shards
             "attention.indexer.head_count": (cfg["indexer_n_heads"], "u32"),
             "attention.indexer.key_length": (cfg["indexer_head_dim"], "u32"),
             "attention.indexer.top_k": (cfg["indexer_budget"], "u32"),
-            "attention.compress_ratios": ([cfg["indexer_compress_ratio"] if f else 0 for f in full], "i32[]")}
+            "attention.compress_ratios": ([cfg["indexer_compress_ratio"] if f else 0 for f in full] + [0] * mtp,
+                                          "i32[]")}
+    if mtp:
+        keys["nextn_predict_layers"] = (1, "u32")
     if cfg.get("ple_layer_ids"):
         heads = (cfg["ngram_size"] - 1) * cfg["heads_per_ngram"]
         spec = ngram_spec(cfg["vocab_size"], cfg["ngram_size"], cfg["heads_per_ngram"], cfg["ngram_vocab_size_base"],

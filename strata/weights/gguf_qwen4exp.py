@@ -6,7 +6,7 @@ projection as two tensors, the experts stacked per matrix, and the delta rule's 
 (head k * r + j of key head k) to tiled (j * n_key_heads + k). This module undoes each, and turns the metadata into
 the text config (PLE layers 0-based in the file, 1-based in the config), checking that the file's n-gram hash
 constants are the ones the config derives. The PLE table stays memory-mapped as stored (a quantized one dequantized
-as its rows are read). Not read yet: the MTP block (blk.{n_layer}.nextn.*), which published files do not carry.
+as its rows are read). An MTP block (blk.{n_layer}, nextn_predict_layers 1) is read as the checkpoint's mtp.*.
 """
 from __future__ import annotations
 
@@ -63,13 +63,21 @@ _TILED = {"attn_qkv.weight": ("linear_attn.in_proj_qkv.weight", 0, "dv"),
           "ssm_dt.bias": ("linear_attn.dt_bias", 0, 1),
           "ssm_a": ("linear_attn.A_log", 0, 1),
           "ssm_out.weight": ("linear_attn.out_proj.weight", 1, "dv")}
+# the MTP block's own tensors (blk.{n_layer}.nextn.*; its decoder layer's are named as a trunk layer's)
+_NEXTN = {"nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+          "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+          **{f"nextn.hc_head_{k}.weight": f"mtp.hyper_connection_mixer.{v}.weight"
+             for k, v in _HYPER.items() if k != "inject"}}
 _TABLE_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.BF16: ml_dtypes.bfloat16}
 
 
 def qwen4exp_config(meta: _Metadata, tensors: dict[str, ReaderTensor], path: Path) -> dict:
     """The qwen4_exp text config (config.json keys) of a qwen4exp GGUF's metadata and tensors."""
     k = lambda name: f"{ARCH}.{name}"  # noqa: E731
-    n_layers = int(meta.require(k("block_count"))) - int(meta.get(k("nextn_predict_layers"), 0) or 0)
+    nextn = int(meta.get(k("nextn_predict_layers"), 0) or 0)
+    if nextn > 1:
+        raise ModelLoadError(f"{path}: {k('nextn_predict_layers')} is {nextn}; one MTP layer is supported")
+    n_layers = int(meta.require(k("block_count"))) - nextn
     hidden, heads = int(meta.require(k("embedding_length"))), int(meta.require(k("attention.head_count")))
     head_dim = int(meta.get(k("attention.key_length"), hidden // heads))
     if "token_embd.weight" not in tensors:
@@ -109,7 +117,7 @@ def qwen4exp_config(meta: _Metadata, tensors: dict[str, ReaderTensor], path: Pat
         "hc_lowrank": int(meta.require(k("hyper_connection.low_rank"))),
         "rms_norm_eps": float(meta.require(k("attention.layer_norm_rms_epsilon"))),
         "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
-        "max_position_embeddings": int(meta.get(k("context_length"), 262144)),
+        "max_position_embeddings": int(meta.get(k("context_length"), 262144)), "mtp_num_hidden_layers": nextn,
         **_indexer(meta, layer_types, path),
     }
     eos = meta.get(k("ple.eos_token_id"), meta.get("tokenizer.ggml.eos_token_id"))
@@ -181,6 +189,7 @@ def qwen4exp_recipes(cfg: dict, tensors: dict[str, ReaderTensor], path: Path):
     origin: dict[str, str] = {}
     unknown = []
     ple = cfg.get("ple_layer_ids", [None])[0]
+    mtp = cfg.get("mtp_num_hidden_layers", 0) > 0
     for gname, t in tensors.items():
         if gname == "per_layer_token_embd.weight":
             hf = f"model.layers.{ple - 1}.ple.ple_embedding.ngram_embedding.weight"
@@ -191,11 +200,21 @@ def qwen4exp_recipes(cfg: dict, tensors: dict[str, ReaderTensor], path: Path):
             recipes[hf], origin[hf] = _plain(t, hf), gname
             continue
         m = _BLOCK_RE.match(gname)
-        if m is None or int(m.group(1)) >= cfg["num_hidden_layers"]:
+        n = cfg["num_hidden_layers"]
+        if m is None or int(m.group(1)) > n or (int(m.group(1)) == n and not mtp):
             unknown.append(gname)
             continue
         layer, suffix = int(m.group(1)), m.group(2)
-        prefix = f"model.layers.{layer}."
+        prefix = f"model.layers.{layer}." if layer < n else "mtp.layers.0."
+        if layer == n and suffix in _NEXTN:
+            hf = _NEXTN[suffix]
+            recipes[hf], origin[hf] = _plain(t, hf), gname
+            continue
+        if layer == n and suffix == "nextn.eh_proj.weight":       # [H, 2H]: the embedding's columns, then the hidden's
+            h = cfg["hidden_size"]
+            for name, cols in (("mtp.fc_embedding.weight", slice(0, h)), ("mtp.fc_hidden.weight", slice(h, 2 * h))):
+                recipes[name], origin[name] = (lambda cols=cols, t=t: _dequant(t)[:, cols]), gname
+            continue
         if suffix in _EXPERT_STACKS:
             for name, fn in _expert_recipes(t, prefix, _EXPERT_STACKS[suffix], cfg["num_experts"], path):
                 recipes[name], origin[name] = fn, gname
@@ -219,18 +238,23 @@ def qwen4exp_recipes(cfg: dict, tensors: dict[str, ReaderTensor], path: Path):
             unknown.append(gname)
     if unknown:
         raise ModelLoadError(f"{path}: GGUF tensors with no Hugging Face counterpart for {ARCH}: "
-                             f"{', '.join(sorted(unknown)[:8])}{' ...' if len(unknown) > 8 else ''}"
-                             + (" (the MTP block is not read from GGUF yet)" if any(".nextn." in u for u in unknown)
-                                else ""))
+                             f"{', '.join(sorted(unknown)[:8])}{' ...' if len(unknown) > 8 else ''}")
     return recipes, origin
 
 
+def _folded(hf: str) -> bool:
+    """Whether the converter stored this checkpoint norm as 1 + w: every "*norm.weight" but the delta rule's gated
+    norm, the PLE's norm_{key,query,conv} and the MTP head's pre_fc_norm_* (renamed nextn.enorm / hnorm)."""
+    return ((hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight")) or ".ple.norm_" in hf
+            or hf.startswith("mtp.pre_fc_norm_"))
+
+
 def _plain(t: ReaderTensor, hf: str) -> Callable[[], np.ndarray]:
-    """A tensor stored as the checkpoint has it, but the norms the converter stored as 1 + w (every "norm.weight"
-    except the delta rule's gated norm) and the 1-D forms of 2-D checkpoint tensors."""
+    """A tensor stored as the checkpoint has it, but the norms the converter stored as 1 + w (_folded) and the 1-D
+    forms of 2-D checkpoint tensors."""
     def read() -> np.ndarray:
         w = _dequant(t)
-        if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+        if _folded(hf):
             w = (w - np.float32(1.0)).reshape(-1)
         if hf.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)

@@ -49,7 +49,8 @@ def _converted(name: str, w: np.ndarray, table_dtype=np.float32) -> np.ndarray:
     """What the checkpoint's tensor is after the converter's arithmetic and the reader's inverse (float32)."""
     if ".ngram_embedding." in name:
         return w.astype(table_dtype).astype(np.float32)
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+    if ((name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")) or ".ple.norm_" in name
+            or name.startswith("mtp.pre_fc_norm_")):
         return (w + np.float32(1.0)) - np.float32(1.0)
     if name.endswith(".A_log"):
         return np.log(-(-np.exp(w)).astype(np.float64)).astype(np.float32)
@@ -216,3 +217,23 @@ def test_strata_pack_of_a_gguf_serves_its_logits(flash, tmp_path):
     pack = write_pack(path, tmp_path / "pack", "f32")
     np.testing.assert_array_equal(Engine.load(pack, max_context=128).logits(PROMPT),
                                   Engine.load(path, max_context=128).logits(PROMPT))
+
+
+def test_an_mtp_block_is_read_as_the_checkpoints_head(flash, tmp_path):
+    """A file with the MTP block (PR 28243's converter: blk.{n_layer}, nextn.*): every mtp.* tensor comes back, and
+    the head's draft logits equal the checkpoint's (with the converter's arithmetic), bit for bit."""
+    from strata.engine.spec import sequence_draft_logits
+    path = _write(flash, tmp_path / "g", mtp=True)
+    _, tensors = read_gguf(path)
+    _, hf = _text(flash)
+    mtp = {n: _converted(n, w) for n, w in hf.items() if n.startswith("mtp.")}
+    got = {n for n in tensors.names() if n.startswith("mtp.")}
+    experts = {n for n in mtp if ".experts." in n}
+    assert got == set(mtp) and experts
+    for name in mtp:
+        np.testing.assert_array_equal(tensors.get(name), mtp[name], err_msg=name)
+    a = Engine.load(path, max_context=128, mtp=True)
+    b = Engine.load(_expected_checkpoint(flash, tmp_path / "hf"), max_context=128, mtp=True)
+    want = sequence_draft_logits(b, PROMPT)
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(sequence_draft_logits(a, PROMPT), want)
