@@ -133,17 +133,6 @@ class ModelSettings(_Group):
         "built-in model: \"demo\" (random weights: its text is gibberish by design, every code path runs) or "
         "\"tiny\" (trained on Python's documentation: it answers in doc-like English). Responses and /v1/models name "
         "the model by the path's basename.")
-    gguf_parts: str | list[str] | None = setting(
-        None, _name_list("FILE, or several (an array; comma-separated on the command line)"),
-        "More GGUF files whose tensors join those of the .gguf model (its metadata stays the model file's), for "
-        "weights kept in files of their own: a PLE table, the token embedding, the dense weights. A gguf-split set "
-        "needs none (its first shard names it). A tensor in two files, or a file of another architecture, is refused "
-        "at start-up.", example="ple-table.gguf")
-
-    @property
-    def parts(self) -> tuple[str, ...]:
-        """gguf_parts as a tuple of paths."""
-        return tuple(_names(self.gguf_parts) or ()) if self.gguf_parts is not None else ()
     dtype: str = setting(
         "auto", _choice("auto", "float32", "bfloat16"),
         "The weights' dtype: auto is bfloat16 on a GPU and float32 on a CPU.")
@@ -207,6 +196,17 @@ class ModelSettings(_Group):
         "control_vector_scale multiplies the loaded vector (default 1; 0 turns it off for that request), so rows of "
         "different scales share a window. A file that is not a control vector, or one made for another model (its "
         "size, its layers), is refused at start-up naming what is wrong.", example="happy.gguf:0.8")
+    gguf_parts: str | list[str] | None = setting(
+        None, _name_list("FILE, or several (an array; comma-separated on the command line)"),
+        "More GGUF files whose tensors join those of the .gguf model (its metadata stays the model file's), for "
+        "weights kept in files of their own: a PLE table, the token embedding, the dense weights. A gguf-split set "
+        "needs none (its first shard names it). A tensor in two files, or a file of another architecture, is refused "
+        "at start-up.", example="ple-table.gguf")
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """gguf_parts as a tuple of paths."""
+        return tuple(_names(self.gguf_parts) or ()) if self.gguf_parts is not None else ()
 
 
 @dataclass(frozen=True)
