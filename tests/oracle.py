@@ -1,5 +1,5 @@
-"""The transformers oracle: tiny random Qwen3-Next / Qwen3-MoE / qwen4_exp (text) models, every parameter re-randomised, saved as a
-Hugging Face checkpoint directory that Strata loads like any other."""
+"""The transformers oracle: tiny random Qwen3-Next / Qwen3-MoE / qwen4_exp / Qwen3.5-MoE (text) models, every parameter
+re-randomised, saved as a Hugging Face checkpoint directory that Strata loads like any other."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,6 +46,20 @@ def build_hf_model(arch: str, seed: int, **overrides):
         cfg = transformers.Qwen4ExpTextConfig(**kw)
         model = transformers.Qwen4ExpForCausalLM(cfg)
         model.generation_config.eos_token_id = None      # greedy runs to its length: PLE needs an eos, generate not
+    elif arch == "qwen3_5_moe":
+        # the Qwen3-Next hybrid with Qwen3.5's separate delta-rule projections, fused expert matrices and MRoPE (text:
+        # one position for its three sections, plain RoPE)
+        kw = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                  num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                  max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+        kw.update(overrides)
+        cfg = transformers.Qwen3_5MoeTextConfig(**kw)
+        model = transformers.Qwen3_5MoeForCausalLM(cfg)
     else:
         raise ValueError(arch)
     gen = torch.Generator().manual_seed(seed)

@@ -13,10 +13,11 @@ from functools import cached_property
 from strata.errors import ModelLoadError
 from strata.model.rope import Rope, RopeScaling, read_scaling, rope_for, scaling_for
 
-SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_moe", "qwen4_exp")
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_moe", "qwen4_exp", "qwen3_5_moe")
 LINEAR, FULL = "linear_attention", "full_attention"
 INDEXED = "indexed_attention"              # qwen4_exp's name for its attention layers (FULL here, with QSA)
-_HYBRID = ("qwen3_next", "qwen4_exp")      # Gated DeltaNet + gated attention, zero-centred norms
+_HYBRID = ("qwen3_next", "qwen4_exp", "qwen3_5_moe")      # Gated DeltaNet + gated attention, zero-centred norms
+_NESTED = ("qwen4_exp", "qwen3_5_moe")     # image-text models: the language model's config is text_config
 
 
 @dataclass(frozen=True)
@@ -113,12 +114,12 @@ class ModelConfig:
 
     @property
     def zero_centred_norms(self) -> bool:
-        """Qwen3-Next and qwen4_exp scale by (1 + w); Qwen3-MoE by w."""
+        """Qwen3-Next, qwen4_exp and Qwen3.5-MoE scale by (1 + w); Qwen3-MoE by w."""
         return self.model_type in _HYBRID
 
     @property
     def gated_attention(self) -> bool:
-        """Qwen3-Next's and qwen4_exp's q_proj carries a per-head output gate."""
+        """Qwen3-Next's, qwen4_exp's and Qwen3.5-MoE's q_proj carries a per-head output gate."""
         return self.model_type in _HYBRID
 
     @property
@@ -195,18 +196,20 @@ def _int_list(d: dict, key: str, source: str) -> tuple[int, ...]:
 
 
 def _text_config(d: dict, source: str) -> dict:
-    """qwen4_exp's published config nests the language model in text_config (beside vision_config); a text-only
-    save (Qwen4ExpForCausalLM) is that text_config with model_type qwen4_exp_text."""
-    if d.get("model_type") == "qwen4_exp_text":
-        return {**d, "model_type": "qwen4_exp"}
-    if d.get("model_type") != "qwen4_exp":
+    """qwen4_exp's and qwen3_5_moe's published configs nest the language model in text_config (beside
+    vision_config); a text-only save (Qwen4ExpForCausalLM, Qwen3_5MoeForCausalLM) is that text_config with model_type
+    qwen4_exp_text / qwen3_5_moe_text."""
+    kind = d.get("model_type")
+    if isinstance(kind, str) and kind.removesuffix("_text") in _NESTED and kind.endswith("_text"):
+        return {**d, "model_type": kind.removesuffix("_text")}
+    if kind not in _NESTED:
         return d
     text = d.get("text_config")
     if not isinstance(text, dict):
-        raise ModelLoadError(f"{source}: model_type 'qwen4_exp' needs a 'text_config' object, found {text!r}")
+        raise ModelLoadError(f"{source}: model_type {kind!r} needs a 'text_config' object, found {text!r}")
     # keys the top level carries for the whole model (eos, tied embeddings) fill what text_config leaves out
     outer = {k: d[k] for k in ("eos_token_id", "tie_word_embeddings") if d.get(k) is not None}
-    return {**outer, **text, "model_type": "qwen4_exp"}
+    return {**outer, **text, "model_type": kind}
 
 
 def _parse(d: dict, source: str) -> ModelConfig:
@@ -214,7 +217,7 @@ def _parse(d: dict, source: str) -> ModelConfig:
     model_type = d.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(f"{source}: model_type {model_type!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (and qwen4_exp_text)")
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (and their _text forms)")
     is_next = model_type in _HYBRID
     is_q4 = model_type == "qwen4_exp"
     if d.get("attention_bias"):

@@ -44,6 +44,10 @@ CONFIGS = {
         layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
         ple_layer_ids=[1, 3], hc_count=2, hc_lowrank=8, tie_word_embeddings=True, output_gate_type="silu",
         indexer_budget=16, indexer_compress_ratio=8, indexer_n_heads=4)),
+    # Qwen3.5-MoE (qwen3_5_moe): in_proj_qkv / z / b / a, experts as one gate_up_proj, the router always renormalised
+    "q35-moe-tied": ("qwen3_5_moe", dict(tie_word_embeddings=True)),
+    "q35-moe-gqa4-r3": ("qwen3_5_moe", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                                            linear_num_value_heads=6, linear_num_key_heads=2)),
 }
 
 
