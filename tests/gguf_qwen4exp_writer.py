@@ -92,7 +92,8 @@ def gguf_tensors(cfg: dict, hf: dict[str, np.ndarray], mtp: bool = False) -> dic
             out["output.weight"] = w
             continue
         if short.startswith("hyper_connection_mixer."):
-            part = {"hc_norm": "norm", "input_mix_weight_down": "down", "input_mix_weight_up": "up"}[short.split(".")[1]]
+            part = {"hc_norm": "norm", "input_mix_weight_down": "down",
+                    "input_mix_weight_up": "up"}[short.split(".")[1]]
             out[f"output_hc_{part}.weight"] = w + np.float32(1.0) if part == "norm" else w
             continue
         if (m := _EXPERT.match(short)) is not None:

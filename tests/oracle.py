@@ -87,12 +87,16 @@ def save_hf_model(model, path: Path) -> Path:
 
 
 def build_mtp_head(model, seed: int):
-    """Qwen3-Next's MTP head built from transformers' own decoder layer and norms (transformers does not load
-    mtp.*), every parameter re-randomised as build_hf_model's. forward(model, hidden [B, T, H] after the final
-    norm, next_ids [B, T], position_ids [B, T]) -> draft logits [B, T, V]."""
+    """Qwen3-Next's (or Qwen3.5-MoE's, the same form) MTP head built from transformers' own decoder layer and norms
+    (transformers does not load mtp.*), every parameter re-randomised as build_hf_model's. forward(model, hidden
+    [B, T, H] after the final norm, next_ids [B, T], position_ids [B, T]) -> draft logits [B, T, V]."""
     import torch
     from transformers.masking_utils import create_causal_mask
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+    if model.config.model_type.startswith("qwen3_5_moe"):
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
+        Qwen3NextDecoderLayer, Qwen3NextRMSNorm = m.Qwen3_5MoeDecoderLayer, m.Qwen3_5MoeRMSNorm
+    else:
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
 
     class MTPHead(torch.nn.Module):
         def __init__(self, config):

@@ -1,7 +1,8 @@
 """The MTP head against an oracle built from transformers' own decoder layers and norms (float32, CPU): draft logits
 at every position of a sequence, from the main model's final hidden states (qwen4_exp: its streams before the final
-mixer) and the next tokens. Qwen3-Next's, and qwen4_exp's in its published layout (transformers has no MTP forward
-for it: the oracle composes its pieces as the published tensors and the public ports do, docs/qwen4-exp.md)."""
+mixer) and the next tokens. Qwen3-Next's and Qwen3.5-MoE's (one form), and qwen4_exp's in its published layout
+(transformers has no MTP forward for it: the oracle composes its pieces as the published tensors and the public
+ports do, docs/qwen4-exp.md)."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,11 +47,11 @@ def _assert_strata_drafts(tmp_path, model, head, tokens, ref):
     assert err <= TOL * span, f"max |diff| {err:.3e} > {TOL} x logit range {span:.3f}"
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_draft_logits_match_transformers(tmp_path, tied):
+@pytest.mark.parametrize("arch, tied", [("qwen3_next", False), ("qwen3_next", True), ("qwen3_5_moe", False)])
+def test_draft_logits_match_transformers(tmp_path, arch, tied):
     rejected = []
     for seed in range(20):
-        model = build_hf_model("qwen3_next", seed, tie_word_embeddings=tied)
+        model = build_hf_model(arch, seed, tie_word_embeddings=tied)
         head = build_mtp_head(model, seed)
         tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, N).tolist()
         ref, probs = _oracle(model, head, tokens)
