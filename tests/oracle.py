@@ -7,17 +7,21 @@ from pathlib import Path
 import numpy as np
 
 
+# the hybrid families' (Qwen3-Next, qwen4_exp, Qwen3.5-MoE) common shapes: 4 layers, the last one attention
+HYBRID = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+              num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=4096, bos_token_id=None,
+              pad_token_id=None, layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                              "full_attention"])
+
+
 def build_hf_model(arch: str, seed: int, **overrides):
     import torch
     import transformers
     torch.manual_seed(seed)
     if arch == "qwen3_next":
-        kw = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                  num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                  linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                  layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-                  max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        kw = dict(HYBRID, intermediate_size=96, eos_token_id=None)
         kw.update(overrides)
         cfg = transformers.Qwen3NextConfig(**kw)
         model = transformers.Qwen3NextForCausalLM(cfg)
@@ -31,15 +35,11 @@ def build_hf_model(arch: str, seed: int, **overrides):
     elif arch == "qwen4_exp":
         # hyper-connections, one PLE layer with a small table, and QSA whose budget (2 blocks of 4) a 70-token
         # prompt exceeds, so the sparse selection runs
-        kw = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
-                  num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                  linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                  layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
-                  max_position_embeddings=4096, eos_token_id=2, bos_token_id=None, pad_token_id=None, hc_count=4,
-                  hc_lowrank=16, ple_layer_ids=[2], ple_embed_dim=32, heads_per_ngram=2, ngram_vocab_size_base=50,
-                  split_ngram_parts=2, indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
-                  indexer_compress_ratio=4, output_gate_type="sigmoid",
+        kw = dict(HYBRID, layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                       "indexed_attention"],
+                  eos_token_id=2, hc_count=4, hc_lowrank=16, ple_layer_ids=[2], ple_embed_dim=32, heads_per_ngram=2,
+                  ngram_vocab_size_base=50, split_ngram_parts=2, indexer_n_heads=4, indexer_kv_heads=1,
+                  indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, output_gate_type="sigmoid",
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                    "mrope_section": [2, 1, 1], "mrope_interleaved": True})
         kw.update(overrides)
@@ -49,14 +49,9 @@ def build_hf_model(arch: str, seed: int, **overrides):
     elif arch == "qwen3_5_moe":
         # the Qwen3-Next hybrid with Qwen3.5's separate delta-rule projections, fused expert matrices and MRoPE (text:
         # one position for its three sections, plain RoPE)
-        kw = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
-                  num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                  linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                  layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-                  max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                                   "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+        kw = dict(HYBRID, eos_token_id=None, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True})
         kw.update(overrides)
         cfg = transformers.Qwen3_5MoeTextConfig(**kw)
         model = transformers.Qwen3_5MoeForCausalLM(cfg)

@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 
 from strata.errors import ModelLoadError
-from strata.weights.gguf_reader import _BLOCK_RE, _EXPERT_STACKS, _dequant, _expert_recipes, _Metadata, _shape
+from strata.weights.gguf_reader import (_BLOCK_NAMES, _BLOCK_RE, _EXPERT_STACKS, _QWEN3NEXT_BLOCK_NAMES, _dequant,
+                                         _expert_recipes, _Metadata, _shape)
 
 ARCH = "qwen4exp"
 PLE_SEED = 1234            # the seed the release's n-gram multipliers come from (the file stores the result)
@@ -30,23 +31,17 @@ _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "l
            "output_hc_up.weight": "model.hyper_connection_mixer.input_mix_weight_up.weight"}
 _HYPER = {"norm": "hc_norm", "down": "input_mix_weight_down", "up": "input_mix_weight_up",
           "inject": "block_inject_weight"}
+# names shared with qwen3next (weights/gguf_reader.py's tables), then qwen4exp's own
+_COMMON = {**_BLOCK_NAMES, **_QWEN3NEXT_BLOCK_NAMES}
 _BLOCK = {
+    **{k: _COMMON[k] for k in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                               "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate_inp.weight",
+                               "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                               "ffn_down_shexp.weight", "ssm_norm.weight")},
     **{f"hc_{side}_{k}.weight": f"{mod}_hyper_connection.{v}.weight"
        for side, mod in (("attn", "attn"), ("ffn", "mlp")) for k, v in _HYPER.items()},
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "indexer.q_norm.weight": "self_attn.indexer.q_layernorm.weight",
     "indexer.k_norm.weight": "self_attn.indexer.k_layernorm.weight",
-    "ssm_norm.weight": "linear_attn.norm.weight",
     "ple_key.weight": "ple.key_proj.weight",
     "ple_value.weight": "ple.value_proj.weight",
     "ple_norm_key.weight": "ple.norm_key.weight",
