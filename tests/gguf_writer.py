@@ -1,7 +1,8 @@
 """Test utility: write a Hugging Face state dict as GGUF the way llama.cpp's convert_hf_to_gguf.py would.
 
-Mirrors the converter's Qwen3MoeModel / Qwen3NextModel (via Qwen2MoeModel and TextModel): the same metadata keys,
-tensor names (taken from gguf-py's own TensorNameMap, the table the converter uses), expert stacking and qwen3next
+Mirrors the converter's Qwen3MoeModel / Qwen3NextModel (via Qwen2MoeModel and TextModel) and its Qwen3.5-MoE class
+(Qwen3-Next's keys and changes, MRoPE's sections, the fused experts split, the value heads tiled): the same metadata
+keys, tensor names (taken from gguf-py's own TensorNameMap, the table the converter uses), expert stacking and qwen3next
 value transforms, and the converter's choice of which tensors stay F32 when quantizing. Independent of
 strata.weights.gguf_reader on purpose, so a round trip tests the reader against the converter's behaviour.
 
@@ -23,7 +24,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-_ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT}
+_ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
+         "qwen3_5_moe_text": gguf.MODEL_ARCH.QWEN35MOE}
+_FUSED_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _DENSE_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$")
 _U32, _F32, _BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
@@ -91,7 +94,7 @@ def _metadata(cfg: dict, arch: str, quant: str) -> dict[str, tuple[object, GGUFV
     meta[a("expert_feed_forward_length")] = (cfg["moe_intermediate_size"], _U32)
     if cfg.get("shared_expert_intermediate_size") is not None:
         meta[a("expert_shared_feed_forward_length")] = (cfg["shared_expert_intermediate_size"], _U32)
-    if arch == "qwen3next":
+    if arch in ("qwen3next", "qwen35moe"):
         meta[a("ssm.conv_kernel")] = (cfg["linear_conv_kernel_dim"], _U32)
         meta[a("ssm.state_size")] = (cfg["linear_key_head_dim"], _U32)
         meta[a("ssm.group_count")] = (cfg["linear_num_key_heads"], _U32)
@@ -101,6 +104,9 @@ def _metadata(cfg: dict, arch: str, quant: str) -> dict[str, tuple[object, GGUFV
         meta[a("full_attention_interval")] = (cfg.get("full_attention_interval", 4), _U32)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         meta[a("rope.dimension_count")] = (int(head_dim * _rope(cfg, "partial_rotary_factor", 0.25)), _U32)
+    if arch == "qwen35moe":             # _Qwen35MRopeMixin: MRoPE's sections and a 0
+        sections = list(_rope(cfg, "mrope_section", [11, 11, 10])) + [0]
+        meta[a("rope.dimension_sections")] = (sections, GGUFValueType.ARRAY)
     for hf_key, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                         ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if isinstance(cfg.get(hf_key), int):
@@ -114,13 +120,22 @@ def _metadata(cfg: dict, arch: str, quant: str) -> dict[str, tuple[object, GGUFV
 def _converted_tensors(sd: dict[str, np.ndarray], cfg: dict, name_map, fuse_gate_up_exps: bool,
                        legacy_ssm_in: bool):
     """(GGUF name, float32 array in HF dim order) pairs, as the converter's modify_tensors yields them."""
-    is_next = cfg["model_type"] == "qwen3_next"
+    is_35 = cfg["model_type"] == "qwen3_5_moe_text"
+    is_next = cfg["model_type"] == "qwen3_next" or is_35
     n_experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     experts: dict[int, dict[str, np.ndarray]] = {}
     for name, data in sd.items():
         data = np.asarray(data, dtype=np.float32)
         if is_next and name.startswith("mtp."):
             continue  # Qwen3NextModel.filter_tensors drops the MTP head
+        if (m := _FUSED_EXPERTS_RE.match(name)) is not None:      # Qwen3.5's [E, 2I, H] gate|up and [E, H, I] down
+            if m.group(2) == "down_proj":
+                yield f"blk.{m.group(1)}.ffn_down_exps.weight", data
+            else:
+                half = data.shape[1] // 2
+                yield f"blk.{m.group(1)}.ffn_gate_exps.weight", data[:, :half]
+                yield f"blk.{m.group(1)}.ffn_up_exps.weight", data[:, half:]
+            continue
         if (m := _EXPERT_RE.match(name)) is not None:
             layer = int(m.group(1))
             experts.setdefault(layer, {})[name] = data
@@ -132,6 +147,8 @@ def _converted_tensors(sd: dict[str, np.ndarray], cfg: dict, name_map, fuse_gate
                 yield from _split_qkvz(name, data, cfg)
                 continue
             name, data = _qwen3next_value_transform(name, data)
+            if is_35:
+                data = _tiled_value_heads(name, data, cfg)
         yield _gguf_name(name, name_map), data
     if experts:
         raise ValueError(f"incomplete experts for layers {sorted(experts)}")
@@ -147,6 +164,29 @@ def _qwen3next_value_transform(name: str, data: np.ndarray) -> tuple[str, np.nda
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         return name, data + np.float32(1.0)                                  # zero-centred norm -> 1 + w
     return name, data
+
+
+def _tiled_value_heads(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+    """Qwen3.5's value-head reorder (_LinearAttentionVReorderBase): checkpoint head k * r + j of key head k goes to
+    j * Hk + k, in the value rows of in_proj_qkv and the conv, in_proj_z/b/a, dt_bias, A_log and out_proj's
+    columns."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    if hk == hv or ".linear_attn." not in name:
+        return w
+    part = name.split(".linear_attn.")[1]
+    if part.startswith(("in_proj_qkv", "conv1d")):
+        start, block, axis = 2 * hk * dk, dv, 0
+    elif part.startswith(("in_proj_z", "out_proj")):
+        start, block, axis = 0, dv, 1 if part.startswith("out_proj") else 0
+    elif part.startswith(("in_proj_b", "in_proj_a", "A_log", "dt_proj")):
+        start, block, axis = 0, 1, 0
+    else:
+        return w
+    w = np.moveaxis(w, axis, 0)
+    v = w[start:start + hv * block]
+    v = v.reshape(hk, hv // hk, block, *v.shape[1:]).swapaxes(0, 1).reshape(v.shape)
+    return np.ascontiguousarray(np.moveaxis(np.concatenate([w[:start], v, w[start + hv * block:]]), 0, axis))
 
 
 def _split_qkvz(name: str, w: np.ndarray, cfg: dict):

@@ -1,4 +1,4 @@
-"""A llama.cpp GGUF file (qwen3moe / qwen3next / qwen4exp) seen as a Hugging Face checkpoint: config + tensors.
+"""A llama.cpp GGUF file (qwen3moe, qwen3next, qwen35moe, qwen4exp) seen as a Hugging Face checkpoint.
 
 llama.cpp's converter (convert_hf_to_gguf.py, classes Qwen3MoeModel / Qwen3NextModel) renames every tensor, stacks the
 experts of a layer into one [E, ...] tensor and, for qwen3next, changes some values. This module undoes all of it, so
@@ -6,7 +6,7 @@ experts of a layer into one [E, ...] tensor and, for qwen3next, changes some val
 own arithmetic caused). Metadata becomes config.json keys; what GGUF does not record is read off the tensors. Tensors
 are dequantized only when asked for, and a routed expert alone (its rows sliced out of the stacked tensor first). The
 mapping, tensor by tensor: docs/formats.md. A file named NAME-00001-of-0000N.gguf is read with its other shards
-(llama.cpp's gguf-split): metadata from the first, tensors from all. qwen4exp: weights/gguf_qwen4exp.py.
+(llama.cpp's gguf-split): metadata from the first, tensors from all. qwen35moe, qwen4exp: weights/gguf_qwen35.py.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from gguf.quants import dequantize
 
 from strata.errors import ModelLoadError
 
-SUPPORTED_ARCHS = ("qwen3moe", "qwen3next", "qwen4exp")
+SUPPORTED_ARCHS = ("qwen3moe", "qwen3next", "qwen35moe", "qwen4exp")
 _MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen3next": "qwen3_next"}
 # stored as plain numpy arrays that gguf.quants.dequantize does not take; cast them
 _PLAIN_TYPES = {GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32,
@@ -97,7 +97,7 @@ class GGUFTensors:
 
 
 def read_gguf(path: str | Path, parts: tuple[str, ...] = ()) -> tuple[dict, GGUFTensors]:
-    """(config.json-style dict, tensors) of a qwen3moe / qwen3next / qwen4exp GGUF file (and its shards), with the
+    """(config.json-style dict, tensors) of a GGUF file of a SUPPORTED_ARCHS architecture (and its shards), with the
     tensors of the GGUF files `parts` joined."""
     path = Path(path)
     reader = _open(path)
@@ -109,10 +109,10 @@ def read_gguf(path: str | Path, parts: tuple[str, ...] = ()) -> tuple[dict, GGUF
     tensors = _shard_tensors(path, reader, meta)
     for part in parts:
         _join_part(Path(part), arch, tensors)
-    if arch == "qwen4exp":
-        from strata.weights.gguf_qwen4exp import qwen4exp_config, qwen4exp_recipes
-        config = qwen4exp_config(meta, tensors, path)
-        recipes, origin = qwen4exp_recipes(config, tensors, path)
+    if arch in ("qwen35moe", "qwen4exp"):
+        from strata.weights.gguf_qwen35 import qwen35_config, qwen35_recipes
+        config = qwen35_config(arch, meta, tensors, path)
+        recipes, origin = qwen35_recipes(arch, config, tensors, path)
     else:
         config = _config(arch, meta, tensors, path)
         recipes, origin = _recipes(arch, config, tensors, path)

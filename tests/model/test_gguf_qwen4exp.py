@@ -1,4 +1,4 @@
-"""llama.cpp's qwen4exp GGUF (weights/gguf_qwen4exp.py) against the checkpoint it was converted from: the demo-flash
+"""llama.cpp's qwen4exp GGUF (weights/gguf_qwen35.py) against the checkpoint it was converted from: the demo-flash
 model written as the converter writes it (tests/gguf_qwen4exp_writer.py), whole and as a gguf-split set. Every tensor
 comes back as the checkpoint holds it, up to the converter's own arithmetic (norms stored as 1 + w, A_log as
 -exp(A_log)), and the engine's logits equal those of the checkpoint with that arithmetic applied, bit for bit, with
@@ -139,7 +139,7 @@ def test_a_quantized_tables_rows_are_its_dequantized_rows(tmp_path, qtype):
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize, quantize
 
-    from strata.weights.gguf_qwen4exp import QuantizedRows
+    from strata.weights.gguf_qwen35 import QuantizedRows
     q = GGMLQuantizationType[qtype]
     table = np.random.default_rng(3).standard_normal((300, 64)).astype(np.float32)
     w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen4exp")

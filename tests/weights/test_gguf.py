@@ -209,7 +209,7 @@ def test_not_a_gguf_file_and_missing_file(tmp_path):
         read_gguf(tmp_path / "absent.gguf")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "qwen3_5_moe"])
 def test_engine_logits_from_gguf_match_checkpoint(arch, tmp_path):
     """Engine.load(file.gguf) computes the same logits as Engine.load(hf_dir) (F32 file: same weights up to the
     converter's float32 rounding of 1 + w and -exp(A_log))."""
@@ -264,3 +264,32 @@ def test_engine_logits_from_q8_0_gguf_differ_only_by_quantization(arch, tmp_path
     # and the quantization did change the model (the test would pass vacuously on an F32 file otherwise)
     exact = Engine.load(str(hf_dir), dtype="float32").logits(ids)
     assert np.abs(exact - got).max() > 1e-3 * span
+
+
+def test_qwen35moe_reads_back_as_its_checkpoint(tmp_path):
+    """A qwen35moe file (Qwen3.5-MoE): every tensor is the checkpoint's (the fused experts per expert, the value heads
+    in grouped order again), up to the converter's float32 rounding, and the config is the engine's view of it."""
+    from oracle import build_hf_model, save_hf_model
+    hf_dir = save_hf_model(build_hf_model("qwen3_5_moe", seed=3, linear_num_value_heads=6), tmp_path / "hf")
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    hf_json = json.loads((hf_dir / "config.json").read_text())
+    cfg, src = read_gguf(write_gguf(sd, hf_json, tmp_path / "m.gguf", quant="F32"))
+    assert ModelConfig.from_hf(cfg, "gguf") == ModelConfig.from_hf(hf_json, "config.json")
+    want = {}
+    for name, w in sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = w.shape[1] // 2
+            for e in range(w.shape[0]):
+                want[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = w[e, :half]
+                want[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = w[e, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(w.shape[0]):
+                want[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = w[e]
+        else:
+            want[name] = w
+    assert sorted(src.names()) == sorted(want)
+    for name, w in want.items():
+        if name.endswith(_ROUNDED):
+            np.testing.assert_allclose(src.get(name), w, rtol=0, atol=1e-7, err_msg=name)
+        else:
+            np.testing.assert_array_equal(src.get(name), w, err_msg=name)

@@ -1,12 +1,12 @@
-"""llama.cpp's `qwen4exp` GGUF (Qwen3.8-Flash-Next) seen as the Hugging Face qwen4_exp text checkpoint.
+"""llama.cpp's Qwen3.5-rule GGUFs seen as Hugging Face text checkpoints: `qwen35moe` (Qwen3.5-MoE) and `qwen4exp`.
 
-llama.cpp's converter (conversion/qwen4exp.py over its Qwen3-Next / Qwen3.5 bases) stores every zero-centred norm as
-1 + w (not the delta rule's gated norm), A_log as -exp(A_log), squeezed conv kernels, the indexer's joined q|k
-projection as two tensors, the experts stacked per matrix, and the delta rule's value heads reordered from grouped
-(head k * r + j of key head k) to tiled (j * n_key_heads + k). This module undoes each, and turns the metadata into
-the text config (PLE layers 0-based in the file, 1-based in the config), checking that the file's n-gram hash
-constants are the ones the config derives. The PLE table stays memory-mapped as stored (a quantized one dequantized
-as its rows are read). An MTP block (blk.{n_layer}, nextn_predict_layers 1) is read as the checkpoint's mtp.*.
+llama.cpp's converter (conversion/qwen.py's Qwen3.5 classes; conversion/qwen4exp.py over them) stores every
+zero-centred norm as 1 + w (not the delta rule's gated norm), A_log as -exp(A_log), squeezed conv kernels, the
+experts stacked per matrix, and the delta rule's value heads reordered from grouped (head k * r + j of key head k)
+to tiled (j * n_key_heads + k); qwen4exp also the indexer's q|k projection as two tensors, PLE layers 0-based. This
+module undoes each and turns the metadata into the text config, checking a PLE table's hash constants against the
+ones the config derives. The table stays memory-mapped as stored (a quantized one dequantized as its rows are read).
+A qwen4exp MTP block (blk.{n_layer}, nextn_predict_layers 1) is read as the checkpoint's mtp.*.
 """
 from __future__ import annotations
 
@@ -22,22 +22,24 @@ from strata.errors import ModelLoadError
 from strata.weights.gguf_reader import (_BLOCK_NAMES, _BLOCK_RE, _EXPERT_STACKS, _QWEN3NEXT_BLOCK_NAMES, _dequant,
                                          _expert_recipes, _Metadata, _shape)
 
-ARCH = "qwen4exp"
+ARCHS = ("qwen35moe", "qwen4exp")
 PLE_SEED = 1234            # the seed the release's n-gram multipliers come from (the file stores the result)
 
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-           "output_hc_norm.weight": "model.hyper_connection_mixer.hc_norm.weight",
-           "output_hc_down.weight": "model.hyper_connection_mixer.input_mix_weight_down.weight",
-           "output_hc_up.weight": "model.hyper_connection_mixer.input_mix_weight_up.weight"}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+_GLOBAL_OWN = {"qwen35moe": {"output_norm.weight": "model.norm.weight"},
+               "qwen4exp": {"output_hc_norm.weight": "model.hyper_connection_mixer.hc_norm.weight",
+                            "output_hc_down.weight": "model.hyper_connection_mixer.input_mix_weight_down.weight",
+                            "output_hc_up.weight": "model.hyper_connection_mixer.input_mix_weight_up.weight"}}
 _HYPER = {"norm": "hc_norm", "down": "input_mix_weight_down", "up": "input_mix_weight_up",
           "inject": "block_inject_weight"}
-# names shared with qwen3next (weights/gguf_reader.py's tables), then qwen4exp's own
+# names shared with qwen3next (weights/gguf_reader.py's tables), then each arch's own
 _COMMON = {**_BLOCK_NAMES, **_QWEN3NEXT_BLOCK_NAMES}
-_BLOCK = {
-    **{k: _COMMON[k] for k in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                               "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate_inp.weight",
-                               "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
-                               "ffn_down_shexp.weight", "ssm_norm.weight")},
+_BLOCK = {k: _COMMON[k] for k in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                                  "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate_inp.weight",
+                                  "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                                  "ffn_down_shexp.weight", "ssm_norm.weight")}
+_BLOCK_OWN = {"qwen35moe": {k: _COMMON[k] for k in ("attn_norm.weight", "post_attention_norm.weight")}}
+_BLOCK_OWN["qwen4exp"] = {
     **{f"hc_{side}_{k}.weight": f"{mod}_hyper_connection.{v}.weight"
        for side, mod in (("attn", "attn"), ("ffn", "mlp")) for k, v in _HYPER.items()},
     "indexer.q_norm.weight": "self_attn.indexer.q_layernorm.weight",
@@ -66,9 +68,10 @@ _NEXTN = {"nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
 _TABLE_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.BF16: ml_dtypes.bfloat16}
 
 
-def qwen4exp_config(meta: _Metadata, tensors: dict[str, ReaderTensor], path: Path) -> dict:
-    """The qwen4_exp text config (config.json keys) of a qwen4exp GGUF's metadata and tensors."""
-    k = lambda name: f"{ARCH}.{name}"  # noqa: E731
+def qwen35_config(arch: str, meta: _Metadata, tensors: dict[str, ReaderTensor], path: Path) -> dict:
+    """The text config (config.json keys: qwen3_5_moe_text or qwen4_exp_text) of a qwen35moe / qwen4exp GGUF's
+    metadata and tensors."""
+    k = lambda name: f"{arch}.{name}"  # noqa: E731
     nextn = int(meta.get(k("nextn_predict_layers"), 0) or 0)
     if nextn > 1:
         raise ModelLoadError(f"{path}: {k('nextn_predict_layers')} is {nextn}; one MTP layer is supported")
@@ -93,7 +96,6 @@ def qwen4exp_config(meta: _Metadata, tensors: dict[str, ReaderTensor], path: Pat
             "partial_rotary_factor": int(meta.require(k("rope.dimension_count"))) / head_dim,
             "mrope_section": sections, "mrope_interleaved": True}
     cfg = {
-        "architectures": ["Qwen4ExpForCausalLM"], "model_type": "qwen4_exp_text",
         "vocab_size": int(_shape(tensors["token_embd.weight"])[0]), "hidden_size": hidden,
         "num_hidden_layers": n_layers, "layer_types": layer_types, "num_attention_heads": heads,
         "num_key_value_heads": int(meta.get(k("attention.head_count_kv"), heads)), "head_dim": head_dim,
@@ -102,35 +104,37 @@ def qwen4exp_config(meta: _Metadata, tensors: dict[str, ReaderTensor], path: Pat
         "linear_key_head_dim": int(meta.require(k("ssm.state_size"))),
         "linear_value_head_dim": int(meta.require(k("ssm.inner_size"))) // n_v,
         "linear_conv_kernel_dim": int(meta.require(k("ssm.conv_kernel"))),
-        "output_gate_type": "sigmoid",       # llama.cpp's graph gates the delta rule's output by a sigmoid
         "num_experts": int(meta.require(k("expert_count"))),
         "num_experts_per_tok": int(meta.require(k("expert_used_count"))),
         "moe_intermediate_size": int(meta.require(k("expert_feed_forward_length"))),
         "shared_expert_intermediate_size": int(meta.require(k("expert_shared_feed_forward_length"))),
         "norm_topk_prob": True,              # the graph always renormalises the top-k weights
-        "hc_count": int(meta.require(k("hyper_connection.count"))),
-        "hc_lowrank": int(meta.require(k("hyper_connection.low_rank"))),
         "rms_norm_eps": float(meta.require(k("attention.layer_norm_rms_epsilon"))),
         "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
         "max_position_embeddings": int(meta.get(k("context_length"), 262144)), "mtp_num_hidden_layers": nextn,
-        **_indexer(meta, layer_types, path),
     }
     eos = meta.get(k("ple.eos_token_id"), meta.get("tokenizer.ggml.eos_token_id"))
     if eos is not None:
         cfg["eos_token_id"] = int(eos)
     if meta.get("tokenizer.ggml.bos_token_id") is not None:
         cfg["bos_token_id"] = int(meta.get("tokenizer.ggml.bos_token_id"))
+    if arch == "qwen35moe":
+        return {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", **cfg}
+    cfg = {"architectures": ["Qwen4ExpForCausalLM"], "model_type": "qwen4_exp_text", **cfg,
+           "output_gate_type": "sigmoid",       # llama.cpp's graph gates the delta rule's output by a sigmoid
+           "hc_count": int(meta.require(k("hyper_connection.count"))),
+           "hc_lowrank": int(meta.require(k("hyper_connection.low_rank"))), **_indexer(meta, layer_types, path)}
     if meta.get(k("ple.layers")):
         cfg.update(_ple_config(meta, tensors, cfg, path))
     return cfg
 
 
 def _indexer(meta: _Metadata, layer_types: list[str], path: Path) -> dict:
-    k = lambda name: f"{ARCH}.attention.{name}"  # noqa: E731
+    k = lambda name: f"qwen4exp.attention.{name}"  # noqa: E731
     ratios = [int(x) for x in meta.get(k("compress_ratios"), [])]
     full = [r for r, kind in zip(ratios, layer_types) if kind == "full_attention"]
     if not full or set(full) == {0} or len(set(full)) != 1:
-        raise ModelLoadError(f"{path}: {ARCH}.attention.compress_ratios gives the attention layers {full or 'none'}; "
+        raise ModelLoadError(f"{path}: qwen4exp.attention.compress_ratios gives the attention layers {full or 'none'}; "
                              f"Strata needs one positive indexer compress ratio for all of them (a file whose "
                              f"ratios are all 0 lost them at conversion: convert it again)")
     return {"indexer_n_heads": int(meta.require(k("indexer.head_count"))), "indexer_kv_heads": 1,
@@ -141,12 +145,12 @@ def _indexer(meta: _Metadata, layer_types: list[str], path: Path) -> dict:
 def _ple_config(meta: _Metadata, tensors: dict[str, ReaderTensor], cfg: dict, path: Path) -> dict:
     """The PLE keys of the config, checked against the hash constants and the table the file holds."""
     from strata.ngram import ngram_spec
-    k = lambda name: f"{ARCH}.ple.{name}"  # noqa: E731
+    k = lambda name: f"qwen4exp.ple.{name}"  # noqa: E731
     layers = [int(x) for x in meta.get(k("layers"))]
     if len(layers) != 1:
         raise ModelLoadError(f"{path}: {k('layers')} lists {layers}; one PLE layer is supported (as llama.cpp's)")
     n, per = int(meta.require(k("ngram_size"))), int(meta.require(k("heads_per_ngram")))
-    width = int(meta.require(f"{ARCH}.embedding_length_per_layer_input"))
+    width = int(meta.require("qwen4exp.embedding_length_per_layer_input"))
     sizes = [int(x) for x in meta.require(k("head_vocab_sizes"))]
     out = {"ple_layer_ids": [layers[0] + 1], "ple_embed_dim": width * (n - 1) * per,
            "ple_conv_kernel_size": int(meta.require(k("conv_kernel"))), "ngram_size": n, "heads_per_ngram": per,
@@ -176,22 +180,23 @@ def _ple_config(meta: _Metadata, tensors: dict[str, ReaderTensor], cfg: dict, pa
     return out
 
 
-def qwen4exp_recipes(cfg: dict, tensors: dict[str, ReaderTensor], path: Path):
+def qwen35_recipes(arch: str, cfg: dict, tensors: dict[str, ReaderTensor], path: Path):
     """HF name -> zero-argument reader, and HF name -> GGUF source name(s)."""
+    globals_, blocks = {**_GLOBAL, **_GLOBAL_OWN[arch]}, {**_BLOCK, **_BLOCK_OWN[arch]}
     geo = {"dv": cfg["linear_value_head_dim"], "nk": cfg["linear_num_key_heads"], "nv": cfg["linear_num_value_heads"],
            "v_start": 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]}
     recipes: dict[str, Callable[[], np.ndarray]] = {}
     origin: dict[str, str] = {}
     unknown = []
     ple = cfg.get("ple_layer_ids", [None])[0]
-    mtp = cfg.get("mtp_num_hidden_layers", 0) > 0
+    mtp = arch == "qwen4exp" and cfg.get("mtp_num_hidden_layers", 0) > 0
     for gname, t in tensors.items():
         if gname == "per_layer_token_embd.weight":
             hf = f"model.layers.{ple - 1}.ple.ple_embedding.ngram_embedding.weight"
             recipes[hf], origin[hf] = _table_recipe(t, path), gname
             continue
-        if gname in _GLOBAL:
-            hf = _GLOBAL[gname]
+        if gname in globals_:
+            hf = globals_[gname]
             recipes[hf], origin[hf] = _plain(t, hf), gname
             continue
         m = _BLOCK_RE.match(gname)
@@ -226,13 +231,13 @@ def qwen4exp_recipes(cfg: dict, tensors: dict[str, ReaderTensor], path: Path):
             origin[hf] = f"{gname} + {other.name}"
         elif suffix == "indexer.k_proj.weight":
             continue                            # read with indexer.q_proj
-        elif suffix in _BLOCK:
-            hf = prefix + _BLOCK[suffix]
+        elif suffix in blocks:
+            hf = prefix + blocks[suffix]
             recipes[hf], origin[hf] = _plain(t, hf), gname
         else:
             unknown.append(gname)
     if unknown:
-        raise ModelLoadError(f"{path}: GGUF tensors with no Hugging Face counterpart for {ARCH}: "
+        raise ModelLoadError(f"{path}: GGUF tensors with no Hugging Face counterpart for {arch}: "
                              f"{', '.join(sorted(unknown)[:8])}{' ...' if len(unknown) > 8 else ''}")
     return recipes, origin
 
