@@ -40,8 +40,10 @@ def test_two_clients_twenty_times(engine, caplog):
     caplog.set_level(logging.INFO, logger="strata.sched")
     with running_server(engine, parallel=2, prefill=1024, max_context=CONTEXT) as srv:
         for run in range(RUNS):
-            r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "200",
-                                "--lines", LINES, "--stall", "120"], capture_output=True, text=True, timeout=600)
+            # B sent after A's first token, and A's 400 tokens outlast B's admission on a loaded machine (with 200 and
+            # B sent after A's tenth, A could finish before B's first part: the client's overlap held, the server's not)
+            r = subprocess.run([sys.executable, str(TWO_CLIENTS), "--base", srv.url, "--tokens", "400", "--b-after",
+                                "1", "--lines", LINES, "--stall", "120"], capture_output=True, text=True, timeout=600)
             assert r.returncode == 0, f"run {run}: {r.stdout}{r.stderr}"
             assert all(s["state"] == "free" for s in httpx.get(srv.url + "/slots").json())
             srv.scheduler.cache.clear()      # B's prompt read whole every run (test_prompt_cache_server.py: cached)

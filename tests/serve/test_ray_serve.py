@@ -188,21 +188,42 @@ def test_stop_string_ends_the_text_before_it(client):
     assert r.choices[0].message.content == text[:text.index(candidates[0])]
 
 
-def test_a_client_that_goes_away_frees_its_slot_on_the_replica(url, client):
-    prompt = [{"role": "user", "content": "Count the stars one by one, slowly. " * 6}]
-    cancelled = _metric(url, "strata_requests_cancelled_total")
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
-                      json={"messages": prompt, "stream": True, "max_tokens": 400, "ignore_eos": True}) as r:
-        name = r.headers[HEADER]
-        lines = r.iter_lines()
-        assert json.loads(_sse([next(lines)])[0])["choices"][0]["delta"]["role"] == "assistant"
-    _wait(lambda: _metric(url, "strata_requests_cancelled_total") == cancelled + 1, 30, "the ingress to cancel")
+# --- routing ------------------------------------------------------------------------------------------------------------
+# (before any test leaves a stream early: Serve reports a cancelled request complete only once its replica has wound
+# the stream down, later than the slot frees, and the router counts it as load on that replica until then)
 
-    def replica_idle():          # a one-token request of the same prompt lands on that replica (affinity) and
-        got, _ = _chat(client, prompt, max_tokens=1)       # its replica reports its slots as the request starts
-        slots = [s for s in httpx.get(url + "/slots").json() if s["replica"] == name]
-        return got == name and slots and all(s["state"] == "free" for s in slots)
-    _wait(replica_idle, 30, f"replica {name}'s slots to be free")
+def _conversations(client, tag: str, turns: int = 6):
+    """Three conversations of `turns` turns, interleaved turn by turn: -> per conversation, per turn,
+    (replica, prompt tokens, tokens reused)."""
+    histories = [[{"role": "user", "content": f"{tag} conversation {c}: tell me about rivers and lakes, the long "
+                                              f"ones first, then the deep ones, in as many words as you like."}]
+                 for c in range(3)]
+    seen: list[list] = [[] for _ in histories]
+    for turn in range(turns):
+        for c, h in enumerate(histories):
+            name, r = _chat(client, h, max_tokens=12)
+            seen[c].append((name, r.usage.prompt_tokens, r.model_extra["timings"]["reused"]))
+            h += [{"role": "assistant", "content": r.choices[0].message.content},
+                  {"role": "user", "content": f"Turn {turn + 1}: and then what about the mountains near them?"}]
+    return seen
+
+
+def test_affinity_keeps_each_conversation_on_one_replica_and_reuses_its_prompt(client, url):
+    hits = _metric(url, "strata_ray_routes_total", kind="hit")
+    seen = _conversations(client, "affinity")
+    for turns in seen:
+        assert len({name for name, _, _ in turns}) == 1, turns
+        for (_, before, _), (_, _, reused) in zip(turns, turns[1:]):
+            assert reused >= before - NEAR, turns
+    assert len({turns[0][0] for turns in seen}) == 2        # the three first turns went to both replicas
+    assert _metric(url, "strata_ray_routes_total", kind="hit") == hits + 15
+
+
+def test_eight_independent_requests_spread_over_both_replicas(client):
+    with ThreadPoolExecutor(8) as pool:
+        names = list(pool.map(lambda i: _chat(client, [{"role": "user", "content": f"Question {i}?"}],
+                                              max_tokens=24)[0], range(8)))
+    assert len(set(names)) == 2 and min(names.count(n) for n in set(names)) >= 3, names
 
 
 # --- the ingress's /metrics and /slots: every replica's, asked at the scrape -----------------------------------------
@@ -282,43 +303,24 @@ def test_slots_list_each_replicas_slots_as_they_are_at_the_request(url):
     _wait(lambda: all(s["state"] == "free" for s in _replicas(url)[name]), 30, f"replica {name}'s slot to be freed")
 
 
-# --- routing ------------------------------------------------------------------------------------------------------------
-
-def _conversations(client, tag: str, turns: int = 6):
-    """Three conversations of `turns` turns, interleaved turn by turn: -> per conversation, per turn,
-    (replica, prompt tokens, tokens reused)."""
-    histories = [[{"role": "user", "content": f"{tag} conversation {c}: tell me about rivers and lakes, the long "
-                                              f"ones first, then the deep ones, in as many words as you like."}]
-                 for c in range(3)]
-    seen: list[list] = [[] for _ in histories]
-    for turn in range(turns):
-        for c, h in enumerate(histories):
-            name, r = _chat(client, h, max_tokens=12)
-            seen[c].append((name, r.usage.prompt_tokens, r.model_extra["timings"]["reused"]))
-            h += [{"role": "assistant", "content": r.choices[0].message.content},
-                  {"role": "user", "content": f"Turn {turn + 1}: and then what about the mountains near them?"}]
-    return seen
-
-
-def test_affinity_keeps_each_conversation_on_one_replica_and_reuses_its_prompt(client, url):
-    hits = _metric(url, "strata_ray_routes_total", kind="hit")
-    seen = _conversations(client, "affinity")
-    for turns in seen:
-        assert len({name for name, _, _ in turns}) == 1, turns
-        for (_, before, _), (_, _, reused) in zip(turns, turns[1:]):
-            assert reused >= before - NEAR, turns
-    assert len({turns[0][0] for turns in seen}) == 2        # the three first turns went to both replicas
-    assert _metric(url, "strata_ray_routes_total", kind="hit") == hits + 15
-
-
-def test_eight_independent_requests_spread_over_both_replicas(client):
-    with ThreadPoolExecutor(8) as pool:
-        names = list(pool.map(lambda i: _chat(client, [{"role": "user", "content": f"Question {i}?"}],
-                                              max_tokens=24)[0], range(8)))
-    assert len(set(names)) == 2 and min(names.count(n) for n in set(names)) >= 3, names
-
-
 # --- replicas that stop answering or die ------------------------------------------------------------------------------------------------
+
+def test_a_client_that_goes_away_frees_its_slot_on_the_replica(url, client):
+    prompt = [{"role": "user", "content": "Count the stars one by one, slowly. " * 6}]
+    cancelled = _metric(url, "strata_requests_cancelled_total")
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                      json={"messages": prompt, "stream": True, "max_tokens": 400, "ignore_eos": True}) as r:
+        name = r.headers[HEADER]
+        lines = r.iter_lines()
+        assert json.loads(_sse([next(lines)])[0])["choices"][0]["delta"]["role"] == "assistant"
+    _wait(lambda: _metric(url, "strata_requests_cancelled_total") == cancelled + 1, 30, "the ingress to cancel")
+
+    def replica_idle():          # a one-token request of the same prompt lands on that replica (affinity) and
+        got, _ = _chat(client, prompt, max_tokens=1)       # its replica reports its slots as the request starts
+        slots = [s for s in httpx.get(url + "/slots").json() if s["replica"] == name]
+        return got == name and slots and all(s["state"] == "free" for s in slots)
+    _wait(replica_idle, 30, f"replica {name}'s slots to be free")
+
 
 def test_a_replica_that_does_not_answer_is_reported_and_the_scrape_still_succeeds(url):
     pids = {name: slots[0]["pid"] for name, slots in _replicas(url).items()}
