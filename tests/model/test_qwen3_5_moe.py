@@ -1,7 +1,8 @@
 """Qwen3.5-MoE (qwen3_5_moe) in its published image-text layout: a Qwen3_5MoeForConditionalGeneration checkpoint
 (config text_config beside vision_config, the language model under model.language_model., the tower under
-model.visual.) serves its text as transformers computes it; the tower waits for the vision issue. The text model's
-parity (logits, parts + decode, greedy, int8 KV, both backends): tests/model/test_parity.py's q35 configs."""
+model.visual.) serves its text as transformers computes it; the tower waits for the vision issue. A pack of it gives
+its logits. The text model's parity (logits, parts + decode, greedy, int8 KV, both backends):
+tests/model/test_parity.py's q35 configs."""
 from __future__ import annotations
 
 import json
@@ -41,3 +42,16 @@ def test_the_image_text_checkpoint_serves_its_text(tmp_path):
     assert np.abs(got - want).max() <= 1e-4 * span
     facts = model_facts(Settings.build(model=str(tmp_path), max_context=128))
     assert facts.cfg.model_type == "qwen3_5_moe" and facts.cfg.num_layers == 4
+
+
+def test_a_pack_of_it_gives_its_logits(tmp_path):
+    """strata pack of a Qwen3.5-MoE checkpoint (its experts one gate_up_proj and down_proj a layer): f32 experts in
+    the pack give the checkpoint's logits exactly."""
+    from oracle import save_hf_model
+
+    from strata.experts.pack import write_pack
+    hf = save_hf_model(build_hf_model("qwen3_5_moe", 3), tmp_path / "hf")
+    pack = write_pack(hf, tmp_path / "pack", "f32")
+    ids = [1, 5, 9, 33, 2, 77, 100, 3]
+    np.testing.assert_array_equal(Engine.load(pack, max_context=128).logits(ids),
+                                  Engine.load(hf, max_context=128).logits(ids))
