@@ -237,3 +237,16 @@ def test_an_mtp_block_is_read_as_the_checkpoints_head(flash, tmp_path):
     want = sequence_draft_logits(b, PROMPT)
     assert np.isfinite(want).all()
     np.testing.assert_array_equal(sequence_draft_logits(a, PROMPT), want)
+
+
+def test_a_tensor_whose_shape_disagrees_with_the_config_names_it_and_the_file(flash, tmp_path):
+    cfg, hf = _text(flash)
+    name = PREFIX + "layers.0.attn_hyper_connection.input_mix_weight_down.weight"
+    hf = {**hf, name: hf[name][:-1]}
+    path = tmp_path / "g"
+    path.mkdir()
+    write_demo_tokenizer(path)
+    gguf_path = write_qwen4exp_gguf(path / "flash.gguf", cfg, hf)[0]
+    msg = _error(gguf_path)
+    assert msg == (f"tensor model.layers.0.attn_hyper_connection.input_mix_weight_down.weight in {gguf_path} has "
+                   f"shape [31, 384], expected [32, 384]")
