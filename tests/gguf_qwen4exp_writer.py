@@ -17,6 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGUFValueType
+from gguf_writer import _tiled_value_heads      # Qwen3.5's value-head order, as the converter's Qwen3.5 class has it
 
 A = "qwen4exp"
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -50,19 +51,9 @@ _NAMES = {
 }
 
 
-def _tiled(w: np.ndarray, nk: int, nv: int, block: int, start: int, axis: int) -> np.ndarray:
-    """Value heads from grouped (k * r + j) to tiled (j * nk + k) order along axis, from `start`."""
-    w = np.moveaxis(w, axis, 0)
-    v = w[start:start + nv * block]
-    v = v.reshape(nk, nv // nk, block, *v.shape[1:]).swapaxes(0, 1).reshape(v.shape)
-    return np.moveaxis(np.concatenate([w[:start], v, w[start + nv * block:]]), 0, axis)
-
-
 def gguf_tensors(cfg: dict, hf: dict[str, np.ndarray], mtp: bool = False) -> dict[str, np.ndarray]:
     """GGUF name -> array (numpy order) of a checkpoint's text model (prefix model.language_model. or model.), and
     its MTP head (mtp.*) with mtp."""
-    nk, nv, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
-                      cfg["linear_value_head_dim"])
     di, nh = cfg["indexer_head_dim"], cfg["indexer_n_heads"]
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple, dict] = {}
@@ -116,16 +107,7 @@ def gguf_tensors(cfg: dict, hf: dict[str, np.ndarray], mtp: bool = False) -> dic
             w = w[:, 0, :]
         if rest == "mlp.shared_expert_gate.weight":
             w = w.reshape(-1)
-        if rest in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
-            w = _tiled(w, nk, nv, dv, 2 * nk * dk, 0)
-        elif rest in ("linear_attn.in_proj_z.weight",):
-            w = _tiled(w, nk, nv, dv, 0, 0)
-        elif rest in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.dt_bias",
-                      "linear_attn.A_log"):
-            w = _tiled(w, nk, nv, 1, 0, 0)
-        elif rest == "linear_attn.out_proj.weight":
-            w = _tiled(w, nk, nv, dv, 0, 1)
-        out[b + _NAMES[rest]] = w
+        out[b + _NAMES[rest]] = _tiled_value_heads(rest, w, cfg)
     for (layer, part), by_e in experts.items():
         out[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([by_e[e] for e in sorted(by_e)])
     if shards:

@@ -172,14 +172,14 @@ def _tiled_value_heads(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
     columns."""
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    if hk == hv or ".linear_attn." not in name:
+    if hk == hv or "linear_attn." not in name:
         return w
-    part = name.split(".linear_attn.")[1]
+    part = name.split("linear_attn.")[1]
     if part.startswith(("in_proj_qkv", "conv1d")):
         start, block, axis = 2 * hk * dk, dv, 0
     elif part.startswith(("in_proj_z", "out_proj")):
         start, block, axis = 0, dv, 1 if part.startswith("out_proj") else 0
-    elif part.startswith(("in_proj_b", "in_proj_a", "A_log", "dt_proj")):
+    elif part.startswith(("in_proj_b", "in_proj_a", "A_log", "dt_proj", "dt_bias")):
         start, block, axis = 0, 1, 0
     else:
         return w

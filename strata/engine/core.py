@@ -30,7 +30,7 @@ from strata.engine.stages import LayerSlice, Stage, split_points, stage_config, 
 from strata.model.forward import LayerByLayer, Taps, forward, forward_hidden, head, init_state
 from strata.model.params import build_params, params_from_reader
 from strata.model.ple_table import PleTablePlace
-from strata.weights.source import load_source
+from strata.weights.source import check_parts, load_source
 
 log = logging.getLogger("strata")
 
@@ -196,8 +196,7 @@ class Engine:
         ops = get_backend(opts.backend, **({"device": opts.device} if opts.device else {}),
                           **({"kernels": opts.kernels} if opts.kernels != "auto" else {}))
         pack, random = None, is_random(path_or_name)
-        if settings.model.parts and (random or _is_pack(path_or_name)):
-            raise ConfigError(f"gguf_parts: more GGUF files join a .gguf model, and {path_or_name!r} is not one")
+        check_parts(path_or_name, settings.model.parts)
         if _is_pack(path_or_name):
             from strata.experts.pack import PackReader
             pack = PackReader(path_or_name)

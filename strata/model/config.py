@@ -200,7 +200,7 @@ def _text_config(d: dict, source: str) -> dict:
     vision_config); a text-only save (Qwen4ExpForCausalLM, Qwen3_5MoeForCausalLM) is that text_config with model_type
     qwen4_exp_text / qwen3_5_moe_text."""
     kind = d.get("model_type")
-    if isinstance(kind, str) and kind.removesuffix("_text") in _NESTED and kind.endswith("_text"):
+    if kind in [f"{k}_text" for k in _NESTED]:
         return {**d, "model_type": kind.removesuffix("_text")}
     if kind not in _NESTED:
         return d

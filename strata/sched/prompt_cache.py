@@ -159,10 +159,9 @@ class PromptCache:
         self._held = [node]
         if pos:
             candidates = [(c, i) for i, c in enumerate(self.live) if c is not None and (i in free or i in shared)]
-            shares = {id(c): common_prefix(c.tokens, prompt) for c, _ in candidates + [(c, None) for c in self.parked]
-                      if c.key == key}
-            holders = [(c, i) for c, i in candidates + [(c, None) for c in self.parked]
-                       if shares.get(id(c), 0) >= pos]
+            candidates += [(c, None) for c in self.parked]
+            shares = {id(c): common_prefix(c.tokens, prompt) for c, _ in candidates if c.key == key}
+            holders = [(c, i) for c, i in candidates if shares.get(id(c), 0) >= pos]
             # it continues a conversation whose last prompt it holds whole (the reply may differ: the chat template
             # renders it anew), in its slot or resumed; else it branches
             own = sorted([(c, i) for c, i in holders if (i is None or i in free)

@@ -150,8 +150,8 @@ class Scheduler:
         # text) and handoff (to the worker thread and back) are measured apart; the rest is the event loop's other
         # work (HTTP) running before the scheduler resumes.
         self.stats = {"requests_finished": 0, "requests_failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "windows": 0, "windows_ahead": 0, "windows_pipelined": 0, "windows_late_masks": 0, "window_seconds_sum": 0.0,
-                      "device_seconds_sum": 0.0,
+                      "windows": 0, "windows_ahead": 0, "windows_pipelined": 0, "windows_late_masks": 0,
+                      "window_seconds_sum": 0.0, "device_seconds_sum": 0.0,
                       "plan_seconds_sum": 0.0, "apply_seconds_sum": 0.0, "handoff_seconds_sum": 0.0,
                       # gaps between a stream's tokens, in windows without and with a prompt part
                       "inter_token_seconds_sum": 0.0, "inter_tokens": 0,
@@ -282,7 +282,7 @@ class Scheduler:
             following = self._continuation(plan)
             box: dict = {}
             t1 = time.perf_counter()
-            masks = self._late_masks(plan) if window is not None and plan.mask_late is not None else None
+            masks = self._late_masks(plan) if plan.mask_late is not None else None     # (only a plan ahead has it)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._run_window, plan, window, following, box, masks)
                 self._send_pending()              # the previous window's text, while this one runs
@@ -303,7 +303,7 @@ class Scheduler:
         t = time.perf_counter()
 
         def work():
-            if window is not None and plan.mask_late is not None:
+            if plan.mask_late is not None:
                 self.executor.give_masks(window, masks)
                 self.stats["windows_late_masks"] += 1
             w = window if window is not None else self.executor.dispatch(plan)

@@ -20,7 +20,7 @@ from gguf.gguf_reader import ReaderTensor
 
 from strata.errors import ModelLoadError
 from strata.weights.gguf_reader import (_BLOCK_NAMES, _BLOCK_RE, _EXPERT_STACKS, _QWEN3NEXT_BLOCK_NAMES, _dequant,
-                                         _expert_recipes, _Metadata, _shape)
+                                         _expert_recipes, _Metadata, _plain_recipe, _shape)
 
 ARCHS = ("qwen35moe", "qwen4exp")
 PLE_SEED = 1234            # the seed the release's n-gram multipliers come from (the file stores the result)
@@ -250,18 +250,8 @@ def _folded(hf: str) -> bool:
 
 
 def _plain(t: ReaderTensor, hf: str) -> Callable[[], np.ndarray]:
-    """A tensor stored as the checkpoint has it, but the norms the converter stored as 1 + w (_folded) and the 1-D
-    forms of 2-D checkpoint tensors."""
-    def read() -> np.ndarray:
-        w = _dequant(t)
-        if _folded(hf):
-            w = (w - np.float32(1.0)).reshape(-1)
-        if hf.endswith("shared_expert_gate.weight"):
-            w = w.reshape(1, -1)
-        elif hf.endswith("conv1d.weight"):
-            w = w.reshape(w.shape[0], 1, w.shape[-1])            # [C, K] -> HF Conv1d [C, 1, K]
-        return w
-    return read
+    """A tensor as the checkpoint has it: qwen3next's reader, with this family's norms stored as 1 + w (_folded)."""
+    return _plain_recipe(t, hf, _folded(hf))
 
 
 def _untiled(t: ReaderTensor, hf: str, axis: int, block: int, geo: dict) -> Callable[[], np.ndarray]:
@@ -271,13 +261,10 @@ def _untiled(t: ReaderTensor, hf: str, axis: int, block: int, geo: dict) -> Call
     nk, nv = geo["nk"], geo["nv"]
     r = nv // nk
 
+    plain = _plain_recipe(t, hf, False)         # A_log from -exp(A_log), the conv's [C, 1, K]
+
     def read() -> np.ndarray:
-        w = _dequant(t)
-        if hf.endswith(".A_log"):
-            w = np.log(-w.astype(np.float64)).astype(np.float32)     # stored -exp(A_log)
-        if hf.endswith("conv1d.weight"):
-            w = w.reshape(w.shape[0], 1, w.shape[-1])
-        w = np.moveaxis(w, axis, 0)
+        w = np.moveaxis(plain(), axis, 0)
         start = geo["v_start"] if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")) else 0
         v = w[start:start + nv * block]
         if v.shape[0] != nv * block:
@@ -303,12 +290,12 @@ class QuantizedRows:
     strata/model/ple_table.py and HostRows use a row block: shape, dtype, nbytes (the file's bytes), ndim."""
 
     def __init__(self, t: ReaderTensor):
-        self.raw, self.qtype = t.data, GGMLQuantizationType(t.tensor_type)
+        self.t = t
         self.shape, self.dtype, self.ndim = _shape(t), np.dtype(np.float32), 2
-        self.nbytes = int(self.raw.nbytes)
+        self.nbytes = int(t.data.nbytes)
 
     def __getitem__(self, rows) -> np.ndarray:
-        return _dequant_rows(self.raw[rows], self.qtype)
+        return _dequant(self.t, rows)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -316,8 +303,3 @@ class QuantizedRows:
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         """The whole table dequantized (strata pack writes it so: float32, 4 bytes a value)."""
         return self[:] if dtype is None else self[:].astype(dtype)
-
-
-def _dequant_rows(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    from gguf.quants import dequantize
-    return np.asarray(dequantize(raw, qtype), np.float32)

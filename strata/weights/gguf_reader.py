@@ -125,9 +125,14 @@ def _join_part(part: Path, arch: str, tensors: dict[str, ReaderTensor]) -> None:
     other = _Metadata(reader, part).get("general.architecture")
     if other is not None and other != arch:
         raise ModelLoadError(f"gguf_parts {part}: its architecture is '{other}', the model's '{arch}'")
+    _add_tensors(tensors, reader, f"gguf_parts {part}", "the model's files")
+
+
+def _add_tensors(tensors: dict[str, ReaderTensor], reader: GGUFReader, where: str, others: str) -> None:
+    """reader's tensors into tensors by name; one already there is an error (named in `where`, found in `others`)."""
     for t in reader.tensors:
         if t.name in tensors:
-            raise ModelLoadError(f"gguf_parts {part}: tensor {t.name} is in the model's files too")
+            raise ModelLoadError(f"{where}: tensor {t.name} is in {others} too")
         tensors[t.name] = t
 
 
@@ -146,10 +151,7 @@ def _shard_tensors(path: Path, first: GGUFReader, meta: _Metadata) -> dict[str, 
                              f"({m.group('stem')}-00001-of-{m.group('n')}.gguf); the others are read with it")
     for i in range(2, int(count) + 1):
         shard = path.with_name(f"{m.group('stem')}-{i:05d}-of-{int(count):05d}.gguf")
-        for t in _open(shard).tensors:
-            if t.name in tensors:
-                raise ModelLoadError(f"{shard}: tensor {t.name} is in another shard too")
-            tensors[t.name] = t
+        _add_tensors(tensors, _open(shard), str(shard), "another shard")
     want = meta.get("split.tensors.count")
     if want is not None and int(want) != len(tensors):
         raise ModelLoadError(f"{path}: the {int(count)} shards hold {len(tensors)} tensors; split.tensors.count "

@@ -29,12 +29,11 @@ def load_source(path_or_name: str | os.PathLike, parts: tuple[str, ...] = ()):
     """-> (HF config dict, TensorSource, directory holding the tokenizer or None); parts: more GGUF files whose
     tensors join a .gguf model's (setting gguf_parts)."""
     path = builtin_dir(path_or_name) or Path(path_or_name)
+    check_parts(path_or_name, parts)
     if path.is_file() and path.suffix == ".gguf":
         from strata.weights.gguf_reader import read_gguf
         config, tensors = read_gguf(path, parts)
         return config, tensors, path.parent
-    if parts:
-        raise ConfigError(f"gguf_parts: more GGUF files join a .gguf model, and {str(path_or_name)!r} is not one")
     if path.is_dir():
         from strata.weights.dequant import dequantizing
         from strata.weights.hf_dir import read_hf_dir
@@ -44,3 +43,11 @@ def load_source(path_or_name: str | os.PathLike, parts: tuple[str, ...] = ()):
     raise ModelLoadError(f"model {str(path_or_name)!r} {what}: pass a Hugging Face checkpoint directory, "
                          f"a .gguf file, or a built-in model's name: "
                          f"{' or '.join(repr(name) for name in BUILTIN_MODELS)}")
+
+
+def check_parts(path_or_name: str | os.PathLike, parts: tuple[str, ...]) -> None:
+    """gguf_parts join a .gguf model's tensors: with any other model (a directory, a pack, a built-in) they are an
+    error, not ignored."""
+    path = Path(path_or_name)
+    if parts and not (path.is_file() and path.suffix == ".gguf"):
+        raise ConfigError(f"gguf_parts: more GGUF files join a .gguf model, and {str(path_or_name)!r} is not one")
