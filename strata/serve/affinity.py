@@ -5,7 +5,8 @@ A prompt is cut into blocks of `block` tokens; block i's key hashes block i's to
 stands for the whole prefix up to it and a replica's set of keys is a prefix tree of its prompts. choose() sends a
 prompt to the replica with the longest match ("hit"), unless the match is under min_tokens ("miss": the least
 loaded replica) or that replica has more than `margin` requests in flight above the least loaded ("fallback").
-Ties between equally loaded replicas go round in turn, so independent requests spread.
+Ties between equally loaded replicas go to the one least recently sent a prompt (add() records it), so independent
+requests spread, and choosing again for a request not yet sent (Serve retries a choice) gives the same order.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class AffinityIndex:
     def __init__(self, block: int, min_tokens: int, margin: int, capacity: int):
         self.block, self.min_tokens, self.margin, self.capacity = block, min_tokens, margin, capacity
         self.trees: dict[Hashable, OrderedDict] = {}
-        self.turn = 0
+        self.last_sent: dict[Hashable, int] = {}        # replica -> the number of the prompt last sent there
+        self.sent = 0
 
     def matched(self, replica: Hashable, keys: list[int]) -> int:
         """Tokens of the prompt (whole blocks) that replica saw as the start of an earlier prompt."""
@@ -50,6 +52,9 @@ class AffinityIndex:
         return n * self.block
 
     def add(self, replica: Hashable, keys: list[int]) -> None:
+        """A prompt of these keys was sent to replica."""
+        self.sent += 1
+        self.last_sent[replica] = self.sent
         tree = self.trees.setdefault(replica, OrderedDict())
         for key in keys:
             tree[key] = None
@@ -59,24 +64,22 @@ class AffinityIndex:
 
     def drop(self, replica: Hashable) -> None:
         self.trees.pop(replica, None)
+        self.last_sent.pop(replica, None)
 
     def keep(self, replicas) -> None:
         """Forget every replica but these (the others are gone)."""
         for r in [r for r in self.trees if r not in set(replicas)]:
-            del self.trees[r]
+            self.drop(r)
 
     def choose(self, replicas: Sequence[Hashable], keys: list[int], loads: dict, routing: str = "affinity") -> Choice:
         """The replicas in order of preference for a prompt of these keys; loads: requests in flight per replica;
         routing: affinity, or round_robin (in turn, whatever the prompt)."""
-        ring = sorted(replicas, key=str)
+        ring = sorted(replicas, key=lambda r: (self.last_sent.get(r, 0), str(r)))     # least recently sent first
         if not ring:
             return Choice([], "miss", 0)
-        start = self.turn % len(ring)
-        self.turn += 1
-        ring = ring[start:] + ring[:start]
         if routing == "round_robin":
             return Choice(ring, "round_robin", self.matched(ring[0], keys))
-        by_load = sorted(ring, key=lambda r: loads.get(r, 0))        # stable: ties keep the ring's turn
+        by_load = sorted(ring, key=lambda r: loads.get(r, 0))        # stable: ties keep the least recently sent first
         best = max(ring, key=lambda r: self.matched(r, keys))
         got = self.matched(best, keys)
         if got == 0 or got < self.min_tokens:

@@ -67,9 +67,7 @@ class AffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._uncount(pending_request.metadata.internal_request_id)
         self.in_flight[replica_id] += 1
-        keys = self.keys.pop(pending_request.metadata.internal_request_id, None)
-        if keys:
-            self.index.add(replica_id, keys)
+        self.index.add(replica_id, self.keys.pop(pending_request.metadata.internal_request_id, None) or [])
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self.in_flight.get(replica_id, 0) > 0:

@@ -29,11 +29,30 @@ def test_a_prompt_goes_back_to_the_replica_that_saw_its_prefix():
 
 def test_misses_and_round_robin_take_turns():
     idx = AffinityIndex(block=4, min_tokens=8, margin=2, capacity=100)
-    firsts = [idx.choose(["r0", "r1"], block_keys([i] * 3, 4), {}).order[0] for i in range(6)]
-    assert firsts.count("r0") == firsts.count("r1") == 3
+
+    def send(keys, routing="affinity"):
+        c = idx.choose(["r0", "r1"], keys, {}, routing)
+        idx.add(c.order[0], keys)
+        return c
+    firsts = [send(block_keys([i] * 3, 4)).order[0] for i in range(6)]
+    assert firsts == ["r0", "r1"] * 3
     idx.add("r0", block_keys(list(range(40)), 4))
-    rr = [idx.choose(["r0", "r1"], block_keys(list(range(40)), 4), {}, "round_robin") for _ in range(4)]
-    assert [c.order[0] for c in rr].count("r0") == 2 and {c.kind for c in rr} == {"round_robin"}
+    rr = [send(block_keys(list(range(40)), 4), "round_robin") for _ in range(4)]
+    assert [c.order[0] for c in rr] == ["r1", "r0"] * 2 and {c.kind for c in rr} == {"round_robin"}
+
+
+def test_choosing_again_before_a_prompt_is_sent_gives_the_same_replica():
+    # Ray Serve calls the router again for a request whose first choice it could not place yet (a full queue, a
+    # late queue-length probe): the tie-break must not move on, or first turns all land on one replica
+    idx = AffinityIndex(block=4, min_tokens=8, margin=2, capacity=100)
+    firsts = []
+    for i in range(4):
+        keys = block_keys([i] * 8, 4)
+        tries = [idx.choose(["r0", "r1"], keys, {}).order[0] for _ in range(3)]
+        assert len(set(tries)) == 1, tries
+        idx.add(tries[0], keys)
+        firsts.append(tries[0])
+    assert firsts == ["r0", "r1", "r0", "r1"]
 
 
 def test_the_tree_keeps_the_most_recent_blocks():
