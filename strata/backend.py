@@ -101,7 +101,7 @@ class Backend(Protocol):
     def route(self, logits: Array, k: int, renormalize: bool) -> tuple[Array, Array]: ...
     def expert_slots(self, table_row: Array, idx: Array, n_valid: Array) -> Array: ...
     def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv: dict, start, n_valid,
-                        rope: Rope) -> tuple[Array, dict]: ...
+                        rope: Rope, rope_pos=None) -> tuple[Array, dict]: ...
     def delta_block(self, qkv, z, b, a, conv_state, conv_w, ssm, a_log, dt_bias, gnorm, eps, start, n_valid,
                     n_k_heads, gate_act: str = "silu") -> tuple[Array, Array, Array]: ...
 
@@ -258,6 +258,16 @@ SLOTS = "slots"
 STAGE_BLOCK = 4096       # rows of host KV a prompt part stages a copy at a time (it copies the positions it reads)
 
 
+def rotary_positions(positions, rope: Rope):
+    """Each row's position for each rotated pair, [T, pairs] (or [T, 1] for them all): positions [T], or (t, h, w)
+    rows [T, 3] of which each pair takes its axis's (interleaved MRoPE: rope.sections)."""
+    if positions.ndim == 1:
+        return positions[:, None]
+    if not rope.sections:
+        raise ValueError("(t, h, w) positions need a model with MRoPE sections (an image-text family)")
+    return positions[:, np.array(rope.sections)]
+
+
 def is_rows(start) -> bool:
     """True when start is per row ([S]): one token of each of S sequences (a decode window)."""
     return np.ndim(start) == 1
@@ -316,26 +326,28 @@ class ComposedOps:
         valid = n_valid > 0 if is_rows(n_valid) else self.valid_mask(idx.shape[0], n_valid)
         return self.xp.where(valid[:, None], table_row[idx], -1)
 
-    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope, rope_pos=None):
         """Gated attention from its projections to the gated output (before o_proj): q/k RMSNorm per head, partial
-        NeoX RoPE at positions start.., the new keys and values written at rows start.. of the layer's cache,
+        NeoX RoPE at positions start.. (rope_pos: the rows' rotary positions instead, [T] or (t, h, w) rows [T, 3]:
+        a prompt with images, and the text after them), the new keys and values written at rows start.. of the layer's cache,
         causal GQA attention, the output times sigmoid(gate) (gate None: ungated).
         q [T, Hq * hd], k, v [T, Hkv * hd]; kv the layer's cache: {"k", "v": [Cap, Hkv, hd]}, plus
         {"k_scale", "v_scale": [Cap, Hkv] fp32} when it is int8 (quantize_kv) -> (o [T, Hq * hd], kv).
         Rows mode (start [S]): kv holds the bank's [S, ...], or with SLOTS [B] the bank's rows of the B rows (the
         kv returned is the bank, without SLOTS)."""
         if is_rows(start) and SLOTS in kv:
-            return self._attention_slots(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
+            return self._attention_slots(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope, rope_pos)
         if is_rows(start):
-            def one(q, k, v, g, kv, s, n):
+            def one(q, k, v, g, kv, s, n, r):
                 o, kv = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
-                                             k_norm, eps, kv, s, n, rope)
+                                             k_norm, eps, kv, s, n, rope, r[None])
                 return o[0], kv
             # a two-tier bank: each row's own host row copied to the device (not the bank's other rows)
             host = {n: a for n, a in kv.items() if n.endswith(HOST)}
             rows = {n: self.xp.stack([self.host_window(a, kv[TIER_ROW][i], 0, a.shape[1]) for i in range(q.shape[0])])
                     for n, a in host.items()}
-            o, kv = self.vmap(one)(q, k, v, q if gate is None else gate, {**kv, **rows}, start, n_valid)
+            o, kv = self.vmap(one)(q, k, v, q if gate is None else gate, {**kv, **rows}, start, n_valid,
+                                   start if rope_pos is None else rope_pos)
             return o, {**kv, **host}
         xp = self.xp
         t = q.shape[0]
@@ -343,8 +355,9 @@ class ComposedOps:
         hq = q.shape[1] // hd
         positions = start + xp.arange(t)
         valid = self.valid_mask(t, n_valid)
-        q = self.rope(self.rms_norm(q.reshape(t, hq, hd), q_norm, eps), positions, rope)
-        k = self.rope(self.rms_norm(k.reshape(t, hkv, hd), k_norm, eps), positions, rope)
+        rp = positions if rope_pos is None else rope_pos
+        q = self.rope(self.rms_norm(q.reshape(t, hq, hd), q_norm, eps), rp, rope)
+        k = self.rope(self.rms_norm(k.reshape(t, hkv, hd), k_norm, eps), rp, rope)
         # padded rows look at key 0 only (their output is discarded), so the keys visited follow the real rows
         q_pos = xp.where(valid, positions, 0)
         if TIER_BASE in kv:
@@ -357,13 +370,13 @@ class ComposedOps:
             o = o * self.sigmoid(gate)
         return o, kv
 
-    def _attention_slots(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
+    def _attention_slots(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope, rope_pos=None):
         """attention_block's rows mode on the bank rows kv[SLOTS] [B]: those rows' caches gathered (a copy of B
         whole rows: the composition's way; a kernel reads them in place), attended, their caches put back."""
         slots = kv[SLOTS]
         own = [n for n in kv if n != SLOTS and not n.endswith(HOST)]       # per-slot arrays [S, ...]
         sub = {**{n: kv[n] for n in kv if n.endswith(HOST)}, **{n: self.take_rows(kv[n], slots) for n in own}}
-        o, sub = self.attention_block(q, k, v, gate, q_norm, k_norm, eps, sub, start, n_valid, rope)
+        o, sub = self.attention_block(q, k, v, gate, q_norm, k_norm, eps, sub, start, n_valid, rope, rope_pos)
         return o, {**{n: kv[n] for n in kv if n != SLOTS},
                    **{n: self.put_rows(kv[n], slots, sub[n]) for n in own if n in KV_NAMES}}
 

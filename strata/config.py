@@ -202,6 +202,12 @@ class ModelSettings(_Group):
         "weights kept in files of their own: a PLE table, the token embedding, the dense weights. A gguf-split set "
         "needs none (its first shard names it). A tensor in two files, or a file of another architecture, is refused "
         "at start-up.", example="ple-table.gguf")
+    vision: str = setting(
+        "auto", _choice("auto", "on", "off"),
+        "The vision tower of an image-text checkpoint (qwen3_5_moe, qwen4_exp: model.visual.* beside the language "
+        "model): auto loads it when the checkpoint has one; on requires it (a checkpoint without one is refused at "
+        "start-up); off leaves it unread, and a request with an image gets 400. Images are encoded once each and "
+        "kept by their content hash.")
 
     @property
     def parts(self) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from strata.errors import ConfigError, StrataError
 from strata.model.config import ModelConfig
 from strata.model.control import ControlVector, load_control_vector, with_control
 from strata.experts.path import ExpertPath
+from strata.engine.images import Image, PromptRows, text_rows
 from strata.engine.stages import LayerSlice, Stage, split_points, stage_config, stage_params
 from strata.model.forward import LayerByLayer, Taps, forward, forward_hidden, head, init_state
 from strata.model.params import build_params, params_from_reader
@@ -65,6 +66,7 @@ class Engine:
         self.stages = (Stage(0, 0, ops, cfg, params, self.path, by_layer=self.by_layer),)
         self.record_routing = False  # compiled windows report routing counts to the cache (strata profile)
         self.mtp = None              # (MtpHead, its expert pool) once loaded (mtp setting; strata/engine/spec.py)
+        self.images = None           # an ImageEncoder when the vision tower is loaded (strata/engine/images.py)
         self._sample = ops.compile(partial(_sample, ops), static_argnames=("greedy",))
 
     @property
@@ -121,11 +123,26 @@ class Engine:
             return {"cv": args.get("cv", value, device=True)}
         return {"cv": self.backend.to_device(value) if self.backend.eager else value}
 
-    def read_part(self, state, tokens, start: int, n_valid: int, all_logits: bool, control_scale: float = 1.0):
+    def read_part(self, state, tokens, start: int, n_valid: int, all_logits: bool, control_scale: float = 1.0,
+                  rows: PromptRows | None = None):
         """One part of one sequence -> (logits, new state): one compiled function when every expert is resident, a
         window-fetch row for one decoded token on that path, else layer by layer; stage by stage when split.
-        control_scale: the control vector's scale for its rows (ignored without one)."""
+        control_scale: the control vector's scale for its rows (ignored without one). rows: the part's rotary
+        positions and image rows (strata/engine/images.py), padded like tokens; None: plain text at its cache
+        positions."""
         cv = self.cv([control_scale])
+        if rows is not None:
+            if not self.path.compiled_parts or self.split:
+                raise StrataError("images (and the text after them) need every expert resident and no layer split "
+                                  "yet: this engine reads its parts layer by layer or stage by stage")
+            f = self._compile("read_rows", _read, donate_argnums=(2,), static_argnames=("all_logits",))
+            images = None if rows.rows is None else (rows.rows.astype(self.dtype), rows.is_image)
+            rope = rows.rope
+            if self.backend.eager:           # a compiled backend places its arguments itself
+                images, rope = self.backend.to_device((images, rope))
+            logits, state, _ = f(self.params, self.path.args(), state, tokens, np.int32(start), np.int32(n_valid),
+                                 all_logits=all_logits, images=images, rope_pos=rope, **cv)
+            return logits, state
         if self.split:
             return self._read_staged(state, tokens, start, n_valid, all_logits, cv)
         if self.path.compiled_parts:
@@ -241,6 +258,7 @@ class Engine:
             from strata.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_dir(Path(tok_dir))
         engine = cls(cfg, params, ops, settings, tokenizer, control)
+        engine.images = _load_vision(config, tensors, settings, ops, np_dtype, path_or_name, say)
         if pack is not None:
             from strata.experts.tiers import PackStore
             store = PackStore(pack, stream=settings.experts.stream_experts)
@@ -389,15 +407,17 @@ class Engine:
     def sequence(self, control_scale: float = 1.0) -> "Sequence":
         return Sequence(self, control_scale)
 
-    def logits(self, token_ids, part_size: int | None = None, control_scale: float = 1.0) -> np.ndarray:
+    def logits(self, token_ids, part_size: int | None = None, control_scale: float = 1.0,
+               images: list[Image] = ()) -> np.ndarray:
         """Logits at every prompt position, [T, vocab] float32, for a fresh sequence (control_scale: its control
-        vector's scale, when the model has one)."""
-        return self.sequence(control_scale).read(token_ids, part_size=part_size, all_logits=True)
+        vector's scale, when the model has one; images: those of the prompt's image tokens, in order)."""
+        return self.sequence(control_scale).read(token_ids, part_size=part_size, all_logits=True, images=images)
 
     def stream(self, token_ids, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-               stop_token_ids=None, control_scale: float = 1.0) -> Iterator[int]:
-        """Yields generated token ids one at a time; stops after max_tokens or at a stop token (which is yielded)."""
+               stop_token_ids=None, control_scale: float = 1.0, images: list[Image] = ()) -> Iterator[int]:
+        """Yields generated token ids one at a time; stops after max_tokens or at a stop token (which is yielded).
+        images: logits'."""
         _check_sampling(max_tokens, temperature, top_k, top_p, min_p, seed)
         if max_tokens == 0:
             return
@@ -409,7 +429,7 @@ class Engine:
         seed = secrets.randbits(63) if seed is None else seed
         sp = _sampling_arrays(temperature, top_k, top_p, min_p)
         seed_arr = np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0x7FFFFFFF], np.uint32)
-        logits = seq.read(token_ids, all_logits=False, as_numpy=False)
+        logits = seq.read(token_ids, all_logits=False, as_numpy=False, images=images)
         token = int(self._sample(logits, *sp, seed_arr, np.int32(0), greedy=all_greedy(sp[0]))[0])
         for step in range(1, max_tokens + 1):
             yield token
@@ -429,16 +449,20 @@ class Engine:
 
 
 class Sequence:
-    """One sequence's state on the device and its position, and its control vector's scale."""
+    """One sequence's state on the device and its position, and its control vector's scale. rope_offset: a text
+    token's rotary position minus its cache position (images take fewer rotary positions than tokens)."""
 
     def __init__(self, engine: Engine, control_scale: float = 1.0):
         self.engine, self.control_scale = engine, float(control_scale)
         self.pos = 0
+        self.rope_offset = 0
         self.state = engine.zeros_state(engine.init_state())     # init_state is zeros (tested)
         self._args = DeviceArgs(engine.backend)
 
-    def read(self, token_ids, part_size: int | None = None, all_logits: bool = False, as_numpy: bool = True):
-        """Read prompt tokens in parts; -> logits of every token read [n, V], or of the last one [1, V]."""
+    def read(self, token_ids, part_size: int | None = None, all_logits: bool = False, as_numpy: bool = True,
+             images: list[Image] = ()):
+        """Read prompt tokens in parts; -> logits of every token read [n, V], or of the last one [1, V]. images:
+        those of its image tokens, in order (a model with a vision tower)."""
         e = self.engine
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         n = len(ids)
@@ -452,13 +476,15 @@ class Sequence:
         part = min(part_size or e.settings.sched.prefill, e.settings.sched.prefill)
         if part < 1:
             raise StrataError(f"part_size must be >= 1, found {part_size}")
+        rows = self._rows(ids, list(images))
         out = []
         for s in range(0, n, part):
             chunk = ids[s:s + part]
             b = bucket_for(len(chunk))
             padded = np.zeros(b, np.int32)
             padded[:len(chunk)] = chunk
-            logits, self.state = e.read_part(self.state, padded, self.pos, len(chunk), all_logits, self.control_scale)
+            logits, self.state = e.read_part(self.state, padded, self.pos, len(chunk), all_logits, self.control_scale,
+                                             None if rows is None else _part_rows(rows, s, len(chunk), b))
             self.pos += len(chunk)
             if all_logits:
                 out.append(e.backend.to_host(logits)[:len(chunk)])
@@ -466,11 +492,29 @@ class Sequence:
             return np.concatenate(out, axis=0)
         return e.backend.to_host(logits) if as_numpy else logits
 
+    def _rows(self, ids: np.ndarray, images: list[Image]) -> PromptRows | None:
+        """The rotary positions and image rows of a prompt read next, or None for text at its cache positions; sets
+        rope_offset for what follows it."""
+        e = self.engine
+        if images and e.images is None:
+            raise StrataError("this model takes no images: it has no vision tower, or the vision setting is off")
+        if e.images is None or (not images and self.rope_offset == 0
+                                and not (ids == e.images.vc.image_token_id).any()):
+            return None
+        rows = e.images.prompt_rows(ids, images, self.pos + self.rope_offset, e.cfg.hidden_size)
+        self.rope_offset = rows.following - (self.pos + len(ids))
+        return rows
+
     def decode(self, token: int, sp, seed_arr, step: int) -> int:
         """Feed one token, sample the next (on the device); -> the sampled token id."""
         e = self.engine
         if self.pos + 1 > e.settings.model.max_context:
             raise StrataError(f"{self.pos + 1} tokens exceed max_context {e.settings.model.max_context}")
+        if self.rope_offset:         # the text after images: its rotary position is not its cache position
+            logits, self.state = e.read_part(self.state, np.array([token], np.int32), self.pos, 1, False,
+                                             self.control_scale, text_rows(1, self.pos + self.rope_offset))
+            self.pos += 1
+            return int(e._sample(logits, *sp, seed_arr, np.int32(step), greedy=all_greedy(sp[0]))[0])
         if e.path.compiled_parts and not e.record_routing and not e.split:
             # one compiled call per token, with one small transfer in (token, position, step) and one out (strata
             # profile records routing counts through read_part instead)
@@ -489,13 +533,27 @@ class Sequence:
         return int(nxt[0])
 
 
+def _part_rows(rows: PromptRows, s: int, n: int, b: int) -> PromptRows:
+    """Rows s..s+n of a prompt's PromptRows, padded to the part's bucket b (padding rows: plain text positions)."""
+    rope = np.zeros((b, 3), np.int32)
+    rope[:n] = rows.rope[s:s + n]
+    rope[n:] = rope[n - 1] + 1 + np.arange(b - n)[:, None]
+    is_image = np.zeros(b, bool)
+    is_image[:n] = rows.is_image[s:s + n]
+    image = None
+    if rows.rows is not None:
+        image = np.zeros((b, rows.rows.shape[1]), np.float32)
+        image[:n] = rows.rows[s:s + n]
+    return PromptRows(rope, image, is_image, rows.following)
+
+
 def _read(ops, cfg, path, layout, params, args, state, tokens, start, n_valid, all_logits: bool,
-          with_counts: bool = False, taps=None, cv=None):
+          with_counts: bool = False, taps=None, cv=None, images=None, rope_pos=None):
     """One part of one sequence, every expert resident -> (logits, state, routing counts [Lp, E] or None). cv: its
-    rows' control vector scale [1] (None without one)."""
+    rows' control vector scale [1] (None without one); images, rope_pos: forward's."""
     counts = [] if with_counts else None
     logits, state = forward(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid, counts),
-                            all_logits, taps, cv=cv)
+                            all_logits, taps, cv=cv, images=images, rope_pos=rope_pos)
     if with_counts:
         counts = ops.xp.stack(counts) if counts else ops.xp.zeros((0, path.n_experts), ops.xp.int32)
     return logits, state, counts
@@ -714,6 +772,25 @@ def _max_context(cfg: ModelConfig, settings: Settings, ops, dtype, say) -> int:
                            sequences=sequences)
     say(line)
     return n
+
+
+def _load_vision(config: dict, tensors, settings: Settings, ops, dtype, source, say):
+    """The vision tower as the vision setting asks (auto: when the checkpoint has one) -> an ImageEncoder or None."""
+    from strata.model.vision import VisionConfig, vision_params
+    want = settings.model.vision
+    vc = VisionConfig.from_config(config, f"{source} config") if want != "off" else None
+    has = vc is not None and tensors is not None and "model.visual.patch_embed.proj.weight" in set(tensors.names())
+    if not has:
+        if want == "on":
+            raise ConfigError(f"vision = on, but {source} has no vision tower (a {config.get('model_type')!r} "
+                              f"checkpoint with model.visual.* tensors and a vision_config): set vision = auto or off")
+        return None
+    from strata.engine.images import ImageEncoder
+    from strata.model.params import TensorReader
+    params = ops.to_device(vision_params(vc, TensorReader(tensors, dtype)))
+    say(f"strata model: vision tower {vc.depth} blocks of {vc.hidden_size}, {vc.patch_size}-pixel patches merged "
+        f"{vc.merge} x {vc.merge} into one token")
+    return ImageEncoder(ops, vc, params)
 
 
 def _is_pack(path_or_name) -> bool:

@@ -30,7 +30,8 @@ from strata.jax_backend.kernels import route as k_route
 from strata.jax_backend.kernels.experts import GATHER_ROUTES_MAX, copy_rows_loop, experts_fetching, experts_from_pool
 from strata.jax_backend.kernels.host_rows import copy_host_rows
 from strata.jax_backend.xla_flags import pinned_host_usable
-from strata.backend import HOST, KV_NAMES, SLOTS, TIER_BASE, TIER_ROW, ComposedOps, is_rows, quantize_kv
+from strata.backend import (HOST, KV_NAMES, SLOTS, TIER_BASE, TIER_ROW, ComposedOps, is_rows, quantize_kv,
+                            rotary_positions)
 from strata.host_rows import HostRows
 
 KV_BLOCK = 512      # keys per step of the attention's online softmax
@@ -175,10 +176,11 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
 
     @staticmethod
     def rope(x, positions, rope):
-        # NeoX rotate-half on the first rotary_dim features; the rest pass through.  x: [T, heads, hd]
+        # NeoX rotate-half on the first rotary_dim features; the rest pass through.  x: [T, heads, hd]; positions [T]
+        # or (t, h, w) rows [T, 3] (rope.sections)
         rotary_dim = rope.rotary_dim
         inv_freq = jnp.asarray(np.array(rope.inv_freq, np.float32))
-        freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]          # [T, rotary_dim/2]
+        freqs = rotary_positions(positions, rope).astype(jnp.float32) * inv_freq[None, :]    # [T, rotary_dim/2]
         emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]                   # [T, 1, rotary_dim]
         # the scale multiplies cos and sin in fp32 before they take x's dtype, as transformers does
         cos, sin = (jnp.cos(emb) * rope.scale).astype(x.dtype), (jnp.sin(emb) * rope.scale).astype(x.dtype)
@@ -267,22 +269,23 @@ class JaxBackend(ComposedOps):         # fused ops as compositions: XLA fuses th
         o = jnp.sum(p[..., None] * v, axis=1)                                            # [T, g, r, hd]
         return o.reshape(t, hq, hd).astype(q.dtype)
 
-    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope, rope_pos=None):
         """The composition (strata/backend.py), but a decode window's attention (rows mode: one query per
         sequence over its own cache in the bank) is one Pallas kernel over every row (kernels/decode_attention.py),
         whose cost follows each row's length rather than the cache's capacity; with SLOTS, the kernel reads the
         window's rows of the bank in place."""
         if "attention" not in self.pallas_ops or not is_rows(start):
-            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope, rope_pos)
         s = q.shape[0]
         _, _, hkv, hd = kv["k"].shape
         hq = q.shape[1] // hd
         slots = kv.get(SLOTS)
         scales = (kv.get("k_scale"), kv.get("v_scale"))
-        qr = self.rope(self.rms_norm(q.reshape(s, hq, hd), q_norm, eps), start, rope)     # [S, Hq, hd]
+        rp = start if rope_pos is None else rope_pos
+        qr = self.rope(self.rms_norm(q.reshape(s, hq, hd), q_norm, eps), rp, rope)        # [S, Hq, hd]
         if not k_attention.supported(qr[:, None], kv["k"], kv["v"], *scales, start, banked=slots is not None):
-            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
-        kr = self.rope(self.rms_norm(k.reshape(s, hkv, hd), k_norm, eps), start, rope)
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope, rope_pos)
+        kr = self.rope(self.rms_norm(k.reshape(s, hkv, hd), k_norm, eps), rp, rope)
         kv = {n: a for n, a in kv.items() if n != SLOTS}
         bank = jnp.arange(s, dtype=jnp.int32) if slots is None else slots       # row s's bank row
 

@@ -92,11 +92,13 @@ class ModelConfig:
     ple: PleConfig | None = None          # the PLE layers' settings (None: no PLE)
     qsa: QsaConfig | None = None          # the attention layers' indexer (None: dense attention)
     linear_gate: str = "silu"             # the activation of the delta rule's output gate (qwen4_exp: sigmoid)
+    mrope_section: tuple[int, ...] = ()   # interleaved MRoPE's rotated pairs per (t, h, w) axis (image-text families)
 
     @cached_property
     def rope(self) -> Rope:
         """The inverse frequencies and the factor on cos and sin that attention's RoPE applies."""
-        return rope_for(self.head_dim, self.partial_rotary_factor, self.rope_theta, self.rope_scaling)
+        return rope_for(self.head_dim, self.partial_rotary_factor, self.rope_theta, self.rope_scaling,
+                        self.mrope_section)
 
     @property
     def max_positions(self) -> int:
@@ -171,7 +173,7 @@ def _get(d: dict, key: str, source: str, kind=int, default=None):
 
 def _rope(d: dict, source: str, partial_default: float | None) -> tuple[float, float, RopeScaling | None]:
     # transformers writes rope_parameters {rope_theta, partial_rotary_factor, rope_type, ...}; Hub files use top-level
-    # keys and rope_scaling. qwen4_exp's mrope_section only matters for image positions: text rows have one position.
+    # keys and rope_scaling.
     rp, scaling = read_scaling(d, source)
     theta = _get(rp if rp.get("rope_theta") is not None else d, "rope_theta", source, float, 10000.0)
     # Qwen3-MoE rotates the whole head (partial_default None: transformers ignores partial_rotary_factor there);
@@ -275,10 +277,25 @@ def _parse(d: dict, source: str) -> ModelConfig:
         eos_token_ids=_int_list(d, "eos_token_id", source),
         max_position_embeddings=g("max_position_embeddings", int, 32768),
         rope_scaling=scaling,
+        mrope_section=_mrope_section(d, source) if model_type in _NESTED else (),
         **(_qwen4_exp(d, source, layers, hidden) if is_q4 else {}),
     )
     _validate(cfg, source)
     return cfg
+
+
+def _mrope_section(d: dict, source: str) -> tuple[int, ...]:
+    """The image-text families' interleaved MRoPE sections (transformers' default [11, 11, 10]): text rows have one
+    position in all three axes; an image's tokens have their (t, h, w) positions (strata/model/vision.py)."""
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    sec = rp.get("mrope_section", [11, 11, 10]) if isinstance(rp, dict) else None
+    if (not isinstance(sec, list) or len(sec) != 3
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in sec)):
+        raise ModelLoadError(f"{source}: mrope_section must be three non-negative integers, found {sec!r}")
+    if rp.get("mrope_interleaved") is False:
+        raise ModelLoadError(f"{source}: mrope_interleaved=false is not supported: {d.get('model_type')} interleaves "
+                             f"its MRoPE sections")
+    return tuple(sec)
 
 
 def _qwen4_exp(d: dict, source: str, layers: int, hidden: int) -> dict:

@@ -45,13 +45,15 @@ def init_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype=None, resident: 
 
 def attention_state(cfg: ModelConfig, capacity: int, dtype, kv_dtype, resident: int = 0) -> dict:
     """An empty attention layer's state (host): its cache (kv_state) and, for QSA, the raw index keys "ik"
-    [capacity, indexer_head_dim] in dtype."""
+    [capacity, indexer_head_dim] in dtype and each position's (t, h, w) rotary position "irp" [capacity, 3] int32
+    (a block key rotates by its first token's: an image's tokens are not at their cache positions)."""
     state = kv_state(cfg, capacity, kv_dtype, resident)
     if cfg.qsa is not None:
         if resident:      # Engine.load refuses kv_resident for these first (core._refuse_unsupported)
             raise NotImplementedError("QSA attention layers keep every position on the device "
                                       "(kv_resident is not supported for qwen4_exp yet)")
         state["ik"] = np.zeros((capacity, cfg.qsa.head_dim), dtype)
+        state["irp"] = np.zeros((capacity, 3), np.int32)
     return state
 
 
@@ -161,7 +163,7 @@ def run_layers(cfg: ModelConfig, params: dict, states: list, x, front, experts, 
 
 
 def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, all_logits: bool,
-            taps: Taps | None = None, x=None, slots=None, cv=None):
+            taps: Taps | None = None, x=None, slots=None, cv=None, images=None, rope_pos=None):
     """Traced: one part of one sequence, or a decode window, through run_layers -> (logits, new state).
 
     One sequence: tokens [T] int32 at positions start..start+T-1 (start, n_valid int32 scalars: one compilation per
@@ -172,20 +174,26 @@ def forward(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_v
     experts(p, h, w, idx) -> y: the routed experts of MoE layer p (strata/experts/path.py). x: the rows' hidden
     state from the stage before (a layer split's last stage), in place of the tokens' embedding. slots [B]: a decode
     window of B rows over a bank of more, row b on bank row slots[b] (distinct; the other rows left as they are).
-    cv: the rows' control vector scales (steer's; None when the model has no control vector)."""
+    cv: the rows' control vector scales (steer's; None when the model has no control vector). images, rope_pos:
+    forward_hidden's."""
     x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, experts, taps=taps, x=x, slots=slots,
-                              cv=cv)
+                              cv=cv, images=images, rope_pos=rope_pos)
     return head(ops, cfg, params, x, n_valid, all_logits), state
 
 
 def forward_hidden(ops, cfg: ModelConfig, params: dict, state: list, tokens, start, n_valid, experts, mix=None,
-                   taps: Taps | None = None, x=None, slots=None, cv=None):
+                   taps: Taps | None = None, x=None, slots=None, cv=None, images=None, rope_pos=None):
     """forward() up to the final norm -> (x [T, H], new state). mix: the mixers' form (mix_rows's signature; None:
     mix_rows), e.g. the verify form that runs several positions of each row and keeps each position's state.
     x: the rows' hidden state from the stage before (a layer split's later stage), in place of tokens' embedding.
-    slots, cv: as forward's."""
+    slots, cv: as forward's. images: embed_rows's. rope_pos: the rows' rotary positions where they are not their
+    cache positions ([T], or (t, h, w) rows [T, 3]: a prompt with images, and the text after them)."""
     if x is None:
-        x = embed_rows(cfg, params, tokens)                                       # [T, residual_width]
+        x = embed_rows(cfg, params, tokens, images)
+    if rope_pos is not None:
+        if mix is not None:
+            raise ValueError("rotary positions other than the cache's (images) are not supported in verify windows")
+        mix = partial(mix_rows, rope_pos=rope_pos)
 
     def front(lp, st, x, kind, ple):
         if slots is None:
@@ -332,10 +340,14 @@ def embed(params: dict, tokens):
     return params["embed"][tokens]
 
 
-def embed_rows(cfg: ModelConfig, params: dict, tokens):
+def embed_rows(cfg: ModelConfig, params: dict, tokens, images=None):
     """The residual rows the layer loop starts from: the tokens' embeddings [T, H], in each of the hc_count
-    streams for a hyper-connected model ([T, hc * H])."""
+    streams for a hyper-connected model ([T, hc * H]). images: (rows [T, H], is_image [T] bool), the vision tower's
+    output in place of the image tokens' embeddings (strata/model/vision.py)."""
     x = embed(params, tokens)
+    if images is not None:
+        rows, is_image = images
+        x = rows.astype(x.dtype) * is_image[:, None] + x * ~is_image[:, None]
     return x if not cfg.hyper else x.reshape(x.shape[0], 1, -1).repeat(cfg.hc_count, axis=1).reshape(x.shape[0], -1)
 
 
@@ -420,10 +432,10 @@ def _columns(y, parts):
     return out
 
 
-def mix_rows(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, ys: list, start, n_valid):
+def mix_rows(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, ys: list, start, n_valid, rope_pos=None):
     """A layer's mixer from its input projections ys to its output before the output projection -> (o, state):
     the gated delta rule (LINEAR; ys = qkv, z, b, a) or attention over the KV cache (ys = q, k, v and, Qwen3-Next's
-    gated attention, a sigmoid output gate per head)."""
+    gated attention, a sigmoid output gate per head). rope_pos: attention's rotary positions (forward_hidden's)."""
     eps = cfg.rms_norm_eps
     if kind == LINEAR:
         qkv, z, b, a = ys
@@ -431,9 +443,9 @@ def mix_rows(ops, cfg: ModelConfig, kind: str, lp: dict, st: dict, ys: list, sta
                                        lp["gnorm"], eps, start, n_valid, cfg.linear_num_key_heads, cfg.linear_gate)
         return o, {**st, "conv": conv, "ssm": ssm}
     if cfg.qsa is not None:
-        return qsa_attention(ops, cfg, lp, st, ys, start, n_valid)
+        return qsa_attention(ops, cfg, lp, st, ys, start, n_valid, rope_pos)
     return ops.attention_block(ys[0], ys[1], ys[2], ys[3] if cfg.gated_attention else None, lp["q_norm"],
-                               lp["k_norm"], eps, st, start, n_valid, cfg.rope)
+                               lp["k_norm"], eps, st, start, n_valid, cfg.rope, rope_pos)
 
 
 def layer_back(ops, cfg: ModelConfig, lp: dict, x, shared, y):

@@ -4,7 +4,8 @@ n-gram rows from a table, gated by the streams, a dilated causal conv) and QSA a
 tail, strata/model/qsa.py). Written against the Backend ops and ops.xp; exact against transformers' qwen4_exp.
 
 State beyond Qwen3-Next's: a PLE layer's {"ple_ctx": [ngram_size - 1] int32 (the previous tokens),
-"ple_conv": [(kernel - 1) * ngram_size, hc * H]}; a QSA layer's {"ik": [Cap, indexer_head_dim]} (raw index keys).
+"ple_conv": [(kernel - 1) * ngram_size, hc * H]}; a QSA layer's {"ik": [Cap, indexer_head_dim]} (raw index keys)
+and {"irp": [Cap, 3]} (each position's rotary position: its block key's, when it starts a block).
 """
 from __future__ import annotations
 
@@ -94,36 +95,40 @@ def _dilated_conv(xp, u, state, w, dilation: int, start, n_valid):
     return out, hist[idx]
 
 
-def qsa_attention(ops, cfg: ModelConfig, lp: dict, kv: dict, ys: list, start, n_valid):
+def qsa_attention(ops, cfg: ModelConfig, lp: dict, kv: dict, ys: list, start, n_valid, rope_pos=None):
     """Gated attention whose queries see only the keys the QSA indexer selects -> (o [T, Hq * hd], kv). ys: the
-    layer's q, k, v, gate and index-query/key projections; kv the layer's cache {"k", "v", "ik"} (int8: with
-    scales). Rows mode (start [S]): one token of each of S sequences, kv their bank (with SLOTS: the bank's rows)."""
+    layer's q, k, v, gate and index-query/key projections; kv the layer's cache {"k", "v", "ik", "irp"} (int8: with
+    scales). Rows mode (start [S]): one token of each of S sequences, kv their bank (with SLOTS: the bank's rows).
+    rope_pos: the rows' rotary positions where they are not their cache positions (forward_hidden's)."""
     if is_rows(start):
         slots = kv.get(SLOTS)
         own = {n: a for n, a in kv.items() if n != SLOTS}
         rows = own if slots is None else {n: ops.take_rows(a, slots) for n, a in own.items()}
 
-        def one(q, k, v, g, qk, kv1, s, n):
-            o, kv1 = qsa_attention(ops, cfg, lp, kv1, [q[None], k[None], v[None], g[None], qk[None]], s, n)
+        def one(q, k, v, g, qk, kv1, s, n, r):
+            o, kv1 = qsa_attention(ops, cfg, lp, kv1, [q[None], k[None], v[None], g[None], qk[None]], s, n, r[None])
             return o[0], kv1
-        o, rows = ops.vmap(one)(*ys, rows, start, n_valid)
+        o, rows = ops.vmap(one)(*ys, rows, start, n_valid, start if rope_pos is None else rope_pos)
         return o, rows if slots is None else {n: ops.put_rows(own[n], slots, rows[n]) for n in own}
     xp, eps, qsa = ops.xp, cfg.rms_norm_eps, cfg.qsa
     q, k, v, gate, qk = ys
     t = q.shape[0]
     hd, hkv, hq = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads
     positions = start + xp.arange(t)
+    rp = positions if rope_pos is None else rope_pos
     q_pos = xp.where(ops.valid_mask(t, n_valid), positions, 0)
-    q = ops.rope(ops.rms_norm(q.reshape(t, hq, hd), lp["q_norm"], eps), positions, cfg.rope)
-    k = ops.rope(ops.rms_norm(k.reshape(t, hkv, hd), lp["k_norm"], eps), positions, cfg.rope)
-    store = ops.kv_store({n: kv[n] for n in kv if n != "ik"}, k, v.reshape(t, hkv, hd), start)
+    q = ops.rope(ops.rms_norm(q.reshape(t, hq, hd), lp["q_norm"], eps), rp, cfg.rope)
+    k = ops.rope(ops.rms_norm(k.reshape(t, hkv, hd), lp["k_norm"], eps), rp, cfg.rope)
+    store = ops.kv_store({n: kv[n] for n in kv if n not in ("ik", "irp")}, k, v.reshape(t, hkv, hd), start)
     di = qsa.head_dim
-    iq = ops.rope(ops.rms_norm(qk[:, :qsa.heads * di].reshape(t, qsa.heads, di), lp["idx_q_norm"], eps), positions,
+    iq = ops.rope(ops.rms_norm(qk[:, :qsa.heads * di].reshape(t, qsa.heads, di), lp["idx_q_norm"], eps), rp,
                   cfg.rope)
     ik = ops.kv_write(kv["ik"], qk[:, qsa.heads * di:], start)
+    rp3 = xp.stack([rp] * 3, axis=1) if rp.ndim == 1 else rp
+    irp = ops.kv_write(kv["irp"], rp3.astype(xp.int32), start)
     cap = ik.shape[0]
     blocks = qsa_block_keys(xp, ik, lp["idx_k_norm"], eps, qsa.ratio,
-                            lambda x, pos: ops.rope(x, pos, cfg.rope))
+                            lambda x, pos: ops.rope(x, irp[pos], cfg.rope))
     mask = qsa_select(xp, iq, blocks, q_pos, qsa.ratio, qsa.budget, cap)               # [T, Cap]
     keys, values = _dequantised(xp, store, "k"), _dequantised(xp, store, "v")          # [Cap, Hkv, hd]
     f32 = xp.float32
@@ -132,7 +137,7 @@ def qsa_attention(ops, cfg: ModelConfig, lp: dict, kv: dict, ys: list, start, n_
     scores = xp.where(mask[:, None, None, :], scores, -xp.inf)
     p = ops.softmax(scores)
     o = xp.einsum("tgrc,cgd->tgrd", p, values.astype(f32)).reshape(t, hq * hd).astype(v.dtype)
-    return o * ops.sigmoid(gate), {**kv, **store, "ik": ik}
+    return o * ops.sigmoid(gate), {**kv, **store, "ik": ik, "irp": irp}
 
 
 def _dequantised(xp, kv: dict, name: str):

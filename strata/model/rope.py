@@ -22,9 +22,11 @@ KINDS = ("linear", "dynamic", "yarn")
 @dataclass(frozen=True)
 class Rope:
     """What attention's RoPE applies (strata/backend.py's Rope protocol): the fp32 inverse frequencies of the rotated
-    pairs and the factor on cos and sin. Hashable: a compile-time constant."""
+    pairs and the factor on cos and sin. Hashable: a compile-time constant. sections: for positions given as
+    (t, h, w) rows [T, 3] (interleaved MRoPE, an image's tokens), the axis each pair's angle takes its position from."""
     inv_freq: tuple[float, ...]
     scale: float = 1.0
+    sections: tuple[int, ...] = ()
 
     @property
     def rotary_dim(self) -> int:
@@ -103,6 +105,12 @@ def read_scaling(d: dict, source: str) -> tuple[dict, RopeScaling | None]:
                            truncate=bool(rp.get("truncate", True)))
 
 
+def mrope_sections(pairs: int, section: tuple[int, ...]) -> tuple[int, ...]:
+    """Interleaved MRoPE's axis of each rotated pair (0 t, 1 h, 2 w): pair j takes h where j % 3 == 1 and
+    j < 3 * section[1], w where j % 3 == 2 and j < 3 * section[2], else t (transformers' Qwen3.5 recomposition)."""
+    return tuple(a if a and j % 3 == a and j < 3 * section[a] else 0 for j in range(pairs) for a in [j % 3])
+
+
 def scaling_for(checkpoint: RopeScaling | None, kind: str, scale: float | None,
                 max_position_embeddings: int) -> RopeScaling | None:
     """The rope_scaling / rope_scale settings over a checkpoint's own scaling. kind "auto": the checkpoint's (scale,
@@ -126,9 +134,10 @@ def scaling_for(checkpoint: RopeScaling | None, kind: str, scale: float | None,
     return RopeScaling(kind=kind, factor=float(scale), original=max_position_embeddings)
 
 
-def rope_for(head_dim: int, partial_rotary_factor: float, theta: float, scaling: RopeScaling | None) -> Rope:
+def rope_for(head_dim: int, partial_rotary_factor: float, theta: float, scaling: RopeScaling | None,
+             mrope_section: tuple[int, ...] = ()) -> Rope:
     """The inverse frequencies of the rotated pairs and the factor on cos and sin, computed in float64 from
-    transformers' formulas and rounded once to fp32."""
+    transformers' formulas and rounded once to fp32; mrope_section: interleaved MRoPE's pairs per axis."""
     dim = int(head_dim * partial_rotary_factor)
     exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
     scale = 1.0
@@ -143,7 +152,8 @@ def rope_for(head_dim: int, partial_rotary_factor: float, theta: float, scaling:
         inv = 1.0 / base ** exponents
     else:
         inv, scale = _yarn(dim, theta, scaling, exponents)
-    return Rope(inv_freq=tuple(float(x) for x in inv.astype(np.float32)), scale=float(np.float32(scale)))
+    return Rope(inv_freq=tuple(float(x) for x in inv.astype(np.float32)), scale=float(np.float32(scale)),
+                sections=mrope_sections(len(inv), mrope_section) if mrope_section else ())
 
 
 def _yarn(dim: int, theta: float, s: RopeScaling, exponents: np.ndarray) -> tuple[np.ndarray, float]:

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from strata.errors import ConfigError
-from strata.backend import HOST, SLOTS, TIER_BASE, TIER_ROW, ComposedOps, is_rows
+from strata.backend import HOST, SLOTS, TIER_BASE, TIER_ROW, ComposedOps, is_rows, rotary_positions
 from strata.sycl_backend import runtime
 
 runtime.prepare_environment()          # before dpctl is first imported
@@ -392,8 +392,19 @@ class SyclBackend(ComposedOps):
 
     def rope(self, x, positions, rope):
         self._op()
+        if np.ndim(positions) == 2:         # (t, h, w) rows: each pair's angle from its axis, in dpnp
+            return self._rope_sections(self._f32(x), self._dev(positions, np.dtype(np.float32)), rope)
         freqs = self._const(("rope", rope), rope.table)
         return k_rope.rope(self.kernels, self._f32(x), self._positions(positions), freqs, rope.rotary_dim)
+
+    def _rope_sections(self, x, positions, rope):
+        f = rotary_positions(positions, rope) * dpnp.asarray(np.array(rope.inv_freq, np.float32), sycl_queue=x.sycl_queue)
+        emb = dpnp.concatenate([f, f], axis=-1)[:, None, :]
+        cos, sin = dpnp.cos(emb) * np.float32(rope.scale), dpnp.sin(emb) * np.float32(rope.scale)
+        d, half = rope.rotary_dim, rope.rotary_dim // 2
+        rot = x[..., :d]
+        rotated = dpnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+        return dpnp.concatenate([rot * cos + rotated * sin, x[..., d:]], axis=-1)
 
     def _positions(self, p):
         p = self._dev(p, np.dtype(np.int64))
@@ -589,10 +600,11 @@ class SyclBackend(ComposedOps):
         self._rows_last = (host, dev)
         return dev
 
-    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope):
+    def attention_block(self, q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope, rope_pos=None):
         self._op()
-        if SLOTS in kv:                        # rows of the bank gathered, then the rows below (the composition)
-            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
+        # rows of the bank gathered, then the rows below; other rotary positions than the cache's: the composition
+        if SLOTS in kv or rope_pos is not None:
+            return super().attention_block(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope, rope_pos)
         if TIER_BASE in kv and is_rows(start):
             return self._tiered_rows(q, k, v, gate, q_norm, k_norm, eps, kv, start, n_valid, rope)
         if not (_is_host(start) and _is_host(n_valid)) or TIER_BASE in kv:     # (two tiers: the composition)
