@@ -208,6 +208,11 @@ class ModelSettings(_Group):
         "model): auto loads it when the checkpoint has one; on requires it (a checkpoint without one is refused at "
         "start-up); off leaves it unread, and a request with an image gets 400. Images are encoded once each and "
         "kept by their content hash.")
+    max_image_pixels: int = setting(
+        4194304, Rule(lambda v: _is_int(v) and 1 <= v <= 1 << 28, "an integer in [1, 268435456]"),
+        "The most pixels (width x height) an image of a request may have, as sent; a larger one gets 400 naming its "
+        "part. Within it, images are resized to the model's image processor limits (preprocessor_config.json; "
+        "Qwen3-VL's: 65,536 to 16,777,216 pixels) as transformers resizes them.")
 
     @property
     def parts(self) -> tuple[str, ...]:

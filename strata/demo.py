@@ -1,6 +1,6 @@
 """The built-in `demo` model: a tiny Qwen3-Next-architecture MoE with an MTP head, a byte-level tokenizer and a chat
 template, written as an ordinary Hugging Face checkpoint directory on first use; `demo-flash` likewise at
-Qwen3.8-Flash-Next's architecture (qwen4_exp, in its published image-text layout; no MTP head, no vision weights).
+Qwen3.8-Flash-Next's architecture (qwen4_exp, in its published image-text layout, with a small vision tower).
 
 Its weights are RANDOM (seeded, so the same bytes every time): it exercises every code path of the real model with no
 download, and its text is gibberish by design.
@@ -71,11 +71,14 @@ DEMO_FLASH_TEXT = {
     "indexer_compress_ratio": 4, "eos_token_id": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     "hidden_act": "silu", "max_position_embeddings": 262144,
 }
+# its vision tower: Qwen3-VL's form at a demo's size (16-pixel patches merged 2 x 2, a 48 x 48 position grid)
+DEMO_FLASH_VISION = {"model_type": "qwen4_exp_vision", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                     "num_heads": 2, "out_hidden_size": 96, "patch_size": 16, "temporal_patch_size": 2,
+                     "spatial_merge_size": 2, "num_position_embeddings": 2304, "in_channels": 3,
+                     "hidden_act": "gelu_pytorch_tanh"}
 DEMO_FLASH_CONFIG = {
     "architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp", "text_config": DEMO_FLASH_TEXT,
-    "vision_config": {"model_type": "qwen4_exp_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
-                      "out_hidden_size": 96},
-    "tie_word_embeddings": False,
+    "vision_config": DEMO_FLASH_VISION, "tie_word_embeddings": False,
 }
 
 # Qwen3-Next-80B-A3B's shapes (its config.json's values that matter to Strata)
@@ -179,11 +182,13 @@ def write_demo_model(out: Path) -> None:
 def write_demo_flash_model(out: Path) -> None:
     from safetensors.numpy import save_file
 
-    from strata.demo_tokenizer import ENDOFTEXT_ID, write_demo_tokenizer
-    vocab = write_demo_tokenizer(out)
+    from strata.demo_tokenizer import ENDOFTEXT_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, write_vision_tokenizer
+    vocab = write_vision_tokenizer(out)
     text = dict(DEMO_FLASH_TEXT, vocab_size=vocab, eos_token_id=ENDOFTEXT_ID)
-    cfg = dict(DEMO_FLASH_CONFIG, text_config=text)
-    save_file(demo_flash_tensors(text, seed=20261207), str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(DEMO_FLASH_CONFIG, text_config=text, image_token_id=IMAGE_PAD_ID, vision_start_token_id=VISION_START_ID,
+               vision_end_token_id=VISION_END_ID)
+    tensors = {**demo_flash_tensors(text, seed=20261207), **demo_vision_tensors(DEMO_FLASH_VISION, seed=20261208)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "README.txt").write_text(f"Strata's built-in demo-flash model: {DEMO_FLASH_NOTE}.\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
@@ -249,6 +254,39 @@ class _Draw:
         self.mat(q + "shared_expert.up_proj.weight", Is, H)
         self.mat(q + "shared_expert.down_proj.weight", H, Is)
         self.mat(q + "shared_expert_gate.weight", 1, H)
+
+
+def demo_vision_tensors(v: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random tensors of a Qwen3-VL vision tower (model.visual.*) for a vision_config dict."""
+    d = _Draw(v, seed)
+    E, F, m = v["hidden_size"], v["intermediate_size"], v["spatial_merge_size"] ** 2
+    p = "model.visual."
+    patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
+    d.mat(p + "patch_embed.proj.weight", E, patch)
+    d.t[p + "patch_embed.proj.weight"] = d.t[p + "patch_embed.proj.weight"].reshape(
+        E, v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"])
+    d.norm(p + "patch_embed.proj.bias", E)
+    d.t[p + "pos_embed.weight"] = (0.5 * d.rng.standard_normal((v["num_position_embeddings"], E))).astype(np.float32)
+
+    def linear(name, out_dim, in_dim):
+        d.mat(name + ".weight", out_dim, in_dim)
+        d.norm(name + ".bias", out_dim)
+
+    def layer_norm(name, dim):
+        d.norm(name + ".weight", dim, base=1.0)
+        d.norm(name + ".bias", dim)
+    for i in range(v["depth"]):
+        b = f"{p}blocks.{i}."
+        layer_norm(b + "norm1", E)
+        layer_norm(b + "norm2", E)
+        linear(b + "attn.qkv", 3 * E, E)
+        linear(b + "attn.proj", E, E)
+        linear(b + "mlp.linear_fc1", F, E)
+        linear(b + "mlp.linear_fc2", E, F)
+    layer_norm(p + "merger.norm", E)
+    linear(p + "merger.linear_fc1", E * m, E * m)
+    linear(p + "merger.linear_fc2", v["out_hidden_size"], E * m)
+    return d.t
 
 
 def demo_flash_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:

@@ -222,6 +222,50 @@ def write_demo_tokenizer(dir: Path) -> int:
     return DEMO_VOCAB_SIZE
 
 
+# Qwen3-VL's image placeholder: the processor expands <|image_pad|> into one token per merged patch
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID = range(DEMO_VOCAB_SIZE - 4, DEMO_VOCAB_SIZE - 4 + len(VISION_TOKENS))
+_TEXT_CONTENT = """    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}"""
+# a message's content parts: text as it is, an image as its placeholder (Qwen3.5's template does the same)
+_PARTS_CONTENT = """    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set parts = namespace(text='') %}
+        {%- for part in message.content %}
+            {%- if part.type == 'image' or part.type == 'image_url' %}
+                {%- set parts.text = parts.text + '<|vision_start|><|image_pad|><|vision_end|>' %}
+            {%- elif part.type == 'text' %}
+                {%- set parts.text = parts.text + part.text %}
+            {%- endif %}
+        {%- endfor %}
+        {%- set content = parts.text %}
+    {%- endif %}"""
+VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_CONTENT, _PARTS_CONTENT)
+
+
+def write_vision_tokenizer(dir: Path) -> int:
+    """write_demo_tokenizer's files plus Qwen3-VL's image tokens (ids in the vocabulary's padding: VISION_START_ID,
+    VISION_END_ID, IMAGE_PAD_ID) and a chat template that renders an image content part as their placeholder."""
+    if VISION_CHAT_TEMPLATE == CHAT_TEMPLATE or _demo_vocab_size() - 4 != max(_merged_vocab().values()) + 1:
+        raise RuntimeError("the vision tokens no longer fit the demo vocabulary's padding, or its template changed")
+    vocab = write_demo_tokenizer(dir)
+    backend = _Backend.from_str(json.dumps(_tokenizer_json()))
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in VISION_TOKENS])
+    if backend.token_to_id(VISION_TOKENS[0]) != VISION_START_ID:
+        raise RuntimeError(f"the vision tokens landed at {backend.token_to_id(VISION_TOKENS[0])}, not {VISION_START_ID}")
+    _write_json(Path(dir) / "tokenizer.json", json.loads(backend.to_str()))
+    config = _tokenizer_config()
+    config["chat_template"] = VISION_CHAT_TEMPLATE
+    config["added_tokens_decoder"].update({str(i): {**config["added_tokens_decoder"][str(ENDOFTEXT_ID)], "content": t}
+                                           for i, t in enumerate(VISION_TOKENS, start=VISION_START_ID)})
+    _write_json(Path(dir) / "tokenizer_config.json", config)
+    return vocab
+
+
 def write_filler_tokenizer(dir: Path, vocab_size: int) -> None:
     """The demo tokenizer over a vocabulary of vocab_size (a random-weights model at a real model's shapes): ids past
     the merged tokens are filler tokens " t<id>" that text never encodes to but that decode visibly, so every token

@@ -25,6 +25,41 @@ class PromptPart:
                                  # their own first token from its logits (the other choices of an n > 1 request)
     reused: np.ndarray | None = None   # the first part after a prompt-cache hit of a row with a repetition penalty:
                                        # the tokens before start, which join its prompt set with the part's
+    rows: "PromptRows | None" = None   # a prompt with images, or text after them: the part's rotary positions and
+                                       # image rows (PromptRows of its n tokens); None: text at its cache positions
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """What a prompt with images reads besides its tokens (Executor.prompt_rows), per token: its (t, h, w) rotary
+    position and, at an image token, the vision tower's row."""
+    rope: np.ndarray                   # [T, 3] int32
+    images: np.ndarray | None          # [T, H] float32: the tower's rows at the image tokens (zeros elsewhere); None:
+                                       # no image among these tokens
+    is_image: np.ndarray               # [T] bool
+    following: int                     # the rotary position of the token after them
+
+    def part(self, start: int, n: int, size: int | None = None) -> "PromptRows":
+        """Tokens start .. start + n - 1, padded to `size` rows (text positions on from the last); tokens past the
+        prompt (a retry's generated tokens) are text, on from `following`."""
+        size = size or n
+        last = len(self.rope) - 1
+        at = np.arange(start, start + size)
+        inside = (at <= last) & (at < start + n)
+        src = np.minimum(at, last)
+        beyond = self.following + at - len(self.rope)                  # text past the prompt
+        rope = np.where(inside[:, None], self.rope[src], beyond[:, None]).astype(np.int32)
+        if n < size:                                                   # padding: on from the last real row
+            rope[n:] = rope[n - 1] + 1 + np.arange(size - n)[:, None]
+        is_image = inside & self.is_image[src]
+        images = None
+        if self.images is not None and is_image.any():
+            images = np.where(is_image[:, None], self.images[src], 0).astype(np.float32)
+        return PromptRows(rope, images, is_image, self.following)
+
+    def offset(self, n: int) -> int:
+        """A text token's rotary position minus its position after n tokens (the prompt's n: decoding's)."""
+        return self.following - n
 
 
 @dataclass(frozen=True)
@@ -59,6 +94,8 @@ class WindowPlan:
     mask_late: np.ndarray | None = None      # [S] bool: continuing rows (token -1) whose grammar mask follows the
                                              # token before it, given by Executor.give_masks after dispatch (an
                                              # executor whose capacity has late_masks)
+    rope_offset: np.ndarray | None = None    # [S] int32: each row's rotary position minus its position (a prompt
+                                             # with images took fewer rotary positions than tokens); None: all 0
 
     @property
     def sampling(self) -> tuple:
@@ -210,6 +247,9 @@ class Executor(Protocol):
     def drop_kv(self, saved: Saved) -> None: ...                        # a save_kv's the cache no longer holds
     def copy_kv(self, slot: int, n: int, src: int | Saved) -> None: ...  # a branch's prefix from a slot or parked KV
     def host_positions(self, slot: int) -> int: ...                     # its KV positions in host RAM (0: one tier)
+    # a prompt's rotary positions and image rows, its images (the Request's) encoded; None: plain text at its cache
+    # positions (no images, no image tokens)
+    def prompt_rows(self, ids: tuple[int, ...], images: tuple) -> PromptRows | None: ...
     # between windows (none in flight): verify the expert slots and rewrite bad ones from the host tier, clear the
     # sequence states of `slots` (non-finite rows': NaN must not linger in their KV) but, per slot, the KV of the
     # first keep[i] positions (finite windows wrote them: a retry resumes there from a checkpoint; None: keep none);

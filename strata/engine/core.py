@@ -23,10 +23,11 @@ from strata.backend import HOST, TIER_BASE, get_backend
 from strata.builtin import builtin_dir, is_builtin, is_random
 from strata.config import AUTO_CONTEXT_CAP, AUTO_DRAFTS, KV_DTYPES, Settings, bucket_for
 from strata.errors import ConfigError, StrataError
+from strata.plan import PromptRows
 from strata.model.config import ModelConfig
 from strata.model.control import ControlVector, load_control_vector, with_control
 from strata.experts.path import ExpertPath
-from strata.engine.images import Image, PromptRows, text_rows
+from strata.engine.images import Image, text_rows
 from strata.engine.stages import LayerSlice, Stage, split_points, stage_config, stage_params
 from strata.model.forward import LayerByLayer, Taps, forward, forward_hidden, head, init_state
 from strata.model.params import build_params, params_from_reader
@@ -136,7 +137,7 @@ class Engine:
                 raise StrataError("images (and the text after them) need every expert resident and no layer split "
                                   "yet: this engine reads its parts layer by layer or stage by stage")
             f = self._compile("read_rows", _read, donate_argnums=(2,), static_argnames=("all_logits",))
-            images = None if rows.rows is None else (rows.rows.astype(self.dtype), rows.is_image)
+            images = None if rows.images is None else (rows.images.astype(self.dtype), rows.is_image)
             rope = rows.rope
             if self.backend.eager:           # a compiled backend places its arguments itself
                 images, rope = self.backend.to_device((images, rope))
@@ -484,7 +485,7 @@ class Sequence:
             padded = np.zeros(b, np.int32)
             padded[:len(chunk)] = chunk
             logits, self.state = e.read_part(self.state, padded, self.pos, len(chunk), all_logits, self.control_scale,
-                                             None if rows is None else _part_rows(rows, s, len(chunk), b))
+                                             None if rows is None else rows.part(s, len(chunk), b))
             self.pos += len(chunk)
             if all_logits:
                 out.append(e.backend.to_host(logits)[:len(chunk)])
@@ -531,20 +532,6 @@ class Sequence:
         nxt = e._sample(logits, *sp, seed_arr, np.int32(step), greedy=all_greedy(sp[0]))
         self.pos += 1
         return int(nxt[0])
-
-
-def _part_rows(rows: PromptRows, s: int, n: int, b: int) -> PromptRows:
-    """Rows s..s+n of a prompt's PromptRows, padded to the part's bucket b (padding rows: plain text positions)."""
-    rope = np.zeros((b, 3), np.int32)
-    rope[:n] = rows.rope[s:s + n]
-    rope[n:] = rope[n - 1] + 1 + np.arange(b - n)[:, None]
-    is_image = np.zeros(b, bool)
-    is_image[:n] = rows.is_image[s:s + n]
-    image = None
-    if rows.rows is not None:
-        image = np.zeros((b, rows.rows.shape[1]), np.float32)
-        image[:n] = rows.rows[s:s + n]
-    return PromptRows(rope, image, is_image, rows.following)
 
 
 def _read(ops, cfg, path, layout, params, args, state, tokens, start, n_valid, all_logits: bool,

@@ -6,6 +6,7 @@ token after the prompt takes.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
@@ -13,6 +14,7 @@ from functools import partial
 import numpy as np
 
 from strata.errors import StrataError
+from strata.plan import PromptRows
 from strata.model.vision import VisionConfig, grid_inputs, mrope_positions, tower
 
 
@@ -25,23 +27,20 @@ class Image:
     key: str | None = None
 
 
-@dataclass(frozen=True)
-class PromptRows:
-    rope: np.ndarray           # int32 [T, 3]: each token's (t, h, w) rotary position
-    rows: np.ndarray | None    # [T, H] the tower's rows at the image tokens (zeros elsewhere), None without images
-    is_image: np.ndarray       # bool [T]
-    following: int             # the rotary position of the token after the prompt
-
-
 class ImageEncoder:
     def __init__(self, ops, vc: VisionConfig, params: dict, keep: int = 64):
         self.ops, self.vc, self.params, self.keep = ops, vc, params, keep
         self._compiled: dict = {}
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self.encoded = 0               # images run through the tower (the rest came from the cache)
+        self._lock = threading.Lock()  # the server encodes in worker threads, the scheduler at admission
 
     def encode(self, image: Image) -> np.ndarray:
         """The image's text embeddings [tokens, out_hidden_size] on the host."""
+        with self._lock:
+            return self._encode(image)
+
+    def _encode(self, image: Image) -> np.ndarray:
         if image.key is not None and image.key in self._cache:
             self._cache.move_to_end(image.key)
             return self._cache[image.key]

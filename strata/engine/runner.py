@@ -24,14 +24,18 @@ from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
 from strata.engine.kv_tiers import KvTiers, put_slot_state, slot_state
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
-from strata.errors import ConfigError
+from strata.errors import ConfigError, StrataError
 from strata.experts.path import PathKind
 from strata.experts.planner import available_ram_bytes
 from strata.model.config import LINEAR
 from strata.model.forward import finite_rows, forward, forward_hidden, head, row_positions
-from strata.plan import DEFAULT, Capacity, Logprobs, PromptPart, Repair, Saved, WindowPlan, WindowResult, idle_plan
+from strata.plan import (DEFAULT, Capacity, Logprobs, PromptPart, PromptRows, Repair, Saved, WindowPlan, WindowResult,
+                         idle_plan)
 
 log = logging.getLogger("strata")
+# a window whose experts are resolved layer by layer (on the host) runs plain text at its cache positions only
+NO_ROWS_BY_LAYER = ("images (and the text after them) need every expert resident (compiled windows): this engine "
+                    "resolves its experts layer by layer")
 
 
 class WindowRunner:
@@ -154,6 +158,17 @@ class WindowRunner:
 
     def host_positions(self, slot: int) -> int:
         return 0 if self.tiers is None else int(self.tiers.base[slot])
+
+    def prompt_rows(self, ids, images: tuple) -> PromptRows | None:
+        """A prompt's rotary positions and image rows (its images encoded by the engine's ImageEncoder); None for
+        plain text at its cache positions."""
+        enc = self.engine.images
+        if images and enc is None:
+            raise StrataError("this model takes no images: it has no vision tower, or the vision setting is off")
+        ids = np.asarray(ids)
+        if enc is None or (not images and not (ids == enc.vc.image_token_id).any()):
+            return None
+        return enc.prompt_rows(ids, list(images), 0, self.engine.cfg.hidden_size)
 
     def buckets(self) -> list[int]:
         return [b for b in PART_BUCKETS if b <= bucket_for(self.part_size)]
@@ -550,6 +565,10 @@ class CompiledRows:
         if slots is not None:
             kw["slots"] = r._args.get("slots", slots)
         kw.update(r.cv(plan))
+        if plan.rope_offset is not None:
+            if self.before:
+                raise StrataError("images (and the text after them) are not supported on a layer split yet")
+            kw["rope_offset"] = r._args.get("rope_offset", np.asarray(plan.rope_offset, np.int32))
         st = self.last
         a, b = st.layers.start, st.layers.stop
         if self.fetching:
@@ -644,6 +663,8 @@ class HostRows:
     def dispatch(self, plan: WindowPlan, after=None) -> tuple:
         r = self.runner
         e = r.engine
+        if plan.rope_offset is not None:
+            raise StrataError(NO_ROWS_BY_LAYER)
         pos, active = r.decode_rows(plan)
         scales = r.control_scales(plan)
 
@@ -694,6 +715,15 @@ class CompiledPart:
         i = p.slot
         tokens = _padded(p.tokens)
         start, n = np.int32(p.start), np.int32(len(p.tokens))
+        rows = {}
+        if p.rows is not None:           # a prompt with images, or text after them
+            if self.before:
+                raise StrataError("images (and the text after them) are not supported on a layer split yet")
+            part = p.rows.part(0, len(p.tokens), len(tokens))
+            rows = {"rope_pos": part.rope, "images": None if part.images is None
+                    else (part.images.astype(e.dtype), part.is_image)}
+            if e.backend.eager:          # a compiled backend places its arguments itself
+                rows = e.backend.to_device(rows)
 
         def through(st, x):
             a, b = st.layers.start, st.layers.stop
@@ -706,7 +736,7 @@ class CompiledPart:
         x = st.ops.to_device(x) if x is not None else None
         nxt, fin, r.states[a:b], logits, residual, x = self._part(
             st.params, st.path.args(), r.states[a:b], np.int32(i), tokens, start, n, *_sampling_of(plan, i),
-            plan.seeds[i], plan.steps[i], x=x, **r.cv(plan, part=True))
+            plan.seeds[i], plan.steps[i], x=x, **r.cv(plan, part=True), **rows)
         return r.part_out(plan, nxt, fin, logits, residual), x
 
 
@@ -724,6 +754,8 @@ class HostPart:
         """-> (the part's result, its last layer's output x [T, H]), as CompiledPart.run."""
         r, p = self.runner, plan.part
         e = r.engine
+        if p.rows is not None:
+            raise StrataError(NO_ROWS_BY_LAYER)
         i, n = p.slot, len(p.tokens)
         padded = _padded(p.tokens)
         valid = np.arange(len(padded)) < n
@@ -947,19 +979,21 @@ def _decode_hidden(ops, cfg, path, layout, params, args, states, rows, active, x
 
 
 def _decode_rows(ops, cfg, path, layout, params, args, states, rows, active, temperature, top_k, top_p, min_p, seeds,
-                 greedy: bool = False, taps=None, x=None, slots=None, cv=None):
+                 greedy: bool = False, taps=None, x=None, slots=None, cv=None, rope_offset=None):
     """rows int32 [ROWS, S]: (tokens, positions, steps) of S rows of one token each (rows 3, 4 ignored) -> (states,
     rows [ROWS, S]: the successor's rows, then this window's next tokens and finite flags; an eager backend's: the
     result [2, S] alone); window fetch: (states, routing counts [Lp, E], experts copied [Lp], rows).
     greedy (static): every active row is greedy (ops.sample's all_greedy). x: as _decode_hidden's (a split's last
     stage). slots [B] (WindowRunner.row_slots): only those rows are computed (every active row among them); the
-    others' results are token 0, finite. cv [S]: each row's control vector scale (None: the model has none)."""
+    others' results are token 0, finite. cv [S]: each row's control vector scale (None: the model has none).
+    rope_offset [S]: each row's rotary position minus its position (the text after images; None: 0)."""
     fetching = path.kind is PathKind.WINDOW_FETCH
     counts, copied = ([], []) if fetching else (None, None)
     own, on, sampling = _own_rows(ops, slots, rows, active, (temperature, top_k, top_p, min_p, seeds))
     logits, states = forward(ops, cfg, params, states, own[0], own[1], on,
                              path.traced(layout, args, on, counts, copied), all_logits=True, taps=taps,
-                             x=_first_rows(x, slots), slots=slots, cv=_own_cv(ops, slots, cv))  # [B, V]
+                             x=_first_rows(x, slots), slots=slots, cv=_own_cv(ops, slots, cv),
+                             rope_pos=_rope_rows(ops, slots, own[1], rope_offset))  # [B, V]
     out = _at_slots(ops, _sampled(ops, logits, *sampling, own[2], greedy), slots, active)
     rows = _rows_out(ops, rows, out, active)
     if fetching:
@@ -990,13 +1024,20 @@ def _own_cv(ops, slots, cv):
     return cv if cv is None or slots is None else ops.take_rows(cv, slots)
 
 
+def _rope_rows(ops, slots, positions, rope_offset):
+    """The computed rows' rotary positions: their positions plus their slots' offsets (None: the positions)."""
+    if rope_offset is None:
+        return None
+    return positions + (rope_offset if slots is None else ops.take_rows(rope_offset, slots))
+
+
 def _first_rows(x, slots):
     """The hidden rows [B, H] handed on to a window of B rows, the first of the hand-off buffer's (x [S, H])."""
     return x if x is None or slots is None else x[:slots.shape[0]]
 
 
 def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, taps=None, x=None, slots=None,
-                   cv=None):
+                   cv=None, rope_offset=None):
     """_decode_rows's forward pass without its sampler -> (states, logits [S, V], or [B, V] of slots); window fetch:
     (states, routing counts, experts copied, logits). The rows are not donated: the shaped sampler that follows takes
     them."""
@@ -1005,7 +1046,8 @@ def _decode_logits(ops, cfg, path, layout, params, args, states, rows, active, t
     own, on, _ = _own_rows(ops, slots, rows, active)
     logits, states = forward(ops, cfg, params, states, own[0], own[1], on,
                              path.traced(layout, args, on, counts, copied), all_logits=True, taps=taps,
-                             x=_first_rows(x, slots), slots=slots, cv=_own_cv(ops, slots, cv))
+                             x=_first_rows(x, slots), slots=slots, cv=_own_cv(ops, slots, cv),
+                             rope_pos=_rope_rows(ops, slots, own[1], rope_offset))
     if fetching:
         return states, ops.xp.stack(counts), ops.xp.stack(copied), logits
     return states, logits
@@ -1082,14 +1124,15 @@ def _part_hidden(ops, cfg, path, layout, params, args, states, slot, tokens, sta
 
 
 def _prompt_part(ops, cfg, path, layout, params, args, states, slot, tokens, start, n_valid, temperature, top_k,
-                 top_p, min_p, seed, step, taps=None, x=None, cv=None):
+                 top_p, min_p, seed, step, taps=None, x=None, cv=None, images=None, rope_pos=None):
     """One prompt part on one slot's state -> (token sampled after its last row, its logits finite, states, its
     last row's logits [1, V] for a shaped sampler, its real rows' residual at the end finite, that residual x [T, H]
-    (the MTP head reads it: strata/engine/spec.py)). cv [1]: the slot's control vector scale (None: none)."""
+    (the MTP head reads it: strata/engine/spec.py)). cv [1]: the slot's control vector scale (None: none). images,
+    rope_pos: forward's (a prompt with images)."""
     xp = ops.xp
     state = slot_state(ops, states, slot)
     x, state = forward_hidden(ops, cfg, params, state, tokens, start, n_valid, path.traced(layout, args, n_valid),
-                              taps=taps, x=x, cv=cv)
+                              taps=taps, x=x, cv=cv, images=images, rope_pos=rope_pos)
     logits = head(ops, cfg, params, x, n_valid, all_logits=False)                          # [1, V]
     states = put_slot_state(ops, states, slot, state)
     nxt = ops.sample(logits, temperature, top_k, top_p, min_p, ops.prng_keys(seed[None], step[None]))

@@ -60,6 +60,11 @@ class Request:
                                                  # cache shares state only between requests of equal keys
     control_scale: float = 1.0                   # the executor's control vector times this for every row of this
                                                  # request (1: as loaded; 0: off; part of cache_key)
+    images: tuple = ()                           # the images of the prompt's image tokens, in order (the executor's
+                                                 # form: Executor.prompt_rows reads them)
+    cache_ids: tuple[int, ...] | None = None     # the prompt as the prompt cache matches it: image tokens stand for
+                                                 # their image (ids from its hash, never a real token's); None:
+                                                 # prompt_ids
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field, replace
 import anyio
 import numpy as np
 
-from strata.plan import DEFAULT, Capacity, Executor, Logprobs, PromptPart, Repair, WindowPlan, WindowResult
+from strata.errors import StrataError
+from strata.plan import (DEFAULT, Capacity, Executor, Logprobs, PromptPart, PromptRows, Repair, WindowPlan,
+                         WindowResult)
 from strata.sched.drafts import DraftPolicy
 from strata.sched.guard import Attempt, GiveUp, Guard, Retry
 from strata.sched.output import TextOutput
@@ -77,11 +79,18 @@ class Slot:
     sent: list = field(default_factory=list)     # the tokens generated so far (a retry reads them after the prompt)
     numerics: str = DEFAULT              # the numerics path of this attempt (the guard's rung on a retry)
     attempts: tuple = ()                 # the guard's Attempts that failed
+    rows: PromptRows | None = None       # a prompt with images: its rotary positions and image rows
+    rope_offset: int = 0                 # a generated token's rotary position minus its position (after images)
 
     @property
     def prompt(self) -> tuple[int, ...]:
         """What the slot reads: the prompt, and on a retry the tokens already sent (they are not sent again)."""
         return self.req.prompt_ids + tuple(self.sent)
+
+    @property
+    def keyed(self) -> tuple[int, ...]:
+        """prompt as the prompt cache matches it (Request.cache_ids)."""
+        return (self.req.cache_ids or self.req.prompt_ids) + tuple(self.sent)
 
     def reset(self) -> None:
         """Back to FREE with nothing of the last request (the device state is cleared when a sequence starts)."""
@@ -374,7 +383,8 @@ class Scheduler:
         # a grammar row that continues takes its mask once plan's token is read (_late_masks), while this one runs
         mask_late = keep & np.array([s.matcher is not None for s in self.slots_])
         return replace(nxt, decode_active=active, decode_tokens=tokens, decode_pos=pos, steps=steps,
-                       mask=self._masks(joined), mask_late=mask_late if mask_late.any() else None)
+                       mask=self._masks(joined), mask_late=mask_late if mask_late.any() else None,
+                       rope_offset=self._rope_offsets())
 
     # --- admission and cancellation
     def _admit(self):
@@ -391,7 +401,13 @@ class Scheduler:
                 if len(free) < req.n:
                     return
                 self.queue.popleft()
-                self._admit_one(req, send)
+                try:
+                    rows = self.executor.prompt_rows(req.prompt_ids, req.images)
+                except (StrataError, ValueError) as e:      # its images do not fit its prompt, or the model's
+                    _send(send, Failed(str(e), 400, "invalid_image"))
+                    send.close()
+                    continue
+                self._admit_one(req, send, rows)
         finally:
             self.queue.extendleft(reversed(behind))
 
@@ -400,14 +416,14 @@ class Scheduler:
         holds: agents sent together with one system prompt read it once, the others restart from its checkpoints."""
         if not req.cache_prompt:
             return False
-        prompt = np.asarray(req.prompt_ids)
+        prompt = np.asarray(req.cache_ids or req.prompt_ids)
         held = self.cache.reusable(prompt, req.cache_key)
         return any(s.state is SlotState.READING and s.req.checkpoints and s.numerics == DEFAULT
                    and s.req.cache_key == req.cache_key
-                   and min(common_prefix(s.req.prompt_ids, prompt), len(prompt) - 1) - held >= self.cache.every
+                   and min(common_prefix(s.keyed, prompt), len(prompt) - 1) - held >= self.cache.every
                    for s in self.slots_)
 
-    def _admit_one(self, req: Request, send) -> None:
+    def _admit_one(self, req: Request, send, rows: PromptRows | None = None) -> None:
         """Give a request its slots (n choices: n), prepared by the prompt cache."""
         self._admissions += 1
         base = secrets.randbits(63) if req.sampling.seed is None else req.sampling.seed
@@ -415,7 +431,7 @@ class Scheduler:
         group = Group(send, req.n)
         ids = [s.id for s in self.slots_ if s.state is SlotState.FREE]
         shared = tuple(s.id for s in self.slots_ if s.state is not SlotState.FREE and s.id not in self.poisoned)
-        lead, reused = self.cache.start(req.prompt_ids, ids, req.cache_prompt, req.cache_key, shared)
+        lead, reused = self.cache.start(req.cache_ids or req.prompt_ids, ids, req.cache_prompt, req.cache_key, shared)
         ids.remove(lead)
         free = [self.slots_[lead]]
         for _ in range(req.n - 1):
@@ -430,6 +446,8 @@ class Scheduler:
             slot.stops = frozenset(stops)
             slot.output = TextOutput(self.tokenizer, req.prompt_ids, req.stop, req.reasoning, req.chat)
             slot.matcher = req.constraint.matcher() if req.constraint is not None else None
+            slot.rows = rows
+            slot.rope_offset = 0 if rows is None else rows.offset(len(req.prompt_ids))
             if self.drafts is not None:
                 self.drafts.reset(slot.id)
         free[0].read = free[0].pos = free[0].reused = reused
@@ -490,14 +508,21 @@ class Scheduler:
             copies = tuple(o.id for o in self.slots_ if o.lead == s.id) if last else ()
             reused = (np.asarray(prompt[:s.read], np.int32) if s.parts == 0 and s.read > 0
                       and s.req.sampling.repetition_penalty != 1 else None)
-            part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=last, copies=copies, reused=reused)
+            part = PromptPart(slot=s.id, tokens=chunk, start=s.read, last=last, copies=copies, reused=reused,
+                              rows=None if s.rows is None else s.rows.part(s.read, len(chunk)))
         sampled = gen + ([self.slots_[i] for i in (part.slot, *part.copies)] if part is not None and part.last else [])
         numerics = tuple(s.numerics for s in self.slots_)
         plan = WindowPlan(decode_active=active, decode_tokens=tokens, decode_pos=pos, temperature=temp, top_k=top_k,
                           top_p=top_p, min_p=min_p, seeds=seeds, steps=steps, part=part,
                           numerics=numerics if any(n != DEFAULT for n in numerics) else None,
+                          rope_offset=self._rope_offsets(),
                           **self._shaping([s for s in self.slots_ if s.req is not None], sampled))
         return self._drafting(plan, gen)
+
+    def _rope_offsets(self) -> np.ndarray | None:
+        """Every slot's rope_offset [S] int32, or None when all are 0."""
+        offsets = np.array([s.rope_offset for s in self.slots_], np.int32)
+        return offsets if offsets.any() else None
 
     def _pipeline(self, gen: list[Slot]) -> list[Slot]:
         """Pipelined (a layer split): the generating slots a window takes, every other one in turn, so that the
@@ -511,7 +536,8 @@ class Scheduler:
         """A verify window when the executor verifies drafts, the policy wants them at this batch and no row is
         shaped (penalties, bias, grammar, logprobs): each row offers what its slot drafts, within its request's
         max_tokens and max_context (it feeds positions pos..pos+k). A slot on a guard's numerics path offers none."""
-        if self.drafts is None or not gen or plan.shaped or not self.drafts.on(len(gen)):
+        if (self.drafts is None or not gen or plan.shaped or not self.drafts.on(len(gen))
+                or any(s.rows is not None for s in gen)):    # (verify windows rotate at the cache's positions)
             return plan
         k = np.zeros(len(self.slots_), np.int32)
         for s in (s for s in gen if s.numerics == DEFAULT and s.id not in self.poisoned):
@@ -659,7 +685,7 @@ class Scheduler:
             self._nonfinite(s, part.start, s.pos - 1)
             return 0
         if self._checkpoint_at(s, s.pos):
-            self.cache.take(s.id, s.pos, s.prompt)
+            self.cache.take(s.id, s.pos, s.keyed)
         if not part.last:
             return 0
         s.t_read_end = s.t_first_token = s.t_token = now
@@ -720,8 +746,9 @@ class Scheduler:
 
     @staticmethod
     def _fed(s: Slot) -> list:
-        """The tokens of the slot's sequence: its prompt and the tokens generated (the last one not fed yet)."""
-        return list(s.req.prompt_ids) + s.sent
+        """The tokens of the slot's sequence as the prompt cache matches them: its prompt (Request.cache_ids) and the
+        tokens generated (the last one not fed yet)."""
+        return list(s.req.cache_ids or s.req.prompt_ids) + s.sent
 
     # --- the numerics guard
     def _nonfinite(self, s: Slot, first: int, last: int, verify: bool = False) -> None:
@@ -734,7 +761,7 @@ class Scheduler:
         self.poisoned[s.id] = self.poisoned.get(s.id, False) or d.rebuild
         # a retry resumes from the last checkpoint at or before the failure (taken of finite windows, so clean;
         # the repair keeps the KV below it), but after a storm nothing of the device state is trusted
-        at = self.cache.rewind(s.id, first, s.prompt) if isinstance(d, Retry) and not self.poisoned[s.id] else 0
+        at = self.cache.rewind(s.id, first, s.keyed) if isinstance(d, Retry) and not self.poisoned[s.id] else 0
         if not at:
             self.cache.drop(s.id)                 # its conversation and the checkpoints of this attempt
         where = (f"position {last}" if first == last else f"the verify row {first}..{last}" if verify

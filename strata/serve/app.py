@@ -37,6 +37,7 @@ from strata.errors import StrataError
 from strata.model.control import entries as cv_entries
 from strata.sched.request import Delta, Failed, Finished, QueueFull, Request, SamplingParams
 from strata.serve import openai_api as oa
+from strata.serve.images import expand, image_parts, read_images, settings_for
 from strata.serve.openai_api import ApiError
 from strata.serve.tool_calls import Parsed, ToolCallParser
 from strata.tokenizer import ChatTemplateError, release_freed_memory
@@ -284,6 +285,7 @@ class ServeState:
         self.refresh: Callable[[], Awaitable[None]] | None = None
         self.done_after_error = False
         self.sampling_defaults: dict = {}          # the model's generation_config.json's, for fields a body omits
+        self.image_settings = None                 # the model's image processor's (a model with a vision tower)
         if engine is not None:
             self.attach(engine, scheduler)
 
@@ -292,6 +294,7 @@ class ServeState:
             raise StrataError("strata serve needs the model's tokenizer (tokenizer.json beside the weights)")
         self.engine, self.scheduler, self.tokenizer = engine, scheduler, engine.tokenizer
         self.sampling_defaults = self._model_sampling_defaults()
+        self.image_settings = settings_for(self.tokenizer.source) if engine.images is not None else None
 
     def _model_sampling_defaults(self) -> dict:
         """The sampling defaults of generation_config.json beside the tokenizer (vLLM's reading of it), logged."""
@@ -328,6 +331,11 @@ class ServeState:
         slots = self.slot_count if self.slot_count is not None else len(self.scheduler.slots())
         return oa.Limits(vocab_size=self.vocab_size, max_context=self.max_context, slots=slots,
                          control_vector=self.control_vector)
+
+    @property
+    def vision(self) -> bool:
+        """Whether the model takes images (its vision tower is loaded)."""
+        return self.engine is not None and self.engine.images is not None
 
     @property
     def control_vector(self) -> bool:
@@ -584,7 +592,8 @@ async def chat_completions(request: HttpRequest):
     state: ServeState = request.app.state.strata
     params: oa.ChatRequest = await _body(request, oa.ChatRequest, state)
     messages = params.message_dicts
-    _char_bound(state, sum(len(m.get("content") or "") for m in messages), "messages")
+    _char_bound(state, sum(len(_text_of(m.get("content"))) for m in messages), "messages")
+    images = await _images(state, messages)
     kwargs = {k: v for k, v in params.template_kwargs.items() if k not in _RESERVED_TEMPLATE_ARGS}
     # tool_choice "none": the model is not shown the tools (so it has none to call) and its text is not parsed
     choice = params.tool_choice_kind
@@ -599,6 +608,11 @@ async def chat_completions(request: HttpRequest):
                      code="invalid_messages") from None
     reasoning = ends_inside_think(text[-4096:])
     turn_at = await anyio.to_thread.run_sync(lambda: _turn_at(state.tokenizer, messages, tools, text, ids, kwargs))
+    cache_ids = None
+    if images:
+        n = len(ids)
+        ids, cache_ids = expand(ids, images, state.engine.images.vc)
+        turn_at = None if turn_at is None else turn_at + len(ids) - n      # (the images come before it)
     if choice in ("required", "function"):
         forced = [t for t in tools if choice == "required" or isinstance(t.get("function"), dict)
                   and t["function"].get("name") == params.tool_function]
@@ -607,7 +621,35 @@ async def chat_completions(request: HttpRequest):
     else:
         constraint = await _constraint(state, params, reasoning)
     return _generate(state, "chat", params, ids, reasoning=reasoning, mt_param=params.max_tokens_param,
-                     constraint=constraint, tools=tools, turn_at=turn_at)
+                     constraint=constraint, tools=tools, turn_at=turn_at, images=tuple(images), cache_ids=cache_ids)
+
+
+def _text_of(content) -> str:
+    """A message content's text (its text parts' when it has image parts)."""
+    if isinstance(content, (list, tuple)):
+        return "".join(p.get("text", "") for p in content)
+    return content or ""
+
+
+async def _images(state: ServeState, messages: list[dict]) -> list:
+    """The messages' images, read and preprocessed (each read once the tower has seen it: by content hash), or a
+    400 naming the part that cannot be used."""
+    parts = image_parts(messages)
+    if not parts:
+        return []
+    encoder = state.engine.images if state.engine is not None else None
+    if encoder is None:
+        why = ("its checkpoint has no vision tower, or the vision setting is off" if state.engine is not None
+               else "images are not served through --replicas yet")
+        raise oa.bad(parts[0][0], f"{parts[0][0]}: this server takes no images: {why}; send text parts only",
+                     code="images_unsupported")
+    settings = state.image_settings
+    max_pixels = min(state.config.model.max_image_pixels, settings.max_pixels)
+    images = await anyio.to_thread.run_sync(lambda: read_images(parts, settings, max_pixels))
+    # the tower's work in a worker thread now, so that the scheduler finds each image encoded
+    for image in images:
+        await anyio.to_thread.run_sync(lambda: encoder.encode(image))
+    return images
 
 
 def _turn_at(tok, messages: list[dict], tools, text: str, ids: list[int], kwargs: dict) -> int | None:
@@ -662,7 +704,7 @@ async def completions(request: HttpRequest):
 
 def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning: bool,
               mt_param: str, echo_text: str = "", constraint=None, tools: list | None = None,
-              turn_at: int | None = None) -> "GenerationResponse":
+              turn_at: int | None = None, images: tuple = (), cache_ids: tuple | None = None) -> "GenerationResponse":
     n, limit = len(ids), state.max_context
     if n == 0:
         raise oa.bad("messages" if kind == "chat" else "prompt", "the prompt is empty after tokenization",
@@ -694,7 +736,7 @@ def _generate(state: ServeState, kind: str, params, ids: list[int], *, reasoning
                   stop_token_ids=() if params.ignore_eos else None, n=params.choices, logprobs=params.logprob_count,
                   constraint=constraint, cache_prompt=params.cache_prompt is not False,
                   checkpoints=params.strata_checkpoint is not False, turn_at=turn_at,
-                  chat=kind == "chat", cache_key=key, control_scale=scale)
+                  chat=kind == "chat", cache_key=key, control_scale=scale, images=images, cache_ids=cache_ids)
     try:
         events = state.scheduler.submit(req)
     except QueueFull as e:
@@ -1104,14 +1146,14 @@ async def _send_json(send, status: int, body: dict, headers: dict | None = None)
 
 async def models(request: HttpRequest):
     s: ServeState = request.app.state.strata
-    return _JSON(oa.models_list(s.names, s.created, s.max_context))
+    return _JSON(oa.models_list(s.names, s.created, s.max_context, s.vision))
 
 
 async def model(request: HttpRequest):
     s: ServeState = request.app.state.strata
     mid = request.path_params["model_id"]
     s.check_model(mid)
-    return _JSON(oa.model_card(mid, s.created, s.max_context))
+    return _JSON(oa.model_card(mid, s.created, s.max_context, s.vision))
 
 
 async def health(request: HttpRequest):
@@ -1174,7 +1216,7 @@ async def props(request: HttpRequest):
                 "repetition_penalty": d.repetition_penalty, "max_tokens": -1, "stop": [], "ignore_eos": False}},
            "total_slots": c.sched.parallel, "model_path": str(c.model.model), "model_alias": s.model_name,
            "served_model_names": list(s.names), "max_context": s.max_context, "status": s.phase,
-           "modalities": {"vision": False, "audio": False}, "build_info": f"strata {_version()}"}
+           "modalities": {"vision": s.vision, "audio": False}, "build_info": f"strata {_version()}"}
     if s.control_vector:          # --control-vector: its files; a request's control_vector_scale multiplies it
         out["control_vector"] = {"files": [{"path": p, "scale": k} for p, k in cv_entries(c.model.control_vector)],
                                  "default_scale": 1.0}

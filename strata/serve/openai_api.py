@@ -482,28 +482,40 @@ class _Body(Body):
 # --- chat messages
 
 
-def _content_text(content: Any) -> str:
-    """A message's content as text: a string, or an array of text parts (joined)."""
+def _content_text(content: Any, role: str) -> str | list[dict]:
+    """A message's content as chat templates read it: a string, or an array of text parts (joined); a user message
+    with image parts keeps its parts, {"type": "text", "text"} and {"type": "image_url", "image_url": {"url"}}
+    (whether the model takes images, and each image, are checked once the message is rendered)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _wrong(content, "a string or an array of text parts", sub=".content")
-    texts = []
+        raise _wrong(content, "a string or an array of content parts", sub=".content")
+    parts = []
     for j, part in enumerate(content):
         sub = f".content[{j}]"
         if isinstance(part, str):
-            texts.append(part)
+            parts.append({"type": "text", "text": part})
             continue
         if not isinstance(part, dict):
             raise _wrong(part, 'a content part object such as {"type": "text", "text": "..."}', sub=sub)
         kind = part.get("type")
+        if kind == "image_url" and role == "user":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str):
+                raise _wrong(image, 'an object {"url": "data:image/png;base64,..."}', sub=sub + ".image_url")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         if kind not in ("text", "input_text"):
-            raise _refuse(lambda p: f"{p}.type {_show(kind)} is not supported: this model reads text only; send parts "
-                                    f'of type "text"', "unsupported", sub=sub)
+            allowed = '"text" and, in a user message, "image_url"'
+            raise _refuse(lambda p: f"{p}.type {_show(kind)} is not supported: send parts of type {allowed}",
+                          "unsupported", sub=sub)
         if not isinstance(part.get("text"), str):
             raise _wrong(part.get("text"), "a string", sub=sub + ".text")
-        texts.append(part["text"])
-    return "".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
 def _check_message(m: Any) -> dict:
@@ -531,7 +543,7 @@ def _check_message(m: Any) -> dict:
             raise _refuse(lambda p: f"{p} is missing: a {role} message needs content (a string)", "missing_field",
                           sub=".content")
     else:
-        msg["content"] = _content_text(content)
+        msg["content"] = _content_text(content, role)
     for key in ("name", "tool_call_id", "reasoning_content"):
         if key in msg and not isinstance(msg[key], str):
             raise _wrong(msg[key], "a string", sub=f".{key}")
@@ -558,7 +570,9 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[str] = Field(None, description="A string, or an array of text parts (joined).")
+    content: Union[str, tuple[dict, ...], None] = Field(
+        None, description="A string, or an array of text parts (joined); a user message's image_url parts with data: "
+                          "URLs are kept as parts for a model that takes images.")
     name: Optional[str] = None
     tool_calls: Optional[list[dict]] = None
     tool_call_id: Optional[str] = None
@@ -963,12 +977,14 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-def models_list(names: list[str], created: int, max_context: int) -> dict:
-    return {"object": "list", "data": [model_card(name, created, max_context) for name in names]}
+def models_list(names: list[str], created: int, max_context: int, vision: bool = False) -> dict:
+    return {"object": "list", "data": [model_card(name, created, max_context, vision) for name in names]}
 
 
-def model_card(model: str, created: int, max_context: int) -> dict:
-    return {"id": model, "object": "model", "created": created, "owned_by": "strata", "max_context": max_context}
+def model_card(model: str, created: int, max_context: int, vision: bool = False) -> dict:
+    """A model object; `modalities`: what its messages may hold (image parts: a model with a vision tower)."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "strata", "max_context": max_context,
+            "modalities": ["text", "image"] if vision else ["text"]}
 
 
 def sse(data: dict | str) -> bytes:

@@ -280,6 +280,12 @@ class FakeExecutor:
     def host_positions(self, slot: int) -> int:
         return 0
 
+    def prompt_rows(self, ids, images: tuple):
+        """A text model: no images."""
+        if images:
+            raise ValueError("this fake executor's model takes no images")
+        return None
+
     def load_kv(self, slot: int, saved: Saved) -> None:
         self._clean(slot, "loading a KV")
         kind, tokens = saved.data[:2]

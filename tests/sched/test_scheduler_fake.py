@@ -209,6 +209,18 @@ def test_lengths_and_what_cannot_fit(tokenizer):
     assert summary(out["one"]) == finished(expected_tokens(prompt, 1), "length", prompt, 1)
 
 
+def test_a_request_whose_images_the_executor_cannot_read_ends_with_a_400_and_the_next_is_served(tokenizer):
+    """Executor.prompt_rows refuses it at admission (here: a model without images): a Failed 400 naming why, its slot
+    never taken; the request behind it runs."""
+    fake = FakeExecutor(slots=1)
+    prompt = P("look")
+    out = serve(sched_over(fake, tokenizer), [req("img", prompt, 4, images=("an image",)), req("text", prompt, 4)])
+    assert summary(out["img"]) == ("", ("Failed", 400, "this fake executor's model takes no images"))
+    assert out["img"][1].code == "invalid_image"
+    assert summary(out["text"]) == finished(expected_tokens(prompt, 4), "length", prompt, 4)
+    assert [w.plan.part.slot for w in fake.windows if w.plan.part is not None] == [0]
+
+
 def _lookahead_case(tokenizer, lookahead, chains=True, **fake_kw):
     a, b = P("go on"), P("and on")
     ids_a = expected_tokens(a, 30)

@@ -71,7 +71,14 @@ CASES = [
      ["messages[1].content is missing"], "messages[1].content"),
     ("image_part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
-     ["messages[0].content[0].type", "image_url", "text only"], "messages[0].content[0]"),
+     ["messages[0].content[0].image_url.url", "takes no images", "no vision tower"],
+     "messages[0].content[0].image_url.url"),
+    ("audio_part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]), 400,
+     ["messages[0].content[0].type", "input_audio", "is not supported", '"image_url"'], "messages[0].content[0]"),
+    ("image_in_a_system_message", "POST", CHAT, chat(messages=[{"role": "system", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}, HI[0]]), 400,
+     ["messages[0].content[0].type", "in a user message"], "messages[0].content[0]"),
     ("n_above_the_slots", "POST", CHAT, chat(n=3), 400, ["n must be in [1, 2] (choices: one slot each), got 3"],
      "n"),
     ("n_zero", "POST", CHAT, chat(n=0), 400, ["n must be in [1, 2]", "got 0"], "n"),
