@@ -340,7 +340,7 @@ class ComposedOps:
         if is_rows(start):
             def one(q, k, v, g, kv, s, n, r):
                 o, kv = self.attention_block(q[None], k[None], v[None], None if gate is None else g[None], q_norm,
-                                             k_norm, eps, kv, s, n, rope, r[None])
+                                             k_norm, eps, kv, s, n, rope, None if rope_pos is None else r[None])
                 return o[0], kv
             # a two-tier bank: each row's own host row copied to the device (not the bank's other rows)
             host = {n: a for n, a in kv.items() if n.endswith(HOST)}

@@ -133,14 +133,17 @@ class Engine:
         positions."""
         cv = self.cv([control_scale])
         if rows is not None:
-            if not self.path.compiled_parts or self.split:
-                raise StrataError("images (and the text after them) need every expert resident and no layer split "
-                                  "yet: this engine reads its parts layer by layer or stage by stage")
-            f = self._compile("read_rows", _read, donate_argnums=(2,), static_argnames=("all_logits",))
+            if self.split:
+                raise StrataError("images are not supported on a layer split yet: load the model unsplit")
             images = None if rows.images is None else (rows.images.astype(self.dtype), rows.is_image)
             rope = rows.rope
             if self.backend.eager:           # a compiled backend places its arguments itself
                 images, rope = self.backend.to_device((images, rope))
+            if not self.path.compiled_parts:        # experts not all resident: layer by layer
+                experts = self.path.on_host(np.arange(len(tokens)) < n_valid, part=len(tokens) > 1, owner="sequence")
+                return self.by_layer.sequence(self.params, state, tokens, start, n_valid, all_logits, experts,
+                                              images=images, rope_pos=rope, **cv)
+            f = self._compile("read_rows", _read, donate_argnums=(2,), static_argnames=("all_logits",))
             logits, state, _ = f(self.params, self.path.args(), state, tokens, np.int32(start), np.int32(n_valid),
                                  all_logits=all_logits, images=images, rope_pos=rope, **cv)
             return logits, state

@@ -16,6 +16,7 @@ from strata.model.config import ModelConfig
 class ModelFacts:
     cfg: ModelConfig
     tokenizer: object | None
+    images: None = None          # a front end encodes no images (Engine.images: the replicas' own, not yet reached)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -33,9 +33,6 @@ from strata.plan import (DEFAULT, Capacity, Logprobs, PromptPart, PromptRows, Re
                          idle_plan)
 
 log = logging.getLogger("strata")
-# a window whose experts are resolved layer by layer (on the host) runs plain text at its cache positions only
-NO_ROWS_BY_LAYER = ("images (and the text after them) need every expert resident (compiled windows): this engine "
-                    "resolves its experts layer by layer")
 
 
 class WindowRunner:
@@ -165,6 +162,8 @@ class WindowRunner:
         enc = self.engine.images
         if images and enc is None:
             raise StrataError("this model takes no images: it has no vision tower, or the vision setting is off")
+        if images and self.engine.split:
+            raise StrataError("images are not supported on a layer split yet: serve the model unsplit")
         ids = np.asarray(ids)
         if enc is None or (not images and not (ids == enc.vc.image_token_id).any()):
             return None
@@ -565,9 +564,7 @@ class CompiledRows:
         if slots is not None:
             kw["slots"] = r._args.get("slots", slots)
         kw.update(r.cv(plan))
-        if plan.rope_offset is not None:
-            if self.before:
-                raise StrataError("images (and the text after them) are not supported on a layer split yet")
+        if plan.rope_offset is not None:        # (prompt_rows refuses images on a layer split)
             kw["rope_offset"] = r._args.get("rope_offset", np.asarray(plan.rope_offset, np.int32))
         st = self.last
         a, b = st.layers.start, st.layers.stop
@@ -663,16 +660,15 @@ class HostRows:
     def dispatch(self, plan: WindowPlan, after=None) -> tuple:
         r = self.runner
         e = r.engine
-        if plan.rope_offset is not None:
-            raise StrataError(NO_ROWS_BY_LAYER)
         pos, active = r.decode_rows(plan)
         scales = r.control_scales(plan)
+        rope = None if plan.rope_offset is None else (pos + np.asarray(plan.rope_offset, np.int32)).astype(np.int32)
 
         def through(st, x):
             a, b = st.layers.start, st.layers.stop
             experts = self.experts_of(st, active > 0, False, "decode") if st.experts is not None else None
             x, r.states[a:b], _ = st.by_layer.rows_hidden(st.params, r.states[a:b], plan.decode_tokens, pos, active,
-                                                           experts, x, cv=scales)
+                                                           experts, x, cv=scales, rope_pos=rope)
             return x
         last = e.stages[-1]
         x = self.widen(np.asarray(plan.decode_tokens, np.int32)) if self.widen is not None else None
@@ -715,15 +711,7 @@ class CompiledPart:
         i = p.slot
         tokens = _padded(p.tokens)
         start, n = np.int32(p.start), np.int32(len(p.tokens))
-        rows = {}
-        if p.rows is not None:           # a prompt with images, or text after them
-            if self.before:
-                raise StrataError("images (and the text after them) are not supported on a layer split yet")
-            part = p.rows.part(0, len(p.tokens), len(tokens))
-            rows = {"rope_pos": part.rope, "images": None if part.images is None
-                    else (part.images.astype(e.dtype), part.is_image)}
-            if e.backend.eager:          # a compiled backend places its arguments itself
-                rows = e.backend.to_device(rows)
+        rows = _part_rows(e, p, len(tokens))
 
         def through(st, x):
             a, b = st.layers.start, st.layers.stop
@@ -754,11 +742,10 @@ class HostPart:
         """-> (the part's result, its last layer's output x [T, H]), as CompiledPart.run."""
         r, p = self.runner, plan.part
         e = r.engine
-        if p.rows is not None:
-            raise StrataError(NO_ROWS_BY_LAYER)
         i, n = p.slot, len(p.tokens)
         padded = _padded(p.tokens)
         valid = np.arange(len(padded)) < n
+        rows = _part_rows(e, p, len(padded))
         residual = None
         scales = r.control_scales(plan)
         cv = None if scales is None else scales[i:i + 1]
@@ -769,7 +756,7 @@ class HostPart:
             experts = (self.experts_of(st, valid, len(padded) > 1, f"prompt part of slot {i}")
                        if st.experts is not None else None)
             x, r.states[a:b], residual = st.by_layer.slot_part_hidden(st.params, r.states[a:b], i, padded, p.start,
-                                                                       n, experts, x, cv=cv)
+                                                                       n, experts, x, cv=cv, **rows)
             return x
         last = e.stages[-1]
         x = e.hidden(e.stages, self.widen(padded) if self.widen is not None else None, through)
@@ -879,6 +866,17 @@ class Shaping:
 def _reference_ops(st) -> dict:
     """_compile's ops and path for a stage's reference ops (the backend's plain forms, same device)."""
     return {"ops": st.ops.reference, "path": replace(st.path, ops=st.ops.reference)}
+
+
+def _part_rows(e: Engine, p: PromptPart, size: int) -> dict:
+    """A part's images and rope_pos keywords (forward's), padded to `size` rows: none for plain text at its cache
+    positions."""
+    if p.rows is None:
+        return {}
+    part = p.rows.part(0, len(p.tokens), size)
+    rows = {"rope_pos": part.rope, "images": None if part.images is None
+            else (part.images.astype(e.dtype), part.is_image)}
+    return e.backend.to_device(rows) if e.backend.eager else rows      # a compiled backend places them itself
 
 
 def _padded(tokens) -> np.ndarray:

@@ -244,19 +244,22 @@ class LayerByLayer:
         self._finite = compiled("st_finite", lambda: c(partial(_finite_part, ops)))
         self._steer = compiled("st_steer", lambda: c(partial(steer, ops, cfg)))
 
-    def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool, experts, cv=None):
+    def sequence(self, params, state: list, tokens, start: int, n_valid: int, all_logits: bool, experts, cv=None,
+                 images=None, rope_pos=None):
         """One sequence's part (T tokens, the first n_valid real) -> (logits, new state). cv: the control vector's
-        scale for its rows ([1]; None without one)."""
-        x, state, _ = self.sequence_hidden(params, state, tokens, start, n_valid, experts, cv=cv)
+        scale for its rows ([1]; None without one); images, rope_pos: forward's (a prompt with images)."""
+        x, state, _ = self.sequence_hidden(params, state, tokens, start, n_valid, experts, cv=cv, images=images,
+                                           rope_pos=rope_pos)
         return self.head(params, x, n_valid, all_logits), state
 
-    def sequence_hidden(self, params, state: list, tokens, start: int, n_valid: int, experts, x=None, cv=None):
+    def sequence_hidden(self, params, state: list, tokens, start: int, n_valid: int, experts, x=None, cv=None,
+                        images=None, rope_pos=None):
         """sequence()'s last layer output instead of its logits -> (x, new state, finite); x: the hidden rows
         from the stage before (a layer split's later stage) in place of the tokens' embedding."""
         def front(lp, st, x, kind, ple):
-            return self._front(lp, st, x, np.int32(start), np.int32(n_valid), tokens, kind=kind, ple=ple)
+            return self._front(lp, st, x, np.int32(start), np.int32(n_valid), tokens, rope_pos, kind=kind, ple=ple)
         rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
-        return self._hidden(params, state, tokens, front, experts, np.int32(n_valid), rows, x, cv)
+        return self._hidden(params, state, tokens, front, experts, np.int32(n_valid), rows, x, cv, images)
 
     def slot_part(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts, cv=None):
         """A prompt part on one slot of a bank -> (logits [1, V] of its last real row, new bank, whether its real
@@ -265,14 +268,14 @@ class LayerByLayer:
         return self.head(params, x, n_valid), bank, finite
 
     def slot_part_hidden(self, params, bank: list, slot: int, tokens, start: int, n_valid: int, experts, x=None,
-                         cv=None):
+                         cv=None, images=None, rope_pos=None):
         """slot_part's last layer output x [T, H] (before the final norm) instead of its logits -> (x, new bank,
-        finite); x: as sequence_hidden's."""
+        finite); x: as sequence_hidden's; images, rope_pos: forward's."""
         def front(lp, st, x, kind, ple):
-            return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), tokens, kind=kind,
-                                    ple=ple)
+            return self._front_slot(lp, st, np.int32(slot), x, np.int32(start), np.int32(n_valid), tokens, rope_pos,
+                                    kind=kind, ple=ple)
         rows = (start + np.arange(len(tokens)), np.arange(len(tokens)) < n_valid)
-        return self._hidden(params, bank, tokens, front, experts, np.int32(n_valid), rows, x, cv)
+        return self._hidden(params, bank, tokens, front, experts, np.int32(n_valid), rows, x, cv, images)
 
     def head(self, params, x, n_valid: int, all_logits: bool = False):
         """The logits of a last layer output x: of row n_valid - 1 [1, V], or of every row."""
@@ -284,19 +287,19 @@ class LayerByLayer:
         x, bank, _ = self.rows_hidden(params, bank, tokens, pos, active, experts, cv=cv)
         return self.head(params, x, len(tokens), all_logits=True), bank
 
-    def rows_hidden(self, params, bank: list, tokens, pos, active, experts, x=None, cv=None):
+    def rows_hidden(self, params, bank: list, tokens, pos, active, experts, x=None, cv=None, rope_pos=None):
         """rows()'s last layer output instead of its logits -> (x [S, H], new bank, finite); x: as
-        sequence_hidden's."""
+        sequence_hidden's; rope_pos [S]: the rows' rotary positions (None: pos)."""
         def front(lp, st, x, kind, ple):
-            return self._front(lp, st, x, pos, active, tokens, kind=kind, ple=ple)
+            return self._front(lp, st, x, pos, active, tokens, rope_pos, kind=kind, ple=ple)
         rows = (np.asarray(pos), np.asarray(active) > 0)
         return self._hidden(params, bank, np.asarray(tokens), front, experts, np.int32(len(tokens)), rows, x, cv)
 
-    def _hidden(self, params, states, tokens, front, experts, n_valid, rows, x=None, cv=None):
+    def _hidden(self, params, states, tokens, front, experts, n_valid, rows, x=None, cv=None, images=None):
         """run_layers under the taps -> (x, states, whether x's first n_valid rows are finite)."""
         tap = self.taps.on(self.ops, *(self.ops.to_device(r) for r in rows)) if self.taps.debug_nan or \
             self.taps.nonfinite is not None else None
-        x = self._embed(params, tokens) if x is None else x
+        x = self._embed(params, tokens, images) if x is None else x
         scale = None if cv is None else self.ops.to_device(np.asarray(cv, np.float32))
         x, states = run_layers(self.cfg, params, states, x, front, experts, self._back, tap,
                                None if cv is None else (lambda x, d: self._steer(scale, x, d)))
@@ -308,13 +311,19 @@ def _finite_part(ops, x, n_valid):
     return finite_rows(ops.xp, x, ops.valid_mask(x.shape[0], n_valid))
 
 
-def _front(ops, cfg, lp, st, x, start, n_valid, tokens, kind, ple):
-    return layer_front(ops, cfg, kind, lp, st, x, start, n_valid, tokens=tokens, ple=ple)
+def _front(ops, cfg, lp, st, x, start, n_valid, tokens, rope_pos, kind, ple):
+    return layer_front(ops, cfg, kind, lp, st, x, start, n_valid, _mix_at(rope_pos), tokens=tokens, ple=ple)
 
 
-def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, tokens, kind, ple):
+def _mix_at(rope_pos):
+    """layer_front's mix for rows at rotary positions other than their cache positions (None: mix_rows)."""
+    return None if rope_pos is None else partial(mix_rows, rope_pos=rope_pos)
+
+
+def _front_slot(ops, cfg, lp, bank, slot, x, start, n_valid, tokens, rope_pos, kind, ple):
     st = slot_layer(ops, bank, slot)
-    x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid, tokens=tokens, ple=ple)
+    x, h, w, idx, shared, st = layer_front(ops, cfg, kind, lp, st, x, start, n_valid, _mix_at(rope_pos),
+                                           tokens=tokens, ple=ple)
     return x, h, w, idx, shared, put_slot_layer(ops, bank, slot, st)
 
 

@@ -106,7 +106,8 @@ def qsa_attention(ops, cfg: ModelConfig, lp: dict, kv: dict, ys: list, start, n_
         rows = own if slots is None else {n: ops.take_rows(a, slots) for n, a in own.items()}
 
         def one(q, k, v, g, qk, kv1, s, n, r):
-            o, kv1 = qsa_attention(ops, cfg, lp, kv1, [q[None], k[None], v[None], g[None], qk[None]], s, n, r[None])
+            o, kv1 = qsa_attention(ops, cfg, lp, kv1, [q[None], k[None], v[None], g[None], qk[None]], s, n,
+                                   None if rope_pos is None else r[None])
             return o[0], kv1
         o, rows = ops.vmap(one)(*ys, rows, start, n_valid, start if rope_pos is None else rope_pos)
         return o, rows if slots is None else {n: ops.put_rows(own[n], slots, rows[n]) for n in own}

@@ -639,8 +639,8 @@ async def _images(state: ServeState, messages: list[dict]) -> list:
         return []
     encoder = state.engine.images if state.engine is not None else None
     if encoder is None:
-        why = ("its checkpoint has no vision tower, or the vision setting is off" if state.engine is not None
-               else "images are not served through --replicas yet")
+        why = ("images are not served through --replicas yet" if state.refresh is not None   # (Ray's front end)
+               else "its checkpoint has no vision tower, or the vision setting is off")
         raise oa.bad(parts[0][0], f"{parts[0][0]}: this server takes no images: {why}; send text parts only",
                      code="images_unsupported")
     settings = state.image_settings

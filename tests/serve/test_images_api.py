@@ -136,3 +136,18 @@ def test_a_server_whose_tower_is_off_takes_no_images(serve):
         assert e.value.body["param"] == "messages[0].content[1].image_url.url"
         assert "takes no images" in e.value.body["message"]
         assert httpx.get(s.url + "/v1/models").json()["data"][0]["modalities"] == ["text"]
+
+
+@pytest.mark.parametrize("paths", [dict(expert_cache=24), dict(expert_cache=24, window_fetch=False)])
+def test_with_a_small_expert_cache_an_image_request_gives_the_resident_engines_reply(serve, flash, paths):
+    """Most experts off the device: decode windows that fetch their misses, or every window layer by layer (the
+    engine's own Sequence path too) give the all-resident engine's reply."""
+    engine = Engine.load("demo-flash", max_context=SHAPE["max_context"], prefill=SHAPE["prefill"],
+                         say=lambda line: None, **paths)
+    messages = [user("What is in this picture?", data_url(picture(8)))]
+    want, n = _engine_reply(flash, messages, 6)
+    assert _engine_reply(engine, messages, 6) == (want, n)
+    with serve(engine, **SHAPE) as s:
+        r = _client(s).chat.completions.create(model="demo-flash", messages=messages, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == n
