@@ -27,7 +27,7 @@ from strata.plan import PromptRows
 from strata.model.config import ModelConfig
 from strata.model.control import ControlVector, load_control_vector, with_control
 from strata.experts.path import ExpertPath
-from strata.engine.images import Image, text_rows
+from strata.engine.images import Image, prompt_rows, text_rows
 from strata.engine.stages import LayerSlice, Stage, split_points, stage_config, stage_params
 from strata.model.forward import LayerByLayer, Taps, forward, forward_hidden, head, init_state
 from strata.model.params import build_params, params_from_reader
@@ -500,13 +500,9 @@ class Sequence:
         """The rotary positions and image rows of a prompt read next, or None for text at its cache positions; sets
         rope_offset for what follows it."""
         e = self.engine
-        if images and e.images is None:
-            raise StrataError("this model takes no images: it has no vision tower, or the vision setting is off")
-        if e.images is None or (not images and self.rope_offset == 0
-                                and not (ids == e.images.vc.image_token_id).any()):
-            return None
-        rows = e.images.prompt_rows(ids, images, self.pos + self.rope_offset, e.cfg.hidden_size)
-        self.rope_offset = rows.following - (self.pos + len(ids))
+        rows = prompt_rows(e.images, ids, images, self.pos + self.rope_offset, self.pos, e.cfg.hidden_size)
+        if rows is not None:
+            self.rope_offset = rows.following - (self.pos + len(ids))
         return rows
 
     def decode(self, token: int, sp, seed_arr, step: int) -> int:

@@ -78,6 +78,20 @@ class ImageEncoder:
         return PromptRows(pos.T.astype(np.int32), rows, is_image, following)
 
 
+NO_IMAGES = "this model takes no images: it has no vision tower, or the vision setting is off"
+
+
+def prompt_rows(enc: ImageEncoder | None, ids, images, first: int, pos: int, hidden: int) -> PromptRows | None:
+    """The PromptRows of prompt tokens ids at cache position pos whose first token takes rotary position `first`,
+    its images encoded; None for plain text at its cache positions (no images, no image tokens, first == pos)."""
+    if images and enc is None:
+        raise StrataError(NO_IMAGES)
+    ids = np.asarray(ids)
+    if enc is None or (not images and first == pos and not (ids == enc.vc.image_token_id).any()):
+        return None
+    return enc.prompt_rows(ids, list(images), first, hidden)
+
+
 def text_rows(n: int, first: int) -> PromptRows:
     """A prompt part of plain text whose first token sits at rotary position `first`."""
     return PromptRows(np.repeat(np.arange(first, first + n, dtype=np.int32)[:, None], 3, axis=1), None,

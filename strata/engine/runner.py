@@ -21,6 +21,7 @@ import numpy as np
 from strata.backend import HOST, TIER_BASE, TIER_ROW
 from strata.config import PART_BUCKETS, bucket_for
 from strata.engine.core import SAMPLING, DeviceArgs, Engine, all_greedy
+from strata.engine.images import prompt_rows
 from strata.engine.kv_tiers import KvTiers, put_slot_state, slot_state
 from strata.engine.sampling import dense_bias, mask_words, sample_shaped
 from strata.engine.slot_copies import SlotCopies, put_slot, take_slot
@@ -159,15 +160,10 @@ class WindowRunner:
     def prompt_rows(self, ids, images: tuple) -> PromptRows | None:
         """A prompt's rotary positions and image rows (its images encoded by the engine's ImageEncoder); None for
         plain text at its cache positions."""
-        enc = self.engine.images
-        if images and enc is None:
-            raise StrataError("this model takes no images: it has no vision tower, or the vision setting is off")
-        if images and self.engine.split:
+        e = self.engine
+        if images and e.split and e.images is not None:
             raise StrataError("images are not supported on a layer split yet: serve the model unsplit")
-        ids = np.asarray(ids)
-        if enc is None or (not images and not (ids == enc.vc.image_token_id).any()):
-            return None
-        return enc.prompt_rows(ids, list(images), 0, self.engine.cfg.hidden_size)
+        return prompt_rows(e.images, ids, images, 0, 0, e.cfg.hidden_size)
 
     def buckets(self) -> list[int]:
         return [b for b in PART_BUCKETS if b <= bucket_for(self.part_size)]

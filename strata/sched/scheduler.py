@@ -748,7 +748,7 @@ class Scheduler:
     def _fed(s: Slot) -> list:
         """The tokens of the slot's sequence as the prompt cache matches them: its prompt (Request.cache_ids) and the
         tokens generated (the last one not fed yet)."""
-        return list(s.req.cache_ids or s.req.prompt_ids) + s.sent
+        return list(s.keyed)
 
     # --- the numerics guard
     def _nonfinite(self, s: Slot, first: int, last: int, verify: bool = False) -> None:

@@ -37,8 +37,8 @@ class ImageSettings:
     patch_size: int = 16
     temporal_patch_size: int = 2
     merge_size: int = 2
-    min_pixels: int = 65536                   # size.shortest_edge: 256 * 256
-    max_pixels: int = 16777216                # size.longest_edge: 4096 * 4096
+    min_pixels: int = 65536                   # size.shortest_edge (256 x 256)
+    max_pixels: int = 16777216                # size.longest_edge (4096 x 4096)
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
